@@ -1,0 +1,49 @@
+# Two commands matter: `make serve` and `make test`. Both create .venv and install what they need.
+PYTHON ?= python3
+VENV   := .venv
+BIN    := $(VENV)/bin
+# torch is pinned and installed first, alone: an unpinned torch pulls gigabytes of CUDA wheels.
+TORCH  := torch==2.13.0
+PROTO_OUT := server/kembed/v1/embedder_pb2.py
+
+.PHONY: serve test lint typecheck unit proto bench clean env-table
+
+$(BIN)/python:
+	$(PYTHON) -m venv $(VENV)
+	$(BIN)/pip install -q --upgrade pip
+
+$(VENV)/.serve: pyproject.toml | $(BIN)/python
+	$(BIN)/pip install -q "$(TORCH)"
+	$(BIN)/pip install -q -e ".[server,proto]"
+	touch $@
+
+$(VENV)/.test: pyproject.toml $(VENV)/.serve
+	$(BIN)/pip install -q -e ".[server,proto,operator,bench,test]"
+	touch $@
+
+$(PROTO_OUT): protos/kembed/v1/embedder.proto | $(VENV)/.serve
+	$(BIN)/python -m grpc_tools.protoc -Iprotos --python_out=server --pyi_out=server \
+	    --grpc_python_out=server protos/kembed/v1/embedder.proto
+
+proto: $(PROTO_OUT)
+
+serve: $(VENV)/.serve $(PROTO_OUT)
+	$(BIN)/python -m kembed
+
+lint: $(VENV)/.test
+	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
+
+typecheck: $(VENV)/.test $(PROTO_OUT)
+	$(BIN)/mypy
+
+unit: $(VENV)/.test $(PROTO_OUT)
+	$(BIN)/python -m pytest $(PYTEST_ARGS)
+
+test: lint typecheck unit
+
+env-table: $(VENV)/.serve
+	$(BIN)/python -m kembed --env-table
+
+clean:
+	rm -rf $(VENV) $(PROTO_OUT) server/kembed/v1/*_pb2*

@@ -1,0 +1,187 @@
+"""Server settings, read from ``KEMBED_*`` environment variables and validated at start-up.
+
+Every field ``x`` is set by ``KEMBED_X`` (see :func:`kembed.contract.env_name`). A bad value
+stops start-up with :class:`ConfigError`, whose message names the variable. The README's
+configuration table is generated from the field descriptions (``python -m kembed --env-table``).
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from enum import StrEnum
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+
+from kembed.contract import ENV_PREFIX, GRPC_PORT, HTTP_PORT, env_name
+
+
+class ConfigError(ValueError):
+    """A setting is invalid; the message names the ``KEMBED_*`` variable."""
+
+
+class Batching(StrEnum):
+    TOKEN_BUCKET = "token_bucket"  # per-item length buckets, fixed batch shapes
+    NAIVE = "naive"  # whatever is queued, padded to the longest: the ablation baseline
+
+
+class Admission(StrEnum):
+    THROUGHPUT = "throughput"
+    LATENCY = "latency"
+
+
+class Toggle(StrEnum):
+    AUTO = "auto"
+    ON = "on"
+    OFF = "off"
+
+
+class Warmup(StrEnum):
+    AUTO = "auto"  # grid when compiling (graphs must be captured), else largest
+    GRID = "grid"  # every (bucket, batch size) shape
+    LARGEST = "largest"  # the largest batch of every bucket: enough to seed the service rate
+
+
+def _csv(value: Any) -> Any:
+    if isinstance(value, str):
+        return [part.strip() for part in value.split(",") if part.strip()]
+    return value
+
+
+class Settings(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True, use_enum_values=False)
+
+    # --- model ---
+    model: str = Field("", description="Model folder, or a Hugging Face hub id; empty = the bundled all-MiniLM-L6-v2")
+    model_revision: str = Field("", description="Hub revision (branch, tag or commit) when `model` is a hub id")
+    model_cache_dir: str = Field("", description="Hub cache folder (HF_HUB_CACHE semantics); empty = the hub default")
+    trust_remote_code: bool = Field(False, description="Allow model code from the model folder (off: never run it)")
+    pooling: str = Field("auto", description="auto (from the sentence-transformers config), mean, cls or last")
+    control_tokens: list[str] = Field(
+        default_factory=list, description="Comma-separated tokens left out of pooling, e.g. `[query],[title]`"
+    )
+    max_input_tokens: int = Field(0, ge=0, description="Longest input in tokens; 0 = the model's limit")
+    dtype: str = Field("auto", description="auto (bf16 on CUDA, fp32 on CPU), float32, float16 or bfloat16")
+    device: str = Field("auto", description="auto, cpu, cuda or cuda:N")
+    compile: Toggle = Field(Toggle.AUTO, description="torch.compile with CUDA graphs: auto = on for CUDA")
+    warmup: Warmup = Field(Warmup.AUTO, description="auto, grid or largest (see the README)")
+
+    # --- batching ---
+    batching: Batching = Field(Batching.TOKEN_BUCKET, description="token_bucket, or naive (the ablation baseline)")
+    buckets: list[int] = Field(
+        default_factory=lambda: [16, 32, 64, 128, 256, 512],
+        description="Bucket lengths in tokens, ascending; clipped to the model's max input tokens",
+    )
+    max_batch_size: int = Field(64, ge=1, le=4096, description="Most rows in one batch (batch shapes are powers of two up to it)")
+    max_tokens_per_batch: int = Field(8192, ge=16, description="Most padded tokens (rows x bucket length) in one batch")
+    max_wait_ms: float = Field(20.0, ge=0, description="A bucket whose oldest item waited this long is stale and drains first")
+
+    # --- admission ---
+    admission: list[Admission] = Field(
+        default_factory=lambda: [Admission.THROUGHPUT, Admission.LATENCY],
+        description="Strategies, comma-separated (throughput, latency), or empty for none",
+    )
+    max_drain_ms: float = Field(2000.0, gt=0, description="Throughput: reject when the backlog would take longer than this")
+    p95_soft_ms: float = Field(1500.0, gt=0, description="Latency: above this P95, shed a growing fraction of requests")
+    p95_hard_ms: float = Field(3000.0, gt=0, description="Latency: above this P95, reject every request")
+    latency_window_s: float = Field(10.0, gt=0, description="Sliding window for the P95")
+    max_queued_tokens: int = Field(262144, ge=1, description="Hard cap on queued padded tokens, whatever else says")
+
+    # --- request limits ---
+    max_items_per_request: int = Field(1024, ge=1, description="Most texts or sequences in one request")
+    max_text_chars: int = Field(100_000, ge=1, description="Longest text in characters (bounds tokenization work)")
+    max_message_bytes: int = Field(16 * 1024 * 1024, ge=1024, description="gRPC max receive/send message size")
+    default_timeout_ms: float = Field(30_000.0, gt=0, description="Deadline for requests that set none")
+
+    # --- serving ---
+    grpc_host: str = Field("127.0.0.1", description="gRPC bind address (containers set 0.0.0.0)")
+    grpc_port: int = Field(GRPC_PORT, ge=0, le=65535, description="gRPC port (0 = any free port)")
+    http_host: str = Field("127.0.0.1", description="Health and metrics bind address (containers set 0.0.0.0)")
+    http_port: int = Field(HTTP_PORT, ge=0, le=65535, description="Health and metrics port (0 = any free port)")
+    max_connection_age_ms: int = Field(300_000, ge=1000, description="Clients reconnect after this, so new replicas get traffic")
+    drain_timeout_s: float = Field(25.0, ge=0, description="On SIGTERM, how long accepted work may take to finish")
+    log_level: str = Field("INFO", description="Python log level")
+
+    @field_validator("control_tokens", "buckets", "admission", mode="before")
+    @classmethod
+    def _split_csv(cls, value: Any) -> Any:
+        return _csv(value)
+
+    @field_validator("buckets")
+    @classmethod
+    def _buckets_ascending(cls, value: list[int]) -> list[int]:
+        if not value:
+            raise ValueError("needs at least one bucket length")
+        if any(b < 1 for b in value) or value != sorted(set(value)):
+            raise ValueError("bucket lengths must be positive, unique and ascending")
+        return value
+
+    @field_validator("pooling")
+    @classmethod
+    def _pooling_known(cls, value: str) -> str:
+        if value not in ("auto", "mean", "cls", "last"):
+            raise ValueError("must be auto, mean, cls or last")
+        return value
+
+    @field_validator("dtype")
+    @classmethod
+    def _dtype_known(cls, value: str) -> str:
+        if value not in ("auto", "float32", "float16", "bfloat16"):
+            raise ValueError("must be auto, float32, float16 or bfloat16")
+        return value
+
+    @field_validator("device")
+    @classmethod
+    def _device_known(cls, value: str) -> str:
+        if value not in ("auto", "cpu", "cuda") and not value.startswith("cuda:"):
+            raise ValueError("must be auto, cpu, cuda or cuda:N")
+        return value
+
+    @model_validator(mode="after")
+    def _consistent(self) -> Settings:
+        if self.p95_soft_ms > self.p95_hard_ms:
+            raise ValueError(f"{env_name('p95_soft_ms')} must not exceed {env_name('p95_hard_ms')}")
+        if self.max_tokens_per_batch < self.buckets[0]:
+            raise ValueError(f"{env_name('max_tokens_per_batch')} must hold one row of the smallest bucket")
+        return self
+
+    @classmethod
+    def from_env(cls, environ: Mapping[str, str] | None = None, **overrides: Any) -> Settings:
+        """Read ``KEMBED_*`` variables; unknown ``KEMBED_*`` names are an error (likely a typo)."""
+        environ = os.environ if environ is None else environ
+        fields = cls.model_fields
+        values: dict[str, Any] = {}
+        for key, raw in environ.items():
+            if not key.startswith(ENV_PREFIX):
+                continue
+            name = key[len(ENV_PREFIX) :].lower()
+            if name not in fields:
+                raise ConfigError(f"{key}: unknown setting")
+            values[name] = raw
+        values.update(overrides)
+        try:
+            return cls(**values)
+        except ValidationError as err:
+            raise ConfigError(_describe(err)) from None
+
+
+def _describe(err: ValidationError) -> str:
+    problems = []
+    for error in err.errors():
+        loc = error["loc"]
+        where = env_name(str(loc[0])) if loc else "settings"
+        problems.append(f"{where}: {error['msg']}")
+    return "; ".join(problems)
+
+
+def env_table() -> str:
+    """The README's configuration table, from the field descriptions."""
+    rows = ["| Variable | Default | Meaning |", "| --- | --- | --- |"]
+    for name, field in Settings.model_fields.items():
+        default = field.get_default(call_default_factory=True)
+        if isinstance(default, list):
+            default = ",".join(str(getattr(v, "value", v)) for v in default)
+        default = getattr(default, "value", default)
+        rows.append(f"| `{env_name(name)}` | `{default}` | {field.description} |")
+    return "\n".join(rows)

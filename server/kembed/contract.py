@@ -1,0 +1,46 @@
+"""The contract between the kembed server and everything around it.
+
+Ports, probe paths, ``KEMBED_*`` variable names and metric names live here and nowhere else:
+the server, the operator (which renders Deployments and HPAs against them), the Helm chart
+tests and the benchmarks all read them from this module. It imports nothing heavy, so the
+operator image can use it without torch.
+"""
+
+from typing import Final
+
+GRPC_PORT: Final = 50051
+HTTP_PORT: Final = 8001
+
+LIVEZ_PATH: Final = "/livez"
+READYZ_PATH: Final = "/readyz"
+HEALTH_PATH: Final = "/health"
+METRICS_PATH: Final = "/metrics"
+
+ENV_PREFIX: Final = "KEMBED_"
+
+GRPC_SERVICE: Final = "kembed.v1.Embedder"
+# gRPC trailing metadata key telling a rejected client when to retry (gRFC A6).
+RETRY_PUSHBACK_KEY: Final = "grpc-retry-pushback-ms"
+
+
+def env_name(setting: str) -> str:
+    """The environment variable for a server setting: ``max_drain_ms`` -> ``KEMBED_MAX_DRAIN_MS``."""
+    return ENV_PREFIX + setting.upper()
+
+
+class Metric:
+    """Prometheus metric names. The operator's autoscaling queries depend on them: keep them."""
+
+    QUEUE_DRAIN_SECONDS: Final = "kembed_queue_drain_seconds"
+    LATENCY_P95_SECONDS: Final = "kembed_request_latency_p95_seconds"
+    REQUEST_DURATION_SECONDS: Final = "kembed_request_duration_seconds"
+    QUEUED_TOKENS: Final = "kembed_queued_tokens"
+    SERVICE_RATE: Final = "kembed_service_rate_tokens_per_second"
+    REQUESTS: Final = "kembed_requests"  # exposed as kembed_requests_total{code}
+    REJECTED: Final = "kembed_rejected"  # exposed as kembed_rejected_total{reason}
+    BATCH_SIZE: Final = "kembed_batch_size"
+    BATCH_TOKENS: Final = "kembed_batch_tokens"
+    TOKENS: Final = "kembed_tokens"  # exposed as kembed_tokens_total{kind="real"|"padding"}
+    INFERENCE_SECONDS: Final = "kembed_inference_seconds"
+    WORKER_QUEUE_DEPTH: Final = "kembed_worker_queue_depth"
+    READY: Final = "kembed_ready"

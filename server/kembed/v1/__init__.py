@@ -1,0 +1,1 @@
+"""Generated gRPC code for kembed.v1 (``make proto``; generated, not committed)."""
