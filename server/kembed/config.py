@@ -73,16 +73,22 @@ class Settings(BaseModel):
         default_factory=lambda: [16, 32, 64, 128, 256, 512],
         description="Bucket lengths in tokens, ascending; clipped to the model's max input tokens",
     )
-    max_batch_size: int = Field(64, ge=1, le=4096, description="Most rows in one batch (batch shapes are powers of two up to it)")
+    max_batch_size: int = Field(
+        64, ge=1, le=4096, description="Most rows in one batch (batch shapes are powers of two up to it)"
+    )
     max_tokens_per_batch: int = Field(8192, ge=16, description="Most padded tokens (rows x bucket length) in one batch")
-    max_wait_ms: float = Field(20.0, ge=0, description="A bucket whose oldest item waited this long is stale and drains first")
+    max_wait_ms: float = Field(
+        20.0, ge=0, description="A bucket whose oldest item waited this long is stale and drains first"
+    )
 
     # --- admission ---
     admission: list[Admission] = Field(
         default_factory=lambda: [Admission.THROUGHPUT, Admission.LATENCY],
         description="Strategies, comma-separated (throughput, latency), or empty for none",
     )
-    max_drain_ms: float = Field(2000.0, gt=0, description="Throughput: reject when the backlog would take longer than this")
+    max_drain_ms: float = Field(
+        2000.0, gt=0, description="Throughput: reject when the backlog would take longer than this"
+    )
     p95_soft_ms: float = Field(1500.0, gt=0, description="Latency: above this P95, shed a growing fraction of requests")
     p95_hard_ms: float = Field(3000.0, gt=0, description="Latency: above this P95, reject every request")
     latency_window_s: float = Field(10.0, gt=0, description="Sliding window for the P95")
@@ -99,9 +105,11 @@ class Settings(BaseModel):
     grpc_port: int = Field(GRPC_PORT, ge=0, le=65535, description="gRPC port (0 = any free port)")
     http_host: str = Field("127.0.0.1", description="Health and metrics bind address (containers set 0.0.0.0)")
     http_port: int = Field(HTTP_PORT, ge=0, le=65535, description="Health and metrics port (0 = any free port)")
-    max_connection_age_ms: int = Field(300_000, ge=1000, description="Clients reconnect after this, so new replicas get traffic")
+    max_connection_age_ms: int = Field(
+        300_000, ge=1000, description="Clients reconnect after this, so new replicas get traffic"
+    )
     drain_timeout_s: float = Field(25.0, ge=0, description="On SIGTERM, how long accepted work may take to finish")
-    log_level: str = Field("INFO", description="Python log level")
+    log_level: str = Field("INFO", description="Python log level (DEBUG, INFO, WARNING, ERROR)")
 
     @field_validator("control_tokens", "buckets", "admission", mode="before")
     @classmethod
@@ -116,6 +124,13 @@ class Settings(BaseModel):
         if any(b < 1 for b in value) or value != sorted(set(value)):
             raise ValueError("bucket lengths must be positive, unique and ascending")
         return value
+
+    @field_validator("log_level")
+    @classmethod
+    def _log_level_known(cls, value: str) -> str:
+        if value.upper() not in ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"):
+            raise ValueError("must be DEBUG, INFO, WARNING, ERROR or CRITICAL")
+        return value.upper()
 
     @field_validator("pooling")
     @classmethod

@@ -1,0 +1,189 @@
+"""Admission control: reject early and cheaply instead of queueing into timeouts or OOM.
+
+Two strategies, each optional, combined so that either one may reject:
+
+- throughput: the backlog (queued + in-flight + this request, in padded tokens) divided by the
+  measured service rate must drain within ``max_drain_ms``. The rate is an exponentially
+  weighted ratio of tokens to worker compute seconds, recorded when batches *complete*; before
+  the first batch it is seeded from warmup timings.
+- latency: the P95 of server-side latency over a sliding window, counting successes, timeouts
+  (at their elapsed time) and rejections (at the wait they were spared, the drain estimate, so
+  the P95 recovers as the backlog drains instead of locking shedding on). Above the soft limit a
+  growing fraction is shed; above the hard limit everything is; shedding stops only when the
+  P95 falls below ``RECOVER_FRACTION`` of the soft limit, so it does not flap.
+
+A hard cap on queued tokens bounds memory whatever the other settings are. Pure: the clock and
+the random source are injected, so tests drive it with a fake clock.
+"""
+
+from __future__ import annotations
+
+import math
+import random
+import threading
+import time
+from collections import deque
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import numpy as np
+
+from kembed.config import Admission, Settings
+
+RATE_DECAY = 0.9  # weight of the past per completed batch in the service-rate estimate
+RECOVER_FRACTION = 0.8  # shedding stops below this share of the soft P95 limit
+MIN_LATENCY_SAMPLES = 5  # a P95 of fewer samples is noise
+MAX_LATENCY_SAMPLES = 8192  # bounds the window's memory at high request rates
+P95_CACHE_S = 0.05  # recompute the percentile at most this often
+MAX_PUSHBACK_MS = 10_000
+
+
+@dataclass(frozen=True)
+class Rejection:
+    reason: str  # "drain_time", "latency_shed", "latency_hard" or "queue_full": the metric label
+    retry_after_ms: int
+    message: str
+
+
+class ServiceRate:
+    """Padded tokens per second of worker compute, weighted towards recent batches."""
+
+    def __init__(self) -> None:
+        self._tokens = 0.0
+        self._seconds = 0.0
+
+    def seed(self, tokens: float, seconds: float) -> None:
+        """Warmup's measurement: stands in until real batches complete."""
+        self._tokens, self._seconds = tokens, seconds
+
+    def record(self, tokens: int, seconds: float) -> None:
+        self._tokens = self._tokens * RATE_DECAY + tokens
+        self._seconds = self._seconds * RATE_DECAY + seconds
+
+    @property
+    def tokens_per_second(self) -> float:
+        return self._tokens / self._seconds if self._seconds > 0 else 0.0
+
+
+class LatencyWindow:
+    """Server-side latencies of the last ``window_s`` seconds, and their 95th percentile.
+
+    Locked: the event loop adds samples while the metrics thread reads the percentile.
+    """
+
+    def __init__(self, window_s: float, clock: Callable[[], float]) -> None:
+        self._lock = threading.Lock()
+        self._window = window_s
+        self._clock = clock
+        self._samples: deque[tuple[float, float]] = deque(maxlen=MAX_LATENCY_SAMPLES)
+        self._p95: float | None = None
+        self._computed_at = -math.inf
+
+    def add(self, seconds: float) -> None:
+        with self._lock:
+            self._samples.append((self._clock(), seconds))
+            self._computed_at = -math.inf
+
+    def p95(self) -> float | None:
+        """None until there are enough recent samples to say anything."""
+        with self._lock:
+            return self._p95_locked()
+
+    def _p95_locked(self) -> float | None:
+        now = self._clock()
+        if now - self._computed_at < P95_CACHE_S:
+            return self._p95
+        while self._samples and self._samples[0][0] < now - self._window:
+            self._samples.popleft()
+        if len(self._samples) < MIN_LATENCY_SAMPLES:
+            self._p95 = None
+        else:
+            self._p95 = float(np.percentile([s for _, s in self._samples], 95))
+        self._computed_at = now
+        return self._p95
+
+
+class AdmissionController:
+    def __init__(
+        self,
+        settings: Settings,
+        clock: Callable[[], float] = time.monotonic,
+        rng: random.Random | None = None,
+    ) -> None:
+        self._strategies = set(settings.admission)
+        self._max_drain = settings.max_drain_ms / 1000
+        self._soft = settings.p95_soft_ms / 1000
+        self._hard = settings.p95_hard_ms / 1000
+        self._max_queued = settings.max_queued_tokens
+        self._rng = rng or random.Random()
+        self.rate = ServiceRate()
+        self.latency = LatencyWindow(settings.latency_window_s, clock)
+        self.shedding = False
+
+    def drain_seconds(self, backlog_tokens: int) -> float:
+        """How long the backlog takes at the measured rate (0 when no rate is known yet)."""
+        rate = self.rate.tokens_per_second
+        return backlog_tokens / rate if rate > 0 else 0.0
+
+    def p95_seconds(self) -> float:
+        return self.latency.p95() or 0.0
+
+    def shed_fraction(self) -> float:
+        """Which share of requests the latency strategy rejects now (updates the hysteresis)."""
+        if Admission.LATENCY not in self._strategies:
+            return 0.0
+        p95 = self.latency.p95()
+        if p95 is None:
+            self.shedding = False
+            return 0.0
+        if p95 > self._soft:
+            self.shedding = True
+        elif p95 < self._soft * RECOVER_FRACTION:
+            self.shedding = False
+        if not self.shedding:
+            return 0.0
+        if p95 >= self._hard or self._hard <= self._soft:
+            return 1.0
+        return max(0.0, (p95 - self._soft) / (self._hard - self._soft))
+
+    def admit(self, request_tokens: int, backlog_tokens: int) -> Rejection | None:
+        """None to admit; otherwise why not and when to retry. Rejections enter the P95 window."""
+        rejection = self._decide(request_tokens, backlog_tokens)
+        if rejection is not None:
+            self.latency.add(self.drain_seconds(backlog_tokens))
+        return rejection
+
+    def _decide(self, request_tokens: int, backlog_tokens: int) -> Rejection | None:
+        after = backlog_tokens + request_tokens
+        if after > self._max_queued:
+            return Rejection(
+                "queue_full",
+                self._pushback(after - self._max_queued),
+                f"server queue is full ({backlog_tokens} of {self._max_queued} padded tokens queued)",
+            )
+        if Admission.THROUGHPUT in self._strategies:
+            drain = self.drain_seconds(after)
+            if drain > self._max_drain:
+                excess = after - self.rate.tokens_per_second * self._max_drain
+                return Rejection(
+                    "drain_time",
+                    self._pushback(excess),
+                    f"server is overloaded: estimated drain time {drain * 1000:.0f} ms exceeds "
+                    f"{self._max_drain * 1000:.0f} ms",
+                )
+        fraction = self.shed_fraction()
+        if fraction > 0 and self._rng.random() < fraction:
+            reason = "latency_hard" if fraction >= 1.0 else "latency_shed"
+            p95 = self.p95_seconds()
+            return Rejection(
+                reason,
+                self._pushback(backlog_tokens, floor_s=min(p95, MAX_PUSHBACK_MS / 1000)),
+                f"server is shedding load: p95 latency {p95 * 1000:.0f} ms is over the "
+                f"{self._soft * 1000:.0f} ms limit",
+            )
+        return None
+
+    def _pushback(self, tokens: float, floor_s: float = 0.0) -> int:
+        """Milliseconds until the given tokens would have drained, within sane bounds."""
+        seconds = max(self.drain_seconds(int(tokens)), floor_s)
+        return int(min(max(seconds * 1000, 10), MAX_PUSHBACK_MS))

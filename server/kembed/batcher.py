@@ -1,0 +1,169 @@
+"""The batching policy and the small event-driven loop that applies it.
+
+Policy (``choose_batch``, pure): a stale bucket first (its oldest item waited ``max_wait``; the
+oldest wins so no bucket starves), then a full bucket, then, only when the worker has nothing to
+do, the bucket with the most queued tokens. Batches take their rows from a fixed set of shapes,
+so compiled CUDA graphs are captured once and replayed.
+
+The naive policy (the ablation baseline, ``KEMBED_BATCHING=naive``) has one queue: whatever is
+waiting goes as soon as the worker is free, padded to the longest item in the batch.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+from kembed.buckets import BucketQueue, Routed
+from kembed.work import Batch, Job
+
+IN_FLIGHT_LIMIT = 2  # batches handed to the worker and not yet finished: one running, one ready
+
+
+@dataclass(frozen=True)
+class BatchShapes:
+    """The fixed batch row counts: powers of two up to ``max_batch_size``, capped by tokens."""
+
+    sizes: tuple[int, ...]
+    max_tokens: int
+    pad_rows: bool  # pad rows up to a fixed size (needed for CUDA graphs; wasted work in eager mode)
+
+    @classmethod
+    def build(cls, max_batch_size: int, max_tokens: int, pad_rows: bool) -> BatchShapes:
+        sizes = [1 << i for i in range(max_batch_size.bit_length()) if 1 << i <= max_batch_size]
+        if sizes[-1] != max_batch_size:
+            sizes.append(max_batch_size)
+        return cls(tuple(sizes), max_tokens, pad_rows)
+
+    def max_rows(self, seq_len: int) -> int:
+        """The most rows a batch of this length may have (always at least one)."""
+        fitting = [size for size in self.sizes if size * seq_len <= self.max_tokens]
+        return fitting[-1] if fitting else self.sizes[0]
+
+    def rows_for(self, n: int, seq_len: int) -> int:
+        """The batch rows for ``n`` items: the smallest fixed size that holds them, if padding rows."""
+        if not self.pad_rows:
+            return n
+        return next(size for size in self.sizes if size >= n)
+
+    def grid(self, seq_lens: Sequence[int]) -> list[tuple[int, int]]:
+        """Every (seq_len, rows) shape a batch can take: what warmup compiles."""
+        return [(seq_len, rows) for seq_len in seq_lens for rows in self.sizes if rows <= self.max_rows(seq_len)]
+
+
+@dataclass(frozen=True)
+class Pick:
+    bucket: int
+    rows: int  # items to take from the bucket
+    reason: str  # "stale", "full" or "idle"
+
+
+def choose_batch(
+    queue: BucketQueue, shapes: BatchShapes, now: float, max_wait: float, worker_idle: bool, naive: bool
+) -> Pick | None:
+    """Which bucket drains next, and how many items; None means wait."""
+    waiting = [b for b in range(len(queue.lengths)) if queue.rows(b)]
+    if not waiting:
+        return None
+
+    def pick(bucket: int, reason: str) -> Pick:
+        return Pick(bucket, min(queue.rows(bucket), shapes.max_rows(queue.lengths[bucket])), reason)
+
+    def age(bucket: int) -> float:
+        oldest = queue.oldest(bucket)
+        return now - oldest if oldest is not None else 0.0
+
+    if not naive:
+        stale = [b for b in waiting if age(b) >= max_wait]
+        if stale:
+            return pick(max(stale, key=age), "stale")
+    full = [b for b in waiting if queue.rows(b) >= shapes.max_rows(queue.lengths[b])]
+    if full:
+        return pick(max(full, key=age), "full")
+    if worker_idle:
+        return pick(max(waiting, key=lambda b: (queue.rows(b) * queue.lengths[b], age(b))), "idle")
+    return None
+
+
+def next_stale_time(queue: BucketQueue, max_wait: float) -> float | None:
+    """When the next bucket turns stale: the batcher's only timed wake-up."""
+    oldest = [t for b in range(len(queue.lengths)) if (t := queue.oldest(b)) is not None]
+    return min(oldest) + max_wait if oldest else None
+
+
+class Batcher:
+    """Owns the bucket queue; wakes on new work, a finished batch, or the next stale deadline."""
+
+    def __init__(
+        self,
+        queue: BucketQueue,
+        shapes: BatchShapes,
+        dispatch: Callable[[Batch], None],
+        *,
+        max_wait: float,
+        naive: bool,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self.queue = queue
+        self.shapes = shapes
+        self._dispatch = dispatch
+        self._max_wait = max_wait
+        self._naive = naive
+        self._clock = clock
+        self._wake = asyncio.Event()
+        self.in_flight = 0
+        self.in_flight_tokens = 0
+
+    @property
+    def backlog_tokens(self) -> int:
+        """Padded tokens queued or being computed: what admission control weighs."""
+        return self.queue.queued_tokens + self.in_flight_tokens
+
+    def submit(self, job: Job, routed: list[Routed]) -> None:
+        self.queue.add(job, routed, self._clock())
+        self._wake.set()
+
+    def forget(self, job: Job) -> None:
+        """The job was closed early (deadline, cancellation): its queued items are dropped."""
+        self.queue.forget(job)
+
+    def batch_done(self, batch: Batch) -> None:
+        self.in_flight -= 1
+        self.in_flight_tokens -= batch.padded_tokens
+        self._wake.set()
+
+    async def run(self) -> None:
+        while True:
+            self._wake.clear()
+            self._dispatch_ready()
+            timeout = self._timeout()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._wake.wait(), timeout)
+
+    def _timeout(self) -> float | None:
+        """Seconds until a bucket turns stale; None (wait for an event) when nothing could go anyway."""
+        if self._naive or self.in_flight >= IN_FLIGHT_LIMIT:
+            return None
+        wake_at = next_stale_time(self.queue, self._max_wait)
+        return None if wake_at is None else max(0.0, wake_at - self._clock())
+
+    def _dispatch_ready(self) -> None:
+        while self.in_flight < IN_FLIGHT_LIMIT:
+            now = self._clock()
+            pick = choose_batch(self.queue, self.shapes, now, self._max_wait, self.in_flight == 0, self._naive)
+            if pick is None:
+                return
+            chunks = self.queue.take(pick.bucket, pick.rows)
+            if not chunks:
+                continue  # only abandoned items were there
+            real_rows = sum(chunk.size for chunk in chunks)
+            seq_len = self.queue.lengths[pick.bucket]
+            if self._naive:
+                seq_len = max(int(chunk.lengths.max()) for chunk in chunks)
+            batch = Batch(chunks, seq_len, self.shapes.rows_for(real_rows, seq_len))
+            self.in_flight += 1
+            self.in_flight_tokens += batch.padded_tokens
+            self._dispatch(batch)

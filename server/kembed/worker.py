@@ -1,0 +1,245 @@
+"""The model's own thread: it loads the model, warms up every batch shape, then computes batches.
+
+One thread owns the model because CUDA graphs captured by ``torch.compile(mode="reduce-overhead")``
+live in thread-local state: the thread that warms up is the thread that replays. It never touches
+asyncio objects; each finished batch goes back in one ``loop.call_soon_threadsafe`` call.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import queue
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from kembed.batcher import BatchShapes
+from kembed.buckets import clip_buckets
+from kembed.config import Batching, Settings, Toggle, Warmup
+from kembed.model import EmbeddingModel
+from kembed.work import Batch, Chunk
+
+log = logging.getLogger(__name__)
+
+# reduce-overhead records CUDA graphs on the first calls of a shape; eager mode's first call of a
+# shape pays one-off allocation costs. The last repeat is the one timed.
+WARMUP_REPEATS_COMPILED = 3
+WARMUP_REPEATS_EAGER = 2
+
+
+@dataclass(frozen=True)
+class Plan:
+    """What the loaded model is served with: bucket lengths and batch shapes."""
+
+    bucket_lengths: list[int]
+    shapes: BatchShapes
+    compiled: bool
+    naive: bool
+
+
+@dataclass
+class Outcome:
+    """A run of chunks computed together: their rows, or the error that only they share."""
+
+    chunks: list[Chunk]
+    embeddings: np.ndarray | None  # float32 [real rows, dimensions]
+    error: BaseException | None
+    padded_tokens: int
+    real_tokens: int
+
+
+Deliver = Callable[[Batch, list[Outcome], float, float], None]
+
+
+def make_plan(settings: Settings, model: EmbeddingModel) -> Plan:
+    device = model.info.device
+    naive = settings.batching is Batching.NAIVE
+    # Compiled graphs need fixed shapes; the naive baseline has none, so it always runs eager.
+    compiled = not naive and (
+        settings.compile is Toggle.ON or (settings.compile is Toggle.AUTO and device.type == "cuda")
+    )
+    max_tokens = model.info.max_input_tokens
+    lengths = [max_tokens] if naive else clip_buckets(settings.buckets, max_tokens)
+    shapes = BatchShapes.build(settings.max_batch_size, settings.max_tokens_per_batch, pad_rows=compiled)
+    return Plan(lengths, shapes, compiled, naive)
+
+
+def is_fatal(error: BaseException) -> bool:
+    """A CUDA error poisons the context: nothing on this device can be trusted afterwards."""
+    accelerator_error = getattr(torch, "AcceleratorError", None)
+    if accelerator_error is not None and isinstance(error, accelerator_error):
+        return True
+    return isinstance(error, RuntimeError) and "CUDA error" in str(error)
+
+
+class Engine:
+    """The loaded model and its serving plan: warmup and batch compute, on the worker thread."""
+
+    def __init__(self, model: EmbeddingModel, plan: Plan, warmup: Warmup) -> None:
+        self.model = model
+        self.plan = plan
+        self._warmup_mode = warmup
+        self.warmup_tokens = 0  # of the largest batch of each bucket: what seeds the service rate
+        self.warmup_seconds = 0.0
+
+    def warmup_shapes(self) -> list[tuple[int, int]]:
+        plan = self.plan
+        if self._warmup_mode is Warmup.GRID or (self._warmup_mode is Warmup.AUTO and plan.compiled):
+            return plan.shapes.grid(plan.bucket_lengths)
+        return [(length, plan.shapes.max_rows(length)) for length in plan.bucket_lengths]
+
+    def warm_up(self, beat: Callable[[], None]) -> None:
+        """Run every shape (capturing its CUDA graph when compiled); time the largest per bucket."""
+        plan, info = self.plan, self.model.info
+        repeats = WARMUP_REPEATS_COMPILED if plan.compiled else WARMUP_REPEATS_EAGER
+        generator = torch.Generator().manual_seed(0)
+        for seq_len, rows in self.warmup_shapes():
+            ids = torch.randint(0, info.vocab_size, (rows, seq_len), generator=generator, dtype=torch.int32)
+            mask = torch.ones((rows, seq_len), dtype=torch.int32)
+            for _ in range(repeats):
+                started = time.perf_counter()
+                self._pooled(ids, mask)
+                seconds = time.perf_counter() - started
+                beat()
+            if rows == plan.shapes.max_rows(seq_len):
+                self.warmup_tokens += rows * seq_len
+                self.warmup_seconds += seconds
+
+    def compute(self, chunks: list[Chunk], seq_len: int) -> list[Outcome]:
+        """Compute chunks as one batch; if that fails, each half on its own, so only the
+        offending request fails. Fatal device errors propagate."""
+        if not chunks:
+            return []
+        rows = sum(chunk.size for chunk in chunks)
+        batch = Batch(chunks, seq_len, self.plan.shapes.rows_for(rows, seq_len))
+        try:
+            ids, mask = batch.assemble(self.model.info.pad_token_id)
+            embeddings = self._pooled(torch.from_numpy(ids), torch.from_numpy(mask))[:rows]
+        except Exception as error:
+            if is_fatal(error):
+                raise
+            if rows == 1:
+                log.warning("batch item failed: %s", error)
+                return [Outcome(chunks, None, error, 0, 0)]
+            head, tail = _halve(chunks, rows // 2)
+            return self.compute(head, seq_len) + self.compute(tail, seq_len)
+        return [Outcome(chunks, embeddings, None, batch.padded_tokens, batch.real_tokens)]
+
+    def _pooled(self, ids: torch.Tensor, mask: torch.Tensor) -> np.ndarray:
+        """Host tensors in, pooled float32 rows out (waits for the device)."""
+        device = self.model.info.device
+        if device.type == "cuda":
+            ids = ids.pin_memory().to(device, non_blocking=True)
+            mask = mask.pin_memory().to(device, non_blocking=True)
+        return self.model.forward(ids, mask).float().cpu().numpy()
+
+
+class Worker:
+    """The thread around the Engine, and the readiness gate: ``ready`` is set once warmup ended
+    (or loading failed, see ``error``)."""
+
+    def __init__(
+        self,
+        settings: Settings,
+        loop: asyncio.AbstractEventLoop,
+        deliver: Deliver,
+        on_fatal: Callable[[BaseException], None],
+    ) -> None:
+        self._settings = settings
+        self._loop = loop
+        self._deliver = deliver
+        self._on_fatal = on_fatal
+        self._inbox: queue.SimpleQueue[Batch | None] = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._main, name="kembed-worker", daemon=True)
+        self.ready = threading.Event()
+        self.error: BaseException | None = None
+        self.engine: Engine | None = None
+        self.heartbeat = time.monotonic()
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def submit(self, batch: Batch) -> None:
+        self._inbox.put(batch)
+
+    def stop(self) -> None:
+        self._inbox.put(None)
+
+    def alive(self) -> bool:
+        return self._thread.is_alive()
+
+    def _beat(self) -> None:
+        self.heartbeat = time.monotonic()
+
+    def _main(self) -> None:
+        try:
+            with torch.inference_mode():
+                engine = self._load_and_warm_up()
+        except BaseException as error:  # reported to the app, which exits non-zero
+            log.exception("model start-up failed")
+            self.error = error
+            self.ready.set()
+            return
+        self.engine = engine
+        self.ready.set()
+        with torch.inference_mode():
+            self._serve(engine)
+
+    def _load_and_warm_up(self) -> Engine:
+        started = time.monotonic()
+        model = EmbeddingModel.load(self._settings)
+        plan = make_plan(self._settings, model)
+        if plan.compiled:
+            model.compile()
+        engine = Engine(model, plan, self._settings.warmup)
+        engine.warm_up(self._beat)
+        log.info(
+            "warm: %d shapes in %.1f s, %.0f padded tokens/s (%s, %s, compiled=%s)",
+            len(engine.warmup_shapes()),
+            time.monotonic() - started,
+            engine.warmup_tokens / max(engine.warmup_seconds, 1e-9),
+            model.info.device,
+            model.info.dtype,
+            plan.compiled,
+        )
+        return engine
+
+    def _serve(self, engine: Engine) -> None:
+        while True:
+            try:
+                batch = self._inbox.get(timeout=1.0)  # the timeout only refreshes the heartbeat
+            except queue.Empty:
+                self._beat()
+                continue
+            if batch is None:
+                return
+            self.heartbeat = started = time.monotonic()
+            try:
+                outcomes = engine.compute(batch.live_chunks(), batch.seq_len)
+            except BaseException as error:
+                log.critical("fatal device error, exiting: %s", error)
+                self._loop.call_soon_threadsafe(self._on_fatal, error)
+                return
+            seconds = time.monotonic() - started
+            self._beat()
+            self._loop.call_soon_threadsafe(self._deliver, batch, outcomes, started, seconds)
+
+
+def _halve(chunks: list[Chunk], n: int) -> tuple[list[Chunk], list[Chunk]]:
+    """The first ``n`` items of a run of chunks, and the rest."""
+    head: list[Chunk] = []
+    for index, chunk in enumerate(chunks):
+        if n >= chunk.size:
+            head.append(chunk)
+            n -= chunk.size
+            continue
+        if n == 0:
+            return head, chunks[index:]
+        first, rest = chunk.split(n)
+        return [*head, first], [rest, *chunks[index + 1 :]]
+    return head, []
