@@ -8,9 +8,10 @@ Two strategies, each optional, combined so that either one may reject:
   the first batch it is seeded from warmup timings.
 - latency: the P95 of server-side latency over a sliding window, counting successes, timeouts
   (at their elapsed time) and rejections (at the wait they were spared, the drain estimate, so
-  the P95 recovers as the backlog drains instead of locking shedding on). Above the soft limit a
-  growing fraction is shed; above the hard limit everything is; shedding stops only when the
-  P95 falls below ``RECOVER_FRACTION`` of the soft limit, so it does not flap.
+  the P95 recovers as the backlog drains instead of locking shedding on). Shedding starts when
+  the P95 passes the soft limit and stops only when it falls below ``RECOVER_FRACTION`` of it,
+  so it does not flap; meanwhile the shed fraction rises linearly from that floor (0) to the
+  hard limit (1: everything is rejected).
 
 A hard cap on queued tokens bounds memory whatever the other settings are. Pure: the clock and
 the random source are injected, so tests drive it with a fake clock.
@@ -142,15 +143,18 @@ class AdmissionController:
             self.shedding = False
         if not self.shedding:
             return 0.0
-        if p95 >= self._hard or self._hard <= self._soft:
+        # Shedding rises linearly from the recovery floor to the hard limit, so once on it keeps
+        # shedding a little until the P95 is back under the floor.
+        floor = self._soft * RECOVER_FRACTION
+        if p95 >= self._hard:
             return 1.0
-        return max(0.0, (p95 - self._soft) / (self._hard - self._soft))
+        return max(0.0, (p95 - floor) / (self._hard - floor))
 
     def admit(self, request_tokens: int, backlog_tokens: int) -> Rejection | None:
         """None to admit; otherwise why not and when to retry. Rejections enter the P95 window."""
         rejection = self._decide(request_tokens, backlog_tokens)
         if rejection is not None:
-            self.latency.add(self.drain_seconds(backlog_tokens))
+            self.latency.add(self.drain_seconds(backlog_tokens + request_tokens))
         return rejection
 
     def _decide(self, request_tokens: int, backlog_tokens: int) -> Rejection | None:

@@ -1,0 +1,108 @@
+"""Both admission strategies and the queue cap, driven by a fake clock."""
+
+import random
+
+import pytest
+from kembed.admission import MIN_LATENCY_SAMPLES, AdmissionController
+from kembed.config import Settings
+
+
+class FakeClock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def controller(clock: FakeClock, **settings) -> AdmissionController:
+    return AdmissionController(Settings(**settings), clock=clock, rng=random.Random(7))
+
+
+def test_no_rate_yet_admits_within_the_cap():
+    admission = controller(FakeClock(), max_queued_tokens=1000)
+    assert admission.admit(500, backlog_tokens=400) is None
+    rejection = admission.admit(500, backlog_tokens=600)
+    assert rejection is not None and rejection.reason == "queue_full"
+
+
+def test_throughput_rejects_when_the_backlog_would_not_drain_in_budget():
+    admission = controller(FakeClock(), admission=["throughput"], max_drain_ms=1000)
+    admission.rate.seed(tokens=10_000, seconds=1.0)  # warmup: 10k tokens/s
+    assert admission.admit(1000, backlog_tokens=8000) is None  # 0.9 s
+    rejection = admission.admit(1000, backlog_tokens=9500)  # 1.05 s
+    assert rejection is not None and rejection.reason == "drain_time"
+    assert 40 <= rejection.retry_after_ms <= 60  # 500 excess tokens at 10k/s
+    assert "drain" in rejection.message
+
+
+def test_rate_follows_completed_batches_not_the_seed():
+    admission = controller(FakeClock(), admission=["throughput"])
+    admission.rate.seed(tokens=100_000, seconds=1.0)  # an optimistic warmup
+    for _ in range(100):
+        admission.rate.record(tokens=1000, seconds=1.0)  # what the model really does
+    assert admission.rate.tokens_per_second == pytest.approx(1000, rel=0.01)
+    assert admission.drain_seconds(5000) == pytest.approx(5.0, rel=0.01)
+
+
+def test_latency_strategy_needs_a_few_samples_then_sheds_by_fraction():
+    clock = FakeClock()
+    admission = controller(clock, admission=["latency"], p95_soft_ms=100, p95_hard_ms=300)
+    for _ in range(MIN_LATENCY_SAMPLES - 1):
+        admission.latency.add(0.2)
+    assert admission.shed_fraction() == 0.0
+    admission.latency.add(0.2)
+    clock.now += 1
+    expected = (0.2 - 0.08) / (0.3 - 0.08)  # linear from the recovery floor (80% of soft) to hard
+    assert admission.shed_fraction() == pytest.approx(expected)
+    admission.rate.seed(tokens=100, seconds=1.0)
+    outcomes = [admission.admit(10, 10) for _ in range(2000)]  # a rejection would have taken 0.2 s
+    shed = sum(o is not None for o in outcomes) / len(outcomes)
+    assert expected - 0.07 < shed < expected + 0.07
+    assert {o.reason for o in outcomes if o} == {"latency_shed"}
+
+
+def test_latency_hard_limit_rejects_everything():
+    clock = FakeClock()
+    admission = controller(clock, admission=["latency"], p95_soft_ms=100, p95_hard_ms=300)
+    for _ in range(20):
+        admission.latency.add(0.5)
+    rejection = admission.admit(10, 0)
+    assert rejection is not None and rejection.reason == "latency_hard"
+    assert rejection.retry_after_ms >= 10
+
+
+def test_shedding_has_hysteresis_and_recovers_as_the_window_slides():
+    clock = FakeClock()
+    admission = controller(clock, admission=["latency"], p95_soft_ms=100, p95_hard_ms=300, latency_window_s=5)
+    for _ in range(20):
+        admission.latency.add(0.15)
+    assert admission.shed_fraction() > 0 and admission.shedding
+    clock.now += 6  # the slow samples leave the window
+    for _ in range(20):
+        admission.latency.add(0.09)  # under soft, but above 80% of it: still shedding, a little
+    clock.now += 0.1
+    assert 0 < admission.shed_fraction() < 0.1 and admission.shedding
+    clock.now += 6
+    for _ in range(20):
+        admission.latency.add(0.05)
+    clock.now += 0.1
+    assert admission.shed_fraction() == 0.0 and not admission.shedding
+
+
+def test_rejections_count_in_the_window_at_the_wait_they_were_spared():
+    clock = FakeClock()
+    admission = controller(clock, admission=["throughput", "latency"], max_drain_ms=1000, p95_soft_ms=500)
+    admission.rate.seed(tokens=1000, seconds=1.0)
+    for _ in range(10):
+        assert admission.admit(500, backlog_tokens=1000) is not None  # would have taken 1.5 s
+    clock.now += 1
+    assert admission.p95_seconds() == pytest.approx(1.5)
+    assert admission.shed_fraction() > 0  # the rejections alone push the P95 over the soft limit
+
+
+def test_no_strategies_still_bounds_the_queue():
+    admission = controller(FakeClock(), admission="", max_queued_tokens=100)
+    admission.rate.seed(tokens=1, seconds=100.0)
+    assert admission.admit(50, 0) is None
+    assert admission.admit(50, 60).reason == "queue_full"
