@@ -1,0 +1,34 @@
+"""Shared fixtures: the bundled all-MiniLM-L6-v2, loaded once per session (real weights, no mocks)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+from transformers import AutoTokenizer, PreTrainedTokenizerBase
+
+from kembed.config import Settings
+from kembed.model import EmbeddingModel, resolve_model_path
+
+
+@pytest.fixture(scope="session")
+def bundled_path() -> Path:
+    return resolve_model_path(Settings.from_env({}))[1]
+
+
+@pytest.fixture(scope="session")
+def hf_tokenizer(bundled_path: Path) -> PreTrainedTokenizerBase:
+    return AutoTokenizer.from_pretrained(bundled_path)
+
+
+@pytest.fixture(scope="session")
+def stock_model() -> EmbeddingModel:
+    return EmbeddingModel.load(Settings.from_env({}))
+
+
+@pytest.fixture(scope="session")
+def st_model(bundled_path: Path) -> Any:
+    from sentence_transformers import SentenceTransformer
+
+    return SentenceTransformer(str(bundled_path), device="cpu")
