@@ -3,6 +3,7 @@
 import random
 
 import pytest
+
 from kembed.admission import MIN_LATENCY_SAMPLES, AdmissionController
 from kembed.config import Settings
 
@@ -105,4 +106,6 @@ def test_no_strategies_still_bounds_the_queue():
     admission = controller(FakeClock(), admission="", max_queued_tokens=100)
     admission.rate.seed(tokens=1, seconds=100.0)
     assert admission.admit(50, 0) is None
-    assert admission.admit(50, 60).reason == "queue_full"
+    rejection = admission.admit(50, 60)
+    assert rejection is not None
+    assert rejection.reason == "queue_full"

@@ -10,13 +10,13 @@ import numpy as np
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
+
 from kembed.client import EmbedClient, decode
 from kembed.config import Settings
 from kembed.contract import Metric
 from kembed.model import resolve_model_path
 from kembed.v1 import embedder_pb2 as pb
 from kembed.v1 import embedder_pb2_grpc as pb_grpc
-
 from tests.server.serving import ServerThread
 
 MAX_ITEMS = 64
@@ -135,7 +135,7 @@ def test_bad_input_is_rejected_alone(stub: pb_grpc.EmbedderStub, case: str):
     with pytest.raises(grpc.RpcError) as caught:
         stub.Embed(request, timeout=10)
     assert caught.value.code() is grpc.StatusCode.INVALID_ARGUMENT
-    assert caught.value.details().startswith(field), caught.value.details()
+    assert str(caught.value.details()).startswith(field), caught.value.details()
     for future in good:
         assert future.result(timeout=30).count == 4
 

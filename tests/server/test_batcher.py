@@ -4,6 +4,7 @@ import asyncio
 
 import numpy as np
 import pytest
+
 from kembed.batcher import Batcher, BatchShapes, choose_batch, next_stale_time
 from kembed.buckets import BucketQueue, route
 from kembed.inputs import Sequences

@@ -4,6 +4,7 @@ import asyncio
 
 import numpy as np
 import pytest
+
 from kembed.buckets import BucketQueue, clip_buckets, padded_tokens, route
 from kembed.inputs import Sequences
 from kembed.work import Job

@@ -1,6 +1,7 @@
 """Settings from KEMBED_* variables: errors name the variable."""
 
 import pytest
+
 from kembed.config import Admission, ConfigError, Settings, env_table
 from kembed.contract import env_name
 

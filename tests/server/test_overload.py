@@ -1,0 +1,95 @@
+"""Offered load far above capacity: rejections come back fast with a pushback, the queue stays
+bounded, and every accepted request is answered."""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterator
+
+import grpc
+import numpy as np
+import pytest
+
+from kembed.client import EmbedClient
+from kembed.contract import RETRY_PUSHBACK_KEY
+from kembed.v1 import embedder_pb2 as pb
+from kembed.v1 import embedder_pb2_grpc as pb_grpc
+from tests.server.serving import ServerThread
+
+MAX_QUEUED = 16_384
+MAX_DRAIN_MS = 500
+SENTENCE = "Admission control rejects early instead of queueing into timeouts and memory exhaustion."
+
+
+@pytest.fixture(scope="module")
+def server() -> Iterator[ServerThread]:
+    running = ServerThread(max_drain_ms=MAX_DRAIN_MS, max_queued_tokens=MAX_QUEUED, p95_soft_ms=1500).start()
+    yield running
+    running.stop()
+
+
+class Watch:
+    """Samples the server's backlog while the load runs."""
+
+    def __init__(self, server: ServerThread) -> None:
+        self.server, self.peak, self._stop = server, 0, threading.Event()
+        self._thread = threading.Thread(target=self._run, daemon=True)
+
+    def _run(self) -> None:
+        while not self._stop.wait(0.05):
+            self.peak = max(self.peak, self.server.health()["queued_tokens"])
+
+    def __enter__(self) -> Watch:
+        self._thread.start()
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self._stop.set()
+        self._thread.join()
+
+
+def test_overload_rejects_fast_and_answers_everything_accepted(server: ServerThread):
+    request = pb.EmbedRequest(texts=[SENTENCE] * 8)  # 8 items in the 32 bucket: 256 padded tokens
+    finished: dict[int, float] = {}
+    with grpc.insecure_channel(server.target) as channel, Watch(server) as watch:
+        stub = pb_grpc.EmbedderStub(channel)
+        started, futures = {}, []
+        for i in range(400):  # ~100k padded tokens offered within about a second
+            started[i] = time.monotonic()
+            future = stub.Embed.future(request, timeout=60)
+            future.add_done_callback(lambda _, i=i: finished.__setitem__(i, time.monotonic()))
+            futures.append(future)
+            time.sleep(0.002)
+        codes = [f.code() for f in futures]
+    latency = {i: finished[i] - started[i] for i in finished}
+    ok = [i for i, code in enumerate(codes) if code is grpc.StatusCode.OK]
+    rejected = [i for i, code in enumerate(codes) if code is grpc.StatusCode.RESOURCE_EXHAUSTED]
+    assert len(ok) + len(rejected) == len(codes), {c for c in codes}  # no timeouts, no internal errors
+    assert len(ok) >= 5 and len(rejected) >= 100
+    assert np.median([latency[i] for i in rejected]) < 0.25
+    assert np.percentile([latency[i] for i in ok], 95) < MAX_DRAIN_MS / 1000 + 4.0
+    assert watch.peak <= MAX_QUEUED
+    trailers = dict(futures[rejected[0]].trailing_metadata())
+    assert int(trailers[RETRY_PUSHBACK_KEY]) > 0
+    _, metrics = server.http("/metrics")
+    assert 'kembed_rejected_total{reason="drain_time"}' in metrics
+    with EmbedClient(server.target) as client:
+        assert client.embed(["the server recovers"]).shape == (1, 384)
+
+
+def test_client_retries_after_the_pushback():
+    server = ServerThread(admission="", max_queued_tokens=4096).start()
+    try:
+        with grpc.insecure_channel(server.target) as channel:
+            stub = pb_grpc.EmbedderStub(channel)
+            big = stub.Embed.future(pb.EmbedRequest(texts=["fill the queue"] * 250), timeout=60)  # 4000 tokens
+            while server.health()["queued_tokens"] == 0:
+                time.sleep(0.005)
+            with EmbedClient(server.target, timeout_s=120, max_attempts=50) as client:
+                vectors = client.embed(["patience"] * 8)
+                assert client.retries >= 1
+            assert vectors.shape == (8, 384)
+            assert big.result().count == 250
+    finally:
+        server.stop()
