@@ -130,6 +130,7 @@ class Engine:
             return self.compute(head, seq_len) + self.compute(tail, seq_len)
         return [Outcome(chunks, embeddings, None, batch.padded_tokens, batch.real_tokens)]
 
+    @torch.inference_mode()
     def _pooled(self, ids: torch.Tensor, mask: torch.Tensor) -> np.ndarray:
         """Host tensors in, pooled float32 rows out (waits for the device)."""
         device = self.model.info.device
@@ -178,8 +179,7 @@ class Worker:
 
     def _main(self) -> None:
         try:
-            with torch.inference_mode():
-                engine = self._load_and_warm_up()
+            engine = self._load_and_warm_up()
         except BaseException as error:  # reported to the app, which exits non-zero
             log.exception("model start-up failed")
             self.error = error
@@ -187,8 +187,7 @@ class Worker:
             return
         self.engine = engine
         self.ready.set()
-        with torch.inference_mode():
-            self._serve(engine)
+        self._serve(engine)
 
     def _load_and_warm_up(self) -> Engine:
         started = time.monotonic()

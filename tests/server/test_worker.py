@@ -1,0 +1,77 @@
+"""The worker's engine: a failing item fails only its own request; batches match lone runs."""
+
+from __future__ import annotations
+
+import asyncio
+
+import numpy as np
+import pytest
+import torch
+
+from kembed.buckets import route
+from kembed.config import Settings, Warmup
+from kembed.model import EmbeddingModel
+from kembed.work import Chunk, Job
+from kembed.worker import Engine, Outcome, make_plan
+
+POISON = 4242  # a real vocabulary id that the injected fault treats as fatal to its batch
+
+
+@pytest.fixture(scope="module")
+def engine() -> Engine:
+    settings = Settings.from_env({}, buckets="16,32", max_batch_size=8, max_tokens_per_batch=256)
+    model = EmbeddingModel.load(settings)
+    return Engine(model, make_plan(settings, model), Warmup.LARGEST)
+
+
+def chunks_for(engine: Engine, texts: list[str], poison: bool = False) -> list[Chunk]:
+    seqs = engine.model.tokenizer.from_texts(texts, truncate=False)
+    if poison:
+        seqs.ids[1] = POISON
+    loop = asyncio.new_event_loop()
+    future = loop.create_future()
+    loop.close()
+    job = Job("j", seqs.lengths, 0, 0.0, 9.0, future, np.zeros((seqs.count, 384), np.float32))
+    return [Chunk(job, part.rows, part.ids, part.lengths, 0.0) for part in route(seqs, [16, 32], 0)]
+
+
+def test_a_failing_item_fails_alone(engine: Engine, monkeypatch: pytest.MonkeyPatch):
+    real_forward = engine.model.forward
+
+    def faulty(ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        if bool((ids == POISON).any()):
+            raise RuntimeError("injected fault")
+        return real_forward(ids, mask)
+
+    monkeypatch.setattr(engine.model, "forward", faulty)
+    before = chunks_for(engine, ["first request", "its second item"])
+    bad = chunks_for(engine, ["the bad one"], poison=True)
+    after = chunks_for(engine, ["third request", "x", "y"])
+    outcomes = engine.compute(before + bad + after, seq_len=16)
+
+    failed = [o for o in outcomes if o.error is not None]
+    assert [c.job for o in failed for c in o.chunks] == [bad[0].job]
+    monkeypatch.setattr(engine.model, "forward", real_forward)
+    for lone in (before, after):
+        alone = engine.compute(lone, seq_len=16)[0].embeddings
+        assert alone is not None
+        np.testing.assert_allclose(rows_of(lone[0].job, outcomes), alone, atol=1e-5)
+
+
+def rows_of(job: Job, outcomes: list[Outcome]) -> np.ndarray:
+    """A job's embeddings, gathered from the outcomes its chunks landed in."""
+    rows = []
+    for outcome in outcomes:
+        offset = 0
+        for chunk in outcome.chunks:
+            if chunk.job is job and outcome.embeddings is not None:
+                rows.append(outcome.embeddings[offset : offset + chunk.size])
+            offset += chunk.size
+    return np.concatenate(rows)
+
+
+def test_warmup_times_the_largest_batch_of_each_bucket(engine: Engine):
+    assert engine.warmup_shapes() == [(16, 8), (32, 8), (256, 1)]  # the model's limit is the last bucket
+    engine.warm_up(lambda: None)
+    assert engine.warmup_tokens == 16 * 8 + 32 * 8 + 256
+    assert engine.warmup_seconds > 0
