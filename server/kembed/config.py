@@ -198,5 +198,6 @@ def env_table() -> str:
         if isinstance(default, list):
             default = ",".join(str(getattr(v, "value", v)) for v in default)
         default = getattr(default, "value", default)
-        rows.append(f"| `{env_name(name)}` | `{default}` | {field.description} |")
+        shown = f"`{default}`" if default != "" else "(empty)"
+        rows.append(f"| `{env_name(name)}` | {shown} | {field.description} |")
     return "\n".join(rows)

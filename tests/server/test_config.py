@@ -1,5 +1,7 @@
 """Settings from KEMBED_* variables: errors name the variable."""
 
+from pathlib import Path
+
 import pytest
 
 from kembed.config import Admission, ConfigError, Settings, env_table
@@ -45,3 +47,8 @@ def test_every_setting_has_a_documented_variable():
     table = env_table()
     for name in Settings.model_fields:
         assert f"`{env_name(name)}`" in table
+
+
+def test_readme_table_is_current():
+    readme = (Path(__file__).parents[2] / "README.md").read_text()
+    assert env_table() in readme, "README's configuration table is stale: paste `make env-table` into it"
