@@ -58,12 +58,13 @@ class KembedServer:
         self._tasks: list[asyncio.Task[None]] = []
         self._executor = ThreadPoolExecutor(TOKENIZER_THREADS, thread_name_prefix="kembed-tokenize")
         self._grpc = grpc.aio.server(
+            maximum_concurrent_rpcs=settings.max_concurrent_rpcs,
             options=[
                 ("grpc.max_receive_message_length", settings.max_message_bytes),
                 ("grpc.max_send_message_length", settings.max_message_bytes),
                 ("grpc.max_connection_age_ms", settings.max_connection_age_ms),
                 ("grpc.max_connection_age_grace_ms", int(settings.drain_timeout_s * 1000)),
-            ]
+            ],
         )
         self.http = HealthServer(
             settings.http_host,
@@ -105,9 +106,9 @@ class KembedServer:
         )
 
     async def wait_ready(self) -> None:
-        """Wait out the warmup (in a thread: the worker signals a threading.Event), then open."""
+        """Wait out the worker's load and warmup, then open the gate."""
         worker = self._require_worker()
-        await asyncio.get_running_loop().run_in_executor(None, worker.ready.wait)
+        await asyncio.shield(worker.warm)
         engine = worker.engine
         if engine is None:
             raise StartupError(f"model failed to load: {worker.error}")
@@ -124,6 +125,7 @@ class KembedServer:
         pipeline = Pipeline(self.settings, model, plan, self._batcher, self.admission, self._executor)
         self._servicer.service = EmbedService(pipeline, self.gate, self.metrics)
         self._tasks.append(asyncio.create_task(self._batcher.run()))
+        self._tasks[-1].add_done_callback(self._batcher_stopped)
         self.gate.ready = True
         await self._set_serving(True)
 
@@ -194,6 +196,11 @@ class KembedServer:
     def _deliver(self, batch: Batch, outcomes: list[Outcome], started: float, seconds: float) -> None:
         if self._responder is not None:
             self._responder.deliver(batch, outcomes, started, seconds)
+
+    def _batcher_stopped(self, task: asyncio.Task[None]) -> None:
+        """The batcher only ends by cancellation; anything else is a bug that would hang every request."""
+        if not task.cancelled() and task.exception() is not None:
+            self._on_fatal(task.exception() or RuntimeError("batcher stopped"))
 
     def _on_fatal(self, error: BaseException) -> None:
         """The device is poisoned: report NOT_SERVING and exit so Kubernetes restarts the pod."""

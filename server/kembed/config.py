@@ -98,6 +98,9 @@ class Settings(BaseModel):
     max_items_per_request: int = Field(1024, ge=1, description="Most texts or sequences in one request")
     max_text_chars: int = Field(100_000, ge=1, description="Longest text in characters (bounds tokenization work)")
     max_message_bytes: int = Field(16 * 1024 * 1024, ge=1024, description="gRPC max receive/send message size")
+    max_concurrent_rpcs: int = Field(
+        1024, ge=1, description="RPCs handled at once; beyond it gRPC answers RESOURCE_EXHAUSTED (bounds memory)"
+    )
     default_timeout_ms: float = Field(30_000.0, gt=0, description="Deadline for requests that set none")
 
     # --- serving ---

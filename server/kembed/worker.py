@@ -158,6 +158,7 @@ class Worker:
         self._inbox: queue.SimpleQueue[Batch | None] = queue.SimpleQueue()
         self._thread = threading.Thread(target=self._main, name="kembed-worker", daemon=True)
         self.ready = threading.Event()
+        self.warm: asyncio.Future[None] = loop.create_future()  # the same news, for the event loop
         self.error: BaseException | None = None
         self.engine: Engine | None = None
         self.heartbeat = time.monotonic()
@@ -183,11 +184,19 @@ class Worker:
         except BaseException as error:  # reported to the app, which exits non-zero
             log.exception("model start-up failed")
             self.error = error
-            self.ready.set()
+            self._announce_ready()
             return
         self.engine = engine
-        self.ready.set()
+        self._announce_ready()
         self._serve(engine)
+
+    def _announce_ready(self) -> None:
+        self.ready.set()
+        self._loop.call_soon_threadsafe(self._resolve_warm)
+
+    def _resolve_warm(self) -> None:
+        if not self.warm.done():
+            self.warm.set_result(None)
 
     def _load_and_warm_up(self) -> Engine:
         started = time.monotonic()
