@@ -1,0 +1,441 @@
+"""Spec in, manifests out (pure: no I/O, no clock).
+
+Every child is named after its EmbeddingService, labelled so the operator can watch it, and owned
+through a controller ownerReference so Kubernetes deletes it with its owner. The server's ports,
+probe paths, metric names and variable names come from :mod:`kembed.contract`; the variables the
+operator renders are checked with the server's own :class:`kembed.config.Settings`, so a spec the
+server would refuse to start with is rejected here, as a condition, instead of as a crash loop.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Any
+
+from kembed.config import ConfigError, Settings
+from kembed.contract import ENV_PREFIX, GRPC_PORT, HTTP_PORT, LIVEZ_PATH, METRICS_PATH, READYZ_PATH, Metric, env_name
+from kembed_operator import identity
+from kembed_operator.config import OperatorConfig
+from kembed_operator.slo import Thresholds, derive
+from kembed_operator.spec import EmbeddingServiceSpec, InvalidSpec
+
+Manifest = dict[str, Any]
+
+# (apiVersion, kind) of every child the operator may create; ones a spec no longer needs are deleted.
+DEPLOYMENT = ("apps/v1", "Deployment")
+SERVICE = ("v1", "Service")
+PDB = ("policy/v1", "PodDisruptionBudget")
+HPA = ("autoscaling/v2", "HorizontalPodAutoscaler")
+SCALED_OBJECT = ("keda.sh/v1alpha1", "ScaledObject")
+CHILD_KINDS = (DEPLOYMENT, SERVICE, PDB, HPA, SCALED_OBJECT)
+
+RUN_AS = 10001  # the uid/gid Dockerfile.server creates
+PRESTOP_SLEEP_S = 5  # lets endpoint removal reach every client before the server stops accepting
+GRACE_MARGIN_S = 5
+STARTUP_PERIOD_S = 10
+MODEL_DIR = "/models"
+CACHE_DIR = "/cache"
+GPU_RESOURCE = "nvidia.com/gpu"
+
+
+@dataclass(frozen=True)
+class Owner:
+    """The EmbeddingService the children belong to."""
+
+    name: str
+    namespace: str
+    uid: str
+
+
+@dataclass(frozen=True)
+class Child:
+    """A desired child: ``manifest`` is applied on every reconcile, ``on_create`` merged in only when
+    creating (the initial replica count, which an autoscaler owns afterwards)."""
+
+    manifest: Manifest
+    on_create: Manifest = field(default_factory=dict)
+
+    @property
+    def kind(self) -> tuple[str, str]:
+        return self.manifest["apiVersion"], self.manifest["kind"]
+
+
+def render(owner: Owner, spec: EmbeddingServiceSpec, config: OperatorConfig) -> list[Child]:
+    """The children ``spec`` needs, or :class:`InvalidSpec` when they would not work."""
+    thresholds = derive(spec)
+    env = server_env(spec, thresholds)
+    check_env(env, spec.env)
+    children = [
+        _deployment(owner, spec, config, env),
+        Child(_service(owner, spec)),
+        Child(_pdb(owner)),
+    ]
+    if spec.autoscaled and spec.autoscaling.provider == "hpa":
+        children.append(Child(_hpa(owner, spec, thresholds)))
+    elif spec.autoscaled:
+        children.append(Child(_scaled_object(owner, spec, thresholds, config)))
+    return children
+
+
+# --- identity -------------------------------------------------------------------------------------
+
+
+def selector_labels(name: str) -> dict[str, str]:
+    return {identity.LABEL_NAME: identity.APP_NAME, identity.LABEL_INSTANCE: name}
+
+
+def selector(name: str) -> str:
+    """The label selector in string form, as the scale subresource wants it."""
+    return ",".join(f"{k}={v}" for k, v in sorted(selector_labels(name).items()))
+
+
+def labels(name: str) -> dict[str, str]:
+    return {
+        **selector_labels(name),
+        identity.LABEL_COMPONENT: "embedding-server",
+        identity.LABEL_MANAGED_BY: identity.MANAGED_BY,
+    }
+
+
+def endpoint(owner: Owner) -> str:
+    return f"dns:///{owner.name}.{owner.namespace}.svc.cluster.local:{GRPC_PORT}"
+
+
+def model_name(spec: EmbeddingServiceSpec) -> str:
+    """What the status and the printer column show as the model."""
+    model = spec.model
+    if model.hub is not None:
+        return model.hub.id
+    if model.pvc is not None:
+        return f"pvc:{model.pvc.claim_name}/{model.pvc.path}".rstrip("/")
+    return "bundled:all-MiniLM-L6-v2"
+
+
+def _metadata(owner: Owner, **extra: Any) -> Manifest:
+    reference = {
+        "apiVersion": identity.API_VERSION,
+        "kind": identity.KIND,
+        "name": owner.name,
+        "uid": owner.uid,
+        "controller": True,
+        "blockOwnerDeletion": True,
+    }
+    return {
+        "name": owner.name,
+        "namespace": owner.namespace,
+        "labels": labels(owner.name),
+        "ownerReferences": [reference],
+        **extra,
+    }
+
+
+# --- server environment ---------------------------------------------------------------------------
+
+
+def server_env(spec: EmbeddingServiceSpec, thresholds: Thresholds) -> dict[str, str]:
+    """``KEMBED_*`` variables for the server; unset batching fields keep the server's defaults."""
+    model, batching, admission = spec.model, spec.batching, spec.admission
+    settings: dict[str, Any] = {
+        # The server binds loopback by default; in a pod it must listen on the pod's address.
+        "grpc_host": "0.0.0.0",
+        "http_host": "0.0.0.0",
+        "grpc_port": GRPC_PORT,
+        "http_port": HTTP_PORT,
+        "device": "cuda" if spec.resources.gpu else "cpu",
+        "pooling": model.pooling,
+        "control_tokens": ",".join(model.control_tokens),
+        "max_input_tokens": model.max_input_tokens,
+        "dtype": model.dtype,
+        "batching": batching.mode,
+        "buckets": None if batching.buckets is None else ",".join(map(str, batching.buckets)),
+        "max_batch_size": batching.max_batch_size,
+        "max_tokens_per_batch": batching.max_tokens_per_batch,
+        "max_wait_ms": batching.max_wait_ms,
+        "admission": ",".join(admission.strategies),
+        "max_drain_ms": thresholds.max_drain_ms,
+        "p95_soft_ms": thresholds.p95_soft_ms,
+        "p95_hard_ms": thresholds.p95_hard_ms,
+        "latency_window_s": admission.latency_window_seconds,
+        "max_queued_tokens": admission.max_queued_tokens,
+        "drain_timeout_s": spec.drain_seconds,
+        **_model_source(spec),
+    }
+    return {env_name(key): _text(value) for key, value in settings.items() if value is not None}
+
+
+def _model_source(spec: EmbeddingServiceSpec) -> dict[str, str]:
+    pvc, hub = spec.model.pvc, spec.model.hub
+    if pvc is not None:
+        return {"model": f"{MODEL_DIR}/{pvc.path}".rstrip("/")}
+    if hub is not None:
+        return {"model": hub.id, "model_revision": hub.revision, "model_cache_dir": CACHE_DIR}
+    return {}
+
+
+def _text(value: Any) -> str:
+    if isinstance(value, float) and value.is_integer():
+        return str(int(value))
+    return str(value)
+
+
+def check_env(env: dict[str, str], extra: list[dict[str, Any]]) -> None:
+    """Reject what the server would refuse at start-up, and extra env that fights the spec."""
+    literal = dict(env)
+    for index, var in enumerate(extra):
+        name = str(var.get("name", ""))
+        if not name.startswith(ENV_PREFIX):
+            continue
+        if name in env:
+            raise InvalidSpec(f"spec.env[{index}]: {name} is rendered from the spec; set it there")
+        if name[len(ENV_PREFIX) :].lower() not in Settings.model_fields:
+            raise InvalidSpec(f"spec.env[{index}]: {name} is not a kembed server setting")
+        if "value" in var:
+            literal[name] = str(var["value"])
+    try:
+        Settings.from_env(literal)
+    except ConfigError as err:
+        raise InvalidSpec(f"server settings: {err}") from None
+
+
+# --- Deployment -----------------------------------------------------------------------------------
+
+
+def _deployment(owner: Owner, spec: EmbeddingServiceSpec, config: OperatorConfig, env: dict[str, str]) -> Child:
+    deployment_spec: Manifest = {
+        "selector": {"matchLabels": selector_labels(owner.name)},
+        # Never fewer ready pods than wanted during a rollout: warmup is slow and capacity is scarce.
+        "strategy": {"type": "RollingUpdate", "rollingUpdate": {"maxUnavailable": 0, "maxSurge": 1}},
+        "revisionHistoryLimit": 5,
+        "template": {
+            "metadata": {"labels": labels(owner.name), "annotations": _pod_annotations(spec)},
+            "spec": _pod_spec(spec, config, env),
+        },
+    }
+    manifest = {"apiVersion": "apps/v1", "kind": "Deployment", "metadata": _metadata(owner), "spec": deployment_spec}
+    if spec.autoscaled:  # the autoscaler owns the count: set it once, at creation, never again
+        return Child(manifest, on_create={"spec": {"replicas": spec.min_replicas}})
+    deployment_spec["replicas"] = spec.min_replicas
+    return Child(manifest)
+
+
+def _pod_annotations(spec: EmbeddingServiceSpec) -> dict[str, str]:
+    return {
+        "prometheus.io/scrape": "true",
+        "prometheus.io/port": str(HTTP_PORT),
+        "prometheus.io/path": METRICS_PATH,
+        **spec.pod_annotations,
+    }
+
+
+def _pod_spec(spec: EmbeddingServiceSpec, config: OperatorConfig, env: dict[str, str]) -> Manifest:
+    volumes, mounts = _volumes(spec)
+    pod: Manifest = {
+        "automountServiceAccountToken": False,  # the server never calls the API
+        "enableServiceLinks": False,
+        "terminationGracePeriodSeconds": PRESTOP_SLEEP_S + spec.drain_seconds + GRACE_MARGIN_S,
+        "securityContext": {
+            "runAsNonRoot": True,
+            "runAsUser": RUN_AS,
+            "runAsGroup": RUN_AS,
+            "fsGroup": RUN_AS,
+            "seccompProfile": {"type": "RuntimeDefault"},
+        },
+        "containers": [_container(spec, config, env, mounts)],
+        "volumes": volumes,
+    }
+    tolerations = _tolerations(spec)
+    optional = {"nodeSelector": spec.node_selector, "tolerations": tolerations, "affinity": spec.affinity}
+    pod.update({key: value for key, value in optional.items() if value})
+    return pod
+
+
+def _container(
+    spec: EmbeddingServiceSpec, config: OperatorConfig, env: dict[str, str], mounts: list[Manifest]
+) -> Manifest:
+    return {
+        "name": "server",
+        "image": spec.image or config.default_image,
+        "imagePullPolicy": spec.image_pull_policy,
+        "ports": [
+            {"name": "grpc", "containerPort": GRPC_PORT, "protocol": "TCP"},
+            {"name": "http", "containerPort": HTTP_PORT, "protocol": "TCP"},
+        ],
+        "env": [
+            # The API server drops `value: ""`, so an empty value is spelt as no value: no false drift.
+            *({"name": name, "value": value} if value else {"name": name} for name, value in env.items()),
+            {"name": "HOME", "value": "/tmp"},  # the root filesystem is read-only
+            *spec.env,
+        ],
+        "resources": _resources(spec),
+        # Startup waits for /readyz: model load, warmup and CUDA graph capture can take minutes.
+        "startupProbe": _probe(
+            READYZ_PATH, period=STARTUP_PERIOD_S, failures=math.ceil(spec.startup_timeout_seconds / STARTUP_PERIOD_S)
+        ),
+        "readinessProbe": _probe(READYZ_PATH, period=5, failures=2),
+        "livenessProbe": _probe(LIVEZ_PATH, period=10, failures=3),
+        "lifecycle": {"preStop": {"sleep": {"seconds": PRESTOP_SLEEP_S}}},
+        "securityContext": {
+            "allowPrivilegeEscalation": False,
+            "readOnlyRootFilesystem": True,
+            "runAsNonRoot": True,
+            "capabilities": {"drop": ["ALL"]},
+        },
+        "volumeMounts": mounts,
+    }
+
+
+def _probe(path: str, *, period: int, failures: int) -> Manifest:
+    return {
+        "httpGet": {"path": path, "port": "http"},
+        "periodSeconds": period,
+        "timeoutSeconds": 3,
+        "failureThreshold": failures,
+    }
+
+
+def _resources(spec: EmbeddingServiceSpec) -> Manifest:
+    res = spec.resources
+    requests = {"cpu": res.cpu, "memory": res.memory}
+    limits = {"memory": res.memory}  # no CPU limit: throttling a tokenizer thread only adds latency
+    if res.gpu:
+        limits[GPU_RESOURCE] = str(res.gpu)
+    return {"requests": requests, "limits": limits}
+
+
+def _tolerations(spec: EmbeddingServiceSpec) -> list[Manifest]:
+    tolerations = list(spec.tolerations)
+    # GPU nodes are commonly tainted nvidia.com/gpu:NoSchedule; a GPU pod may always go there.
+    if spec.resources.gpu and not any(t.get("key") == GPU_RESOURCE for t in tolerations):
+        tolerations.append({"key": GPU_RESOURCE, "operator": "Exists", "effect": "NoSchedule"})
+    return tolerations
+
+
+def _volumes(spec: EmbeddingServiceSpec) -> tuple[list[Manifest], list[Manifest]]:
+    volumes: list[Manifest] = [{"name": "tmp", "emptyDir": {"sizeLimit": "4Gi"}}]
+    mounts: list[Manifest] = [{"name": "tmp", "mountPath": "/tmp"}]
+    pvc, hub = spec.model.pvc, spec.model.hub
+    if pvc is not None:
+        volumes.append({"name": "model", "persistentVolumeClaim": {"claimName": pvc.claim_name, "readOnly": True}})
+        mounts.append({"name": "model", "mountPath": MODEL_DIR, "readOnly": True})
+    if hub is not None:
+        cache: Manifest = (
+            {"persistentVolumeClaim": {"claimName": hub.cache_claim_name}}
+            if hub.cache_claim_name
+            else {"emptyDir": {"sizeLimit": hub.cache_size_limit}}
+        )
+        volumes.append({"name": "model-cache", **cache})
+        mounts.append({"name": "model-cache", "mountPath": CACHE_DIR})
+    return volumes, mounts
+
+
+# --- Service, PDB ---------------------------------------------------------------------------------
+
+
+def _service(owner: Owner, spec: EmbeddingServiceSpec) -> Manifest:
+    service_spec: Manifest = {
+        "type": "ClusterIP",
+        "selector": selector_labels(owner.name),
+        "ports": [
+            {"name": "grpc", "port": GRPC_PORT, "targetPort": "grpc", "protocol": "TCP", "appProtocol": "grpc"},
+            {"name": "http", "port": HTTP_PORT, "targetPort": "http", "protocol": "TCP"},
+        ],
+    }
+    if spec.service.type == "Headless":
+        service_spec["clusterIP"] = "None"
+    metadata = _metadata(owner, annotations=spec.service.annotations) if spec.service.annotations else _metadata(owner)
+    return {"apiVersion": "v1", "kind": "Service", "metadata": metadata, "spec": service_spec}
+
+
+def _pdb(owner: Owner) -> Manifest:
+    return {
+        "apiVersion": "policy/v1",
+        "kind": "PodDisruptionBudget",
+        "metadata": _metadata(owner),
+        "spec": {
+            "selector": {"matchLabels": selector_labels(owner.name)},
+            # One voluntary disruption at a time; never blocks a node drain for good, even at 1 replica
+            # or while pods crash-loop.
+            "maxUnavailable": 1,
+            "unhealthyPodEvictionPolicy": "AlwaysAllow",
+        },
+    }
+
+
+# --- autoscaling ----------------------------------------------------------------------------------
+
+
+def targets(thresholds: Thresholds) -> dict[str, float]:
+    """Metric name -> per-pod target in seconds, the numbers both autoscaler kinds aim for."""
+    return {
+        Metric.QUEUE_DRAIN_SECONDS: thresholds.target_queue_drain_s,
+        Metric.LATENCY_P95_SECONDS: thresholds.target_latency_p95_s,
+    }
+
+
+def quantity(seconds: float) -> str:
+    """Seconds as a Kubernetes quantity in milli-units: 0.5 -> "500m"."""
+    return f"{round(seconds * 1000)}m"
+
+
+def _hpa(owner: Owner, spec: EmbeddingServiceSpec, thresholds: Thresholds) -> Manifest:
+    metrics = [
+        {
+            "type": "Pods",
+            "pods": {"metric": {"name": name}, "target": {"type": "AverageValue", "averageValue": quantity(target)}},
+        }
+        for name, target in targets(thresholds).items()
+    ]
+    hpa_spec: Manifest = {
+        "scaleTargetRef": {"apiVersion": "apps/v1", "kind": "Deployment", "name": owner.name},
+        "minReplicas": spec.min_replicas,
+        "maxReplicas": spec.replica_ceiling,
+        "metrics": metrics,
+    }
+    if spec.autoscaling.behavior is not None:
+        hpa_spec["behavior"] = spec.autoscaling.behavior
+    return {
+        "apiVersion": "autoscaling/v2",
+        "kind": "HorizontalPodAutoscaler",
+        "metadata": _metadata(owner),
+        "spec": hpa_spec,
+    }
+
+
+def pod_matcher(owner: Owner) -> str:
+    """PromQL label matchers for the pods of one Deployment (NAME-<template hash>-<suffix>)."""
+    return f'namespace="{owner.namespace}",pod=~"{owner.name}-[a-z0-9]+-[a-z0-9]+"'
+
+
+def _scaled_object(
+    owner: Owner, spec: EmbeddingServiceSpec, thresholds: Thresholds, config: OperatorConfig
+) -> Manifest:
+    keda = spec.autoscaling.keda
+    address = keda.server_address or config.keda_server_address
+    if not address:
+        raise InvalidSpec("spec.autoscaling.keda.serverAddress: required (the operator has no default Prometheus)")
+    # KEDA's AverageValue divides the query by the replica count, so summing over pods gives the
+    # same per-pod average an HPA Pods metric compares with its target.
+    triggers = [
+        {
+            "type": "prometheus",
+            "name": name.replace("_", "-"),
+            "metadata": {
+                "serverAddress": address,
+                "query": f"sum({name}{{{pod_matcher(owner)}}})",
+                "threshold": _text(target),
+            },
+        }
+        for name, target in targets(thresholds).items()
+    ]
+    so_spec: Manifest = {
+        "scaleTargetRef": {"name": owner.name},
+        "minReplicaCount": spec.min_replicas,
+        "maxReplicaCount": spec.replica_ceiling,
+        "pollingInterval": keda.polling_interval,
+        "cooldownPeriod": keda.cooldown_period,
+        "triggers": triggers,
+    }
+    if spec.autoscaling.behavior is not None:
+        so_spec["advanced"] = {"horizontalPodAutoscalerConfig": {"behavior": spec.autoscaling.behavior}}
+    return {"apiVersion": "keda.sh/v1alpha1", "kind": "ScaledObject", "metadata": _metadata(owner), "spec": so_spec}

@@ -1,0 +1,151 @@
+"""Shared fixtures: the CRD, the chart, the emulated API server and a real `kopf run` of the operator."""
+
+from __future__ import annotations
+
+import os
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+from kubernetes import client, config
+
+from kembed_operator import identity
+from tests.operator.emulator import EmulatorThread
+
+ROOT = Path(__file__).resolve().parents[2]
+CRD_PATH = ROOT / "crds" / "embeddingservices.kembed.io.yaml"
+CHART = ROOT / "charts" / "kembed-operator"
+TEST_AGENT = "kembed-tests"
+
+RESOURCES = {
+    f"{identity.API_VERSION}/{identity.PLURAL}": {
+        "kind": identity.KIND,
+        "namespaced": True,
+        "verbs": {"list", "watch", "get", "create", "patch", "delete"},
+        "subresources": {"status", "scale"},
+    },
+    "kopf.dev/v1/clusterkopfpeerings": {
+        "kind": "ClusterKopfPeering",
+        "namespaced": False,
+        "verbs": {"list", "watch", "get", "create", "patch"},
+    },
+    "keda.sh/v1alpha1/scaledobjects": {
+        "kind": "ScaledObject",
+        "namespaced": True,
+        "verbs": {"list", "watch", "get", "create", "patch", "delete"},
+    },
+}
+
+
+@pytest.fixture(scope="session")
+def crd() -> dict[str, Any]:
+    return yaml.safe_load(CRD_PATH.read_text())
+
+
+@pytest.fixture(scope="session")
+def crd_schema(crd: dict[str, Any]) -> dict[str, Any]:
+    return crd["spec"]["versions"][0]["schema"]["openAPIV3Schema"]
+
+
+def wait_for(what: str, probe: Callable[[], Any], timeout: float = 30.0, interval: float = 0.2) -> Any:
+    """Poll ``probe`` until it returns something truthy (returned); fail with ``what`` after ``timeout`` s."""
+    deadline = time.monotonic() + timeout
+    last = None
+    while time.monotonic() < deadline:
+        last = probe()
+        if last:
+            return last
+        time.sleep(interval)
+    raise AssertionError(f"timed out after {timeout:.0f}s waiting for {what} (last: {last!r})")
+
+
+@pytest.fixture(scope="module")
+def emulator() -> Iterator[EmulatorThread]:
+    with EmulatorThread(RESOURCES) as thread:
+        yield thread
+
+
+@pytest.fixture(scope="module")
+def kubeconfig(emulator: EmulatorThread, tmp_path_factory: pytest.TempPathFactory) -> Path:
+    path = tmp_path_factory.mktemp("kube") / "config"
+    path.write_text(
+        yaml.safe_dump(
+            {
+                "apiVersion": "v1",
+                "kind": "Config",
+                "clusters": [{"name": "kmock", "cluster": {"server": f"http://127.0.0.1:{emulator.port}"}}],
+                "users": [{"name": "kmock", "user": {"token": "test"}}],
+                "contexts": [{"name": "kmock", "context": {"cluster": "kmock", "user": "kmock"}}],
+                "current-context": "kmock",
+            }
+        )
+    )
+    return path
+
+
+@pytest.fixture(scope="module")
+def api(kubeconfig: Path) -> client.ApiClient:
+    api = config.new_client_from_config(config_file=str(kubeconfig))
+    api.user_agent = TEST_AGENT  # tells the tests' own calls apart from the operator's
+    return api
+
+
+def render_chart(values: dict[str, Any] | None = None) -> list[dict[str, Any]]:
+    """The chart's templates rendered offline, as manifests."""
+    import helm_python
+
+    files = helm_python.Chart.load(str(CHART)).render(
+        values or {}, name="kembed", namespace="kembed-system", is_install=True
+    )
+    texts = [text for path, text in sorted(files.items()) if path.endswith(".yaml")]
+    return [doc for text in texts for doc in yaml.safe_load_all(text) if doc]
+
+
+def chart_operator_args() -> list[str]:
+    """The arguments the chart's operator Deployment passes to the image's `kopf` entrypoint."""
+    (deployment,) = [d for d in render_chart() if d["kind"] == "Deployment"]
+    return list(deployment["spec"]["template"]["spec"]["containers"][0]["args"])
+
+
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+@pytest.fixture(scope="module")
+def health_url() -> str:
+    return f"http://127.0.0.1:{free_port()}/healthz"
+
+
+@pytest.fixture(scope="module")
+def operator_process(
+    kubeconfig: Path, api: client.ApiClient, health_url: str, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[subprocess.Popen[bytes]]:
+    """``kopf run`` with the chart's arguments (peering included) against the emulator; always killed."""
+    args = [health_url.join(("--liveness=", "")) if a.startswith("--liveness=") else a for a in chart_operator_args()]
+    peering = next(a.split("=", 1)[1] for a in args if a.startswith("--peering="))
+    client.CustomObjectsApi(api).create_cluster_custom_object(
+        "kopf.dev",
+        "v1",
+        "clusterkopfpeerings",
+        {"apiVersion": "kopf.dev/v1", "kind": "ClusterKopfPeering", "metadata": {"name": peering}},
+    )
+    log_path = tmp_path_factory.mktemp("kopf") / "kopf.log"
+    env = {**os.environ, "KUBECONFIG": str(kubeconfig)}
+    with log_path.open("wb") as log:
+        process = subprocess.Popen(
+            [sys.executable, "-m", "kopf", *args, "--verbose"], env=env, stdout=log, stderr=subprocess.STDOUT
+        )
+    try:
+        yield process
+    finally:
+        process.kill()
+        process.wait(10)
+        print(f"kopf log: {log_path}")

@@ -1,0 +1,118 @@
+"""The Dockerfiles, without a Docker engine: they parse, copy what exists, run CI's install commands,
+name entrypoints that exist, and never run as root."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import re
+import shlex
+from pathlib import Path
+
+import pytest
+
+from kembed.config import Settings
+from kembed.contract import GRPC_PORT, HTTP_PORT, LIVEZ_PATH
+
+ROOT = Path(__file__).resolve().parents[2]
+INSTRUCTIONS = {"FROM", "ENV", "RUN", "WORKDIR", "COPY", "EXPOSE", "USER", "HEALTHCHECK", "ENTRYPOINT", "CMD"}
+Instruction = tuple[str, str]
+
+
+def parse(name: str) -> list[Instruction]:
+    """(INSTRUCTION, arguments) with line continuations joined and comments dropped."""
+    logical, pending = [], ""
+    for line in (ROOT / name).read_text().splitlines():
+        if not pending and (not line.strip() or line.lstrip().startswith("#")):
+            continue
+        pending += line.rstrip("\\").strip() + " "
+        if not line.endswith("\\"):
+            logical.append(pending.strip())
+            pending = ""
+    assert not pending, "a dangling line continuation"
+    parsed = [(text.split(None, 1)[0], text.split(None, 1)[1]) for text in logical]
+    assert {kind for kind, _ in parsed} <= INSTRUCTIONS
+    assert parsed[0][0] == "FROM"
+    return parsed
+
+
+def args(instructions: list[Instruction], kind: str) -> list[str]:
+    return [rest for k, rest in instructions if k == kind]
+
+
+def exec_form(instructions: list[Instruction], kind: str) -> list[str]:
+    (value,) = args(instructions, kind)
+    return list(json.loads(value))
+
+
+def run_commands(instructions: list[Instruction]) -> list[str]:
+    return [cmd.strip() for run in args(instructions, "RUN") for cmd in run.split("&&")]
+
+
+def makefile_command(pattern: str) -> str:
+    """A command from the Makefile (what CI runs), continuation lines joined, variables resolved."""
+    text = (ROOT / "Makefile").read_text().replace("\\\n", " ")
+    torch = re.search(r"^TORCH\s*:=\s*(\S+)", text, re.M)
+    assert torch is not None
+    match = re.search(pattern, text.replace("$(TORCH)", torch.group(1)).replace("$(BIN)/", ""))
+    assert match is not None, pattern
+    return " ".join(match.group(0).split())
+
+
+DOCKERFILES = ["Dockerfile.server", "Dockerfile.operator"]
+
+
+@pytest.mark.parametrize("name", DOCKERFILES)
+def test_copies_exist_and_user_is_not_root(name: str) -> None:
+    instructions = parse(name)
+    for copy in args(instructions, "COPY"):
+        *sources, _ = shlex.split(copy)
+        assert all((ROOT / source).exists() for source in sources), copy
+    users = args(instructions, "USER")
+    assert users, "no USER"
+    user = users[-1].split(":")[0]
+    assert user not in ("root", "0") and int(user) >= 1000
+    assert f"--uid {user}" in " ".join(args(instructions, "RUN"))
+    # USER comes after every RUN: nothing after it could need root.
+    kinds = [kind for kind, _ in instructions]
+    assert kinds.index("USER") > max(i for i, kind in enumerate(kinds) if kind == "RUN")
+
+
+def test_server_installs_as_ci_does() -> None:
+    commands = run_commands(parse("Dockerfile.server"))
+    torch = makefile_command(r'pip install -q "torch==[^"]+"').replace(" -q", "")
+    protoc = makefile_command(r"python -m grpc_tools\.protoc [^\n]+?embedder\.proto")
+    assert commands.index(torch) < commands.index(protoc) < commands.index('pip install ".[server]"')
+    pyproject = (ROOT / "pyproject.toml").read_text()
+    tools = next(c for c in commands if "grpcio-tools" in c)
+    assert tools.split('"')[1] in pyproject  # the [proto] extra's own pin
+
+
+def test_server_runs_the_server_on_the_contract() -> None:
+    instructions = parse("Dockerfile.server")
+    assert exec_form(instructions, "ENTRYPOINT") == ["python", "-m", "kembed"]
+    assert (ROOT / "server" / "kembed" / "__main__.py").exists()
+    env = " ".join(args(instructions, "ENV"))
+    assert "KEMBED_GRPC_HOST=0.0.0.0" in env and "KEMBED_HTTP_HOST=0.0.0.0" in env
+    kembed_env = dict(pair.split("=", 1) for pair in env.split() if pair.startswith("KEMBED_"))
+    Settings.from_env(kembed_env)  # names and values the server accepts
+    assert args(instructions, "EXPOSE") == [f"{GRPC_PORT} {HTTP_PORT}"]
+    healthcheck = args(instructions, "HEALTHCHECK")[0]
+    assert f"http://127.0.0.1:{HTTP_PORT}{LIVEZ_PATH}" in healthcheck
+
+
+def test_operator_image() -> None:
+    instructions = parse("Dockerfile.operator")
+    assert args(instructions, "FROM")[0].startswith("python:3.11-slim")
+    assert 'pip install ".[operator]"' in run_commands(instructions)
+    assert "torch" not in " ".join(args(instructions, "RUN"))
+    assert exec_form(instructions, "ENTRYPOINT") == ["kopf"]
+    command = exec_form(instructions, "CMD")
+    module = next(arg.split("=", 1)[1] for arg in command if arg.startswith("--module="))
+    assert importlib.util.find_spec(module) is not None
+    assert importlib.util.find_spec("kopf") is not None
+
+
+def test_dockerignore_keeps_the_context_small() -> None:
+    ignored = (ROOT / ".dockerignore").read_text().split()
+    assert {".git", ".venv", "tests"} <= set(ignored)

@@ -1,0 +1,266 @@
+"""End to end: a real `kopf run` of the operator against the emulated API server over loopback.
+
+The emulator has no controllers: Deployments get a status only when a test writes one, nothing is
+garbage-collected, and no admission or schema validation happens (docs/operator.md lists what this
+cannot prove). Each test uses its own EmbeddingService, so they do not depend on each other's order.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import subprocess
+import urllib.request
+from typing import Any
+
+import pytest
+from kubernetes import client
+
+from kembed_operator import identity, permissions
+from tests.operator.conftest import TEST_AGENT, wait_for
+from tests.operator.emulator import EmulatorThread
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(120)]
+NS = "default"
+ES_PATH = f"/apis/{identity.API_VERSION}/namespaces/{NS}/{identity.PLURAL}"
+
+
+@pytest.fixture(scope="module")
+def kube(api: client.ApiClient, operator_process: subprocess.Popen[bytes]) -> Kube:
+    return Kube(api)
+
+
+class Kube:
+    """The official client's APIs, reading and writing plain dicts."""
+
+    def __init__(self, api: client.ApiClient) -> None:
+        self.api = api
+        self.core = client.CoreV1Api(api)
+
+    def create_es(self, name: str, **spec: Any) -> str:
+        body = {"apiVersion": identity.API_VERSION, "kind": identity.KIND, "metadata": {"name": name}, "spec": spec}
+        return str(self._call("POST", ES_PATH, body)["metadata"]["uid"])
+
+    def patch_es(self, name: str, spec: dict[str, Any]) -> None:
+        self._call("PATCH", f"{ES_PATH}/{name}", {"spec": spec}, "application/merge-patch+json")
+
+    def es(self, name: str) -> dict[str, Any]:
+        return dict(self._call("GET", f"{ES_PATH}/{name}"))
+
+    def child(self, plural: str, name: str) -> dict[str, Any] | None:
+        """A child as a dict, or None; ``plural`` as in the path, e.g. ``apps/v1/deployments``."""
+        parts = plural.split("/")
+        root = "/api/v1" if len(parts) == 1 else f"/apis/{parts[0]}/{parts[1]}"
+        try:
+            return self._call("GET", f"{root}/namespaces/{NS}/{parts[-1]}/{name}")
+        except client.ApiException as err:
+            if err.status == 404:
+                return None
+            raise
+
+    def patch_child(self, plural: str, name: str, body: dict[str, Any], subresource: str = "") -> None:
+        parts = plural.split("/")
+        root = "/api/v1" if len(parts) == 1 else f"/apis/{parts[0]}/{parts[1]}"
+        path = "/".join(p for p in (f"{root}/namespaces/{NS}/{parts[-1]}/{name}", subresource) if p)
+        self._call("PATCH", path, body, "application/merge-patch+json")
+
+    def delete_child(self, plural: str, name: str) -> None:
+        parts = plural.split("/")
+        root = "/api/v1" if len(parts) == 1 else f"/apis/{parts[0]}/{parts[1]}"
+        self._call("DELETE", f"{root}/namespaces/{NS}/{parts[-1]}/{name}")
+
+    def events(self, name: str) -> list[tuple[str, str]]:
+        listed = self.core.list_namespaced_event(NS)
+        return [(str(e.type), str(e.reason)) for e in listed.items if e.involved_object.name == name]
+
+    def _call(self, method: str, path: str, body: Any = None, content_type: str = "application/json") -> Any:
+        headers = {"Accept": "application/json", "Content-Type": content_type}
+        request = self.api.param_serialize(method=method, resource_path=path, header_params=headers, body=body)
+        response = self.api.call_api(*request)
+        response.read()
+        if not 200 <= response.status < 300:
+            raise client.ApiException(http_resp=response)
+        return json.loads(response.data or b"{}")
+
+
+DEPLOYMENTS, SERVICES, HPAS = "apps/v1/deployments", "services", "autoscaling/v2/horizontalpodautoscalers"
+PDBS, SCALED_OBJECTS = "policy/v1/poddisruptionbudgets", "keda.sh/v1alpha1/scaledobjects"
+
+
+def condition(es: dict[str, Any], kind: str) -> dict[str, Any]:
+    return next((c for c in es.get("status", {}).get("conditions", []) if c["type"] == kind), {})
+
+
+def env_of(deployment: dict[str, Any]) -> dict[str, str]:
+    container = deployment["spec"]["template"]["spec"]["containers"][0]
+    return {e["name"]: e.get("value", "") for e in container["env"]}
+
+
+def test_children_appear_with_owner_references(kube: Kube) -> None:
+    uid = kube.create_es("alpha", maxReplicas=3, resources={"gpu": 0})
+    for plural in (DEPLOYMENTS, SERVICES, PDBS, HPAS):
+        child = wait_for(plural, functools.partial(kube.child, plural, "alpha"))
+        (ref,) = child["metadata"]["ownerReferences"]
+        assert (ref["uid"], ref["kind"], ref["controller"]) == (uid, identity.KIND, True)
+        assert child["metadata"]["labels"][identity.LABEL_MANAGED_BY] == identity.MANAGED_BY
+    es = wait_for("status", lambda: kube.es("alpha").get("status", {}).get("conditions") and kube.es("alpha"))
+    status = es["status"]
+    assert status["observedGeneration"] == es["metadata"]["generation"] == 1
+    assert status["endpoint"] == "dns:///alpha.default.svc.cluster.local:50051"
+    assert status["selector"] == "app.kubernetes.io/instance=alpha,app.kubernetes.io/name=kembed"
+    assert condition(es, "Progressing")["status"] == "True"  # no controller has rolled anything out
+    assert condition(es, "Ready")["status"] == "False"
+    assert {c["type"] for c in status["conditions"]} == {"Ready", "Available", "Progressing", "Degraded"}
+    wait_for("a Created event", lambda: ("Normal", "Created") in kube.events("alpha"))
+
+
+def test_status_follows_the_deployment(kube: Kube) -> None:
+    kube.create_es("follow", resources={"gpu": 0})
+    deployment = wait_for("deployment", lambda: kube.child(DEPLOYMENTS, "follow"))
+    rolled_out = {"observedGeneration": deployment["metadata"]["generation"], "replicas": 1}
+    rolled_out |= {"updatedReplicas": 1, "readyReplicas": 1, "availableReplicas": 1}
+    kube.patch_child(DEPLOYMENTS, "follow", {"status": rolled_out}, "status")
+    es = wait_for("Ready", lambda: condition(kube.es("follow"), "Ready").get("status") == "True" and kube.es("follow"))
+    assert es["status"]["readyReplicas"] == es["status"]["replicas"] == 1
+    assert condition(es, "Available")["status"] == "True"
+    assert condition(es, "Progressing")["status"] == "False"
+    assert condition(es, "Degraded")["status"] == "False"
+
+
+def test_spec_change_rolls_out(kube: Kube) -> None:
+    kube.create_es("change", maxReplicas=2, resources={"gpu": 0})
+    wait_for("deployment", lambda: kube.child(DEPLOYMENTS, "change"))
+    kube.patch_es("change", {"slo": {"p95LatencyMs": 400}})
+    deployment = wait_for(
+        "the new thresholds",
+        lambda: env_of(d := kube.child(DEPLOYMENTS, "change") or {}).get("KEMBED_P95_SOFT_MS") == "400" and d,
+    )
+    assert env_of(deployment)["KEMBED_P95_HARD_MS"] == "800"
+    hpa = wait_for(
+        "the new HPA targets",
+        lambda: (
+            (h := kube.child(HPAS, "change"))
+            and h["spec"]["metrics"][0]["pods"]["target"]["averageValue"] == "200m"
+            and h
+        ),
+    )
+    assert hpa["spec"]["maxReplicas"] == 2
+    wait_for("observedGeneration 2", lambda: kube.es("change").get("status", {}).get("observedGeneration") == 2)
+
+
+def test_autoscaler_owned_replicas_are_left_alone(kube: Kube) -> None:
+    kube.create_es("scaled", minReplicas=1, maxReplicas=5, resources={"gpu": 0})
+    wait_for("deployment", lambda: kube.child(DEPLOYMENTS, "scaled"))
+    kube.patch_child(DEPLOYMENTS, "scaled", {"spec": {"replicas": 4}})  # what an HPA does
+    kube.patch_es("scaled", {"podAnnotations": {"team": "search"}})
+    deployment = wait_for(
+        "the new annotation",
+        lambda: (
+            (d := kube.child(DEPLOYMENTS, "scaled"))
+            and d["spec"]["template"]["metadata"]["annotations"].get("team")
+            and d
+        ),
+    )
+    assert deployment["spec"]["replicas"] == 4
+
+
+def test_deleted_children_are_restored(kube: Kube) -> None:
+    kube.create_es("restore", maxReplicas=2, resources={"gpu": 0})
+    for plural in (SERVICES, HPAS, DEPLOYMENTS):
+        old = wait_for(plural, functools.partial(kube.child, plural, "restore"))
+        kube.delete_child(plural, "restore")
+        new = wait_for(f"{plural} restored", functools.partial(kube.child, plural, "restore"))
+        assert new["metadata"]["uid"] != old["metadata"]["uid"]
+
+
+def test_hand_edits_are_reverted(kube: Kube) -> None:
+    kube.create_es("edited", image="registry.example/kembed:1", resources={"gpu": 0})
+    wait_for("deployment", lambda: kube.child(DEPLOYMENTS, "edited"))
+    kube.patch_child(
+        DEPLOYMENTS, "edited", {"spec": {"template": {"spec": {"containers": [{"name": "server", "image": "evil:1"}]}}}}
+    )
+    wait_for(
+        "the image restored",
+        lambda: (
+            (d := kube.child(DEPLOYMENTS, "edited"))
+            and d["spec"]["template"]["spec"]["containers"][0]["image"] == "registry.example/kembed:1"
+        ),
+    )
+    kube.patch_child(SERVICES, "edited", {"spec": {"selector": {identity.LABEL_INSTANCE: "other"}}})
+    wait_for(
+        "the selector restored",
+        lambda: (s := kube.child(SERVICES, "edited")) and s["spec"]["selector"][identity.LABEL_INSTANCE] == "edited",
+    )
+
+
+def test_invalid_spec_degrades_without_crashing(kube: Kube, operator_process: subprocess.Popen[bytes]) -> None:
+    # Valid for the schema, but the derived hard limit (2 x 1000 ms) is below the explicit soft one.
+    kube.create_es("broken", admission={"p95SoftMs": 5000}, resources={"gpu": 0})
+    es = wait_for(
+        "Degraded", lambda: condition(kube.es("broken"), "Degraded").get("status") == "True" and kube.es("broken")
+    )
+    degraded = condition(es, "Degraded")
+    assert degraded["reason"] == "InvalidSpec"
+    assert "KEMBED_P95_SOFT_MS" in degraded["message"]
+    assert condition(es, "Ready")["status"] == "False"
+    assert es["status"]["observedGeneration"] == 1
+    assert kube.child(DEPLOYMENTS, "broken") is None
+    wait_for("a warning event", lambda: ("Warning", "InvalidSpec") in kube.events("broken"))
+    assert operator_process.poll() is None
+
+    kube.patch_es("broken", {"admission": {"p95HardMs": 6000}})
+    wait_for("Degraded cleared", lambda: condition(kube.es("broken"), "Degraded").get("status") == "False")
+    assert kube.child(DEPLOYMENTS, "broken") is not None
+
+
+def test_switching_autoscaler_replaces_the_child(kube: Kube) -> None:
+    kube.create_es("switch", maxReplicas=3, resources={"gpu": 0})
+    wait_for("HPA", lambda: kube.child(HPAS, "switch"))
+    kube.patch_es("switch", {"autoscaling": {"provider": "keda", "keda": {"serverAddress": "http://prom:9090"}}})
+    scaled = wait_for("ScaledObject", lambda: kube.child(SCALED_OBJECTS, "switch"))
+    assert [t["metadata"]["serverAddress"] for t in scaled["spec"]["triggers"]] == ["http://prom:9090"] * 2
+    wait_for("HPA removed", lambda: kube.child(HPAS, "switch") is None)
+    kube.patch_es("switch", {"autoscaling": {"enabled": False}, "minReplicas": 2})
+    wait_for("ScaledObject removed", lambda: kube.child(SCALED_OBJECTS, "switch") is None)
+    wait_for("fixed replicas", lambda: (kube.child(DEPLOYMENTS, "switch") or {}).get("spec", {}).get("replicas") == 2)
+
+
+VERBS = {"LIST": "list", "WATCH": "watch", "FETCH": "get", "CREATE": "create", "UPDATE": "patch", "DELETE": "delete"}
+
+
+def test_every_call_is_granted_by_the_rbac_list(kube: Kube, emulator: EmulatorThread) -> None:
+    """The emulator saw every request the operator (kopf included) made: each must be in RULES."""
+    kube.create_es("audit", maxReplicas=2, resources={"gpu": 0})  # exercise create, status and delete
+    wait_for("HPA", lambda: kube.child(HPAS, "audit"))
+    kube.patch_es("audit", {"autoscaling": {"enabled": False}})
+    wait_for("HPA removed", lambda: kube.child(HPAS, "audit") is None)
+    wait_for("a Deleted event", lambda: ("Normal", "Deleted") in kube.events("audit"))
+    calls = set()
+    for request in emulator.requests():
+        res, action = request.resource, request.action
+        if res is None or res.plural is None or action is None or request.headers.get("User-Agent") == TEST_AGENT:
+            continue
+        resource = f"{res.plural}/{request.subresource}" if request.subresource else res.plural
+        calls.add((res.group, resource, VERBS[action.name]))
+    assert calls, "the operator made no calls"
+    assert calls <= permissions.triples(), calls - permissions.triples()
+    # The operator's core work was exercised, so the comparison means something.
+    exercised = {
+        ("apps", "deployments", "create"),
+        ("autoscaling", "horizontalpodautoscalers", "delete"),
+        ("", "events", "create"),
+    }
+    exercised |= {("kembed.io", "embeddingservices/status", "patch"), ("kopf.dev", "clusterkopfpeerings", "patch")}
+    assert exercised <= calls
+
+
+def test_operator_health_endpoint(kube: Kube, health_url: str) -> None:
+    wait_for("the operator's liveness endpoint", lambda: _answers_200(health_url))
+
+
+def _answers_200(url: str) -> bool:
+    try:
+        with urllib.request.urlopen(url, timeout=2) as response:
+            return bool(response.status == 200)
+    except OSError:  # not listening yet
+        return False

@@ -1,0 +1,174 @@
+"""The metrics chain: kembed server -> Prometheus -> the adapter's (and KEDA's) queries -> the HPA's numbers.
+
+A real Prometheus scrapes a real kembed server on loopback, with the `namespace` and `pod` labels
+that Kubernetes service discovery would attach. The prometheus-adapter rules shipped with the chart
+are expanded the way the adapter expands them for an HPA's Pods metric, and must return, per pod,
+the value the server exposes; the KEDA queries the operator renders must return the same.
+"""
+
+from __future__ import annotations
+
+import functools
+import json
+import os
+import shutil
+import subprocess
+import sys
+import urllib.error
+import urllib.parse
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from kembed.contract import METRICS_PATH, READYZ_PATH, Metric
+from kembed_operator import render
+from kembed_operator.config import OperatorConfig
+from kembed_operator.spec import parse_spec
+from tests.operator.conftest import CHART, free_port, wait_for
+
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
+PROMETHEUS = shutil.which("prometheus") or "/usr/bin/prometheus"
+OWNER = render.Owner(name="emb", namespace="search", uid="u")
+POD = "emb-7d4b9c8f6d-x2x9z"  # what a Deployment's pod is called
+HPA_METRICS = (Metric.QUEUE_DRAIN_SECONDS, Metric.LATENCY_P95_SECONDS)
+# Checked before any fixture runs, so a machine without Prometheus does not start a server for nothing.
+needs_prometheus = pytest.mark.skipif(
+    not Path(PROMETHEUS).exists(), reason="prometheus is not installed (apt-get install prometheus; .ci/run does)"
+)
+
+
+def http_get(url: str) -> tuple[int, str]:
+    try:
+        with urllib.request.urlopen(url, timeout=5) as response:
+            return response.status, response.read().decode()
+    except (urllib.error.URLError, ConnectionError, TimeoutError) as err:
+        return getattr(err, "code", 0) or 0, ""
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    """A real kembed server; yields its HTTP base URL."""
+    grpc_port, http_port = free_port(), free_port()
+    env = {
+        **os.environ,
+        "KEMBED_GRPC_PORT": str(grpc_port),
+        "KEMBED_HTTP_PORT": str(http_port),
+        "KEMBED_BUCKETS": "16,32",
+        "KEMBED_MAX_BATCH_SIZE": "8",
+        "KEMBED_LATENCY_WINDOW_S": "600",  # keeps the P95 still while the test compares it
+    }
+    log = tmp_path_factory.mktemp("kembed") / "server.log"
+    with log.open("wb") as out:
+        process = subprocess.Popen([sys.executable, "-m", "kembed"], env=env, stdout=out, stderr=subprocess.STDOUT)
+    base = f"http://127.0.0.1:{http_port}"
+    try:
+        wait_for(
+            "the server's /readyz", lambda: http_get(base + READYZ_PATH)[0] == 200 or process.poll() is not None, 180, 1
+        )
+        assert process.poll() is None, log.read_text()[-3000:]
+        _load(f"127.0.0.1:{grpc_port}")
+        yield base
+    finally:
+        process.kill()
+        process.wait(10)
+
+
+def _load(target: str) -> None:
+    from kembed.client import EmbedClient
+
+    with EmbedClient(target) as client:
+        for _ in range(8):
+            client.embed(["a short text", "and a slightly longer one to fill a second bucket"])
+
+
+@pytest.fixture(scope="module")
+def prometheus(server: str, tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
+    work = tmp_path_factory.mktemp("prometheus")
+    target = urllib.parse.urlsplit(server).netloc
+    scrape = {
+        "job_name": "kembed",
+        "scrape_interval": "1s",
+        "metrics_path": METRICS_PATH,
+        # The labels Kubernetes service discovery (or a PodMonitor) attaches to a pod's series.
+        "static_configs": [{"targets": [target], "labels": {"namespace": OWNER.namespace, "pod": POD}}],
+    }
+    (work / "prometheus.yml").write_text(
+        yaml.safe_dump({"global": {"scrape_interval": "1s"}, "scrape_configs": [scrape]})
+    )
+    port = free_port()
+    command = [
+        PROMETHEUS,
+        f"--config.file={work / 'prometheus.yml'}",
+        f"--storage.tsdb.path={work / 'tsdb'}",
+        f"--web.listen-address=127.0.0.1:{port}",
+    ]
+    with (work / "prometheus.log").open("wb") as out:
+        process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT)
+    base = f"http://127.0.0.1:{port}"
+    try:
+        wait_for("prometheus ready", lambda: http_get(base + "/-/ready")[0] == 200, 60, 0.5)
+        yield base
+    finally:
+        process.kill()
+        process.wait(10)
+
+
+def query(prometheus: str, promql: str) -> list[dict[str, Any]]:
+    status, body = http_get(f"{prometheus}/api/v1/query?{urllib.parse.urlencode({'query': promql})}")
+    assert status == 200, body
+    return list(json.loads(body)["data"]["result"])
+
+
+def scraped(server: str, metric: str) -> float:
+    """The value the server exposes right now."""
+    _, text = http_get(server + METRICS_PATH)
+    return next(float(line.split()[-1]) for line in text.splitlines() if line.startswith(metric + " "))
+
+
+def adapter_rules() -> list[dict[str, Any]]:
+    return list(yaml.safe_load((CHART / "prometheus-adapter-values.yaml").read_text())["rules"]["custom"])
+
+
+def expand(template: str, series: str) -> str:
+    """The adapter's expansion for an HPA Pods metric over the pods of one namespace."""
+    matchers = f'namespace="{OWNER.namespace}",pod=~"{POD}"'
+    return (
+        template.replace("<<.Series>>", series).replace("<<.LabelMatchers>>", matchers).replace("<<.GroupBy>>", "pod")
+    )
+
+
+def test_adapter_rules_cover_exactly_the_hpa_metrics() -> None:
+    names = {rule["seriesQuery"].split("{")[0] for rule in adapter_rules()}
+    hpa = next(
+        c.manifest
+        for c in render.render(OWNER, parse_spec({"maxReplicas": 2}), OperatorConfig())
+        if c.kind == render.HPA
+    )
+    assert names == {m["pods"]["metric"]["name"] for m in hpa["spec"]["metrics"]} == set(HPA_METRICS)
+    assert all(rule["resources"]["overrides"].keys() == {"namespace", "pod"} for rule in adapter_rules())
+
+
+@needs_prometheus
+@pytest.mark.parametrize("rule", adapter_rules(), ids=lambda rule: rule["seriesQuery"].split("{")[0])
+def test_adapter_query_returns_what_the_server_exposes(rule: dict[str, Any], server: str, prometheus: str) -> None:
+    metric = rule["seriesQuery"].split("{")[0]
+    wait_for(f"{metric} series", lambda: query(prometheus, rule["seriesQuery"]), 60, 0.5)
+    promql = expand(rule["metricsQuery"], metric)
+    (sample,) = wait_for(promql, lambda: query(prometheus, promql), 60, 0.5)
+    assert sample["metric"] == {"pod": POD}  # one value per pod, as the HPA's Pods metric wants
+    assert float(sample["value"][1]) == pytest.approx(scraped(server, metric), abs=1e-3)
+
+
+@needs_prometheus
+def test_keda_queries_return_what_the_server_exposes(server: str, prometheus: str) -> None:
+    spec = parse_spec({"maxReplicas": 2, "autoscaling": {"provider": "keda", "keda": {"serverAddress": prometheus}}})
+    scaled = next(c.manifest for c in render.render(OWNER, spec, OperatorConfig()) if c.kind == render.SCALED_OBJECT)
+    for trigger in scaled["spec"]["triggers"]:
+        promql = trigger["metadata"]["query"]
+        metric = promql.removeprefix("sum(").split("{")[0]
+        (sample,) = wait_for(promql, functools.partial(query, prometheus, promql), 60, 0.5)
+        assert float(sample["value"][1]) == pytest.approx(scraped(server, metric), abs=1e-3)

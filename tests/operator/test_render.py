@@ -1,0 +1,322 @@
+"""Render: every spec feature, every manifest validated against Kubernetes 1.34 (strict)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import kubernetes_validate
+import pytest
+
+from kembed.config import Settings
+from kembed.contract import GRPC_PORT, HTTP_PORT, LIVEZ_PATH, METRICS_PATH, READYZ_PATH, Metric, env_name
+from kembed_operator import identity, render
+from kembed_operator.config import OperatorConfig
+from kembed_operator.spec import InvalidSpec, parse_spec
+
+K8S_VERSION = "1.34.0"
+OWNER = render.Owner(name="emb", namespace="search", uid="0000-1111")
+CONFIG = OperatorConfig(default_image="registry.example/kembed-server:9", keda_server_address="http://prom:9090")
+
+FEATURES: dict[str, dict[str, Any]] = {
+    "defaults": {},
+    "pvc model": {"model": {"pvc": {"claimName": "models", "path": "bge"}, "pooling": "cls", "dtype": "float16"}},
+    "hub model, emptyDir cache": {"model": {"hub": {"id": "BAAI/bge-small-en-v1.5", "revision": "main"}}},
+    "hub model, PVC cache": {"model": {"hub": {"id": "intfloat/e5-small", "cacheClaimName": "hf-cache"}}},
+    "control tokens": {"model": {"controlTokens": ["[query]", "[doc]"], "maxInputTokens": 256}},
+    "cpu only": {"resources": {"gpu": 0, "cpu": 2, "memory": "4Gi"}},
+    "two gpus": {"resources": {"gpu": 2}},
+    "batching": {
+        "batching": {
+            "mode": "naive",
+            "buckets": [32, 64],
+            "maxBatchSize": 16,
+            "maxTokensPerBatch": 4096,
+            "maxWaitMs": 5,
+        }
+    },
+    "admission explicit": {
+        "admission": {
+            "strategies": ["latency"],
+            "maxDrainMs": 900,
+            "p95SoftMs": 700,
+            "p95HardMs": 1200,
+            "latencyWindowSeconds": 5,
+            "maxQueuedTokens": 100000,
+        }
+    },
+    "no admission": {"admission": {"strategies": []}},
+    "slo": {"slo": {"p95LatencyMs": 250}},
+    "hpa": {"maxReplicas": 6, "autoscaling": {"behavior": {"scaleDown": {"stabilizationWindowSeconds": 600}}}},
+    "hpa explicit targets": {
+        "maxReplicas": 3,
+        "autoscaling": {"targets": {"queueDrainSeconds": 0.2, "latencyP95Seconds": 0.3}},
+    },
+    "keda": {
+        "minReplicas": 2,
+        "maxReplicas": 8,
+        "autoscaling": {"provider": "keda", "behavior": {"scaleUp": {"stabilizationWindowSeconds": 0}}},
+    },
+    "autoscaling off": {"minReplicas": 3, "maxReplicas": 6, "autoscaling": {"enabled": False}},
+    "headless": {"service": {"type": "Headless", "annotations": {"team": "search"}}},
+    "scheduling": {
+        "nodeSelector": {"gpu": "a100"},
+        "tolerations": [{"key": "dedicated", "operator": "Equal", "value": "ml", "effect": "NoSchedule"}],
+        "affinity": {
+            "podAntiAffinity": {
+                "preferredDuringSchedulingIgnoredDuringExecution": [
+                    {
+                        "weight": 100,
+                        "podAffinityTerm": {
+                            "topologyKey": "kubernetes.io/hostname",
+                            "labelSelector": {"matchLabels": {"app.kubernetes.io/instance": "emb"}},
+                        },
+                    }
+                ]
+            }
+        },
+        "podAnnotations": {"sidecar.istio.io/inject": "false"},
+        "env": [
+            {"name": "HF_HUB_OFFLINE", "value": "1"},
+            {"name": "KEMBED_LOG_LEVEL", "value": "DEBUG"},
+            {"name": "TOKEN", "valueFrom": {"secretKeyRef": {"name": "hf", "key": "token"}}},
+        ],
+    },
+    "image": {"image": "mine/kembed:2", "imagePullPolicy": "Always", "startupTimeoutSeconds": 1800, "drainSeconds": 60},
+}
+
+
+def children(spec: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    return {child.manifest["kind"]: child.manifest for child in render.render(OWNER, parse_spec(spec), CONFIG)}
+
+
+def container(spec: dict[str, Any]) -> dict[str, Any]:
+    return dict(children(spec)["Deployment"]["spec"]["template"]["spec"]["containers"][0])
+
+
+def env(spec: dict[str, Any]) -> dict[str, str]:
+    return {e["name"]: e.get("value", "") for e in container(spec)["env"] if "valueFrom" not in e}
+
+
+@pytest.mark.parametrize("spec", FEATURES.values(), ids=FEATURES.keys())
+def test_every_manifest_is_valid_kubernetes(spec: dict[str, Any]) -> None:
+    for child in render.render(OWNER, parse_spec(spec), CONFIG):
+        manifest = child.manifest
+        if manifest["kind"] != "ScaledObject":  # a KEDA CRD: no built-in schema (checked below)
+            kubernetes_validate.validate(manifest, K8S_VERSION, strict=True)
+        (ref,) = manifest["metadata"]["ownerReferences"]
+        assert ref == {
+            "apiVersion": identity.API_VERSION,
+            "kind": identity.KIND,
+            "name": "emb",
+            "uid": "0000-1111",
+            "controller": True,
+            "blockOwnerDeletion": True,
+        }
+        assert manifest["metadata"]["labels"][identity.LABEL_MANAGED_BY] == identity.MANAGED_BY
+        assert (manifest["metadata"]["name"], manifest["metadata"]["namespace"]) == ("emb", "search")
+
+
+@pytest.mark.parametrize("spec", FEATURES.values(), ids=FEATURES.keys())
+def test_rendered_env_is_accepted_by_the_server(spec: dict[str, Any]) -> None:
+    settings = Settings.from_env({k: v for k, v in env(spec).items() if k.startswith("KEMBED_")})
+    assert (settings.grpc_host, settings.http_host) == ("0.0.0.0", "0.0.0.0")
+    assert (settings.grpc_port, settings.http_port) == (GRPC_PORT, HTTP_PORT)
+
+
+def test_deployment_defaults() -> None:
+    deployment = children({})["Deployment"]
+    pod = deployment["spec"]["template"]["spec"]
+    server = pod["containers"][0]
+    assert deployment["spec"]["replicas"] == 1
+    assert deployment["spec"]["strategy"]["rollingUpdate"]["maxUnavailable"] == 0
+    assert server["image"] == CONFIG.default_image
+    assert server["resources"]["limits"]["nvidia.com/gpu"] == "1"
+    assert server["readinessProbe"]["httpGet"]["path"] == READYZ_PATH
+    assert server["livenessProbe"]["httpGet"]["path"] == LIVEZ_PATH
+    startup = server["startupProbe"]
+    assert startup["httpGet"]["path"] == READYZ_PATH
+    assert startup["periodSeconds"] * startup["failureThreshold"] >= 900  # warmup + CUDA graph capture
+    assert server["lifecycle"]["preStop"]["sleep"]["seconds"] == render.PRESTOP_SLEEP_S
+    assert pod["terminationGracePeriodSeconds"] > render.PRESTOP_SLEEP_S + 25  # preStop + drain fit
+    assert env({})[env_name("drain_timeout_s")] == "25"
+    assert pod["securityContext"]["runAsNonRoot"] is True
+    assert server["securityContext"] == {
+        "allowPrivilegeEscalation": False,
+        "readOnlyRootFilesystem": True,
+        "runAsNonRoot": True,
+        "capabilities": {"drop": ["ALL"]},
+    }
+    assert pod["automountServiceAccountToken"] is False
+    annotations = deployment["spec"]["template"]["metadata"]["annotations"]
+    assert annotations == {
+        "prometheus.io/scrape": "true",
+        "prometheus.io/port": str(HTTP_PORT),
+        "prometheus.io/path": METRICS_PATH,
+    }
+    assert {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"} in pod["tolerations"]
+    assert env({})[env_name("device")] == "cuda"
+    assert set(children({})) == {"Deployment", "Service", "PodDisruptionBudget"}  # min == max: no autoscaler
+
+
+def test_model_sources() -> None:
+    pvc = FEATURES["pvc model"]
+    assert env(pvc)[env_name("model")] == "/models/bge"
+    assert {"name": "model", "mountPath": "/models", "readOnly": True} in container(pvc)["volumeMounts"]
+    volumes = children(pvc)["Deployment"]["spec"]["template"]["spec"]["volumes"]
+    assert {"name": "model", "persistentVolumeClaim": {"claimName": "models", "readOnly": True}} in volumes
+    assert (env(pvc)[env_name("pooling")], env(pvc)[env_name("dtype")]) == ("cls", "float16")
+
+    hub = FEATURES["hub model, emptyDir cache"]
+    assert env(hub)[env_name("model")] == "BAAI/bge-small-en-v1.5"
+    assert env(hub)[env_name("model_revision")] == "main"
+    assert env(hub)[env_name("model_cache_dir")] == render.CACHE_DIR
+    hub_volumes = children(hub)["Deployment"]["spec"]["template"]["spec"]["volumes"]
+    assert {"name": "model-cache", "emptyDir": {"sizeLimit": "20Gi"}} in hub_volumes
+    cached = children(FEATURES["hub model, PVC cache"])["Deployment"]["spec"]["template"]["spec"]["volumes"]
+    assert {"name": "model-cache", "persistentVolumeClaim": {"claimName": "hf-cache"}} in cached
+    assert env_name("model") not in env({})  # the bundled model
+
+    tokens = env(FEATURES["control tokens"])
+    assert (tokens[env_name("control_tokens")], tokens[env_name("max_input_tokens")]) == ("[query],[doc]", "256")
+
+
+def test_resources() -> None:
+    cpu = container(FEATURES["cpu only"])
+    assert cpu["resources"] == {"requests": {"cpu": "2", "memory": "4Gi"}, "limits": {"memory": "4Gi"}}
+    assert env(FEATURES["cpu only"])[env_name("device")] == "cpu"
+    assert "tolerations" not in children(FEATURES["cpu only"])["Deployment"]["spec"]["template"]["spec"]
+    assert container(FEATURES["two gpus"])["resources"]["limits"]["nvidia.com/gpu"] == "2"
+
+
+def test_batching_and_admission_pass_through() -> None:
+    batching = env(FEATURES["batching"])
+    assert {
+        k: batching[env_name(k)]
+        for k in ("batching", "buckets", "max_batch_size", "max_tokens_per_batch", "max_wait_ms")
+    } == {
+        "batching": "naive",
+        "buckets": "32,64",
+        "max_batch_size": "16",
+        "max_tokens_per_batch": "4096",
+        "max_wait_ms": "5",
+    }
+    assert env_name("buckets") not in env({})  # unset: the server's default
+    admission = env(FEATURES["admission explicit"])
+    names = ("admission", "max_drain_ms", "p95_soft_ms", "p95_hard_ms", "latency_window_s", "max_queued_tokens")
+    assert [admission[env_name(k)] for k in names] == ["latency", "900", "700", "1200", "5", "100000"]
+    # An empty strategy list means "no admission"; the API server drops empty values, so none is sent.
+    assert {"name": env_name("admission")} in container(FEATURES["no admission"])["env"]
+
+
+def test_slo_drives_admission_and_hpa() -> None:
+    slo = env(FEATURES["slo"])
+    assert [slo[env_name(k)] for k in ("max_drain_ms", "p95_soft_ms", "p95_hard_ms")] == ["250", "250", "500"]
+    hpa = children({**FEATURES["slo"], "maxReplicas": 2})["HorizontalPodAutoscaler"]
+    targets = {m["pods"]["metric"]["name"]: m["pods"]["target"]["averageValue"] for m in hpa["spec"]["metrics"]}
+    assert targets == {Metric.QUEUE_DRAIN_SECONDS: "125m", Metric.LATENCY_P95_SECONDS: "200m"}
+
+
+def test_hpa() -> None:
+    rendered = children(FEATURES["hpa"])
+    hpa = rendered["HorizontalPodAutoscaler"]["spec"]
+    assert hpa["scaleTargetRef"] == {"apiVersion": "apps/v1", "kind": "Deployment", "name": "emb"}
+    assert (hpa["minReplicas"], hpa["maxReplicas"]) == (1, 6)
+    assert hpa["behavior"] == FEATURES["hpa"]["autoscaling"]["behavior"]  # verbatim
+    assert all(m["type"] == "Pods" and m["pods"]["target"]["type"] == "AverageValue" for m in hpa["metrics"])
+    assert "replicas" not in rendered["Deployment"]["spec"]  # the HPA owns it
+    (deployment,) = [
+        c for c in render.render(OWNER, parse_spec(FEATURES["hpa"]), CONFIG) if c.kind == render.DEPLOYMENT
+    ]
+    assert deployment.on_create == {"spec": {"replicas": 1}}  # ...after it starts at minReplicas
+    explicit = children(FEATURES["hpa explicit targets"])["HorizontalPodAutoscaler"]["spec"]["metrics"]
+    assert [m["pods"]["target"]["averageValue"] for m in explicit] == ["200m", "300m"]
+
+
+def test_keda() -> None:
+    rendered = children(FEATURES["keda"])
+    assert "HorizontalPodAutoscaler" not in rendered
+    scaled = rendered["ScaledObject"]
+    assert scaled["apiVersion"] == "keda.sh/v1alpha1"
+    spec = scaled["spec"]
+    assert spec["scaleTargetRef"] == {"name": "emb"}
+    assert (spec["minReplicaCount"], spec["maxReplicaCount"]) == (2, 8)
+    assert spec["advanced"]["horizontalPodAutoscalerConfig"]["behavior"] == {
+        "scaleUp": {"stabilizationWindowSeconds": 0}
+    }
+    queries = {t["metadata"]["query"]: t["metadata"]["threshold"] for t in spec["triggers"]}
+    assert queries == {
+        f'sum({Metric.QUEUE_DRAIN_SECONDS}{{namespace="search",pod=~"emb-[a-z0-9]+-[a-z0-9]+"}})': "0.5",
+        f'sum({Metric.LATENCY_P95_SECONDS}{{namespace="search",pod=~"emb-[a-z0-9]+-[a-z0-9]+"}})': "0.8",
+    }
+    assert {t["metadata"]["serverAddress"] for t in spec["triggers"]} == {"http://prom:9090"}
+    assert "replicas" not in rendered["Deployment"]["spec"]
+
+
+def test_autoscaling_off_fixes_the_replica_count() -> None:
+    rendered = children(FEATURES["autoscaling off"])
+    assert rendered["Deployment"]["spec"]["replicas"] == 3
+    assert not {"HorizontalPodAutoscaler", "ScaledObject"} & set(rendered)
+
+
+def test_service_shapes() -> None:
+    plain = children({})["Service"]
+    assert plain["spec"]["type"] == "ClusterIP" and "clusterIP" not in plain["spec"]
+    ports = {p["name"]: (p["port"], p.get("appProtocol")) for p in plain["spec"]["ports"]}
+    assert ports == {"grpc": (GRPC_PORT, "grpc"), "http": (HTTP_PORT, None)}
+    headless = children(FEATURES["headless"])["Service"]
+    assert headless["spec"]["clusterIP"] == "None"
+    assert headless["metadata"]["annotations"] == {"team": "search"}
+    assert plain["spec"]["selector"] == children({})["Deployment"]["spec"]["selector"]["matchLabels"]
+
+
+def test_pdb_never_blocks_a_drain() -> None:
+    pdb = children({})["PodDisruptionBudget"]["spec"]
+    assert (pdb["maxUnavailable"], pdb["unhealthyPodEvictionPolicy"]) == (1, "AlwaysAllow")
+
+
+def test_scheduling_pass_through() -> None:
+    spec = FEATURES["scheduling"]
+    pod = children(spec)["Deployment"]["spec"]["template"]
+    assert pod["spec"]["nodeSelector"] == {"gpu": "a100"}
+    assert pod["spec"]["affinity"] == spec["affinity"]
+    assert spec["tolerations"][0] in pod["spec"]["tolerations"]
+    assert pod["metadata"]["annotations"]["sidecar.istio.io/inject"] == "false"
+    assert pod["metadata"]["annotations"]["prometheus.io/scrape"] == "true"
+    container_env = pod["spec"]["containers"][0]["env"]
+    assert all(e in container_env for e in spec["env"])
+
+
+def test_image_and_timing() -> None:
+    spec = FEATURES["image"]
+    server = container(spec)
+    assert (server["image"], server["imagePullPolicy"]) == ("mine/kembed:2", "Always")
+    assert server["startupProbe"]["periodSeconds"] * server["startupProbe"]["failureThreshold"] >= 1800
+    grace = children(spec)["Deployment"]["spec"]["template"]["spec"]["terminationGracePeriodSeconds"]
+    assert grace == render.PRESTOP_SLEEP_S + 60 + render.GRACE_MARGIN_S
+    assert env(spec)[env_name("drain_timeout_s")] == "60"
+
+
+def test_render_is_deterministic() -> None:
+    spec = parse_spec(FEATURES["scheduling"])
+    assert render.render(OWNER, spec, CONFIG) == render.render(OWNER, spec, CONFIG)
+
+
+INVALID: dict[str, tuple[dict[str, Any], str]] = {
+    "derived hard below explicit soft": ({"admission": {"p95SoftMs": 5000}}, "KEMBED_P95_SOFT_MS"),
+    "explicit soft above hard": ({"admission": {"p95SoftMs": 900, "p95HardMs": 800}}, "KEMBED_P95_SOFT_MS"),
+    "max below min": ({"minReplicas": 3, "maxReplicas": 2}, "maxReplicas"),
+    "both model sources": ({"model": {"pvc": {"claimName": "a"}, "hub": {"id": "b"}}}, "not both"),
+    "unknown field": ({"replicas": 3}, "spec.replicas"),
+    "wrong type": ({"slo": {"p95LatencyMs": "fast"}}, "spec.slo.p95LatencyMs"),
+    "unsorted buckets": ({"batching": {"buckets": [64, 32]}}, "KEMBED_BUCKETS"),
+    "env fights the spec": ({"env": [{"name": "KEMBED_P95_SOFT_MS", "value": "1"}]}, "spec.env[0]"),
+    "env typo": ({"env": [{"name": "KEMBED_MAX_BATCH", "value": "1"}]}, "not a kembed server setting"),
+    "bad env value": ({"env": [{"name": "KEMBED_LATENCY_WINDOW_S", "value": "-1"}]}, "KEMBED_LATENCY_WINDOW_S"),
+    "keda without prometheus": ({"maxReplicas": 2, "autoscaling": {"provider": "keda"}}, "serverAddress"),
+}
+
+
+@pytest.mark.parametrize(("spec", "needle"), INVALID.values(), ids=INVALID.keys())
+def test_invalid_specs_are_explained(spec: dict[str, Any], needle: str) -> None:
+    with pytest.raises(InvalidSpec, match=needle.replace("[", r"\[").replace(".", r"\.")):
+        render.render(OWNER, parse_spec(spec), OperatorConfig())
