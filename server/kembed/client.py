@@ -13,11 +13,12 @@ UNAVAILABLE (warming up, draining, a replica going away) with exponential backof
 from __future__ import annotations
 
 import argparse
+import json
 import random
 import time
 from collections.abc import Callable, Sequence
 from types import TracebackType
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import grpc
 import numpy as np
@@ -40,15 +41,16 @@ class EmbedClient:
         max_attempts: int = 6,
         backoff_s: float = 0.1,
         max_message_bytes: int = 16 * 1024 * 1024,
+        round_robin: bool = False,
         sleep: Callable[[float], None] = time.sleep,
     ) -> None:
-        self._channel = grpc.insecure_channel(
-            target,
-            options=[
-                ("grpc.max_receive_message_length", max_message_bytes),
-                ("grpc.max_send_message_length", max_message_bytes),
-            ],
-        )
+        options: list[tuple[str, Any]] = [
+            ("grpc.max_receive_message_length", max_message_bytes),
+            ("grpc.max_send_message_length", max_message_bytes),
+        ]
+        if round_robin:  # spread calls over every address a headless Service's name resolves to
+            options.append(("grpc.service_config", json.dumps({"loadBalancingConfig": [{"round_robin": {}}]})))
+        self._channel = grpc.insecure_channel(target, options=options)
         self._stub = pb_grpc.EmbedderStub(self._channel)
         self._timeout = timeout_s
         self._max_attempts = max_attempts
