@@ -2,8 +2,10 @@
 
 Policy (``choose_batch``, pure): a stale bucket first (its oldest item waited ``max_wait``; the
 oldest wins so no bucket starves), then a full bucket, then, only when the worker has nothing to
-do, the bucket with the most queued tokens. Batches take their rows from a fixed set of shapes,
-so compiled CUDA graphs are captured once and replayed.
+do, the bucket with the most queued tokens. When graphs are compiled, every batch takes one of a
+fixed set of shapes (rows padded up to a power of two, length padded to the bucket's), so CUDA
+graphs are captured once and replayed; in eager mode a batch is trimmed to its real rows and its
+longest item, since padding there is only wasted work.
 
 The naive policy (the ablation baseline, ``KEMBED_BATCHING=naive``) has one queue: whatever is
 waiting goes as soon as the worker is free, padded to the longest item in the batch.
@@ -18,25 +20,26 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 from kembed.buckets import BucketQueue, Routed
-from kembed.work import Batch, Job
+from kembed.work import Batch, Chunk, Job
 
 IN_FLIGHT_LIMIT = 2  # batches handed to the worker and not yet finished: one running, one ready
 
 
 @dataclass(frozen=True)
 class BatchShapes:
-    """The fixed batch row counts: powers of two up to ``max_batch_size``, capped by tokens."""
+    """Batch row counts (powers of two up to ``max_batch_size``, capped by tokens), and whether
+    batches are padded to exactly those shapes."""
 
     sizes: tuple[int, ...]
     max_tokens: int
-    pad_rows: bool  # pad rows up to a fixed size (needed for CUDA graphs; wasted work in eager mode)
+    fixed: bool  # pad to (size, bucket length): CUDA graphs need it; in eager mode it is wasted work
 
     @classmethod
-    def build(cls, max_batch_size: int, max_tokens: int, pad_rows: bool) -> BatchShapes:
+    def build(cls, max_batch_size: int, max_tokens: int, fixed: bool) -> BatchShapes:
         sizes = [1 << i for i in range(max_batch_size.bit_length()) if 1 << i <= max_batch_size]
         if sizes[-1] != max_batch_size:
             sizes.append(max_batch_size)
-        return cls(tuple(sizes), max_tokens, pad_rows)
+        return cls(tuple(sizes), max_tokens, fixed)
 
     def max_rows(self, seq_len: int) -> int:
         """The most rows a batch of this length may have (always at least one)."""
@@ -44,10 +47,16 @@ class BatchShapes:
         return fitting[-1] if fitting else self.sizes[0]
 
     def rows_for(self, n: int, seq_len: int) -> int:
-        """The batch rows for ``n`` items: the smallest fixed size that holds them, if padding rows."""
-        if not self.pad_rows:
+        """The batch rows for ``n`` items: the smallest fixed size that holds them, when fixed."""
+        if not self.fixed:
             return n
         return next(size for size in self.sizes if size >= n)
+
+    def seq_len_for(self, bucket_length: int, chunks: Sequence[Chunk]) -> int:
+        """The batch length: the bucket's when fixed, else the longest item's."""
+        if self.fixed:
+            return bucket_length
+        return max(int(chunk.lengths.max()) for chunk in chunks)
 
     def grid(self, seq_lens: Sequence[int]) -> list[tuple[int, int]]:
         """Every (seq_len, rows) shape a batch can take: what warmup compiles."""
@@ -160,9 +169,7 @@ class Batcher:
             if not chunks:
                 continue  # only abandoned items were there
             real_rows = sum(chunk.size for chunk in chunks)
-            seq_len = self.queue.lengths[pick.bucket]
-            if self._naive:
-                seq_len = max(int(chunk.lengths.max()) for chunk in chunks)
+            seq_len = self.shapes.seq_len_for(self.queue.lengths[pick.bucket], chunks)
             batch = Batch(chunks, seq_len, self.shapes.rows_for(real_rows, seq_len))
             self.in_flight += 1
             self.in_flight_tokens += batch.padded_tokens

@@ -65,7 +65,7 @@ def make_plan(settings: Settings, model: EmbeddingModel) -> Plan:
     )
     max_tokens = model.info.max_input_tokens
     lengths = [max_tokens] if naive else clip_buckets(settings.buckets, max_tokens)
-    shapes = BatchShapes.build(settings.max_batch_size, settings.max_tokens_per_batch, pad_rows=compiled)
+    shapes = BatchShapes.build(settings.max_batch_size, settings.max_tokens_per_batch, fixed=compiled)
     return Plan(lengths, shapes, compiled, naive)
 
 

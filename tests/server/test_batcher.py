@@ -33,7 +33,7 @@ def add(queue: BucketQueue, loop, length: int, count: int, now: float) -> Job:
     return job
 
 
-SHAPES = BatchShapes.build(max_batch_size=8, max_tokens=512, pad_rows=True)
+SHAPES = BatchShapes.build(max_batch_size=8, max_tokens=512, fixed=True)
 
 
 def choose(queue, now, idle=False, naive=False):
@@ -45,7 +45,7 @@ def test_shapes_are_fixed_powers_of_two_capped_by_tokens():
     assert [SHAPES.max_rows(n) for n in LENGTHS] == [8, 8, 8, 4]
     assert [SHAPES.rows_for(n, 16) for n in (1, 2, 3, 5, 8)] == [1, 2, 4, 8, 8]
     assert BatchShapes.build(48, 10_000, True).sizes == (1, 2, 4, 8, 16, 32, 48)
-    assert BatchShapes.build(8, 512, pad_rows=False).rows_for(3, 16) == 3
+    assert BatchShapes.build(8, 512, fixed=False).rows_for(3, 16) == 3
     assert (128, 4) in SHAPES.grid(LENGTHS) and (128, 8) not in SHAPES.grid(LENGTHS)
 
 
@@ -137,3 +137,18 @@ async def test_loop_does_not_poll_when_idle():
     await asyncio.sleep(0.3)
     task.cancel()
     assert wakeups <= 2
+
+
+async def test_eager_batches_are_trimmed_to_their_items():
+    dispatched: list[Batch] = []
+    eager = BatchShapes.build(max_batch_size=8, max_tokens=512, fixed=False)
+    batcher = Batcher(BucketQueue(LENGTHS), eager, dispatched.append, max_wait=MAX_WAIT, naive=False)
+    task = asyncio.create_task(batcher.run())
+    try:
+        lengths = np.array([20, 27, 18], np.int32)
+        seqs = Sequences(np.ones(int(lengths.sum()), np.int32), lengths)
+        batcher.submit(make_job(asyncio.get_running_loop(), 3), route(seqs, LENGTHS, 0))
+        await asyncio.sleep(0.01)
+        assert [(b.rows, b.seq_len) for b in dispatched] == [(3, 27)]  # not (4, 32)
+    finally:
+        task.cancel()

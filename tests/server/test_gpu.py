@@ -25,7 +25,7 @@ def test_no_recompiles_after_warmup_and_outputs_match_eager():
     model = EmbeddingModel.load(settings)
     plan = make_plan(settings, model)
     assert plan.compiled
-    assert plan.shapes.pad_rows
+    assert plan.shapes.fixed
     reference = EmbeddingModel.load(Settings.from_env({}, device="cpu", dtype="float32"))
     model.compile()
     engine = Engine(model, plan, Warmup.AUTO)
