@@ -150,14 +150,23 @@ class AdmissionController:
             return 1.0
         return max(0.0, (p95 - floor) / (self._hard - floor))
 
+    def screen(self, min_tokens: int, backlog_tokens: int) -> Rejection | None:
+        """Before tokenizing: the latency strategy's draw (it does not depend on the request) and the
+        capacity checks against a lower bound of its cost, so overload is refused without spending
+        CPU on tokenization. Rejections enter the P95 window."""
+        rejection = self._shed(backlog_tokens + min_tokens) or self._capacity(min_tokens, backlog_tokens)
+        return self._record(rejection, backlog_tokens + min_tokens)
+
     def admit(self, request_tokens: int, backlog_tokens: int) -> Rejection | None:
-        """None to admit; otherwise why not and when to retry. Rejections enter the P95 window."""
-        rejection = self._decide(request_tokens, backlog_tokens)
+        """After tokenizing: the capacity checks with the request's exact padded cost."""
+        return self._record(self._capacity(request_tokens, backlog_tokens), backlog_tokens + request_tokens)
+
+    def _record(self, rejection: Rejection | None, tokens_ahead: int) -> Rejection | None:
         if rejection is not None:
-            self.latency.add(self.drain_seconds(backlog_tokens + request_tokens))
+            self.latency.add(self.drain_seconds(tokens_ahead))
         return rejection
 
-    def _decide(self, request_tokens: int, backlog_tokens: int) -> Rejection | None:
+    def _capacity(self, request_tokens: int, backlog_tokens: int) -> Rejection | None:
         after = backlog_tokens + request_tokens
         if after > self._max_queued:
             return Rejection(
@@ -165,27 +174,28 @@ class AdmissionController:
                 self._pushback(after - self._max_queued),
                 f"server queue is full ({backlog_tokens} of {self._max_queued} padded tokens queued)",
             )
-        if Admission.THROUGHPUT in self._strategies:
-            drain = self.drain_seconds(after)
-            if drain > self._max_drain:
-                excess = after - self.rate.tokens_per_second * self._max_drain
-                return Rejection(
-                    "drain_time",
-                    self._pushback(excess),
-                    f"server is overloaded: estimated drain time {drain * 1000:.0f} ms exceeds "
-                    f"{self._max_drain * 1000:.0f} ms",
-                )
+        if Admission.THROUGHPUT not in self._strategies:
+            return None
+        drain = self.drain_seconds(after)
+        if drain <= self._max_drain:
+            return None
+        excess = after - self.rate.tokens_per_second * self._max_drain
+        return Rejection(
+            "drain_time",
+            self._pushback(excess),
+            f"server is overloaded: estimated drain time {drain * 1000:.0f} ms exceeds {self._max_drain * 1000:.0f} ms",
+        )
+
+    def _shed(self, tokens_ahead: int) -> Rejection | None:
         fraction = self.shed_fraction()
-        if fraction > 0 and self._rng.random() < fraction:
-            reason = "latency_hard" if fraction >= 1.0 else "latency_shed"
-            p95 = self.p95_seconds()
-            return Rejection(
-                reason,
-                self._pushback(backlog_tokens, floor_s=min(p95, MAX_PUSHBACK_MS / 1000)),
-                f"server is shedding load: p95 latency {p95 * 1000:.0f} ms is over the "
-                f"{self._soft * 1000:.0f} ms limit",
-            )
-        return None
+        if fraction <= 0 or self._rng.random() >= fraction:
+            return None
+        p95 = self.p95_seconds()
+        return Rejection(
+            "latency_hard" if fraction >= 1.0 else "latency_shed",
+            self._pushback(tokens_ahead, floor_s=min(p95, MAX_PUSHBACK_MS / 1000)),
+            f"server is shedding load: p95 latency {p95 * 1000:.0f} ms is over the {self._soft * 1000:.0f} ms limit",
+        )
 
     def _pushback(self, tokens: float, floor_s: float = 0.0) -> int:
         """Milliseconds until the given tokens would have drained, within sane bounds."""

@@ -18,7 +18,7 @@ import grpc
 import numpy as np
 
 from kembed import __version__
-from kembed.admission import AdmissionController
+from kembed.admission import AdmissionController, Rejection
 from kembed.batcher import Batcher
 from kembed.buckets import Routed, padded_tokens, route
 from kembed.config import Settings
@@ -113,6 +113,7 @@ class EmbedService:
     async def _embed(self, request: pb.EmbedRequest, arrival: float, time_remaining: float | None) -> pb.EmbedResponse:
         p = self._p
         self._validate(request)
+        self._screen(request)
         loop = asyncio.get_running_loop()
         try:
             seqs, routed = await loop.run_in_executor(p.executor, self._prepare, request)
@@ -162,6 +163,13 @@ class EmbedService:
             seqs = tokenizer.from_texts(request.texts, request.truncate)
         return seqs, route(seqs, self._p.plan.bucket_lengths, self._p.model.info.pad_token_id)
 
+    def _screen(self, request: pb.EmbedRequest) -> None:
+        """Refuse what overload would refuse anyway before paying for tokenization."""
+        p = self._p
+        count = len(request.tokens.lengths) if request.HasField("tokens") else len(request.texts)
+        lower_bound = min(count, p.settings.max_items_per_request) * p.plan.bucket_lengths[0]
+        self._raise_if_rejected(p.admission.screen(lower_bound, p.batcher.backlog_tokens))
+
     def _admit(self, cost: int) -> None:
         p = self._p
         if cost > p.settings.max_queued_tokens:
@@ -170,7 +178,9 @@ class EmbedService:
                 f"texts, tokens: the request needs {cost} padded tokens, more than the server queues at once "
                 f"({p.settings.max_queued_tokens}): split it",
             )
-        rejection = p.admission.admit(cost, p.batcher.backlog_tokens)
+        self._raise_if_rejected(p.admission.admit(cost, p.batcher.backlog_tokens))
+
+    def _raise_if_rejected(self, rejection: Rejection | None) -> None:
         if rejection is not None:
             self._metrics.rejected.labels(reason=rejection.reason).inc()
             raise EmbedError(grpc.StatusCode.RESOURCE_EXHAUSTED, rejection.message, rejection.retry_after_ms)

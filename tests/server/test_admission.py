@@ -57,7 +57,7 @@ def test_latency_strategy_needs_a_few_samples_then_sheds_by_fraction():
     expected = (0.2 - 0.08) / (0.3 - 0.08)  # linear from the recovery floor (80% of soft) to hard
     assert admission.shed_fraction() == pytest.approx(expected)
     admission.rate.seed(tokens=100, seconds=1.0)
-    outcomes = [admission.admit(10, 10) for _ in range(2000)]  # a rejection would have taken 0.2 s
+    outcomes = [admission.screen(10, 10) for _ in range(2000)]  # a rejection would have taken 0.2 s
     shed = sum(o is not None for o in outcomes) / len(outcomes)
     assert expected - 0.07 < shed < expected + 0.07
     assert {o.reason for o in outcomes if o} == {"latency_shed"}
@@ -68,7 +68,8 @@ def test_latency_hard_limit_rejects_everything():
     admission = controller(clock, admission=["latency"], p95_soft_ms=100, p95_hard_ms=300)
     for _ in range(20):
         admission.latency.add(0.5)
-    rejection = admission.admit(10, 0)
+    assert admission.admit(10, 0) is None  # the latency draw happens once, before tokenizing
+    rejection = admission.screen(10, 0)
     assert rejection is not None and rejection.reason == "latency_hard"
     assert rejection.retry_after_ms >= 10
 
@@ -109,3 +110,13 @@ def test_no_strategies_still_bounds_the_queue():
     rejection = admission.admit(50, 60)
     assert rejection is not None
     assert rejection.reason == "queue_full"
+
+
+def test_screening_refuses_overload_before_the_exact_cost_is_known():
+    admission = controller(FakeClock(), admission=["throughput"], max_drain_ms=1000)
+    admission.rate.seed(tokens=1000, seconds=1.0)
+    assert admission.screen(16, backlog_tokens=900) is None  # a lower bound that still fits
+    assert admission.admit(256, backlog_tokens=900) is not None  # the exact cost does not
+    rejection = admission.screen(16, backlog_tokens=1000)
+    assert rejection is not None
+    assert rejection.reason == "drain_time"
