@@ -76,7 +76,9 @@ class Settings(BaseModel):
     max_batch_size: int = Field(
         64, ge=1, le=4096, description="Most rows in one batch (batch shapes are powers of two up to it)"
     )
-    max_tokens_per_batch: int = Field(8192, ge=16, description="Most padded tokens (rows x bucket length) in one batch")
+    max_tokens_per_batch: int = Field(
+        0, ge=0, description="Most padded tokens (rows x length) in one batch; 0 = 2048 on CPU, 16384 on CUDA"
+    )
     max_wait_ms: float = Field(
         20.0, ge=0, description="A bucket whose oldest item waited this long is stale and drains first"
     )
@@ -160,7 +162,7 @@ class Settings(BaseModel):
     def _consistent(self) -> Settings:
         if self.p95_soft_ms > self.p95_hard_ms:
             raise ValueError(f"{env_name('p95_soft_ms')} must not exceed {env_name('p95_hard_ms')}")
-        if self.max_tokens_per_batch < self.buckets[0]:
+        if 0 < self.max_tokens_per_batch < self.buckets[0]:
             raise ValueError(f"{env_name('max_tokens_per_batch')} must hold one row of the smallest bucket")
         return self
 
