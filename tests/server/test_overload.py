@@ -83,13 +83,15 @@ def test_client_retries_after_the_pushback():
     try:
         with grpc.insecure_channel(server.target) as channel:
             stub = pb_grpc.EmbedderStub(channel)
-            big = stub.Embed.future(pb.EmbedRequest(texts=["fill the queue"] * 250), timeout=60)  # 4000 tokens
+            long_text = "Fill the queue with long texts that take a while to compute. " * 30
+            # 16 items in the 256 bucket: the whole 4096-token cap, for about a second of compute
+            big = stub.Embed.future(pb.EmbedRequest(texts=[long_text] * 16, truncate=True), timeout=60)
             while server.health()["queued_tokens"] == 0:
                 time.sleep(0.005)
             with EmbedClient(server.target, timeout_s=120, max_attempts=50) as client:
                 vectors = client.embed(["patience"] * 8)
                 assert client.retries >= 1
             assert vectors.shape == (8, 384)
-            assert big.result().count == 250
+            assert big.result().count == 16
     finally:
         server.stop()
