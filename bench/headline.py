@@ -1,0 +1,170 @@
+"""The headline ratios and tables, computed from the result JSONs (never typed by hand)."""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Any
+
+from bench.report import Spread
+
+
+@dataclass(frozen=True)
+class Ratio:
+    name: str
+    value: Spread
+    target: str  # e.g. ">= 0.90"; empty when the figure is informative only
+
+    def met(self) -> bool | None:
+        if not self.target:
+            return None
+        op, bound = self.target.split()
+        return self.value.median >= float(bound) if op == ">=" else self.value.median <= float(bound)
+
+
+def _rate(phase: dict[str, Any]) -> Spread:
+    return Spread.from_dict(phase["emb_per_s"])
+
+
+def _exact(value: float) -> Spread:
+    return Spread(value, value, value)
+
+
+def _overload(serve: dict[str, Any]) -> dict[str, Any]:
+    """The open-loop phase with the highest offered load."""
+    return max(serve["open_loop"], key=lambda p: p["offered_x"])
+
+
+def ratios(ceiling: dict[str, Any], token_bucket: dict[str, Any], naive: dict[str, Any] | None) -> list[Ratio]:
+    """The headline figures. The reference ceiling is ``sorted``, or ``bucketed`` when compiled
+    (CUDA graphs allow only the server's fixed shapes)."""
+    reference = "sorted" if "sorted" in ceiling else "bucketed"
+    best = _rate(ceiling[reference])
+    saturated = _rate(token_bucket["saturation"])
+    overload = _overload(token_bucket)
+    x = f"{overload['offered_x']:g}x"
+    rows = [
+        Ratio(f"Server at saturation / {reference} ceiling (emb/s)", saturated.over(best), ">= 0.90"),
+        Ratio("Padding share of computed tokens, server at saturation", _exact(pad(token_bucket)), "<= 0.15"),
+        Ratio(f"Server at {x} offered / at saturation (emb/s)", _rate(overload).over(saturated), ">= 0.90"),
+        Ratio(
+            f"Accepted p95 at {x} / drain budget ({token_bucket['max_drain_ms']:.0f} ms)",
+            _exact(overload["latency_ms"]["p95"] / token_bucket["max_drain_ms"]),
+            "<= 1.0",
+        ),
+    ]
+    if "naive" in ceiling:
+        arrival = _rate(ceiling["naive"])
+        rows.append(Ratio(f"{reference.capitalize()} ceiling / arrival-order ceiling (emb/s)", best.over(arrival), ""))
+    if reference != "bucketed" and "bucketed" in ceiling:  # splits the gap: bucket padding vs serving overhead
+        bucketed = _rate(ceiling["bucketed"])
+        rows.append(Ratio("Bucketed ceiling / sorted ceiling (emb/s)", bucketed.over(best), ""))
+        rows.append(Ratio("Server at saturation / bucketed ceiling (emb/s)", saturated.over(bucketed), ""))
+    if naive:
+        naive_saturated, naive_overload = _rate(naive["saturation"]), _rate(_overload(naive))
+        rows += [
+            Ratio("Token bucket / naive server, at saturation (emb/s)", saturated.over(naive_saturated), ""),
+            Ratio(f"Token bucket / naive server, at {x} offered (emb/s)", _rate(overload).over(naive_overload), ""),
+            Ratio("Padding share, naive server at saturation", _exact(pad(naive)), ""),
+        ]
+    return rows
+
+
+def pad(serve: dict[str, Any]) -> float:
+    return float(serve["saturation"]["padding_ratio"])
+
+
+def _fmt(s: Spread) -> str:
+    if math.isnan(s.median):
+        return "—"
+    if math.isclose(s.lo, s.hi):
+        return f"{s.median:.2f}"
+    return f"{s.median:.2f} ({s.lo:.2f}–{s.hi:.2f})"
+
+
+def ratio_table(rows: list[Ratio]) -> str:
+    lines = ["| Figure | Measured (range) | Target | Met |", "| --- | --- | --- | --- |"]
+    for r in rows:
+        met = {True: "yes", False: "**no**", None: ""}[r.met()]
+        lines.append(f"| {r.name} | {_fmt(r.value)} | {r.target} | {met} |")
+    return "\n".join(lines)
+
+
+def phase_table(serves: list[dict[str, Any]]) -> str:
+    """Every phase of every server run: what was offered and what came back."""
+    columns = ["Batching", "Offered", "emb/s", "tokens/s", "Padding", "p50 / p95 / p99 ms", "Rejected"]
+    columns += ["Rejection p95 ms", "Rejections by reason (server)", "CPU cores: server / client", "Peak RSS MiB"]
+    lines = ["| " + " | ".join(columns) + " |", "| --- " * len(columns) + "|"]
+    for serve in serves:
+        phases = [("closed loop", serve["saturation"])] + [
+            (f"{p['offered_x']:g}x ({p['offered_rps']:.0f}/s)", p) for p in serve["open_loop"]
+        ]
+        for label, p in phases:
+            lat = p["latency_ms"]
+            lines.append(
+                f"| {serve['batching']} | {label} | {_fmt(Spread.from_dict(p['emb_per_s']))} "
+                f"| {p['tokens_per_s']['median']:.0f} | {p['padding_ratio']:.1%} "
+                f"| {_ms(lat['p50'])} / {_ms(lat['p95'])} / {_ms(lat['p99'])} | {p['rejection_rate']:.1%} "
+                f"| {_ms(p['rejection_latency_ms']['p95'])} | {_reasons(p.get('server_rejections', {}))} "
+                f"| {_cores(p.get('cpu_cores'))} | {p['peak_rss_mib']:.0f} |"
+            )
+    return "\n".join(lines)
+
+
+def _ms(value: float) -> str:
+    return "—" if math.isnan(value) else f"{value:.0f}"
+
+
+def _cores(cores: dict[str, float] | None) -> str:
+    return f"{cores['server']:.2f} / {cores['client']:.2f}" if cores else "—"
+
+
+def _reasons(counts: dict[str, float]) -> str:
+    return ", ".join(f"{reason} {n:.0f}" for reason, n in counts.items() if n) or "—"
+
+
+def ceiling_table(ceiling: dict[str, Any]) -> str:
+    lines = ["| Batching | emb/s (range) | tokens/s | Padding | Batches |", "| --- | --- | --- | --- | --- |"]
+    for order in (o for o in ("sorted", "bucketed", "naive") if o in ceiling):
+        c = ceiling[order]
+        lines.append(
+            f"| {order} | {_fmt(Spread.from_dict(c['emb_per_s']))} | {c['tokens_per_s']['median']:.0f} "
+            f"| {c['padding_ratio']:.1%} | {c['batches']} |"
+        )
+    return "\n".join(lines)
+
+
+def workload_text(described: dict[str, Any]) -> str:
+    """The workload's source and its length histogram (tokens after tokenization, before truncation)."""
+    hist = described["histogram"]
+    total = sum(hist.values())
+    quantiles = ", ".join(f"{q} {n}" for q, n in described["token_percentiles"].items())
+    return "\n".join(
+        [
+            f"Workload: {described['source']}, seed {described['seed']}, {described['size']} texts "
+            f"(fingerprint {described['fingerprint']}), mean {described['mean_tokens']} tokens "
+            f"(after truncation to 256), percentiles {quantiles}:",
+            "",
+            "| Tokens | " + " | ".join(f"≤ {c}" if c != "over" else "> 256 (truncated)" for c in hist) + " |",
+            "| --- " * (len(hist) + 1) + "|",
+            "| Texts | " + " | ".join(f"{n} ({n / total:.0%})" for n in hist.values()) + " |",
+        ]
+    )
+
+
+def gpu_table(gpu: dict[str, Any] | None) -> str:
+    if not gpu or not gpu.get("run"):
+        reason = gpu.get("reason", "no result") if gpu else "no result"
+        return f"GPU: not run ({reason})."
+    lines = [
+        f"GPU ({gpu['machine']['gpu']}), bucketed ceiling, {gpu['texts']} texts:",
+        "",
+        "| Model | emb/s (range) | tokens/s | GPU busy | Recompiles after warmup | dtype |",
+        "| --- | --- | --- | --- | --- | --- |",
+    ]
+    for name, r in gpu["runs"].items():
+        lines.append(
+            f"| {name} | {_fmt(Spread.from_dict(r['emb_per_s']))} | {r['tokens_per_s']['median']:.0f} "
+            f"| {r['gpu_busy_share']:.0%} | {r['recompiles_after_warmup']} | {r['dtype']} |"
+        )
+    return "\n".join(lines)

@@ -1,0 +1,165 @@
+"""PNGs and the READMEs' result tables, from the JSON in ``bench/results/``.
+
+``python -m bench.plot`` writes ``throughput.png``, ``latency.png``, ``padding.png`` and
+``summary.md``, replaces the block between the ``bench:results`` markers of ``bench/README.md``,
+and the block between the ``bench:headline`` markers of the top-level README, where it has them
+(the headline ratios and the throughput plot).
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+from typing import Any
+
+import matplotlib
+
+matplotlib.use("Agg")  # files only, no display
+import matplotlib.pyplot as plt
+
+from bench import RESULTS_DIR, headline
+from bench.machine import read_result
+
+README = RESULTS_DIR.parent / "README.md"
+TOP_README = RESULTS_DIR.parent.parent / "README.md"
+RESULTS_MARKERS = ("<!-- bench:results:begin -->", "<!-- bench:results:end -->")
+HEADLINE_MARKERS = ("<!-- bench:headline:begin -->", "<!-- bench:headline:end -->")
+COLORS = {"token_bucket": "tab:blue", "naive": "tab:orange"}
+CEILING_STYLES = {"sorted": "-", "bucketed": "-.", "naive": ":"}
+
+
+def _offered(serve: dict[str, Any]) -> list[float]:
+    return [p["offered_rps"] for p in serve["open_loop"]]
+
+
+def _errorbar(ax: Any, xs: list[float], spreads: list[dict[str, float]], **style: Any) -> None:
+    ys = [s["median"] for s in spreads]
+    err = [
+        [y - s["lo"] for y, s in zip(ys, spreads, strict=True)],
+        [s["hi"] - y for y, s in zip(ys, spreads, strict=True)],
+    ]
+    ax.errorbar(xs, ys, yerr=err, marker="o", capsize=3, **style)
+
+
+def throughput(ceiling: dict[str, Any], serves: list[dict[str, Any]], path: Path) -> None:
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for serve in serves:
+        color = COLORS[serve["batching"]]
+        spreads = [p["emb_per_s"] for p in serve["open_loop"]]
+        _errorbar(ax, _offered(serve), spreads, label=f"server, {serve['batching']}, open loop", color=color)
+        saturated = serve["saturation"]["emb_per_s"]["median"]
+        ax.axhline(saturated, color=color, linestyle="--", linewidth=0.8, label=f"{serve['batching']}, closed loop")
+    for order, style in CEILING_STYLES.items():
+        if order in ceiling:
+            ax.axhline(ceiling[order]["emb_per_s"]["median"], color="gray", linestyle=style, label=f"ceiling, {order}")
+    top = max(x for s in serves for x in _offered(s))
+    ax.plot([0, top], [0, top], color="lightgray", linewidth=0.8, label="delivered = offered")
+    ax.set(xlabel="offered load (requests/s, one text each)", ylabel="embeddings/s delivered", ylim=(0, None))
+    ax.set_title("Throughput vs offered load")
+    _save(fig, ax, path)
+
+
+def latency(serves: list[dict[str, Any]], path: Path) -> None:
+    fig, ax = plt.subplots(figsize=(7, 4.5))
+    for serve in serves:
+        for q, style in (("p50", ":"), ("p95", "-"), ("p99", "--")):
+            ys = [p["latency_ms"][q] for p in serve["open_loop"]]
+            ax.plot(_offered(serve), ys, style, marker="o", color=COLORS[serve["batching"]],
+                    label=f"{serve['batching']} {q}")  # fmt: skip
+    ax.axhline(serves[0]["max_drain_ms"], color="red", linewidth=0.8, label="drain budget")
+    ax.set(xlabel="offered load (requests/s)", ylabel="latency of accepted requests (ms)", yscale="log")
+    ax.set_title("Latency vs offered load")
+    _save(fig, ax, path)
+
+
+def padding(ceiling: dict[str, Any], serves: list[dict[str, Any]], path: Path) -> None:
+    orders = [o for o in CEILING_STYLES if o in ceiling]
+    labels = [f"ceiling {o}" for o in orders]
+    values = [ceiling[o]["padding_ratio"] for o in orders]
+    colors = ["gray"] * len(orders)
+    for serve in serves:
+        for p in [serve["saturation"], *serve["open_loop"]]:
+            load = f"{p['offered_x']:g}x" if "offered_x" in p else "closed loop"
+            labels.append(f"{serve['batching']} {load}")
+            values.append(p["padding_ratio"])
+            colors.append(COLORS[serve["batching"]])
+    fig, ax = plt.subplots(figsize=(9, 4.5))
+    ax.bar(range(len(values)), [v * 100 for v in values], color=colors)
+    ax.set_xticks(range(len(values)), labels, fontsize=7, rotation=30, ha="right")
+    ax.axhline(15, color="red", linewidth=0.8, label="target: 15%")
+    ax.set(ylabel="padding, % of computed tokens")
+    ax.set_title("Padding ratio (server: from kembed_tokens_total)")
+    _save(fig, ax, path)
+
+
+def _save(fig: Any, ax: Any, path: Path) -> None:
+    ax.grid(alpha=0.3)
+    ax.legend(fontsize=7)
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    print(f"wrote {path}")
+
+
+def markdown(
+    ceiling: dict[str, Any], serves: list[dict[str, Any]], naive: dict[str, Any] | None, gpu: dict[str, Any] | None
+) -> str:
+    m = ceiling["machine"]
+    runs = "; ".join(
+        f"{r.get('batching', 'ceiling')} at {r['machine']['time_utc']} (load {r['machine']['loadavg_1_5_15'][0]})"
+        for r in [ceiling, *serves]
+    )
+    return "\n\n".join(
+        [
+            f"Measured on {m['cpu']} ({m['cores']} cores, {m['memory_gib']} GiB, {m['gpu'] or 'no GPU'}), "
+            f"torch {m['torch']}, git {m['git']}: {runs}. Ranges: over passes (ceiling) "
+            "or time windows (server) within one run; ratios pair the worst and best ends of both ranges.",
+            headline.ratio_table(headline.ratios(ceiling, serves[0], naive)),
+            "![throughput](results/throughput.png)\n![latency](results/latency.png)\n![padding](results/padding.png)",
+            "Ceiling (one process, no server):\n\n" + headline.ceiling_table(ceiling),
+            "Server phases:\n\n" + headline.phase_table(serves),
+            headline.workload_text(ceiling["workload"]),
+            headline.gpu_table(gpu),
+        ]
+    )
+
+
+def splice(readme: str, block: str, markers: tuple[str, str]) -> str:
+    """``readme`` with the text between the markers replaced by ``block`` (unchanged without them)."""
+    begin, end = markers
+    pattern = re.compile(re.escape(begin) + ".*?" + re.escape(end), re.DOTALL)
+    return pattern.sub(lambda _: f"{begin}\n{block}\n{end}", readme)
+
+
+def headline_block(ceiling: dict[str, Any], token_bucket: dict[str, Any], naive: dict[str, Any] | None) -> str:
+    """For the top-level README: the ratios, the throughput plot, a pointer to the method."""
+    m = ceiling["machine"]
+    return "\n\n".join(
+        [
+            headline.ratio_table(headline.ratios(ceiling, token_bucket, naive)),
+            "![throughput vs offered load](bench/results/throughput.png)",
+            f"One run of `make bench` on {m['cpu']} ({m['cores']} cores, {m['gpu'] or 'no GPU'}), "
+            f"{m['time_utc']}; method, every phase and the other plots: [bench/README.md](bench/README.md).",
+        ]
+    )
+
+
+def main() -> None:
+    ceiling, token_bucket, naive, gpu = map(read_result, ("ceiling", "serve_token_bucket", "serve_naive", "gpu"))
+    if ceiling is None or token_bucket is None:
+        raise SystemExit("need bench/results/ceiling.json and serve_token_bucket.json: run python -m bench.run_all")
+    serves = [token_bucket] + ([naive] if naive else [])
+    throughput(ceiling, serves, RESULTS_DIR / "throughput.png")
+    latency(serves, RESULTS_DIR / "latency.png")
+    padding(ceiling, serves, RESULTS_DIR / "padding.png")
+    block = markdown(ceiling, serves, naive, gpu)
+    (RESULTS_DIR / "summary.md").write_text(block + "\n")
+    README.write_text(splice(README.read_text(), block, RESULTS_MARKERS))
+    top = TOP_README.read_text()
+    if HEADLINE_MARKERS[0] in top:
+        TOP_README.write_text(splice(top, headline_block(ceiling, token_bucket, naive), HEADLINE_MARKERS))
+    print(f"wrote {RESULTS_DIR / 'summary.md'} and the generated blocks of the READMEs")
+
+
+if __name__ == "__main__":
+    main()

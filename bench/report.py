@@ -1,0 +1,118 @@
+"""The arithmetic of the reports: percentiles, spreads, ratios, rates and Prometheus text.
+
+Pure functions over plain numbers, so the smoke tests can pin them down.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+
+
+@dataclass(frozen=True)
+class Spread:
+    """A figure measured several times in one run: its central value and its range.
+
+    The central value is the samples' median, or the overall rate where one exists (the ceiling:
+    all texts over all time); the range is always the samples'.
+    """
+
+    median: float
+    lo: float
+    hi: float
+
+    @classmethod
+    def of(cls, samples: Sequence[float]) -> Spread:
+        if not samples:
+            return cls(math.nan, math.nan, math.nan)
+        return cls(percentile(samples, 50), min(samples), max(samples))
+
+    @classmethod
+    def from_dict(cls, d: dict[str, float]) -> Spread:
+        return cls(d["median"], d["lo"], d["hi"])
+
+    def to_dict(self) -> dict[str, float]:
+        return asdict(self)
+
+    def over(self, other: Spread) -> Spread:
+        """self / other: the ratio of medians, bounded by the worst and best pairing of the ranges."""
+        return Spread(_div(self.median, other.median), _div(self.lo, other.hi), _div(self.hi, other.lo))
+
+
+def _div(a: float, b: float) -> float:
+    """a / b; a zero denominator (nothing delivered in a window) gives inf, or NaN for 0 / 0."""
+    if b:
+        return a / b
+    return math.inf if a else math.nan
+
+
+def percentile(values: Sequence[float], q: float) -> float:
+    """Linear interpolation between closest ranks (numpy's default); NaN when empty."""
+    if not values:
+        return math.nan
+    ordered = sorted(values)
+    pos = (len(ordered) - 1) * q / 100
+    low = math.floor(pos)
+    high = min(low + 1, len(ordered) - 1)
+    return ordered[low] + (ordered[high] - ordered[low]) * (pos - low)
+
+
+def latency_summary(seconds: Sequence[float]) -> dict[str, float]:
+    """p50/p95/p99/max in milliseconds."""
+    ms = [s * 1000 for s in seconds]
+    summary = {f"p{q}": percentile(ms, q) for q in (50, 95, 99)}
+    summary["max"] = max(ms) if ms else math.nan
+    return summary
+
+
+def window_rates(
+    times: Sequence[float], weights: Sequence[float], start: float, end: float, windows: int
+) -> list[float]:
+    """Sum of ``weights`` whose time falls in each of ``windows`` equal slices of [start, end), per second."""
+    width = (end - start) / windows
+    sums = [0.0] * windows
+    for t, w in zip(times, weights, strict=True):
+        if start <= t < end:
+            sums[min(int((t - start) / width), windows - 1)] += w
+    return [s / width for s in sums]
+
+
+def padding_ratio(real: float, padding: float) -> float:
+    """Share of computed tokens that were padding."""
+    total = real + padding
+    return padding / total if total else math.nan
+
+
+_SAMPLE = re.compile(r"^([a-zA-Z_:][a-zA-Z0-9_:]*)(?:\{(.*)\})?\s+(\S+)")
+_LABEL = re.compile(r'(\w+)="((?:[^"\\]|\\.)*)"')
+
+Samples = dict[tuple[str, frozenset[tuple[str, str]]], float]
+
+
+def parse_prometheus(text: str) -> Samples:
+    """Prometheus text exposition -> {(name, labels): value}; comments skipped."""
+    samples: Samples = {}
+    for line in text.splitlines():
+        match = _SAMPLE.match(line)
+        if match and not line.startswith("#"):
+            name, labels, value = match.groups()
+            samples[name, frozenset(_LABEL.findall(labels or ""))] = float(value)
+    return samples
+
+
+def metric_sum(samples: Samples, name: str, **labels: str) -> float:
+    """Sum of the samples of ``name`` whose labels include ``labels``."""
+    wanted = set(labels.items())
+    return sum(v for (n, ls), v in samples.items() if n == name and wanted <= ls)
+
+
+def metric_delta(before: Samples, after: Samples, name: str, **labels: str) -> float:
+    return metric_sum(after, name, **labels) - metric_sum(before, name, **labels)
+
+
+def deltas_by_label(before: Samples, after: Samples, name: str, label: str) -> dict[str, float]:
+    """Change of each ``label`` value's sample of ``name``, e.g. rejections per reason."""
+    values = {dict(ls)[label] for n, ls in after if n == name and label in dict(ls)}
+    return {v: metric_delta(before, after, name, **{label: v}) for v in sorted(values)}
