@@ -42,6 +42,9 @@ unit: $(VENV)/.test $(PROTO_OUT)
 
 test: lint typecheck unit
 
+bench: $(VENV)/.test $(PROTO_OUT)
+	$(BIN)/python -m bench.run_all
+
 env-table: $(VENV)/.serve
 	$(BIN)/python -m kembed --env-table
 
