@@ -29,14 +29,20 @@ class Responder:
         self._admission = admission
         self._metrics = metrics
         self._clock = clock
+        self._last_done = 0.0
 
     def deliver(self, batch: Batch, outcomes: list[Outcome], started: float, seconds: float) -> None:
         """Runs on the event loop, called by the worker thread through call_soon_threadsafe."""
         self._batcher.batch_done(batch)
+        now = self._clock()
+        # The rate admission relies on is measured here, at completion, in wall time from when the
+        # batch could start (its own start or the previous completion) to its answer on the loop:
+        # compute time alone misses the gaps a busy event loop and shared cores put between batches.
+        wall = now - max(started, self._last_done)
+        self._last_done = now
         padded = sum(outcome.padded_tokens for outcome in outcomes)
         if padded:
-            # Measured at completion: the rate admission control relies on is what the model did.
-            self._admission.rate.record(padded, seconds)
+            self._admission.rate.record(padded, max(seconds, wall))
             real = sum(outcome.real_tokens for outcome in outcomes)
             self._metrics.observe_batch(batch.rows, padded, real, seconds)
         for outcome in outcomes:
