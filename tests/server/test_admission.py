@@ -4,7 +4,7 @@ import random
 
 import pytest
 
-from kembed.admission import MIN_LATENCY_SAMPLES, AdmissionController
+from kembed.admission import MIN_LATENCY_SAMPLES, P95_CACHE_S, AdmissionController
 from kembed.config import Settings
 
 
@@ -28,13 +28,31 @@ def test_no_rate_yet_admits_within_the_cap():
 
 
 def test_throughput_rejects_when_the_backlog_would_not_drain_in_budget():
-    admission = controller(FakeClock(), admission=["throughput"], max_drain_ms=1000)
+    admission = controller(FakeClock(), admission=["throughput"], max_drain_ms=1000, batching="naive")
     admission.rate.seed(tokens=10_000, seconds=1.0)  # warmup: 10k tokens/s
     assert admission.admit(1000, backlog_tokens=8000) is None  # 0.9 s
     rejection = admission.admit(1000, backlog_tokens=9500)  # 1.05 s
     assert rejection is not None and rejection.reason == "drain_time"
-    assert 40 <= rejection.retry_after_ms <= 60  # 500 excess tokens at 10k/s
-    assert "drain" in rejection.message
+    assert "drain budget" in rejection.message
+
+
+def test_buckets_budget_the_longest_wait_not_the_average():
+    """A request that just missed its bucket's turn waits about twice the drain time."""
+    admission = controller(FakeClock(), admission=["throughput"], max_drain_ms=1000)
+    admission.rate.seed(tokens=10_000, seconds=1.0)
+    assert admission.admit(1000, backlog_tokens=3500) is None  # drains in 0.45 s, waits up to 0.9 s
+    assert admission.admit(1000, backlog_tokens=5000) is not None  # drains in 0.6 s, may wait 1.2 s
+
+
+def test_pushback_is_the_backlog_drain_time_jittered():
+    """Not just the excess: clients told to come back in milliseconds all come back at once."""
+    admission = controller(FakeClock(), admission=["throughput"], max_drain_ms=1000, batching="naive")
+    admission.rate.seed(tokens=10_000, seconds=1.0)
+    rejections = [admission.admit(1000, backlog_tokens=9500) for _ in range(200)]
+    pushbacks = [r.retry_after_ms for r in rejections if r is not None]
+    assert len(pushbacks) == 200
+    assert min(pushbacks) >= 525 and max(pushbacks) <= 1575  # 1.05 s, +-50%
+    assert max(pushbacks) - min(pushbacks) > 500  # spread, so retries do not arrive together
 
 
 def test_rate_follows_completed_batches_not_the_seed():
@@ -63,15 +81,28 @@ def test_latency_strategy_needs_a_few_samples_then_sheds_by_fraction():
     assert {o.reason for o in outcomes if o} == {"latency_shed"}
 
 
-def test_latency_hard_limit_rejects_everything():
+def test_latency_hard_limit_rejects_everything_that_would_queue():
     clock = FakeClock()
     admission = controller(clock, admission=["latency"], p95_soft_ms=100, p95_hard_ms=300)
+    admission.rate.seed(tokens=1000, seconds=1.0)
     for _ in range(20):
         admission.latency.add(0.5)
-    assert admission.admit(10, 0) is None  # the latency draw happens once, before tokenizing
-    rejection = admission.screen(10, 0)
+    assert admission.admit(10, 1000) is None  # the latency draw happens once, before tokenizing
+    rejection = admission.screen(10, 1000)
     assert rejection is not None and rejection.reason == "latency_hard"
     assert rejection.retry_after_ms >= 10
+
+
+def test_shedding_is_work_conserving():
+    """A P95 over the limit never refuses a request that would not queue: that only idles the worker."""
+    clock = FakeClock()
+    admission = controller(clock, admission=["latency"], p95_soft_ms=100, p95_hard_ms=300)
+    admission.rate.seed(tokens=1000, seconds=1.0)
+    for _ in range(20):
+        admission.latency.add(0.5)
+    assert admission.shed_fraction() == 1.0
+    assert admission.screen(10, 0) is None  # waits at most 20 ms, under the 80 ms recovery floor
+    assert admission.screen(10, 100) is not None  # waits up to 220 ms
 
 
 def test_shedding_has_hysteresis_and_recovers_as_the_window_slides():
@@ -115,8 +146,22 @@ def test_no_strategies_still_bounds_the_queue():
 def test_screening_refuses_overload_before_the_exact_cost_is_known():
     admission = controller(FakeClock(), admission=["throughput"], max_drain_ms=1000)
     admission.rate.seed(tokens=1000, seconds=1.0)
-    assert admission.screen(16, backlog_tokens=900) is None  # a lower bound that still fits
-    assert admission.admit(256, backlog_tokens=900) is not None  # the exact cost does not
-    rejection = admission.screen(16, backlog_tokens=1000)
+    assert admission.screen(16, backlog_tokens=400) is None  # a lower bound that still fits
+    assert admission.admit(256, backlog_tokens=400) is not None  # the exact cost does not
+    rejection = admission.screen(16, backlog_tokens=500)
     assert rejection is not None
     assert rejection.reason == "drain_time"
+
+
+def test_p95_is_recomputed_at_most_every_cache_period_however_many_samples_arrive():
+    """Under overload every request adds a sample; recomputing per request cost more than serving it."""
+    clock = FakeClock()
+    admission = controller(clock, admission=["latency"])
+    for _ in range(MIN_LATENCY_SAMPLES):
+        admission.latency.add(0.1)
+    assert admission.p95_seconds() == pytest.approx(0.1)
+    for _ in range(100):
+        admission.latency.add(5.0)
+    assert admission.p95_seconds() == pytest.approx(0.1)  # cached
+    clock.now += P95_CACHE_S
+    assert admission.p95_seconds() == pytest.approx(5.0)
