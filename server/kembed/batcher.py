@@ -22,7 +22,12 @@ from dataclasses import dataclass
 from kembed.buckets import BucketQueue, Routed
 from kembed.work import Batch, Chunk, Job
 
-IN_FLIGHT_LIMIT = 2  # batches handed to the worker and not yet finished: one running, one ready
+# Batches handed to the worker and not yet finished. With fixed shapes (CUDA graphs) a batch takes
+# milliseconds, so one waits ready while another runs and the device never idles on the host. In
+# eager mode (CPU) a batch takes a large fraction of a second: the next is formed only when the
+# worker is free, from everything that queued meanwhile, so batches are larger and run faster per token.
+IN_FLIGHT_FIXED = 2
+IN_FLIGHT_EAGER = 1
 
 
 @dataclass(frozen=True)
@@ -123,6 +128,7 @@ class Batcher:
         self._naive = naive
         self._clock = clock
         self._wake = asyncio.Event()
+        self._in_flight_limit = IN_FLIGHT_FIXED if shapes.fixed else IN_FLIGHT_EAGER
         self.in_flight = 0
         self.in_flight_tokens = 0
 
@@ -154,13 +160,13 @@ class Batcher:
 
     def _timeout(self) -> float | None:
         """Seconds until a bucket turns stale; None (wait for an event) when nothing could go anyway."""
-        if self._naive or self.in_flight >= IN_FLIGHT_LIMIT:
+        if self._naive or self.in_flight >= self._in_flight_limit:
             return None
         wake_at = next_stale_time(self.queue, self._max_wait)
         return None if wake_at is None else max(0.0, wake_at - self._clock())
 
     def _dispatch_ready(self) -> None:
-        while self.in_flight < IN_FLIGHT_LIMIT:
+        while self.in_flight < self._in_flight_limit:
             now = self._clock()
             pick = choose_batch(self.queue, self.shapes, now, self._max_wait, self.in_flight == 0, self._naive)
             if pick is None:

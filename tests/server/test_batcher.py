@@ -152,3 +152,26 @@ async def test_eager_batches_are_trimmed_to_their_items():
         assert [(b.rows, b.seq_len) for b in dispatched] == [(3, 27)]  # not (4, 32)
     finally:
         task.cancel()
+
+
+async def test_eager_mode_forms_the_next_batch_only_when_the_worker_is_free():
+    """One batch in flight on CPU: what queues while it runs goes together, not in dribs and drabs."""
+    dispatched: list[Batch] = []
+    eager = BatchShapes.build(max_batch_size=8, max_tokens=512, fixed=False)
+    batcher = Batcher(BucketQueue(LENGTHS), eager, dispatched.append, max_wait=MAX_WAIT, naive=False)
+    task = asyncio.create_task(batcher.run())
+    loop = asyncio.get_running_loop()
+    one_item = Sequences(np.ones(5, np.int32), np.array([5], np.int32))
+    try:
+        batcher.submit(make_job(loop, 1), route(one_item, LENGTHS, 0))
+        await asyncio.sleep(0.01)
+        assert len(dispatched) == 1
+        for _ in range(3):
+            batcher.submit(make_job(loop, 1), route(one_item, LENGTHS, 0))
+            await asyncio.sleep(MAX_WAIT * 2)
+        assert len(dispatched) == 1  # stale, but the worker is busy
+        batcher.batch_done(dispatched[0])
+        await asyncio.sleep(0.01)
+        assert [b.real_rows for b in dispatched] == [1, 3]
+    finally:
+        task.cancel()
