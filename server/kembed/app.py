@@ -7,6 +7,7 @@ Readiness, gRPC health and the gate move together: warming up and draining are N
 from __future__ import annotations
 
 import asyncio
+import gc
 import logging
 import os
 import time
@@ -126,6 +127,10 @@ class KembedServer:
         self._servicer.service = EmbedService(pipeline, self.gate, self.metrics)
         self._tasks.append(asyncio.create_task(self._batcher.run()))
         self._tasks[-1].add_done_callback(self._batcher_stopped)
+        # Everything loaded so far (model, tokenizer, libraries) lives as long as the process: moved
+        # out of the collector's sight, full collections stop walking it and stalling the loop.
+        gc.collect()
+        gc.freeze()
         self.gate.ready = True
         await self._set_serving(True)
 
