@@ -3,13 +3,14 @@
 ``slo.p95LatencyMs`` (call it P) is what users want; the server's admission thresholds and the
 autoscaler's targets follow from it unless set explicitly, so they cannot contradict each other:
 
-* ``maxDrainMs = P``: a request admitted behind a backlog that drains within P can still meet the
-  objective; behind a longer one it would not, so the server rejects it with retry pushback.
+* ``maxDrainMs = P``: a request whose longest wait (twice the backlog's drain time, with buckets)
+  fits P can still meet the objective; one that may wait longer is rejected with retry pushback.
 * ``p95SoftMs = P``: the server starts shedding a growing fraction once its P95 reaches the objective.
 * ``p95HardMs = 2 P``: beyond twice the objective the server is drowning and rejects everything.
-* HPA ``queueDrainSeconds = P / 2`` and ``latencyP95Seconds = 0.8 P``: the autoscaler adds replicas
+* HPA ``queueDrainSeconds = P / 4`` and ``latencyP95Seconds = 0.8 P``: the autoscaler adds replicas
   while pods still have headroom, so admission is the backstop when scaling cannot keep up, not the
-  normal path.
+  normal path. The drain metric is the plain drain time, and admission refuses at P / 2 of it
+  (the longest bucketed wait is twice the drain time), so scaling starts at half that.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from kembed_operator.spec import EmbeddingServiceSpec
 DRAIN_FACTOR = 1.0
 SOFT_FACTOR = 1.0
 HARD_FACTOR = 2.0
-SCALE_DRAIN_FACTOR = 0.5
+SCALE_DRAIN_FACTOR = 0.25
 SCALE_LATENCY_FACTOR = 0.8
 
 

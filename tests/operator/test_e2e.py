@@ -140,7 +140,7 @@ def test_spec_change_rolls_out(kube: Kube) -> None:
         "the new HPA targets",
         lambda: (
             (h := kube.child(HPAS, "change"))
-            and h["spec"]["metrics"][0]["pods"]["target"]["averageValue"] == "200m"
+            and h["spec"]["metrics"][0]["pods"]["target"]["averageValue"] == "100m"
             and h
         ),
     )

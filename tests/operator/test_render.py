@@ -213,7 +213,7 @@ def test_slo_drives_admission_and_hpa() -> None:
     assert [slo[env_name(k)] for k in ("max_drain_ms", "p95_soft_ms", "p95_hard_ms")] == ["250", "250", "500"]
     hpa = children({**FEATURES["slo"], "maxReplicas": 2})["HorizontalPodAutoscaler"]
     targets = {m["pods"]["metric"]["name"]: m["pods"]["target"]["averageValue"] for m in hpa["spec"]["metrics"]}
-    assert targets == {Metric.QUEUE_DRAIN_SECONDS: "125m", Metric.LATENCY_P95_SECONDS: "200m"}
+    assert targets == {Metric.QUEUE_DRAIN_SECONDS: "62m", Metric.LATENCY_P95_SECONDS: "200m"}
 
 
 def test_hpa() -> None:

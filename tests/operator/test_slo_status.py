@@ -16,7 +16,7 @@ T0, T1 = "2026-01-01T00:00:00Z", "2026-01-01T00:05:00Z"
 def test_slo_derivation() -> None:
     derived = slo.derive(parse_spec({"slo": {"p95LatencyMs": 800}}))
     assert derived == slo.Thresholds(
-        max_drain_ms=800, p95_soft_ms=800, p95_hard_ms=1600, target_queue_drain_s=0.4, target_latency_p95_s=0.64
+        max_drain_ms=800, p95_soft_ms=800, p95_hard_ms=1600, target_queue_drain_s=0.2, target_latency_p95_s=0.64
     )
 
 
@@ -24,7 +24,7 @@ def test_explicit_settings_win_one_by_one() -> None:
     spec = parse_spec({"admission": {"p95HardMs": 5000}, "autoscaling": {"targets": {"latencyP95Seconds": 2}}})
     derived = slo.derive(spec)
     assert (derived.p95_hard_ms, derived.target_latency_p95_s) == (5000, 2)
-    assert (derived.p95_soft_ms, derived.max_drain_ms, derived.target_queue_drain_s) == (1000, 1000, 0.5)
+    assert (derived.p95_soft_ms, derived.max_drain_ms, derived.target_queue_drain_s) == (1000, 1000, 0.25)
 
 
 def deployment(generation: int = 1, **status_fields: int) -> dict[str, Any]:
