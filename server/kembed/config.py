@@ -89,7 +89,9 @@ class Settings(BaseModel):
         description="Strategies, comma-separated (throughput, latency), or empty for none",
     )
     max_drain_ms: float = Field(
-        2000.0, gt=0, description="Throughput: reject when the backlog would take longer than this"
+        2000.0,
+        gt=0,
+        description="Throughput: reject when a request could wait longer than this (2x the drain time with buckets)",
     )
     p95_soft_ms: float = Field(1500.0, gt=0, description="Latency: above this P95, shed a growing fraction of requests")
     p95_hard_ms: float = Field(3000.0, gt=0, description="Latency: above this P95, reject every request")
