@@ -93,7 +93,8 @@ def ratio_table(rows: list[Ratio]) -> str:
 def phase_table(serves: list[dict[str, Any]]) -> str:
     """Every phase of every server run: what was offered and what came back."""
     columns = ["Batching", "Offered", "emb/s", "tokens/s", "Padding", "p50 / p95 / p99 ms", "Rejected"]
-    columns += ["Rejection p95 ms", "Rejections by reason (server)", "CPU cores: server / client", "Peak RSS MiB"]
+    columns += ["Rejection p95 ms", "Rejections by reason (server)", "CPU cores: server / client"]
+    columns += ["Worker: busy / padded tok per compute-s / rows per batch", "Peak RSS MiB"]
     lines = ["| " + " | ".join(columns) + " |", "| --- " * len(columns) + "|"]
     for serve in serves:
         phases = [("closed loop", serve["saturation"])] + [
@@ -106,7 +107,7 @@ def phase_table(serves: list[dict[str, Any]]) -> str:
                 f"| {p['tokens_per_s']['median']:.0f} | {p['padding_ratio']:.1%} "
                 f"| {_ms(lat['p50'])} / {_ms(lat['p95'])} / {_ms(lat['p99'])} | {p['rejection_rate']:.1%} "
                 f"| {_ms(p['rejection_latency_ms']['p95'])} | {_reasons(p.get('server_rejections', {}))} "
-                f"| {_cores(p.get('cpu_cores'))} | {p['peak_rss_mib']:.0f} |"
+                f"| {_cores(p.get('cpu_cores'))} | {_worker(p.get('worker'))} | {p['peak_rss_mib']:.0f} |"
             )
     return "\n".join(lines)
 
@@ -117,6 +118,12 @@ def _ms(value: float) -> str:
 
 def _cores(cores: dict[str, float] | None) -> str:
     return f"{cores['server']:.2f} / {cores['client']:.2f}" if cores else "—"
+
+
+def _worker(worker: dict[str, float] | None) -> str:
+    if not worker:
+        return "—"
+    return f"{worker['busy_share']:.0%} / {worker['padded_tokens_per_compute_s']:.0f} / {worker['rows_per_batch']:.1f}"
 
 
 def _reasons(counts: dict[str, float]) -> str:

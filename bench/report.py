@@ -112,6 +112,19 @@ def metric_delta(before: Samples, after: Samples, name: str, **labels: str) -> f
     return metric_sum(after, name, **labels) - metric_sum(before, name, **labels)
 
 
+def worker_figures(before: Samples, after: Samples, wall_s: float) -> dict[str, float]:
+    """From the server's own counters over a phase: the share of wall time the worker computed,
+    padded tokens per compute-second (drops when something else takes the cores), rows per batch."""
+    compute_s = metric_delta(before, after, "kembed_inference_seconds_sum")
+    batches = metric_delta(before, after, "kembed_batch_size_count")
+    tokens = metric_delta(before, after, "kembed_tokens_total")
+    return {
+        "busy_share": _div(compute_s, wall_s),
+        "padded_tokens_per_compute_s": _div(tokens, compute_s),
+        "rows_per_batch": _div(metric_delta(before, after, "kembed_batch_size_sum"), batches),
+    }
+
+
 def deltas_by_label(before: Samples, after: Samples, name: str, label: str) -> dict[str, float]:
     """Change of each ``label`` value's sample of ``name``, e.g. rejections per reason."""
     values = {dict(ls)[label] for n, ls in after if n == name and label in dict(ls)}

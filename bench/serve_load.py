@@ -35,6 +35,7 @@ from bench.report import (
     metric_delta,
     padding_ratio,
     window_rates,
+    worker_figures,
 )
 from bench.server import Server, running
 from kembed.config import Settings
@@ -104,9 +105,11 @@ async def _phase(server: Server, requests: list[bytes], tokens: list[int], opts:
     else:
         outcomes = await closed_loop(target, requests, opts.concurrency, opts.duration, count, opts.timeout)
     wall, server_cpu, client_cpu = (b - a for a, b in zip(start, _clocks(server), strict=True))
-    summary = summarize(outcomes, tokens, opts, before, await asyncio.to_thread(server.metrics))
+    after = await asyncio.to_thread(server.metrics)
+    summary = summarize(outcomes, tokens, opts, before, after)
     # Cores busy on average: the server and this client share the machine's cores.
     summary["cpu_cores"] = {"server": server_cpu / wall, "client": client_cpu / wall}
+    summary["worker"] = worker_figures(before, after, wall)
     summary["peak_rss_mib"] = server.peak_rss_mib()
     return summary
 

@@ -20,6 +20,7 @@ from bench.report import (
     parse_prometheus,
     percentile,
     window_rates,
+    worker_figures,
 )
 from bench.server import Server
 from kembed.batcher import BatchShapes
@@ -87,6 +88,20 @@ def test_prometheus_counters_delta() -> None:
     assert metric_delta(before, after, "kembed_tokens_total", kind="real") == 100
     assert metric_delta(before, after, "kembed_tokens_total") == 110
     assert deltas_by_label(before, after, "kembed_tokens_total", "kind") == {"padding": 10, "real": 100}
+
+
+def test_worker_figures_from_the_server_counters() -> None:
+    def counters(compute_s: float, rows: float, batches: float, real: float, padding: float) -> str:
+        return (
+            f"kembed_inference_seconds_sum {compute_s}\nkembed_batch_size_sum {rows}\n"
+            f'kembed_batch_size_count {batches}\nkembed_tokens_total{{kind="real"}} {real}\n'
+            f'kembed_tokens_total{{kind="padding"}} {padding}\n'
+        )
+
+    before = parse_prometheus(counters(1, 10, 2, 100, 0))
+    after = parse_prometheus(counters(4, 70, 8, 9100, 1000))
+    figures = worker_figures(before, after, wall_s=4.0)
+    assert figures == {"busy_share": 0.75, "padded_tokens_per_compute_s": 10000 / 3, "rows_per_batch": 10.0}
 
 
 def test_sorted_packing_pads_less_and_respects_limits() -> None:
