@@ -130,6 +130,7 @@ class AdmissionController:
         self._max_drain = settings.max_drain_ms / 1000
         self._soft = settings.p95_soft_ms / 1000
         self._hard = settings.p95_hard_ms / 1000
+        self._recover_below = self._soft * RECOVER_FRACTION
         self._max_queued = settings.max_queued_tokens
         self._rng = rng or random.Random()
         self._wait_spread = 1.0 if settings.batching is Batching.NAIVE else BUCKETED_WAIT_SPREAD
@@ -159,16 +160,15 @@ class AdmissionController:
             return 0.0
         if p95 > self._soft:
             self.shedding = True
-        elif p95 < self._soft * RECOVER_FRACTION:
+        elif p95 < self._recover_below:
             self.shedding = False
         if not self.shedding:
             return 0.0
         # Shedding rises linearly from the recovery floor to the hard limit, so once on it keeps
         # shedding a little until the P95 is back under the floor.
-        floor = self._soft * RECOVER_FRACTION
         if p95 >= self._hard:
             return 1.0
-        return max(0.0, (p95 - floor) / (self._hard - floor))
+        return max(0.0, (p95 - self._recover_below) / (self._hard - self._recover_below))
 
     def screen(self, min_tokens: int, backlog_tokens: int) -> Rejection | None:
         """Before tokenizing: the latency strategy's draw (it does not depend on the request) and the
@@ -208,7 +208,7 @@ class AdmissionController:
 
     def _shed(self, tokens_ahead: int) -> Rejection | None:
         fraction = self.shed_fraction()
-        if fraction <= 0 or self.longest_wait(tokens_ahead) < self._soft * RECOVER_FRACTION:
+        if fraction <= 0 or self.longest_wait(tokens_ahead) < self._recover_below:
             return None
         if self._rng.random() >= fraction:
             return None
