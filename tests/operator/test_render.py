@@ -245,7 +245,7 @@ def test_keda() -> None:
     }
     queries = {t["metadata"]["query"]: t["metadata"]["threshold"] for t in spec["triggers"]}
     assert queries == {
-        f'sum({Metric.QUEUE_DRAIN_SECONDS}{{namespace="search",pod=~"emb-[a-z0-9]+-[a-z0-9]+"}})': "0.5",
+        f'sum({Metric.QUEUE_DRAIN_SECONDS}{{namespace="search",pod=~"emb-[a-z0-9]+-[a-z0-9]+"}})': "0.25",
         f'sum({Metric.LATENCY_P95_SECONDS}{{namespace="search",pod=~"emb-[a-z0-9]+-[a-z0-9]+"}})': "0.8",
     }
     assert {t["metadata"]["serverAddress"] for t in spec["triggers"]} == {"http://prom:9090"}
