@@ -10,6 +10,8 @@ import re
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 
+from kembed.contract import Metric
+
 
 @dataclass(frozen=True)
 class Spread:
@@ -115,13 +117,13 @@ def metric_delta(before: Samples, after: Samples, name: str, **labels: str) -> f
 def worker_figures(before: Samples, after: Samples, wall_s: float) -> dict[str, float]:
     """From the server's own counters over a phase: the share of wall time the worker computed,
     padded tokens per compute-second (drops when something else takes the cores), rows per batch."""
-    compute_s = metric_delta(before, after, "kembed_inference_seconds_sum")
-    batches = metric_delta(before, after, "kembed_batch_size_count")
-    tokens = metric_delta(before, after, "kembed_tokens_total")
+    compute_s = metric_delta(before, after, Metric.INFERENCE_SECONDS + "_sum")
+    batches = metric_delta(before, after, Metric.BATCH_SIZE + "_count")
+    tokens = metric_delta(before, after, Metric.TOKENS + "_total")
     return {
         "busy_share": _div(compute_s, wall_s),
         "padded_tokens_per_compute_s": _div(tokens, compute_s),
-        "rows_per_batch": _div(metric_delta(before, after, "kembed_batch_size_sum"), batches),
+        "rows_per_batch": _div(metric_delta(before, after, Metric.BATCH_SIZE + "_sum"), batches),
     }
 
 
