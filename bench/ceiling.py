@@ -27,7 +27,7 @@ import torch
 
 from bench import engine, machine, workload
 from bench.report import Spread, padding_ratio
-from kembed.batcher import BatchShapes
+from kembed.engine.batcher import BatchShapes
 
 Shape = tuple[int, int]  # rows, length
 ShapeOf = Callable[[int, int], Shape]  # (rows, longest text) -> padded shape

@@ -15,8 +15,8 @@ from pathlib import Path
 import numpy as np
 import torch
 
-from kembed.batcher import BatchShapes
 from kembed.contract import env_name
+from kembed.engine.batcher import BatchShapes
 
 Tokenize = Callable[[list[str], bool], tuple[np.ndarray, np.ndarray]]
 Forward = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
@@ -44,8 +44,8 @@ def bundled_model_dir() -> Path:
 def load(overrides: Mapping[str, str]) -> Engine:
     """Load as the server would with these settings (names without ``KEMBED_``; unset = default)."""
     from kembed.config import Settings
-    from kembed.model import EmbeddingModel
-    from kembed.worker import make_plan
+    from kembed.engine.model import EmbeddingModel
+    from kembed.engine.worker import make_plan
 
     settings = Settings.from_env({env_name(k): v for k, v in overrides.items()})
     loaded = EmbeddingModel.load(settings)

@@ -34,6 +34,7 @@ import time
 from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
+from typing import Protocol
 
 import numpy as np
 
@@ -119,36 +120,40 @@ class LatencyWindow:
         return self._p95
 
 
-class AdmissionController:
-    def __init__(
-        self,
-        settings: Settings,
-        clock: Callable[[], float] = time.monotonic,
-        rng: random.Random | None = None,
-    ) -> None:
+class Load(Protocol):
+    """What admission weighs a request against: measured in the engine, read off the board in a front end."""
+
+    @property
+    def tokens_per_second(self) -> float: ...
+
+    def shed_fraction(self) -> float: ...
+
+    def p95_seconds(self) -> float: ...
+
+    def add_latency(self, seconds: float) -> None: ...
+
+
+class MeasuredLoad:
+    """The engine's own measurements: the service rate, the latency window and the shedding hysteresis."""
+
+    def __init__(self, settings: Settings, clock: Callable[[], float] = time.monotonic) -> None:
         self._strategies = set(settings.admission)
-        self._max_drain = settings.max_drain_ms / 1000
         self._soft = settings.p95_soft_ms / 1000
         self._hard = settings.p95_hard_ms / 1000
-        self._recover_below = self._soft * RECOVER_FRACTION
-        self._max_queued = settings.max_queued_tokens
-        self._rng = rng or random.Random()
-        self._wait_spread = 1.0 if settings.batching is Batching.NAIVE else BUCKETED_WAIT_SPREAD
+        self.recover_below = self._soft * RECOVER_FRACTION
         self.rate = ServiceRate()
         self.latency = LatencyWindow(settings.latency_window_s, clock)
         self.shedding = False
 
-    def drain_seconds(self, backlog_tokens: int) -> float:
-        """How long the backlog takes at the measured rate (0 when no rate is known yet)."""
-        rate = self.rate.tokens_per_second
-        return backlog_tokens / rate if rate > 0 else 0.0
-
-    def longest_wait(self, tokens_ahead: int) -> float:
-        """The longest a request may wait behind ``tokens_ahead`` padded tokens (0 with no rate yet)."""
-        return self._wait_spread * self.drain_seconds(tokens_ahead)
+    @property
+    def tokens_per_second(self) -> float:
+        return self.rate.tokens_per_second
 
     def p95_seconds(self) -> float:
         return self.latency.p95() or 0.0
+
+    def add_latency(self, seconds: float) -> None:
+        self.latency.add(seconds)
 
     def shed_fraction(self) -> float:
         """Which share of requests the latency strategy rejects now (updates the hysteresis)."""
@@ -160,7 +165,7 @@ class AdmissionController:
             return 0.0
         if p95 > self._soft:
             self.shedding = True
-        elif p95 < self._recover_below:
+        elif p95 < self.recover_below:
             self.shedding = False
         if not self.shedding:
             return 0.0
@@ -168,7 +173,30 @@ class AdmissionController:
         # shedding a little until the P95 is back under the floor.
         if p95 >= self._hard:
             return 1.0
-        return max(0.0, (p95 - self._recover_below) / (self._hard - self._recover_below))
+        return max(0.0, (p95 - self.recover_below) / (self._hard - self.recover_below))
+
+
+class AdmissionController:
+    """The rules, applied against a :class:`Load`: the engine's final word, or a front end's pre-screen."""
+
+    def __init__(self, settings: Settings, load: Load, rng: random.Random | None = None) -> None:
+        self._strategies = set(settings.admission)
+        self._max_drain = settings.max_drain_ms / 1000
+        self._soft = settings.p95_soft_ms / 1000
+        self._recover_below = self._soft * RECOVER_FRACTION
+        self._max_queued = settings.max_queued_tokens
+        self._rng = rng or random.Random()
+        self._wait_spread = 1.0 if settings.batching is Batching.NAIVE else BUCKETED_WAIT_SPREAD
+        self.load = load
+
+    def drain_seconds(self, backlog_tokens: int) -> float:
+        """How long the backlog takes at the measured rate (0 when no rate is known yet)."""
+        rate = self.load.tokens_per_second
+        return backlog_tokens / rate if rate > 0 else 0.0
+
+    def longest_wait(self, tokens_ahead: int) -> float:
+        """The longest a request may wait behind ``tokens_ahead`` padded tokens (0 with no rate yet)."""
+        return self._wait_spread * self.drain_seconds(tokens_ahead)
 
     def screen(self, min_tokens: int, backlog_tokens: int) -> Rejection | None:
         """Before tokenizing: the latency strategy's draw (it does not depend on the request) and the
@@ -183,7 +211,7 @@ class AdmissionController:
 
     def _record(self, rejection: Rejection | None, tokens_ahead: int) -> Rejection | None:
         if rejection is not None:
-            self.latency.add(self.drain_seconds(tokens_ahead))
+            self.load.add_latency(self.drain_seconds(tokens_ahead))
         return rejection
 
     def _capacity(self, request_tokens: int, backlog_tokens: int) -> Rejection | None:
@@ -207,12 +235,12 @@ class AdmissionController:
         )
 
     def _shed(self, tokens_ahead: int) -> Rejection | None:
-        fraction = self.shed_fraction()
+        fraction = self.load.shed_fraction()
         if fraction <= 0 or self.longest_wait(tokens_ahead) < self._recover_below:
             return None
         if self._rng.random() >= fraction:
             return None
-        p95 = self.p95_seconds()
+        p95 = self.load.p95_seconds()
         return Rejection(
             "latency_hard" if fraction >= 1.0 else "latency_shed",
             self._pushback(tokens_ahead, floor_s=min(p95, MAX_PUSHBACK_MS / 1000)),

@@ -1,227 +1,211 @@
-"""The server's lifecycle: listen at once (answering UNAVAILABLE), let the worker warm up, open the
-gate, and on SIGTERM close it, finish everything accepted, then stop.
+"""The supervisor: one pod, one face, over an engine process and ``KEMBED_FRONTENDS`` front ends.
 
-Readiness, gRPC health and the gate move together: warming up and draining are NOT_SERVING.
+It starts the engine (which loads and warms the model) and the front ends (which share the gRPC
+port through SO_REUSEPORT), and serves the HTTP port itself: /livez, /readyz and /health from the
+board the processes share, /metrics from every process's counters merged. Ready means the engine is
+warm and every front end is serving, and not draining.
+
+On SIGTERM it marks the board draining (readiness drops at once, and every front end refuses new
+calls), tells each front end to drain, waits until they have answered everything they accepted,
+then stops the engine: exit 0. If any child exits otherwise, the whole server exits non-zero at
+once, so Kubernetes restarts the pod instead of leaving it half-alive.
 """
 
 from __future__ import annotations
 
 import asyncio
-import gc
+import json
 import logging
 import os
+import shutil
+import signal
+import socket
+import sys
+import tempfile
 import time
-from concurrent.futures import ThreadPoolExecutor
+from asyncio.subprocess import Process
+from pathlib import Path
 from typing import Any
 
-import grpc
-from grpc_health.v1 import health_pb2, health_pb2_grpc
-from grpc_health.v1.health import aio as health_aio  # type: ignore[attr-defined]  # no stub
-from grpc_reflection.v1alpha import reflection
-
-from kembed.admission import AdmissionController
-from kembed.api import EmbedderServicer, EmbedService, Gate, Pipeline
-from kembed.batcher import Batcher
-from kembed.buckets import BucketQueue
 from kembed.config import Settings
-from kembed.contract import GRPC_SERVICE
 from kembed.http import HealthServer
-from kembed.metrics import Metrics
-from kembed.responder import Responder
-from kembed.v1 import embedder_pb2, embedder_pb2_grpc
-from kembed.work import Batch
-from kembed.worker import Outcome, Worker
+from kembed.ipc import (
+    BOARD_FILE,
+    DEFAULT_MODEL_LOADER,
+    FRONTEND_HEARTBEAT,
+    FRONTEND_SERVING,
+    METRICS_DIR,
+    SERVING_FILE,
+    Board,
+    Slot,
+)
+from kembed.metrics import drain_seconds, supervisor_registry
 
 log = logging.getLogger(__name__)
 
-LIVENESS_STALE_S = 60.0  # a worker or loop silent this long is stuck: let Kubernetes restart it
-LOOP_TICK_S = 1.0
-FATAL_EXIT_CODE = 70
-TOKENIZER_THREADS = 2
+LIVENESS_STALE_S = 60.0  # a process silent this long is stuck: let Kubernetes restart the pod
+READY_POLL_S = 0.1  # only while starting: how often to look whether everyone is up
+CHILD_FAILED_EXIT_CODE = 70
+STOP_GRACE_S = 10.0  # beyond the drain budget, before a child that will not stop is killed
 
 
-class StartupError(RuntimeError):
-    pass
-
-
-class KembedServer:
-    def __init__(self, settings: Settings) -> None:
+class Supervisor:
+    def __init__(self, settings: Settings, model_loader: str = DEFAULT_MODEL_LOADER) -> None:
         self.settings = settings
-        self.metrics = Metrics()
-        self.gate = Gate()
-        self.admission = AdmissionController(settings)
+        self.frontends = settings.frontend_count()
+        self._model_loader = model_loader
+        self._runtime = Path(tempfile.mkdtemp(prefix="kembed-"))
+        (self._runtime / METRICS_DIR).mkdir()
+        self.board = Board(self._runtime / BOARD_FILE, frontends=self.frontends)
         self.started = time.monotonic()
-        self._loop_tick = self.started
-        self._servicer = EmbedderServicer(self.gate, self.metrics)
-        self._health = health_aio.HealthServicer()
-        self._responder: Responder | None = None
-        self._batcher: Batcher | None = None
-        self._tasks: list[asyncio.Task[None]] = []
-        self._executor = ThreadPoolExecutor(TOKENIZER_THREADS, thread_name_prefix="kembed-tokenize")
-        self._grpc = grpc.aio.server(
-            maximum_concurrent_rpcs=settings.max_concurrent_rpcs,
-            options=[
-                ("grpc.max_receive_message_length", settings.max_message_bytes),
-                ("grpc.max_send_message_length", settings.max_message_bytes),
-                ("grpc.max_connection_age_ms", settings.max_connection_age_ms),
-                ("grpc.max_connection_age_grace_ms", int(settings.drain_timeout_s * 1000)),
-            ],
-        )
+        self._stop = asyncio.Event()
+        self._port_hold = _reserve_port(settings.grpc_host, settings.grpc_port)
+        self.grpc_port = int(self._port_hold.getsockname()[1])
+        self._children: list[Process] = []
+        self._info: dict[str, Any] | None = None
         self.http = HealthServer(
             settings.http_host,
             settings.http_port,
             live=self.live,
-            ready=lambda: self.gate.accepting,
+            ready=self.ready,
             health=self.health,
-            registry=self.metrics.registry,
-        )
-        self.worker: Worker | None = None
-        self.grpc_port = 0
-        self.fatal = asyncio.Event()
-
-    async def start(self) -> None:
-        """Listen on both ports and start the worker's load and warmup; returns before it ends."""
-        loop = asyncio.get_running_loop()
-        self.worker = Worker(self.settings, loop, self._deliver, self._on_fatal)
-        embedder_pb2_grpc.add_EmbedderServicer_to_server(self._servicer, self._grpc)
-        health_pb2_grpc.add_HealthServicer_to_server(self._health, self._grpc)
-        service_names = (
-            embedder_pb2.DESCRIPTOR.services_by_name["Embedder"].full_name,
-            health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
-            reflection.SERVICE_NAME,
-        )
-        reflection.enable_server_reflection(service_names, self._grpc)
-        self.grpc_port = self._grpc.add_insecure_port(f"{self.settings.grpc_host}:{self.settings.grpc_port}")
-        await self._set_serving(False)
-        await self._grpc.start()
-        self.http.start()
-        self.worker.start()
-        self._tasks.append(asyncio.create_task(self._tick()))
-        self.metrics.bind(
-            drain_seconds=lambda: self.admission.drain_seconds(self._backlog()),
-            p95_seconds=self.admission.p95_seconds,
-            queued_tokens=self._backlog,
-            service_rate=lambda: self.admission.rate.tokens_per_second,
-            worker_queue_depth=lambda: self._batcher.in_flight if self._batcher else 0,
-            ready=lambda: float(self.gate.accepting),
+            registry=supervisor_registry(self._runtime / METRICS_DIR, self.board, self.ready),
         )
 
-    async def wait_ready(self) -> None:
-        """Wait out the worker's load and warmup, then open the gate."""
-        worker = self._require_worker()
-        await asyncio.shield(worker.warm)
-        engine = worker.engine
-        if engine is None:
-            raise StartupError(f"model failed to load: {worker.error}")
-        model, plan = engine.model, engine.plan
-        self._batcher = Batcher(
-            BucketQueue(plan.bucket_lengths),
-            plan.shapes,
-            worker.submit,
-            max_wait=self.settings.max_wait_ms / 1000,
-            naive=plan.naive,
-        )
-        self._responder = Responder(self._batcher, self.admission, self.metrics)
-        self.admission.rate.seed(engine.warmup_tokens, engine.warmup_seconds)
-        pipeline = Pipeline(self.settings, model, plan, self._batcher, self.admission, self._executor)
-        self._servicer.service = EmbedService(pipeline, self.gate, self.metrics)
-        self._tasks.append(asyncio.create_task(self._batcher.run()))
-        self._tasks[-1].add_done_callback(self._batcher_stopped)
-        # Everything loaded so far (model, tokenizer, libraries) lives as long as the process: moved
-        # out of the collector's sight, full collections stop walking it and stalling the loop.
-        gc.collect()
-        gc.freeze()
-        self.gate.ready = True
-        await self._set_serving(True)
-
-    async def drain(self) -> None:
-        """Stop taking work, answer everything accepted, then stop listening."""
-        self.gate.draining = True
-        await self._set_serving(False)
-        log.info("draining: %d requests in progress", self.gate.active)
+    async def run(self) -> int:
         try:
-            await asyncio.wait_for(self.gate.wait_idle(), self.settings.drain_timeout_s)
-        except TimeoutError:
-            log.warning("drain timed out with %d requests in progress", self.gate.active)
-        await self.stop(grace=1.0)
+            return await self._run()
+        finally:
+            await self._kill_all()
+            self._port_hold.close()
+            self.http.stop()
+            shutil.rmtree(self._runtime, ignore_errors=True)
 
-    async def stop(self, grace: float | None = None) -> None:
-        await self._grpc.stop(grace)
-        for task in self._tasks:
-            task.cancel()
-        if self.worker is not None:
-            self.worker.stop()
-        self.http.stop()
-        self._executor.shutdown(wait=False, cancel_futures=True)
+    async def _run(self) -> int:
+        loop = asyncio.get_running_loop()
+        for signum in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(signum, self._stop.set)
+        self.http.start()
+        engine = await self._spawn("kembed.engine", "--model-loader", self._model_loader)
+        frontends = [
+            await self._spawn("kembed.frontend", "--index", str(i), "--grpc-port", str(self.grpc_port))
+            for i in range(self.frontends)
+        ]
+        s = self.settings
+        print(
+            f"kembed: gRPC on {s.grpc_host}:{self.grpc_port} ({self.frontends} front ends), health and metrics on "
+            f"http://{s.http_host}:{self.http.port} (warming up; /readyz turns 200 when ready)",
+            flush=True,
+        )
+        exits = {asyncio.create_task(child.wait()): child for child in self._children}
+        stop = asyncio.create_task(self._stop.wait())
+        announce = asyncio.create_task(self._announce_ready())
+        done, _ = await asyncio.wait({*exits, stop}, return_when=asyncio.FIRST_COMPLETED)
+        announce.cancel()
+        if stop in done:
+            log.info("signal received: draining")
+            return await self._drain(engine, frontends)
+        child = exits[next(iter(done - {stop}))]
+        code = child.returncode or CHILD_FAILED_EXIT_CODE
+        log.error("child %d exited with %s: stopping the server", child.pid, child.returncode)
+        return code
+
+    async def _spawn(self, module: str, *args: str) -> Process:
+        env = {**os.environ, "PROMETHEUS_MULTIPROC_DIR": str(self._runtime / METRICS_DIR)}
+        child = await asyncio.create_subprocess_exec(
+            sys.executable, "-m", module, "--runtime", str(self._runtime), *args, env=env
+        )
+        self._children.append(child)
+        return child
+
+    async def _drain(self, engine: Process, frontends: list[Process]) -> int:
+        """Front ends answer what they accepted and exit; then the engine stops."""
+        self.board[Slot.DRAINING] = 1.0
+        budget = self.settings.drain_timeout_s + STOP_GRACE_S
+        codes = await self._stop_all(frontends, budget)
+        codes += await self._stop_all([engine], budget)
+        log.info("stopped")
+        return next((code for code in codes if code), 0)
+
+    async def _stop_all(self, children: list[Process], budget: float) -> list[int]:
+        for child in children:
+            if child.returncode is None:
+                child.send_signal(signal.SIGTERM)
+        try:
+            return list(await asyncio.wait_for(asyncio.gather(*(c.wait() for c in children)), budget))
+        except TimeoutError:
+            log.error("children did not stop within %.0f s", budget)
+            return [CHILD_FAILED_EXIT_CODE]
+
+    async def _kill_all(self) -> None:
+        for child in self._children:
+            if child.returncode is None:
+                child.kill()
+                await child.wait()
+
+    async def _announce_ready(self) -> None:
+        while not self.ready():  # noqa: ASYNC110  # the board is shared memory: nothing to wait on
+            await asyncio.sleep(READY_POLL_S)
+        print(
+            f"kembed: ready. Try: .venv/bin/python -m kembed.client --target "
+            f"{self.settings.grpc_host}:{self.grpc_port} 'hello world'",
+            flush=True,
+        )
+
+    def ready(self) -> bool:
+        board = self.board
+        return (
+            board[Slot.ENGINE_READY] == 1.0
+            and board[Slot.DRAINING] == 0.0
+            and all(board.frontend(i, FRONTEND_SERVING) == 1.0 for i in range(self.frontends))
+        )
 
     def live(self) -> bool:
-        """Alive while the worker thread runs and neither it (once warm) nor the loop is stuck."""
-        worker = self.worker
-        if worker is None or (not worker.alive() and worker.error is None):
+        """Every child runs, and none has gone silent (a heartbeat of 0: still starting)."""
+        if any(child.returncode is not None for child in self._children):
             return False
         now = time.monotonic()
-        loop_ok = now - self._loop_tick < LIVENESS_STALE_S
-        worker_ok = not self.gate.ready or now - worker.heartbeat < LIVENESS_STALE_S
-        return loop_ok and worker_ok and not self.fatal.is_set()
+        beats = [self.board[Slot.ENGINE_HEARTBEAT]]
+        beats += [self.board.frontend(i, FRONTEND_HEARTBEAT) for i in range(self.frontends)]
+        return all(beat == 0.0 or now - beat < LIVENESS_STALE_S for beat in beats)
 
     def health(self) -> dict[str, Any]:
-        backlog = self._backlog()
-        drain = self.admission.drain_seconds(backlog)
-        p95 = self.admission.p95_seconds()
-        engine = self.worker.engine if self.worker else None
+        board = self.board
+        drain = drain_seconds(board)
+        p95 = board[Slot.P95_SECONDS]
         return {
             "status": self._status(drain, p95),
-            "accepting_requests": self.gate.accepting,
-            "queued_tokens": backlog,
-            "service_rate_tokens_per_sec": round(self.admission.rate.tokens_per_second, 1),
+            "accepting_requests": self.ready(),
+            "queued_tokens": int(board[Slot.BACKLOG_TOKENS]),
+            "service_rate_tokens_per_sec": round(board[Slot.TOKENS_PER_SECOND], 1),
             "estimated_drain_time_ms": round(drain * 1000, 1),
             "p95_server_side_latency_ms": round(p95 * 1000, 1),
-            "worker_queue_depth": self._batcher.in_flight if self._batcher else 0,
-            "embedding_dimension": engine.model.info.dimensions if engine else None,
+            "worker_queue_depth": int(board[Slot.IN_FLIGHT_BATCHES]),
+            "embedding_dimension": (self._serving_info() or {}).get("dimensions"),
+            "frontends": self.frontends,
             "uptime_seconds": round(time.monotonic() - self.started, 1),
         }
 
     def _status(self, drain: float, p95: float) -> str:
-        if self.gate.draining:
+        if self.board[Slot.DRAINING]:
             return "draining"
-        if not self.gate.ready:
+        if not self.ready():
             return "starting"
         if drain * 1000 > self.settings.max_drain_ms or p95 * 1000 > self.settings.p95_hard_ms:
             return "overloaded"
-        return "degraded" if self.admission.shedding else "healthy"
+        return "degraded" if self.board[Slot.SHED_FRACTION] > 0 else "healthy"
 
-    def _backlog(self) -> int:
-        return self._batcher.backlog_tokens if self._batcher else 0
+    def _serving_info(self) -> dict[str, Any] | None:
+        if self._info is None and (self._runtime / SERVING_FILE).is_file():
+            self._info = json.loads((self._runtime / SERVING_FILE).read_text())
+        return self._info
 
-    def _require_worker(self) -> Worker:
-        if self.worker is None:
-            raise StartupError("start() first")
-        return self.worker
 
-    def _deliver(self, batch: Batch, outcomes: list[Outcome], started: float, seconds: float) -> None:
-        if self._responder is not None:
-            self._responder.deliver(batch, outcomes, started, seconds)
-
-    def _batcher_stopped(self, task: asyncio.Task[None]) -> None:
-        """The batcher only ends by cancellation; anything else is a bug that would hang every request."""
-        if not task.cancelled() and task.exception() is not None:
-            self._on_fatal(task.exception() or RuntimeError("batcher stopped"))
-
-    def _on_fatal(self, error: BaseException) -> None:
-        """The device is poisoned: report NOT_SERVING and exit so Kubernetes restarts the pod."""
-        log.critical("worker died: %s; exiting with %d", error, FATAL_EXIT_CODE)
-        self.gate.draining = True
-        self.fatal.set()
-        self._tasks.append(asyncio.create_task(self._set_serving(False)))
-        asyncio.get_running_loop().call_later(0.5, os._exit, FATAL_EXIT_CODE)
-
-    async def _set_serving(self, serving: bool) -> None:
-        status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
-        for service in ("", GRPC_SERVICE):
-            await self._health.set(service, status)
-
-    async def _tick(self) -> None:
-        """The event loop's heartbeat for /livez: a sleeping task, not a poll."""
-        while True:
-            self._loop_tick = time.monotonic()
-            await asyncio.sleep(LOOP_TICK_S)
+def _reserve_port(host: str, port: int) -> socket.socket:
+    """Bind (without listening) the port the front ends will share, so that a port of 0 names one
+    free port for all of them."""
+    family = socket.AF_INET6 if ":" in host else socket.AF_INET
+    hold = socket.socket(family, socket.SOCK_STREAM)
+    hold.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+    hold.bind((host, port))
+    return hold

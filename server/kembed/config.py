@@ -10,11 +10,28 @@ from __future__ import annotations
 import os
 from collections.abc import Mapping
 from enum import StrEnum
+from pathlib import Path
 from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from kembed.contract import ENV_PREFIX, GRPC_PORT, HTTP_PORT, env_name
+
+MAX_FRONTENDS = 64
+AUTO_MAX_FRONTENDS = 8
+# One front end per 4 CPUs: the engine's event loop and worker thread need about two cores at
+# GPU speed, and one gRPC front end saturates about one core (see the README's "Choices").
+CPUS_PER_FRONTEND = 4
+
+
+def available_cpus() -> float:
+    """CPUs this process may use: its affinity, capped by a cgroup v2 CPU quota (a pod's limit)."""
+    cpus = float(len(os.sched_getaffinity(0)))
+    try:
+        quota, period = Path("/sys/fs/cgroup/cpu.max").read_text().split()
+    except (OSError, ValueError):
+        return cpus
+    return cpus if quota == "max" else min(cpus, int(quota) / int(period))
 
 
 class ConfigError(ValueError):
@@ -117,6 +134,10 @@ class Settings(BaseModel):
     )
     drain_timeout_s: float = Field(25.0, ge=0, description="On SIGTERM, how long accepted work may take to finish")
     log_level: str = Field("INFO", description="Python log level (DEBUG, INFO, WARNING, ERROR)")
+    frontends: str = Field(
+        "auto",
+        description="gRPC front-end processes sharing the port: a number, or auto (one per 4 CPUs, 1 to 8)",
+    )
 
     @field_validator("control_tokens", "buckets", "admission", mode="before")
     @classmethod
@@ -138,6 +159,13 @@ class Settings(BaseModel):
         if value.upper() not in ("DEBUG", "INFO", "WARNING", "ERROR", "CRITICAL"):
             raise ValueError("must be DEBUG, INFO, WARNING, ERROR or CRITICAL")
         return value.upper()
+
+    @field_validator("frontends")
+    @classmethod
+    def _frontends_known(cls, value: str) -> str:
+        if value != "auto" and not (value.isdigit() and 1 <= int(value) <= MAX_FRONTENDS):
+            raise ValueError(f"must be auto or a number from 1 to {MAX_FRONTENDS}")
+        return value
 
     @field_validator("pooling")
     @classmethod
@@ -167,6 +195,12 @@ class Settings(BaseModel):
         if 0 < self.max_tokens_per_batch < self.buckets[0]:
             raise ValueError(f"{env_name('max_tokens_per_batch')} must hold one row of the smallest bucket")
         return self
+
+    def frontend_count(self) -> int:
+        """How many front ends: as set, or by the CPUs this process may use (see the README)."""
+        if self.frontends != "auto":
+            return int(self.frontends)
+        return max(1, min(AUTO_MAX_FRONTENDS, int(available_cpus()) // CPUS_PER_FRONTEND))
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None, **overrides: Any) -> Settings:

@@ -70,24 +70,49 @@ class Tokenizer:
 
     def __init__(
         self,
+        backend: tokenizers.Tokenizer,
+        *,
+        pad_token_id: int,
+        max_input_tokens: int,
+        vocab_size: int,
+        max_items: int,
+        max_text_chars: int,
+    ) -> None:
+        self.max_input_tokens = max_input_tokens
+        self.vocab_size = vocab_size
+        self.max_items = max_items
+        self.max_text_chars = max_text_chars
+        self.pad_token_id = pad_token_id
+        self._full = _configured_copy(backend, max_length=None)
+        self._truncating = _configured_copy(backend, max_length=max_input_tokens)
+
+    @classmethod
+    def from_transformers(
+        cls,
         tokenizer: PreTrainedTokenizerBase,
         *,
         max_input_tokens: int,
         vocab_size: int,
         max_items: int,
         max_text_chars: int,
-    ) -> None:
+    ) -> Tokenizer:
         backend = getattr(tokenizer, "backend_tokenizer", None)
         if not isinstance(backend, tokenizers.Tokenizer):
             raise ValueError(f"{type(tokenizer).__name__} is not a fast tokenizer; kembed needs one")
-        self.max_input_tokens = max_input_tokens
-        self.vocab_size = vocab_size
-        self.max_items = max_items
-        self.max_text_chars = max_text_chars
         # Padded positions are masked out, so any in-vocabulary id pads a model without a pad token.
-        self.pad_token_id: int = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
-        self._full = _configured_copy(backend, max_length=None)
-        self._truncating = _configured_copy(backend, max_length=max_input_tokens)
+        pad_token_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
+        return cls(
+            backend,
+            pad_token_id=pad_token_id,
+            max_input_tokens=max_input_tokens,
+            vocab_size=vocab_size,
+            max_items=max_items,
+            max_text_chars=max_text_chars,
+        )
+
+    def to_json(self) -> str:
+        """The tokenizer, serialized for another process (padding and truncation reset)."""
+        return str(self._full.to_str())
 
     def from_texts(self, texts: Sequence[str], truncate: bool) -> Sequences:
         self._check_count("texts", len(texts))

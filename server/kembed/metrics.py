@@ -1,26 +1,38 @@
 """Prometheus metrics, named from ``kembed.contract`` (the operator's autoscaling reads them).
 
-Gauges that describe the present (drain time, P95, backlog, rate) are computed at scrape time
-from the live state, so they are never stale.
+Every process of the server counts what it sees in prometheus-client's multiprocess mode (the
+supervisor points ``PROMETHEUS_MULTIPROC_DIR`` at a folder of its own before starting them): front
+ends count requests, their latency and their pre-screen rejections; the engine counts its own
+rejections and its batches. The supervisor serves ``/metrics``: those files, merged, plus gauges
+of the present (drain time, P95, backlog, rate) read off the engine's board at scrape time, so
+they are never stale.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from pathlib import Path
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client.core import GaugeMetricFamily
+from prometheus_client.multiprocess import MultiProcessCollector
+from prometheus_client.registry import Collector
 
 from kembed.contract import Metric
+from kembed.ipc import Board, Slot
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
 BATCH_SIZE_BUCKETS = tuple(float(1 << i) for i in range(13))
 BATCH_TOKEN_BUCKETS = tuple(float(1 << i) for i in range(4, 20))
 
 
-class Metrics:
+def _rejected(registry: CollectorRegistry) -> Counter:
+    return Counter(Metric.REJECTED, "Requests rejected by admission control", ["reason"], registry=registry)
+
+
+class FrontendMetrics:
     def __init__(self) -> None:
-        self.registry = CollectorRegistry()
-        r = self.registry
+        r = CollectorRegistry()
         self.request_duration = Histogram(
             Metric.REQUEST_DURATION_SECONDS,
             "Server-side latency of answered requests",
@@ -28,7 +40,13 @@ class Metrics:
             buckets=LATENCY_BUCKETS,
         )
         self.requests = Counter(Metric.REQUESTS, "Requests by gRPC status code", ["code"], registry=r)
-        self.rejected = Counter(Metric.REJECTED, "Requests rejected by admission control", ["reason"], registry=r)
+        self.rejected = _rejected(r)
+
+
+class EngineMetrics:
+    def __init__(self) -> None:
+        r = CollectorRegistry()
+        self.rejected = _rejected(r)
         self.batch_size = Histogram(Metric.BATCH_SIZE, "Rows per batch", registry=r, buckets=BATCH_SIZE_BUCKETS)
         self.batch_tokens = Histogram(
             Metric.BATCH_TOKENS, "Padded tokens per batch", registry=r, buckets=BATCH_TOKEN_BUCKETS
@@ -37,31 +55,8 @@ class Metrics:
         self.inference_seconds = Histogram(
             Metric.INFERENCE_SECONDS, "Worker compute time per batch", registry=r, buckets=LATENCY_BUCKETS
         )
-        self.queue_drain = Gauge(Metric.QUEUE_DRAIN_SECONDS, "Estimated time to drain the backlog", registry=r)
-        self.latency_p95 = Gauge(Metric.LATENCY_P95_SECONDS, "P95 server-side latency, sliding window", registry=r)
-        self.queued_tokens = Gauge(Metric.QUEUED_TOKENS, "Padded tokens queued or in flight", registry=r)
-        self.service_rate = Gauge(Metric.SERVICE_RATE, "Measured padded tokens per compute second", registry=r)
-        self.worker_queue_depth = Gauge(Metric.WORKER_QUEUE_DEPTH, "Batches handed to the worker", registry=r)
-        self.ready = Gauge(Metric.READY, "1 when warm and accepting requests", registry=r)
         for kind in ("real", "padding"):
             self.tokens.labels(kind=kind)
-
-    def bind(
-        self,
-        *,
-        drain_seconds: Callable[[], float],
-        p95_seconds: Callable[[], float],
-        queued_tokens: Callable[[], float],
-        service_rate: Callable[[], float],
-        worker_queue_depth: Callable[[], float],
-        ready: Callable[[], float],
-    ) -> None:
-        self.queue_drain.set_function(drain_seconds)
-        self.latency_p95.set_function(p95_seconds)
-        self.queued_tokens.set_function(queued_tokens)
-        self.service_rate.set_function(service_rate)
-        self.worker_queue_depth.set_function(worker_queue_depth)
-        self.ready.set_function(ready)
 
     def observe_batch(self, rows: int, padded_tokens: int, real_tokens: int, seconds: float) -> None:
         self.batch_size.observe(rows)
@@ -69,3 +64,39 @@ class Metrics:
         self.tokens.labels(kind="real").inc(real_tokens)
         self.tokens.labels(kind="padding").inc(padded_tokens - real_tokens)
         self.inference_seconds.observe(seconds)
+
+
+class BoardGauges(Collector):
+    """Gauges of the present, read off the engine's board at scrape time."""
+
+    def __init__(self, board: Board, ready: Callable[[], bool]) -> None:
+        self._gauges: list[tuple[str, str, Callable[[], float]]] = [
+            (Metric.QUEUE_DRAIN_SECONDS, "Estimated time to drain the backlog", lambda: drain_seconds(board)),
+            (Metric.LATENCY_P95_SECONDS, "P95 server-side latency, sliding window", lambda: board[Slot.P95_SECONDS]),
+            (Metric.QUEUED_TOKENS, "Padded tokens queued or in flight", lambda: board[Slot.BACKLOG_TOKENS]),
+            (
+                Metric.SERVICE_RATE,
+                "Measured padded tokens per compute second",
+                lambda: board[Slot.TOKENS_PER_SECOND],
+            ),
+            (Metric.WORKER_QUEUE_DEPTH, "Batches handed to the worker", lambda: board[Slot.IN_FLIGHT_BATCHES]),
+            (Metric.READY, "1 when warm and accepting requests", lambda: float(ready())),
+        ]
+
+    def collect(self) -> Iterator[GaugeMetricFamily]:
+        for name, documentation, read in self._gauges:
+            yield GaugeMetricFamily(name, documentation, value=read())
+
+
+def supervisor_registry(metrics_dir: Path, board: Board, ready: Callable[[], bool]) -> CollectorRegistry:
+    """What ``/metrics`` serves: every process's counters merged, and the board's gauges."""
+    registry = CollectorRegistry()
+    MultiProcessCollector(registry, path=str(metrics_dir))
+    registry.register(BoardGauges(board, ready))
+    return registry
+
+
+def drain_seconds(board: Board) -> float:
+    """The backlog over the measured rate (0 before any rate is known)."""
+    rate = board[Slot.TOKENS_PER_SECOND]
+    return board[Slot.BACKLOG_TOKENS] / rate if rate > 0 else 0.0

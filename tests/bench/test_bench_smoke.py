@@ -23,8 +23,8 @@ from bench.report import (
     worker_figures,
 )
 from bench.server import Server
-from kembed.batcher import BatchShapes
 from kembed.contract import RETRY_PUSHBACK_KEY
+from kembed.engine.batcher import BatchShapes
 
 
 @pytest.fixture(scope="module")

@@ -9,7 +9,7 @@ import pytest
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
 from kembed.config import Settings
-from kembed.model import EmbeddingModel, resolve_model_path
+from kembed.engine.model import EmbeddingModel, resolve_model_path
 
 
 @pytest.fixture(scope="session")

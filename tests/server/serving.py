@@ -1,68 +1,163 @@
-"""A real kembed server for tests: the whole app on its own event loop in a thread, on free
-loopback ports, with small buckets so warmup takes seconds."""
+"""A real kembed server for tests: ``python -m kembed`` (the supervisor, its engine and its front
+ends) on free loopback ports, with small buckets so warmup takes seconds."""
 
 from __future__ import annotations
 
-import asyncio
 import json
-import threading
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
 import urllib.error
 import urllib.request
-from collections.abc import Coroutine
-from typing import Any, TypeVar
+from pathlib import Path
+from typing import Any
 
-from kembed.app import KembedServer
-from kembed.config import Settings
+import grpc
 
-T = TypeVar("T")
+from kembed.contract import env_name
+from kembed.v1 import embedder_pb2 as pb
+from kembed.v1 import embedder_pb2_grpc as pb_grpc
 
 FAST = {
     "buckets": "16,32,64,128,256",
     "max_batch_size": 16,
     "max_tokens_per_batch": 2048,
-    "grpc_port": 0,
-    "http_port": 0,
 }
 
 
-class ServerThread:
-    def __init__(self, **overrides: Any) -> None:
-        self.settings = Settings.from_env({}, **{**FAST, **overrides})
-        self.loop = asyncio.new_event_loop()
-        self._thread = threading.Thread(target=self.loop.run_forever, name="test-server", daemon=True)
-        self._thread.start()
-        self.server = self.call(self._create())  # gRPC's aio server binds to the loop it is made on
+def free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
 
-    async def _create(self) -> KembedServer:
-        return KembedServer(self.settings)
 
-    def start(self, wait_ready: bool = True) -> ServerThread:
-        self.call(self.server.start())
-        if wait_ready:
-            self.call(self.server.wait_ready(), timeout=300)
+def wait_until(condition: Any, timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}")
+        time.sleep(0.05)
+
+
+class ServerProcess:
+    def __init__(self, log: Path, module: str = "kembed", **settings: Any) -> None:
+        self.grpc_port, self.http_port = free_port(), free_port()
+        values = {**FAST, **settings, "grpc_port": self.grpc_port, "http_port": self.http_port}
+        env = {k: v for k, v in os.environ.items() if not k.startswith("KEMBED_")}
+        env.update({env_name(k): str(v) for k, v in values.items()})
+        env["HF_HUB_OFFLINE"] = "1"
+        self.log = log
+        self._out = log.open("wb")
+        self.process = subprocess.Popen(
+            [sys.executable, "-m", module], env=env, stdout=self._out, stderr=subprocess.STDOUT
+        )
+
+    def wait_ready(self, timeout: float = 300) -> ServerProcess:
+        wait_until(lambda: self.http("/readyz")[0] == 200 or self.process.poll() is not None, timeout, "ready")
+        if self.process.poll() is not None:
+            raise AssertionError(f"server exited with {self.process.returncode}:\n{self.output()}")
         return self
-
-    def call(self, coro: Coroutine[Any, Any, T], timeout: float = 60) -> T:
-        return asyncio.run_coroutine_threadsafe(coro, self.loop).result(timeout)
-
-    def stop(self) -> None:
-        self.call(self.server.stop(grace=0))
-        self.loop.call_soon_threadsafe(self.loop.stop)
-        self._thread.join(timeout=10)
 
     @property
     def target(self) -> str:
-        return f"127.0.0.1:{self.server.grpc_port}"
+        return f"127.0.0.1:{self.grpc_port}"
 
     def http(self, path: str) -> tuple[int, str]:
-        url = f"http://127.0.0.1:{self.server.http.port}{path}"
         try:
-            with urllib.request.urlopen(url, timeout=10) as response:
+            with urllib.request.urlopen(f"http://127.0.0.1:{self.http_port}{path}", timeout=10) as response:
                 return response.status, response.read().decode()
         except urllib.error.HTTPError as error:
             return error.code, error.read().decode()
+        except OSError:
+            return 0, ""
 
     def health(self) -> dict[str, Any]:
         status, body = self.http("/health")
         assert status == 200
         return dict(json.loads(body))
+
+    def children(self) -> dict[str, int]:
+        """The supervisor's children by role (``engine``, ``frontend-0``...), from their command lines."""
+        found = {}
+        for pid in Path(f"/proc/{self.process.pid}/task/{self.process.pid}/children").read_text().split():
+            argv = Path(f"/proc/{pid}/cmdline").read_bytes().split(b"\0")
+            if b"kembed.engine" in argv:
+                found["engine"] = int(pid)
+            elif b"kembed.frontend" in argv:
+                found[f"frontend-{argv[argv.index(b'--index') + 1].decode()}"] = int(pid)
+        return found
+
+    def terminate(self, timeout: float = 60) -> int:
+        self.process.send_signal(signal.SIGTERM)
+        return self.process.wait(timeout)
+
+    def output(self) -> str:
+        return self.log.read_text(errors="replace")
+
+    def stop(self) -> None:
+        if self.process.poll() is None:
+            self.process.send_signal(signal.SIGTERM)
+            try:
+                self.process.wait(30)
+            except subprocess.TimeoutExpired:
+                self.process.kill()
+                self.process.wait()
+        self._out.close()
+
+
+def _socket_inodes(pid: int) -> set[str]:
+    inodes = set()
+    for fd in Path(f"/proc/{pid}/fd").iterdir():
+        try:
+            target = os.readlink(fd)
+        except OSError:
+            continue
+        if target.startswith("socket:["):
+            inodes.add(target[8:-1])
+    return inodes
+
+
+def peer_ports(pid: int, local_port: int) -> set[int]:
+    """Remote ports of the established TCP connections that ``pid`` holds on ``local_port``."""
+    inodes = _socket_inodes(pid)
+    ports = set()
+    for table in ("/proc/net/tcp", "/proc/net/tcp6"):
+        for line in Path(table).read_text().splitlines()[1:]:
+            fields = line.split()
+            local, remote, state, inode = fields[1], fields[2], fields[3], fields[9]
+            if state == "01" and inode in inodes and int(local.rsplit(":", 1)[1], 16) == local_port:
+                ports.add(int(remote.rsplit(":", 1)[1], 16))
+    return ports
+
+
+def channel_per_frontend(server: ServerProcess, count: int) -> dict[str, grpc.Channel]:
+    """One connected channel held by each front end, by role (``frontend-0``...).
+
+    SO_REUSEPORT hands each new connection to a front end by hash: open channels until each front
+    end holds one (64 tries: a chance of 2**-63 to miss one of two).
+    """
+    found: dict[str, grpc.Channel] = {}
+    for _ in range(64):
+        # A local subchannel pool: a channel to the same target would otherwise share one connection.
+        channel = grpc.insecure_channel(server.target, options=[("grpc.use_local_subchannel_pool", 1)])
+        role = _frontend_of(server, channel)
+        if role in found:
+            channel.close()
+        else:
+            found[role] = channel
+        if len(found) == count:
+            return found
+    raise AssertionError(f"new connections reached only {sorted(found)}")
+
+
+def _frontend_of(server: ServerProcess, channel: grpc.Channel) -> str:
+    """Which front end a fresh channel's connection landed on."""
+    before = {role: peer_ports(pid, server.grpc_port) for role, pid in server.children().items()}
+    pb_grpc.EmbedderStub(channel).Info(pb.InfoRequest(), timeout=10)
+    for role, pid in server.children().items():
+        if peer_ports(pid, server.grpc_port) - before[role]:
+            return role
+    raise AssertionError("no front end holds the new connection")

@@ -1,4 +1,5 @@
-"""The gRPC API end to end: a real server on loopback, the real model, real clients."""
+"""The gRPC API end to end: a real server (two front ends and an engine) on loopback, the real model,
+real clients. Calls that must hold for every front end run once through each."""
 
 from __future__ import annotations
 
@@ -14,10 +15,10 @@ from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 from kembed.client import EmbedClient, decode
 from kembed.config import Settings
 from kembed.contract import Metric
-from kembed.model import resolve_model_path
+from kembed.engine.model import resolve_model_path
 from kembed.v1 import embedder_pb2 as pb
 from kembed.v1 import embedder_pb2_grpc as pb_grpc
-from tests.server.serving import ServerThread
+from tests.server.serving import ServerProcess, channel_per_frontend
 
 MAX_ITEMS = 64
 MAX_MESSAGE = 1024 * 1024
@@ -33,17 +34,32 @@ TEXTS = [
 ]
 
 
+FRONTENDS = ("frontend-0", "frontend-1")
+
+
 @pytest.fixture(scope="module")
-def server() -> Iterator[ServerThread]:
-    running = ServerThread(max_items_per_request=MAX_ITEMS, max_message_bytes=MAX_MESSAGE).start()
-    yield running
+def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
+    log = tmp_path_factory.mktemp("api") / "server.log"
+    # No admission strategies: these tests are about the API, and a busy machine's service rate
+    # would otherwise refuse some of their bursts (test_overload covers admission end to end).
+    running = ServerProcess(
+        log, frontends=2, admission="", max_items_per_request=MAX_ITEMS, max_message_bytes=MAX_MESSAGE
+    )
+    yield running.wait_ready()
     running.stop()
 
 
 @pytest.fixture(scope="module")
-def channel(server: ServerThread) -> Iterator[grpc.Channel]:
-    with grpc.insecure_channel(server.target) as chan:
-        yield chan
+def channels(server: ServerProcess) -> Iterator[dict[str, grpc.Channel]]:
+    found = channel_per_frontend(server, len(FRONTENDS))
+    yield found
+    for chan in found.values():
+        chan.close()
+
+
+@pytest.fixture(scope="module", params=FRONTENDS)
+def channel(request: pytest.FixtureRequest, channels: dict[str, grpc.Channel]) -> grpc.Channel:
+    return channels[request.param]
 
 
 @pytest.fixture(scope="module")
@@ -60,7 +76,7 @@ def reference() -> np.ndarray:
     return np.asarray(model.encode(TEXTS, normalize_embeddings=True))
 
 
-def test_embeddings_match_sentence_transformers(server: ServerThread, reference: np.ndarray):
+def test_embeddings_match_sentence_transformers(server: ServerProcess, reference: np.ndarray):
     with EmbedClient(server.target) as client:
         vectors = client.embed(TEXTS, truncate=True)
     assert vectors.shape == (len(TEXTS), 384) and vectors.dtype == np.float32
@@ -68,7 +84,7 @@ def test_embeddings_match_sentence_transformers(server: ServerThread, reference:
     assert cosines.min() >= 0.9999, cosines
 
 
-def test_pretokenized_ids_give_the_same_vectors(server: ServerThread):
+def test_pretokenized_ids_give_the_same_vectors(server: ServerProcess):
     from transformers import AutoTokenizer
 
     _, path = resolve_model_path(Settings())
@@ -169,7 +185,7 @@ def test_grpc_health_and_reflection(channel: grpc.Channel):
     assert {"kembed.v1.Embedder", "grpc.health.v1.Health"} <= names
 
 
-def test_http_probes_health_and_metrics(server: ServerThread, stub: pb_grpc.EmbedderStub):
+def test_http_probes_health_and_metrics(server: ServerProcess, stub: pb_grpc.EmbedderStub):
     stub.Embed(pb.EmbedRequest(texts=["metrics please"]))
     assert server.http("/livez")[0] == 200
     assert server.http("/readyz")[0] == 200

@@ -1,13 +1,12 @@
 """Routing items into length buckets and taking them out again."""
 
-import asyncio
-
 import numpy as np
 import pytest
 
-from kembed.buckets import BucketQueue, clip_buckets, padded_tokens, route
+from kembed.engine.buckets import BucketQueue, clip_buckets, padded_lengths, route
+from kembed.engine.work import Job
 from kembed.inputs import Sequences
-from kembed.work import Job
+from tests.server.queueing import chunks
 
 LENGTHS = [16, 32, 64]
 PAD = 0
@@ -19,13 +18,13 @@ def seqs(*lengths: int) -> Sequences:
     return Sequences(np.concatenate(parts), np.asarray(lengths, dtype=np.int32))
 
 
-def job(n: int) -> Job:
-    loop = asyncio.new_event_loop()
-    try:
-        future = loop.create_future()
-    finally:
-        loop.close()
-    return Job("r", np.ones(n, dtype=np.int32), 0, 0.0, 10.0, future, np.zeros((n, 4), np.float32))
+def job(n: int, deadline: float = 10.0) -> Job:
+    return Job(link=1, tag=1, count=n, deadline=deadline, padded_tokens=0)
+
+
+def enqueue(queue: BucketQueue, owner: Job, sequences: Sequences, now: float) -> None:
+    for bucket, chunk in chunks(owner, sequences, queue.lengths, now):
+        queue.add(bucket, chunk)
 
 
 def test_clip_buckets_ends_at_the_model_limit():
@@ -37,9 +36,9 @@ def test_clip_buckets_ends_at_the_model_limit():
 def test_each_item_goes_to_the_smallest_bucket_that_fits():
     s = seqs(3, 16, 17, 64, 1, 40)
     routed = {part.bucket: part for part in route(s, LENGTHS, PAD)}
-    assert routed[0].rows.tolist() == [0, 1, 4]
-    assert routed[1].rows.tolist() == [2]
-    assert routed[2].rows.tolist() == [3, 5]
+    assert routed[0].items.tolist() == [0, 1, 4]
+    assert routed[1].items.tolist() == [2]
+    assert routed[2].items.tolist() == [3, 5]
     assert routed[2].ids.shape == (2, 64)
     assert routed[2].lengths.tolist() == [64, 40]
 
@@ -52,34 +51,44 @@ def test_routed_ids_are_the_items_ids_right_padded():
     assert (small.ids[0, 3:] == PAD).all()
     assert mid.ids[0, :20].tolist() == list(range(2000, 2020))
     assert (mid.ids[0, 20:] == PAD).all()
-    assert padded_tokens(parts, LENGTHS) == 16 + 32
+    assert padded_lengths(s.lengths, LENGTHS).tolist() == [16, 32]
 
 
 def test_take_splits_a_chunk_and_keeps_accounting():
     queue = BucketQueue(LENGTHS)
     j = job(5)
-    queue.add(j, route(seqs(2, 2, 2, 2, 2), LENGTHS, PAD), now=1.0)
+    enqueue(queue, j, seqs(2, 2, 2, 2, 2), now=1.0)
     assert queue.queued_tokens == 5 * 16 == j.queued_tokens
-    first = queue.take(0, 3)
-    assert [c.rows.tolist() for c in first] == [[0, 1, 2]]
-    assert queue.rows(0) == 2
+    first = queue.take(0, 3, now=1.0)
+    assert [c.slots.tolist() for c in first] == [[0, 1, 2]]
+    assert queue.items(0) == 2
     assert queue.queued_tokens == 2 * 16
-    rest = queue.take(0, 10)
-    assert [c.rows.tolist() for c in rest] == [[3, 4]]
+    rest = queue.take(0, 10, now=1.0)
+    assert [c.slots.tolist() for c in rest] == [[3, 4]]
     assert queue.queued_tokens == 0 == len(queue)
 
 
 def test_forgotten_jobs_leave_the_backlog_at_once_and_are_skipped():
     queue = BucketQueue(LENGTHS)
     dead, alive = job(2), job(1)
-    queue.add(dead, route(seqs(4, 4), LENGTHS, PAD), now=1.0)
-    queue.add(alive, route(seqs(5), LENGTHS, PAD), now=2.0)
-    dead.abandon()
+    enqueue(queue, dead, seqs(4, 4), now=1.0)
+    enqueue(queue, alive, seqs(5), now=2.0)
+    dead.closed = True
     queue.forget(dead)
     assert queue.queued_tokens == 16
-    taken = queue.take(0, 8)
+    taken = queue.take(0, 8, now=2.0)
     assert [c.job for c in taken] == [alive]
     assert queue.queued_tokens == 0
+
+
+def test_jobs_past_their_deadline_are_closed_when_taken():
+    queue = BucketQueue(LENGTHS)
+    late, on_time = job(1, deadline=5.0), job(1, deadline=50.0)
+    enqueue(queue, late, seqs(4), now=1.0)
+    enqueue(queue, on_time, seqs(4), now=2.0)
+    taken = queue.take(0, 8, now=6.0)
+    assert [c.job for c in taken] == [on_time]
+    assert late.closed and queue.queued_tokens == 0
 
 
 @pytest.mark.parametrize("n", [1, 7, 200])
@@ -89,8 +98,8 @@ def test_route_handles_many_items_without_mixing_them(n: int):
     s = seqs(*lengths.tolist())
     rebuilt = {}
     for part in route(s, LENGTHS, PAD):
-        for row, ids, length in zip(part.rows, part.ids, part.lengths, strict=True):
-            rebuilt[int(row)] = ids[:length].tolist()
+        for item, ids, length in zip(part.items, part.ids, part.lengths, strict=True):
+            rebuilt[int(item)] = ids[:length].tolist()
     offsets = s.offsets
     for i, length in enumerate(lengths):
         assert rebuilt[i] == s.ids[offsets[i] : offsets[i] + length].tolist()

@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from kembed.config import Settings, Warmup
-from kembed.model import EmbeddingModel
-from kembed.worker import Engine, make_plan
+from kembed.engine.model import EmbeddingModel
+from kembed.engine.worker import Engine, make_plan
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
 

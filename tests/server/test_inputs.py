@@ -24,7 +24,9 @@ LONG_TEXT = "the quick brown fox jumps over the lazy dog " * 10  # ~90 tokens
 
 @pytest.fixture(scope="module")
 def tok(hf_tokenizer: PreTrainedTokenizerBase) -> Tokenizer:
-    return Tokenizer(hf_tokenizer, max_input_tokens=LIMIT, vocab_size=VOCAB, max_items=8, max_text_chars=500)
+    return Tokenizer.from_transformers(
+        hf_tokenizer, max_input_tokens=LIMIT, vocab_size=VOCAB, max_items=8, max_text_chars=500
+    )
 
 
 def as_bytes(ids: list[int]) -> bytes:

@@ -1,16 +1,15 @@
-"""Start-up, readiness gating, deadlines and SIGTERM drain, on real servers."""
+"""Start-up, readiness gating, deadlines, SIGTERM drain and child failures, on real servers: the
+supervisor, its engine and two front ends as separate processes."""
 
 from __future__ import annotations
 
 import os
 import re
 import signal
-import socket
 import subprocess
 import sys
 import time
-import urllib.error
-import urllib.request
+from pathlib import Path
 
 import grpc
 import pytest
@@ -18,70 +17,54 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from kembed.v1 import embedder_pb2 as pb
 from kembed.v1 import embedder_pb2_grpc as pb_grpc
-from tests.server.serving import FAST, ServerThread
+from tests.server.serving import ServerProcess, channel_per_frontend, wait_until
 
 PARAGRAPH = "Readiness goes false at once, and everything accepted is finished and answered. " * 5
 
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
+pytestmark = pytest.mark.slow
 
 
-def http_status(port: int, path: str) -> int:
+def process_gone(pid: int) -> bool:
     try:
-        with urllib.request.urlopen(f"http://127.0.0.1:{port}{path}", timeout=5) as response:
-            return int(response.status)
-    except urllib.error.HTTPError as error:
-        return error.code
-    except OSError:
-        return 0
+        return Path(f"/proc/{pid}/stat").read_text().split(") ", 1)[1].startswith("Z")
+    except FileNotFoundError:
+        return True
 
 
-def spawn(env: dict[str, str]) -> subprocess.Popen[str]:
-    full = {**os.environ, "HF_HUB_OFFLINE": "1", **env}
-    return subprocess.Popen(
-        [sys.executable, "-m", "kembed"], env=full, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
-    )
-
-
-def wait_until(condition, timeout: float, what: str) -> None:
-    deadline = time.monotonic() + timeout
-    while not condition():
-        if time.monotonic() > deadline:
-            raise AssertionError(f"timed out waiting for {what}")
-        time.sleep(0.05)
-
-
-def test_unavailable_while_warming_up_then_serving():
-    server = ServerThread()
-    server.start(wait_ready=False)
+def test_unavailable_while_warming_up_then_serving(tmp_path: Path):
+    server = ServerProcess(tmp_path / "server.log", warmup="grid", frontends=2)
     try:
         with grpc.insecure_channel(server.target) as channel:
+            health = health_pb2_grpc.HealthStub(channel)
+            wait_until(lambda: _health_status(health) is not None, 120, "a front end listening")
+            assert _health_status(health) == health_pb2.HealthCheckResponse.NOT_SERVING
             with pytest.raises(grpc.RpcError) as caught:
                 pb_grpc.EmbedderStub(channel).Embed(pb.EmbedRequest(texts=["too early"]), timeout=5)
             assert caught.value.code() is grpc.StatusCode.UNAVAILABLE
             assert "warming up" in str(caught.value.details())
             assert server.http("/readyz")[0] == 503
             assert server.http("/livez")[0] == 200
-            check = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service=""))
-            assert check.status == health_pb2.HealthCheckResponse.NOT_SERVING
-            server.call(server.server.wait_ready(), timeout=300)
-            assert server.http("/readyz")[0] == 200
+            server.wait_ready()
+            assert _health_status(health) == health_pb2.HealthCheckResponse.SERVING
             assert pb_grpc.EmbedderStub(channel).Embed(pb.EmbedRequest(texts=["now"])).count == 1
     finally:
         server.stop()
 
 
-def test_expired_work_is_dropped_before_compute():
-    server = ServerThread(admission="").start()
+def _health_status(health: health_pb2_grpc.HealthStub) -> int | None:
+    try:
+        return int(health.Check(health_pb2.HealthCheckRequest(service=""), timeout=2).status)
+    except grpc.RpcError:
+        return None
+
+
+def test_expired_work_is_dropped_before_compute(tmp_path: Path):
+    server = ServerProcess(tmp_path / "server.log", admission="").wait_ready()
     try:
         with grpc.insecure_channel(server.target) as channel:
             stub = pb_grpc.EmbedderStub(channel)
-            backlog = stub.Embed.future(pb.EmbedRequest(texts=["queue ahead"] * 300), timeout=120)
-            while server.health()["queued_tokens"] == 0:
-                time.sleep(0.005)
+            backlog = stub.Embed.future(pb.EmbedRequest(texts=[PARAGRAPH] * 64), timeout=120)  # seconds of work
+            wait_until(lambda: server.health()["queued_tokens"] > 0, 30, "a backlog")
             with pytest.raises(grpc.RpcError) as caught:
                 stub.Embed(pb.EmbedRequest(texts=["late"] * 3), timeout=0.2)
             assert caught.value.code() is grpc.StatusCode.DEADLINE_EXCEEDED
@@ -94,33 +77,42 @@ def test_expired_work_is_dropped_before_compute():
         server.stop()
 
 
-def test_sigterm_finishes_accepted_work_then_exits():
-    grpc_port, http_port = free_port(), free_port()
-    env = {
-        "KEMBED_GRPC_PORT": str(grpc_port),
-        "KEMBED_HTTP_PORT": str(http_port),
-        "KEMBED_ADMISSION": "",
-        **{f"KEMBED_{k.upper()}": str(v) for k, v in FAST.items() if k not in ("grpc_port", "http_port")},
-    }
-    process = spawn(env)
+def test_sigterm_answers_everything_accepted_in_every_front_end(tmp_path: Path):
+    server = ServerProcess(tmp_path / "server.log", admission="", frontends=2).wait_ready()
     try:
-        wait_until(lambda: http_status(http_port, "/readyz") == 200 or process.poll() is not None, 300, "ready")
-        assert process.poll() is None
-        with grpc.insecure_channel(f"127.0.0.1:{grpc_port}") as channel:
+        channels = channel_per_frontend(server, 2)
+        accepted = []
+        for channel in channels.values():
             stub = pb_grpc.EmbedderStub(channel)
-            accepted = [stub.Embed.future(pb.EmbedRequest(texts=[PARAGRAPH] * 8), timeout=120) for _ in range(12)]
-            time.sleep(0.5)  # every request is past the gate (tokenized and queued)
-            process.send_signal(signal.SIGTERM)
-            wait_until(lambda: http_status(http_port, "/readyz") != 200, 2, "readiness to drop")
+            accepted += [stub.Embed.future(pb.EmbedRequest(texts=[PARAGRAPH] * 8), timeout=120) for _ in range(6)]
+        wait_until(lambda: server.health()["queued_tokens"] > 0, 30, "work queued")
+        time.sleep(0.5)  # every request is past the gate (tokenized and queued)
+        server.process.send_signal(signal.SIGTERM)
+        wait_until(lambda: server.http("/readyz")[0] != 200, 2, "readiness to drop")
+        for channel in channels.values():
             with pytest.raises(grpc.RpcError) as caught:
-                stub.Embed(pb.EmbedRequest(texts=["after SIGTERM"]), timeout=5)
+                pb_grpc.EmbedderStub(channel).Embed(pb.EmbedRequest(texts=["after SIGTERM"]), timeout=5)
             assert caught.value.code() is grpc.StatusCode.UNAVAILABLE
-            assert [f.result().count for f in accepted] == [8] * 12
-        assert process.wait(timeout=60) == 0
+        assert [future.result().count for future in accepted] == [8] * 12
+        assert server.process.wait(timeout=60) == 0
+        for channel in channels.values():
+            channel.close()
     finally:
-        process.kill()
-        output = process.communicate()[0]
-    assert "draining" in output
+        server.stop()
+    assert server.output().count("draining:") == 2
+
+
+@pytest.mark.parametrize("victim", ["engine", "frontend-1"])
+def test_a_killed_child_takes_the_server_down(tmp_path: Path, victim: str):
+    server = ServerProcess(tmp_path / "server.log", frontends=2).wait_ready()
+    try:
+        children = server.children()
+        assert sorted(children) == ["engine", "frontend-0", "frontend-1"]
+        os.kill(children[victim], signal.SIGKILL)
+        assert server.process.wait(timeout=30) != 0
+        wait_until(lambda: all(process_gone(pid) for pid in children.values()), 10, "every child to exit")
+    finally:
+        server.stop()
 
 
 def test_bad_configuration_exits_naming_the_variable():
@@ -135,9 +127,10 @@ def test_bad_configuration_exits_naming_the_variable():
     assert "KEMBED_MAX_BATCH_SIZE" in result.stderr
 
 
-def test_missing_model_fails_start_up():
-    port = free_port()
-    process = spawn({"KEMBED_MODEL": "/nonexistent/model", "KEMBED_GRPC_PORT": "0", "KEMBED_HTTP_PORT": str(port)})
-    output = process.communicate(timeout=180)[0]
-    assert process.returncode == 1
-    assert "/nonexistent/model" in output
+def test_missing_model_fails_start_up(tmp_path: Path):
+    server = ServerProcess(tmp_path / "server.log", model="/nonexistent/model")
+    try:
+        assert server.process.wait(timeout=180) == 1
+        assert "/nonexistent/model" in server.output()
+    finally:
+        server.stop()

@@ -16,9 +16,9 @@ from safetensors.torch import load_file, save_file
 from transformers import AutoModel
 
 from kembed.config import Settings
+from kembed.engine.model import BUNDLED_MODEL_ID, EmbeddingModel, ModelLoadError, resolve_model_path
+from kembed.frontend.service import postprocess
 from kembed.inputs import Sequences
-from kembed.model import BUNDLED_MODEL_ID, EmbeddingModel, ModelLoadError, resolve_model_path
-from kembed.pooling import postprocess
 
 PARAGRAPH = " ".join(
     f"Sentence {i} of a long paragraph talks about embedding servers, token buckets and padding waste."

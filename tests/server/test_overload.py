@@ -6,6 +6,7 @@ from __future__ import annotations
 import threading
 import time
 from collections.abc import Iterator
+from pathlib import Path
 
 import grpc
 import numpy as np
@@ -15,7 +16,7 @@ from kembed.client import EmbedClient
 from kembed.contract import RETRY_PUSHBACK_KEY
 from kembed.v1 import embedder_pb2 as pb
 from kembed.v1 import embedder_pb2_grpc as pb_grpc
-from tests.server.serving import ServerThread
+from tests.server.serving import ServerProcess, wait_until
 
 MAX_QUEUED = 16_384
 MAX_DRAIN_MS = 500
@@ -23,16 +24,17 @@ SENTENCE = "Admission control rejects early instead of queueing into timeouts an
 
 
 @pytest.fixture(scope="module")
-def server() -> Iterator[ServerThread]:
-    running = ServerThread(max_drain_ms=MAX_DRAIN_MS, max_queued_tokens=MAX_QUEUED, p95_soft_ms=1500).start()
-    yield running
+def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
+    log = tmp_path_factory.mktemp("overload") / "server.log"
+    running = ServerProcess(log, frontends=2, max_drain_ms=MAX_DRAIN_MS, max_queued_tokens=MAX_QUEUED, p95_soft_ms=1500)
+    yield running.wait_ready()
     running.stop()
 
 
 class Watch:
     """Samples the server's backlog while the load runs."""
 
-    def __init__(self, server: ServerThread) -> None:
+    def __init__(self, server: ServerProcess) -> None:
         self.server, self.peak, self._stop = server, 0, threading.Event()
         self._thread = threading.Thread(target=self._run, daemon=True)
 
@@ -49,7 +51,7 @@ class Watch:
         self._thread.join()
 
 
-def test_overload_rejects_fast_and_answers_everything_accepted(server: ServerThread):
+def test_overload_rejects_fast_and_answers_everything_accepted(server: ServerProcess):
     request = pb.EmbedRequest(texts=[SENTENCE] * 8)  # 8 items in the 32 bucket: 256 padded tokens
     finished: dict[int, float] = {}
     with grpc.insecure_channel(server.target) as channel, Watch(server) as watch:
@@ -78,16 +80,15 @@ def test_overload_rejects_fast_and_answers_everything_accepted(server: ServerThr
         assert client.embed(["the server recovers"]).shape == (1, 384)
 
 
-def test_client_retries_after_the_pushback():
-    server = ServerThread(admission="", max_queued_tokens=4096).start()
+def test_client_retries_after_the_pushback(tmp_path: Path):
+    server = ServerProcess(tmp_path / "server.log", admission="", max_queued_tokens=4096).wait_ready()
     try:
         with grpc.insecure_channel(server.target) as channel:
             stub = pb_grpc.EmbedderStub(channel)
             long_text = "Fill the queue with long texts that take a while to compute. " * 30
             # 16 items in the 256 bucket: the whole 4096-token cap, for about a second of compute
             big = stub.Embed.future(pb.EmbedRequest(texts=[long_text] * 16, truncate=True), timeout=60)
-            while server.health()["queued_tokens"] == 0:
-                time.sleep(0.005)
+            wait_until(lambda: server.health()["queued_tokens"] > 0, 30, "a backlog")
             with EmbedClient(server.target, timeout_s=120, max_attempts=50) as client:
                 vectors = client.embed(["patience"] * 8)
                 assert client.retries >= 1

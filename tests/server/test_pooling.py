@@ -6,7 +6,8 @@ import numpy as np
 import pytest
 import torch
 
-from kembed.pooling import POOLING_MODES, pool, postprocess
+from kembed.engine.pooling import POOLING_MODES, pool
+from kembed.frontend.service import postprocess
 
 CLS, SEP, PAD, QUERY = 101, 102, 0, 7
 

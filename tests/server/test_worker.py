@@ -2,17 +2,15 @@
 
 from __future__ import annotations
 
-import asyncio
-
 import numpy as np
 import pytest
 import torch
 
-from kembed.buckets import route
 from kembed.config import Settings, Warmup
-from kembed.model import EmbeddingModel
-from kembed.work import Chunk, Job
-from kembed.worker import Engine, Outcome, make_plan
+from kembed.engine.model import EmbeddingModel
+from kembed.engine.work import Chunk, Job
+from kembed.engine.worker import Engine, Outcome, make_plan
+from tests.server.queueing import chunks
 
 POISON = 4242  # a real vocabulary id that the injected fault treats as fatal to its batch
 
@@ -28,11 +26,8 @@ def chunks_for(engine: Engine, texts: list[str], poison: bool = False) -> list[C
     seqs = engine.model.tokenizer.from_texts(texts, truncate=False)
     if poison:
         seqs.ids[1] = POISON
-    loop = asyncio.new_event_loop()
-    future = loop.create_future()
-    loop.close()
-    job = Job("j", seqs.lengths, 0, 0.0, 9.0, future, np.zeros((seqs.count, 384), np.float32))
-    return [Chunk(job, part.rows, part.ids, part.lengths, 0.0) for part in route(seqs, [16, 32], 0)]
+    job = Job(link=1, tag=1, count=seqs.count, deadline=float("inf"), padded_tokens=0)
+    return [chunk for _, chunk in chunks(job, seqs, [16, 32], 0.0)]
 
 
 def test_a_failing_item_fails_alone(engine: Engine, monkeypatch: pytest.MonkeyPatch):

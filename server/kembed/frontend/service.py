@@ -1,4 +1,4 @@
-"""The gRPC edge: validate → tokenize (off the loop) → admit → submit → await → respond.
+"""The gRPC edge of a front end: validate → pre-screen → tokenize → admit → engine → respond.
 
 Every failure becomes a gRPC status whose message names the field or the reason: bad input is
 INVALID_ARGUMENT before it can reach a shared batch; admission rejections are RESOURCE_EXHAUSTED
@@ -12,32 +12,30 @@ import asyncio
 import time
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import Executor
-from dataclasses import dataclass
+from typing import Protocol
 
 import grpc
 import numpy as np
+import tokenizers
 
 from kembed import __version__
-from kembed.admission import AdmissionController, Rejection
-from kembed.batcher import Batcher
-from kembed.buckets import Routed, padded_tokens, route
+from kembed.admission import Rejection
 from kembed.config import Settings
 from kembed.contract import RETRY_PUSHBACK_KEY
-from kembed.inputs import InputError, Sequences
-from kembed.metrics import Metrics
-from kembed.model import EmbeddingModel
-from kembed.pooling import postprocess
-from kembed.responder import BatchFailed
+from kembed.engine.buckets import padded_lengths
+from kembed.frontend.errors import EmbedError
+from kembed.frontend.link import EngineLink, Pending
+from kembed.frontend.screen import Screen
+from kembed.inputs import InputError, Sequences, Tokenizer
+from kembed.metrics import FrontendMetrics
 from kembed.v1 import embedder_pb2 as pb
 from kembed.v1 import embedder_pb2_grpc as pb_grpc
-from kembed.work import Job
-from kembed.worker import Plan
 
 MAX_REQUEST_ID_CHARS = 256
 MAX_STREAM_IN_FLIGHT = 256  # per stream: beyond this the server stops reading (back-pressure)
 # Inputs up to this many characters or id bytes are tokenized on the event loop: a trip through the
-# executor (two thread switches and a loop wake-up) costs more than tokenizing a sentence, and on a
-# busy machine those switches steal time from the model. Larger inputs still go to the executor.
+# executor (two thread switches and a loop wake-up) costs more than tokenizing a sentence. Larger
+# inputs go to the executor, where the Rust tokenizer runs without the GIL.
 INLINE_PREPARE_LIMIT = 2048
 
 
@@ -48,36 +46,25 @@ def _input_size(request: pb.EmbedRequest) -> int:
     return sum(len(text) for text in request.texts)
 
 
-class EmbedError(Exception):
-    """A request's failure, as the gRPC status it is answered with."""
-
-    def __init__(self, code: grpc.StatusCode, message: str, retry_after_ms: int = 0) -> None:
-        super().__init__(message)
-        self.code = code
-        self.message = message
-        self.retry_after_ms = retry_after_ms
+def _item_count(request: pb.EmbedRequest) -> int:
+    return len(request.tokens.lengths) if request.HasField("tokens") else len(request.texts)
 
 
 class Gate:
-    """Whether requests are taken (closed while warming up and once draining), and how many are
-    in progress, so a drain knows when everything accepted has been answered."""
+    """Whether requests are still taken, and how many are in progress, so a drain knows when
+    everything accepted has been answered. Closed when this front end drains, or as soon as the
+    supervisor marks the whole pod draining (a front end may see its SIGTERM a moment later)."""
 
-    def __init__(self) -> None:
-        self.ready = False
+    def __init__(self, pod_draining: Callable[[], bool]) -> None:
+        self._pod_draining = pod_draining
         self.draining = False
         self.active = 0
         self._idle = asyncio.Event()
         self._idle.set()
 
-    @property
-    def accepting(self) -> bool:
-        return self.ready and not self.draining
-
     def enter(self) -> None:
-        if self.draining:
+        if self.draining or self._pod_draining():
             raise EmbedError(grpc.StatusCode.UNAVAILABLE, "server is draining: retry on another replica")
-        if not self.ready:
-            raise EmbedError(grpc.StatusCode.UNAVAILABLE, "server is warming up: retry shortly")
         self.active += 1
         self._idle.clear()
 
@@ -90,28 +77,54 @@ class Gate:
         await self._idle.wait()
 
 
-@dataclass
-class Pipeline:
-    """Everything a request passes through once the model is warm."""
+class Service(Protocol):
+    """What the RPCs call: the real path once the engine is warm, a refusal before."""
 
-    settings: Settings
-    model: EmbeddingModel
-    plan: Plan
-    batcher: Batcher
-    admission: AdmissionController
-    executor: Executor
+    async def embed(self, request: pb.EmbedRequest, time_remaining: float | None) -> pb.EmbedResponse: ...
+
+    def info(self) -> pb.InfoResponse: ...
+
+
+class WarmingUp:
+    """The service until the engine is warm: every call is UNAVAILABLE."""
+
+    async def embed(self, request: pb.EmbedRequest, time_remaining: float | None) -> pb.EmbedResponse:
+        raise EmbedError(grpc.StatusCode.UNAVAILABLE, "server is warming up: retry shortly")
+
+    def info(self) -> pb.InfoResponse:
+        raise EmbedError(grpc.StatusCode.UNAVAILABLE, "server is warming up: retry shortly")
 
 
 class EmbedService:
     """One request's path, independent of the RPC shape (unary or stream)."""
 
     def __init__(
-        self, pipeline: Pipeline, gate: Gate, metrics: Metrics, clock: Callable[[], float] = time.monotonic
+        self,
+        settings: Settings,
+        link: EngineLink,
+        screen: Screen,
+        gate: Gate,
+        metrics: FrontendMetrics,
+        executor: Executor,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
-        self._p = pipeline
+        info = link.info
+        self._settings = settings
+        self._info = info
+        self._link = link
+        self._screen = screen
         self._gate = gate
         self._metrics = metrics
+        self._executor = executor
         self._clock = clock
+        self._tokenizer = Tokenizer(
+            tokenizers.Tokenizer.from_str(info.tokenizer_json),
+            pad_token_id=info.pad_token_id,
+            max_input_tokens=info.max_input_tokens,
+            vocab_size=info.vocab_size,
+            max_items=settings.max_items_per_request,
+            max_text_chars=settings.max_text_chars,
+        )
 
     async def embed(self, request: pb.EmbedRequest, time_remaining: float | None) -> pb.EmbedResponse:
         arrival = self._clock()
@@ -122,42 +135,32 @@ class EmbedService:
             self._gate.leave()
 
     async def _embed(self, request: pb.EmbedRequest, arrival: float, time_remaining: float | None) -> pb.EmbedResponse:
-        p = self._p
         self._validate(request)
-        self._screen(request)
-        loop = asyncio.get_running_loop()
+        self._raise_if_rejected(
+            self._screen.before_tokenizing(min(_item_count(request), self._settings.max_items_per_request))
+        )
         try:
             if _input_size(request) <= INLINE_PREPARE_LIMIT:
-                seqs, routed = self._prepare(request)
+                seqs = self._tokenize(request)
             else:
-                seqs, routed = await loop.run_in_executor(p.executor, self._prepare, request)
+                seqs = await asyncio.get_running_loop().run_in_executor(self._executor, self._tokenize, request)
         except InputError as error:
             raise EmbedError(grpc.StatusCode.INVALID_ARGUMENT, str(error)) from None
         tokenized = self._clock()
-        cost = padded_tokens(routed, p.plan.bucket_lengths)
-        self._admit(cost)
-        budget = p.settings.default_timeout_ms / 1000 if time_remaining is None else time_remaining
-        job = Job(
-            request_id=request.request_id,
-            token_counts=seqs.lengths,
-            padded_tokens=cost,
-            arrival=arrival,
-            deadline=arrival + budget,
-            future=loop.create_future(),
-            rows=np.empty((seqs.count, p.model.info.dimensions), dtype=np.float32),
-        )
-        p.batcher.submit(job, routed)
-        await self._wait(job)
+        self._admit(self._padded_tokens(seqs))
+        budget = self._settings.default_timeout_ms / 1000 if time_remaining is None else time_remaining
+        tag, pending = self._link.submit(seqs, arrival + budget)
+        await self._wait(tag, pending, arrival, arrival + budget)
         done = self._clock()
-        p.admission.latency.add(done - arrival)
+        self._link.add_latency(done - arrival)
         self._metrics.request_duration.observe(done - arrival)
-        return self._response(request, job, tokenized - arrival, done - arrival)
+        return self._response(request, seqs, pending, tokenized - arrival, arrival, done)
 
     def _validate(self, request: pb.EmbedRequest) -> None:
         has_texts, has_tokens = len(request.texts) > 0, request.HasField("tokens")
         if has_texts == has_tokens:
             raise EmbedError(grpc.StatusCode.INVALID_ARGUMENT, "texts, tokens: exactly one of the two must be set")
-        dimensions = self._p.model.info.dimensions
+        dimensions = self._info.dimensions
         if request.dimensions > dimensions:
             raise EmbedError(
                 grpc.StatusCode.INVALID_ARGUMENT,
@@ -168,113 +171,99 @@ class EmbedService:
                 grpc.StatusCode.INVALID_ARGUMENT, f"request_id: longer than {MAX_REQUEST_ID_CHARS} characters"
             )
 
-    def _prepare(self, request: pb.EmbedRequest) -> tuple[Sequences, list[Routed]]:
-        """Runs in the executor: tokenization and routing stay off the event loop."""
-        tokenizer = self._p.model.tokenizer
+    def _tokenize(self, request: pb.EmbedRequest) -> Sequences:
         if request.HasField("tokens"):
-            seqs = tokenizer.from_token_bytes(request.tokens.ids, request.tokens.lengths, request.truncate)
-        else:
-            seqs = tokenizer.from_texts(request.texts, request.truncate)
-        return seqs, route(seqs, self._p.plan.bucket_lengths, self._p.model.info.pad_token_id)
+            return self._tokenizer.from_token_bytes(request.tokens.ids, request.tokens.lengths, request.truncate)
+        return self._tokenizer.from_texts(request.texts, request.truncate)
 
-    def _screen(self, request: pb.EmbedRequest) -> None:
-        """Refuse what overload would refuse anyway before paying for tokenization."""
-        p = self._p
-        count = len(request.tokens.lengths) if request.HasField("tokens") else len(request.texts)
-        lower_bound = min(count, p.settings.max_items_per_request) * p.plan.bucket_lengths[0]
-        self._raise_if_rejected(p.admission.screen(lower_bound, p.batcher.backlog_tokens))
+    def _padded_tokens(self, seqs: Sequences) -> int:
+        """What the request costs once each item is padded to its bucket."""
+        return int(padded_lengths(seqs.lengths, self._info.bucket_lengths).sum())
 
     def _admit(self, cost: int) -> None:
-        p = self._p
-        if cost > p.settings.max_queued_tokens:
+        limit = self._settings.max_queued_tokens
+        if cost > limit:
             raise EmbedError(
                 grpc.StatusCode.INVALID_ARGUMENT,
                 f"texts, tokens: the request needs {cost} padded tokens, more than the server queues at once "
-                f"({p.settings.max_queued_tokens}): split it",
+                f"({limit}): split it",
             )
-        self._raise_if_rejected(p.admission.admit(cost, p.batcher.backlog_tokens))
+        self._raise_if_rejected(self._screen.after_tokenizing(cost))
 
     def _raise_if_rejected(self, rejection: Rejection | None) -> None:
         if rejection is not None:
             self._metrics.rejected.labels(reason=rejection.reason).inc()
             raise EmbedError(grpc.StatusCode.RESOURCE_EXHAUSTED, rejection.message, rejection.retry_after_ms)
 
-    async def _wait(self, job: Job) -> None:
-        timeout = max(0.0, job.deadline - self._clock())
+    async def _wait(self, tag: int, pending: Pending, arrival: float, deadline: float) -> None:
         try:
-            await asyncio.wait_for(asyncio.shield(job.future), timeout)
+            await asyncio.wait_for(asyncio.shield(pending.future), max(0.0, deadline - self._clock()))
         except TimeoutError:
-            self._abandon(job)
-            self._p.admission.latency.add(self._clock() - job.arrival)
+            self._link.cancel(tag)
+            self._link.add_latency(self._clock() - arrival)
             raise EmbedError(
                 grpc.StatusCode.DEADLINE_EXCEEDED, "deadline passed before the request was computed"
             ) from None
         except asyncio.CancelledError:
-            self._abandon(job)
+            self._link.cancel(tag)
             raise
-        except BatchFailed as error:
-            raise EmbedError(grpc.StatusCode.INTERNAL, str(error)) from None
 
-    def _abandon(self, job: Job) -> None:
-        """Whatever of the job is still queued is dropped before it reaches the model."""
-        job.abandon()
-        self._p.batcher.forget(job)
-
-    def _response(self, request: pb.EmbedRequest, job: Job, tokenize_s: float, total_s: float) -> pb.EmbedResponse:
+    def _response(
+        self,
+        request: pb.EmbedRequest,
+        seqs: Sequences,
+        pending: Pending,
+        tokenize_s: float,
+        arrival: float,
+        done: float,
+    ) -> pb.EmbedResponse:
         normalize = request.normalize if request.HasField("normalize") else True
-        vectors = postprocess(job.rows, request.dimensions, normalize)
-        queue_s = max(0.0, job.last_start - job.arrival - tokenize_s)
+        vectors = postprocess(pending.embeddings, request.dimensions, normalize)
+        queue_s = max(0.0, pending.last_start - arrival - tokenize_s)
         return pb.EmbedResponse(
             embeddings=vectors.astype("<f4", copy=False).tobytes(),
             count=vectors.shape[0],
             dimensions=vectors.shape[1],
-            token_counts=job.token_counts.tolist(),
+            token_counts=seqs.lengths.tolist(),
             request_id=request.request_id,
             timings=pb.Timings(
                 queue_ms=queue_s * 1000,
                 tokenize_ms=tokenize_s * 1000,
-                inference_ms=job.inference_s * 1000,
-                total_ms=total_s * 1000,
+                inference_ms=pending.inference_s * 1000,
+                total_ms=(done - arrival) * 1000,
             ),
         )
 
     def info(self) -> pb.InfoResponse:
-        p = self._p
-        info = p.model.info
+        info = self._info
         return pb.InfoResponse(
             model_id=info.model_id,
             dimensions=info.dimensions,
             max_input_tokens=info.max_input_tokens,
-            buckets=p.plan.bucket_lengths,
-            batch_sizes=p.plan.shapes.sizes,
+            buckets=info.bucket_lengths,
+            batch_sizes=info.batch_sizes,
             pooling=info.pooling,
             vocab_size=info.vocab_size,
             tokenizer_fingerprint=info.tokenizer_fingerprint,
             server_version=__version__,
             excluded_token_ids=info.excluded_token_ids,
-            dtype=str(info.dtype).removeprefix("torch."),
-            device=str(info.device),
-            max_batch_items=p.settings.max_items_per_request,
-            batching=p.settings.batching.value,
+            dtype=info.dtype,
+            device=info.device,
+            max_batch_items=self._settings.max_items_per_request,
+            batching=self._settings.batching.value,
         )
 
 
 class EmbedderServicer(pb_grpc.EmbedderServicer):
     """The RPC shapes around EmbedService; counts every answer by status code."""
 
-    def __init__(self, gate: Gate, metrics: Metrics) -> None:
-        self._gate = gate
+    def __init__(self, metrics: FrontendMetrics) -> None:
         self._metrics = metrics
-        self.service: EmbedService | None = None  # set once the model is warm
-
-    def _service(self) -> EmbedService:
-        if self.service is None:
-            raise EmbedError(grpc.StatusCode.UNAVAILABLE, "server is warming up: retry shortly")
-        return self.service
+        self.service: Service = WarmingUp()  # replaced, once, when the engine is warm
 
     async def Embed(self, request: pb.EmbedRequest, context: grpc.aio.ServicerContext) -> pb.EmbedResponse:
         try:
-            response = await self._service().embed(request, context.time_remaining())
+            response = await self.service.embed(request, context.time_remaining())
         except EmbedError as error:
             self._count(error.code)
             if error.retry_after_ms:
@@ -317,7 +306,7 @@ class EmbedderServicer(pb_grpc.EmbedderServicer):
 
     async def _stream_one(self, request: pb.EmbedRequest, time_remaining: float | None) -> pb.EmbedResponse:
         try:
-            response = await self._service().embed(request, time_remaining)
+            response = await self.service.embed(request, time_remaining)
         except EmbedError as error:
             self._count(error.code)
             return pb.EmbedResponse(
@@ -329,9 +318,20 @@ class EmbedderServicer(pb_grpc.EmbedderServicer):
 
     async def Info(self, request: pb.InfoRequest, context: grpc.aio.ServicerContext) -> pb.InfoResponse:
         try:
-            return self._service().info()
+            return self.service.info()
         except EmbedError as error:
             await context.abort(error.code, error.message)
 
     def _count(self, code: grpc.StatusCode) -> None:
         self._metrics.requests.labels(code=code.name).inc()
+
+
+def postprocess(rows: np.ndarray, dimensions: int, normalize: bool) -> np.ndarray:
+    """Keep the first ``dimensions`` columns (0 = all), then L2-normalize if asked; zero rows stay zero."""
+    if dimensions > rows.shape[1]:
+        raise ValueError(f"dimensions {dimensions} exceeds the model's {rows.shape[1]}")
+    kept = rows[:, :dimensions] if dimensions else rows
+    if normalize:
+        norms = np.linalg.norm(kept, axis=1, keepdims=True)
+        kept = kept / np.maximum(norms, np.float32(1e-12))
+    return np.ascontiguousarray(kept, dtype=np.float32)

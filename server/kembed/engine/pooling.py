@@ -1,4 +1,5 @@
-"""Pooling of hidden states into one vector per row, and the per-request normalize / Matryoshka step.
+"""Pooling of hidden states into one vector per row (the per-request normalize / Matryoshka step is the
+front end's: ``kembed.frontend.service.postprocess``).
 
 ``pool`` runs inside the (possibly compiled) forward: the mode and whether tokens are excluded are
 fixed per model, so its only branches are static; nothing depends on the data.
@@ -6,7 +7,6 @@ fixed per model, so its only branches are static; nothing depends on the data.
 
 from __future__ import annotations
 
-import numpy as np
 import torch
 
 POOLING_MODES = ("mean", "cls", "last")
@@ -38,14 +38,3 @@ def pool(
         rows = torch.arange(hidden.shape[0], device=hidden.device)
         return hidden[rows, last].to(torch.float32)
     raise ValueError(f"pooling mode {mode!r} is not one of {POOLING_MODES}")
-
-
-def postprocess(rows: np.ndarray, dimensions: int, normalize: bool) -> np.ndarray:
-    """Keep the first ``dimensions`` columns (0 = all), then L2-normalize if asked; zero rows stay zero."""
-    if dimensions > rows.shape[1]:
-        raise ValueError(f"dimensions {dimensions} exceeds the model's {rows.shape[1]}")
-    kept = rows[:, :dimensions] if dimensions else rows
-    if normalize:
-        norms = np.linalg.norm(kept, axis=1, keepdims=True)
-        kept = kept / np.maximum(norms, np.float32(1e-12))
-    return np.ascontiguousarray(kept, dtype=np.float32)

@@ -18,8 +18,8 @@ from transformers import AutoModel, AutoTokenizer, PreTrainedModel, PreTrainedTo
 
 from kembed.config import Settings
 from kembed.contract import env_name
+from kembed.engine.pooling import pool
 from kembed.inputs import Tokenizer, tokenizer_fingerprint
-from kembed.pooling import pool
 
 BUNDLED_MODEL_ID = "sentence-transformers/all-MiniLM-L6-v2"
 
@@ -109,7 +109,7 @@ class EmbeddingModel:
         if len(hf_tokenizer) > vocab_size:
             raise ModelLoadError(f"{path}: the tokenizer has {len(hf_tokenizer)} tokens, the model only {vocab_size}")
         max_input_tokens = _max_input_tokens(settings, path, model, hf_tokenizer)
-        tokenizer = Tokenizer(
+        tokenizer = Tokenizer.from_transformers(
             hf_tokenizer,
             max_input_tokens=max_input_tokens,
             vocab_size=vocab_size,

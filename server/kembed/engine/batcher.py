@@ -19,8 +19,8 @@ import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
-from kembed.buckets import BucketQueue, Routed
-from kembed.work import Batch, Chunk, Job
+from kembed.engine.buckets import BucketQueue
+from kembed.engine.work import Batch, Chunk, Job
 
 # Batches handed to the worker and not yet finished. With fixed shapes (CUDA graphs) a batch takes
 # milliseconds, so one waits ready while another runs and the device never idles on the host. In
@@ -52,7 +52,7 @@ class BatchShapes:
         return fitting[-1] if fitting else self.sizes[0]
 
     def rows_for(self, n: int, seq_len: int) -> int:
-        """The batch rows for ``n`` items: the smallest fixed size that holds them, when fixed."""
+        """The batch size for ``n`` items: the smallest fixed size that holds them, when fixed."""
         if not self.fixed:
             return n
         return next(size for size in self.sizes if size >= n)
@@ -71,7 +71,7 @@ class BatchShapes:
 @dataclass(frozen=True)
 class Pick:
     bucket: int
-    rows: int  # items to take from the bucket
+    items: int  # to take from the bucket
     reason: str  # "stale", "full" or "idle"
 
 
@@ -79,12 +79,12 @@ def choose_batch(
     queue: BucketQueue, shapes: BatchShapes, now: float, max_wait: float, worker_idle: bool, naive: bool
 ) -> Pick | None:
     """Which bucket drains next, and how many items; None means wait."""
-    waiting = [b for b in range(len(queue.lengths)) if queue.rows(b)]
+    waiting = [b for b in range(len(queue.lengths)) if queue.items(b)]
     if not waiting:
         return None
 
     def pick(bucket: int, reason: str) -> Pick:
-        return Pick(bucket, min(queue.rows(bucket), shapes.max_rows(queue.lengths[bucket])), reason)
+        return Pick(bucket, min(queue.items(bucket), shapes.max_rows(queue.lengths[bucket])), reason)
 
     def age(bucket: int) -> float:
         oldest = queue.oldest(bucket)
@@ -94,11 +94,11 @@ def choose_batch(
         stale = [b for b in waiting if age(b) >= max_wait]
         if stale:
             return pick(max(stale, key=age), "stale")
-    full = [b for b in waiting if queue.rows(b) >= shapes.max_rows(queue.lengths[b])]
+    full = [b for b in waiting if queue.items(b) >= shapes.max_rows(queue.lengths[b])]
     if full:
         return pick(max(full, key=age), "full")
     if worker_idle:
-        return pick(max(waiting, key=lambda b: (queue.rows(b) * queue.lengths[b], age(b))), "idle")
+        return pick(max(waiting, key=lambda b: (queue.items(b) * queue.lengths[b], age(b))), "idle")
     return None
 
 
@@ -137,8 +137,10 @@ class Batcher:
         """Padded tokens queued or being computed: what admission control weighs."""
         return self.queue.queued_tokens + self.in_flight_tokens
 
-    def submit(self, job: Job, routed: list[Routed]) -> None:
-        self.queue.add(job, routed, self._clock())
+    def submit(self, parts: list[tuple[int, Chunk]]) -> None:
+        """Queue (bucket, chunk) pairs and wake the loop."""
+        for bucket, chunk in parts:
+            self.queue.add(bucket, chunk)
         self._wake.set()
 
     def forget(self, job: Job) -> None:
@@ -171,12 +173,12 @@ class Batcher:
             pick = choose_batch(self.queue, self.shapes, now, self._max_wait, self.in_flight == 0, self._naive)
             if pick is None:
                 return
-            chunks = self.queue.take(pick.bucket, pick.rows)
+            chunks = self.queue.take(pick.bucket, pick.items, now)
             if not chunks:
                 continue  # only abandoned items were there
-            real_rows = sum(chunk.size for chunk in chunks)
+            items = sum(chunk.size for chunk in chunks)
             seq_len = self.shapes.seq_len_for(self.queue.lengths[pick.bucket], chunks)
-            batch = Batch(chunks, seq_len, self.shapes.rows_for(real_rows, seq_len))
+            batch = Batch(chunks, seq_len, self.shapes.rows_for(items, seq_len))
             self.in_flight += 1
             self.in_flight_tokens += batch.padded_tokens
             self._dispatch(batch)

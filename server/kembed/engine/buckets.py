@@ -5,13 +5,13 @@ never padded to long ones. Pure and synchronous; the batcher decides when a buck
 from __future__ import annotations
 
 from collections import deque
-from collections.abc import Iterable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
 
+from kembed.engine.work import Chunk, Job
 from kembed.inputs import Sequences
-from kembed.work import Chunk, Job
 
 
 def clip_buckets(lengths: Sequence[int], max_input_tokens: int) -> list[int]:
@@ -21,16 +21,16 @@ def clip_buckets(lengths: Sequence[int], max_input_tokens: int) -> list[int]:
 
 @dataclass(frozen=True)
 class Routed:
-    """One bucket's share of a request: which items, their padded ids and lengths."""
+    """One bucket's share of a run of sequences: which of them, their padded ids and lengths."""
 
     bucket: int  # index into the bucket lengths
-    rows: np.ndarray  # int64 [k]
+    items: np.ndarray  # int64 [k]: indices into the routed sequences
     ids: np.ndarray  # int32 [k, bucket length]
     lengths: np.ndarray  # int32 [k]
 
 
 def route(seqs: Sequences, bucket_lengths: Sequence[int], pad_id: int) -> list[Routed]:
-    """Split a request's items by bucket, each bucket's items padded into one matrix.
+    """Split sequences by bucket, each bucket's sequences padded into one matrix.
 
     Vectorised: one pass per bucket in use, none per item. Every length must fit the last bucket.
     """
@@ -39,20 +39,21 @@ def route(seqs: Sequences, bucket_lengths: Sequence[int], pad_id: int) -> list[R
     offsets = seqs.offsets
     routed = []
     for bucket in np.unique(which):
-        rows = np.flatnonzero(which == bucket)
+        items = np.flatnonzero(which == bucket)
         width = bucket_lengths[int(bucket)]
         cols = np.arange(width)
-        inside = cols[None, :] < lengths[rows, None]
-        # Positions past a row's end read a clamped index and are then replaced by padding.
-        gather = np.minimum(offsets[rows, None] + cols[None, :], len(seqs.ids) - 1)
+        inside = cols[None, :] < lengths[items, None]
+        # Positions past a sequence's end read a clamped index and are then replaced by padding.
+        gather = np.minimum(offsets[items, None] + cols[None, :], len(seqs.ids) - 1)
         ids = np.where(inside, seqs.ids[gather], pad_id).astype(np.int32, copy=False)
-        routed.append(Routed(int(bucket), rows, ids, lengths[rows]))
+        routed.append(Routed(int(bucket), items, ids, lengths[items]))
     return routed
 
 
-def padded_tokens(routed: Iterable[Routed], bucket_lengths: Sequence[int]) -> int:
-    """What a request costs once padded to its buckets: the unit admission control counts."""
-    return sum(len(part.rows) * bucket_lengths[part.bucket] for part in routed)
+def padded_lengths(lengths: np.ndarray, bucket_lengths: Sequence[int]) -> np.ndarray:
+    """Each sequence's length once padded to its bucket: summed per request, the unit admission counts."""
+    ladder = np.asarray(bucket_lengths)
+    return ladder[np.minimum(np.searchsorted(ladder, lengths, side="left"), len(ladder) - 1)]
 
 
 class BucketQueue:
@@ -65,40 +66,42 @@ class BucketQueue:
     def __init__(self, bucket_lengths: Sequence[int]) -> None:
         self.lengths = list(bucket_lengths)
         self._chunks: list[deque[Chunk]] = [deque() for _ in self.lengths]
-        self._rows = [0] * len(self.lengths)
+        self._items = [0] * len(self.lengths)
         self.queued_tokens = 0
 
-    def add(self, job: Job, routed: Iterable[Routed], now: float) -> None:
-        for part in routed:
-            self._chunks[part.bucket].append(Chunk(job, part.rows, part.ids, part.lengths, now))
-            self._rows[part.bucket] += len(part.rows)
-            tokens = len(part.rows) * self.lengths[part.bucket]
-            job.queued_tokens += tokens
-            self.queued_tokens += tokens
+    def add(self, bucket: int, chunk: Chunk) -> None:
+        self._chunks[bucket].append(chunk)
+        self._items[bucket] += chunk.size
+        tokens = chunk.size * self.lengths[bucket]
+        chunk.job.queued_tokens += tokens
+        self.queued_tokens += tokens
 
     def forget(self, job: Job) -> None:
         """A closed job's chunks no longer count towards the backlog."""
         self.queued_tokens -= job.queued_tokens
         job.queued_tokens = 0
 
-    def rows(self, bucket: int) -> int:
-        return self._rows[bucket]
+    def items(self, bucket: int) -> int:
+        return self._items[bucket]
 
     def oldest(self, bucket: int) -> float | None:
         """When the bucket's oldest chunk arrived; None if empty."""
         chunks = self._chunks[bucket]
         return chunks[0].enqueued if chunks else None
 
-    def take(self, bucket: int, n: int) -> list[Chunk]:
-        """Up to ``n`` live items from the front of a bucket, splitting a chunk if needed."""
+    def take(self, bucket: int, n: int, now: float) -> list[Chunk]:
+        """Up to ``n`` live items from the front of a bucket, splitting a chunk if needed. Jobs past
+        their deadline are closed here: nobody waits for them any more."""
         chunks, taken, want = self._chunks[bucket], [], n
         while want and chunks:
             chunk = chunks.popleft()
-            self._rows[bucket] -= chunk.size
+            self._items[bucket] -= chunk.size
+            if chunk.job.deadline <= now:
+                chunk.job.closed = True
             if not chunk.job.closed and chunk.size > want:
                 chunk, rest = chunk.split(want)
                 chunks.appendleft(rest)
-                self._rows[bucket] += rest.size
+                self._items[bucket] += rest.size
             # A closed job that was forgotten has nothing left to subtract.
             tokens = min(chunk.size * self.lengths[bucket], chunk.job.queued_tokens)
             chunk.job.queued_tokens -= tokens
@@ -109,4 +112,4 @@ class BucketQueue:
         return taken
 
     def __len__(self) -> int:
-        return sum(self._rows)
+        return sum(self._items)

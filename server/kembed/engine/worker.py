@@ -18,11 +18,11 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from kembed.batcher import BatchShapes
-from kembed.buckets import clip_buckets
 from kembed.config import Batching, Settings, Toggle, Warmup
-from kembed.model import EmbeddingModel
-from kembed.work import Batch, Chunk
+from kembed.engine.batcher import BatchShapes
+from kembed.engine.buckets import clip_buckets
+from kembed.engine.model import EmbeddingModel
+from kembed.engine.work import Batch, Chunk
 
 log = logging.getLogger(__name__)
 
@@ -47,13 +47,14 @@ class Outcome:
     """A run of chunks computed together: their rows, or the error that only they share."""
 
     chunks: list[Chunk]
-    embeddings: np.ndarray | None  # float32 [real rows, dimensions]
+    embeddings: np.ndarray | None  # float32 [items, dimensions], in the chunks' order
     error: BaseException | None
     padded_tokens: int
     real_tokens: int
 
 
 Deliver = Callable[[Batch, list[Outcome], float, float], None]
+LoadModel = Callable[[Settings], EmbeddingModel]
 
 
 # A batch should take a small share of the drain budget: two are in flight and both count in the
@@ -121,18 +122,18 @@ class Engine:
         offending request fails. Fatal device errors propagate."""
         if not chunks:
             return []
-        rows = sum(chunk.size for chunk in chunks)
-        batch = Batch(chunks, seq_len, self.plan.shapes.rows_for(rows, seq_len))
+        items = sum(chunk.size for chunk in chunks)
+        batch = Batch(chunks, seq_len, self.plan.shapes.rows_for(items, seq_len))
         try:
             ids, mask = batch.assemble(self.model.info.pad_token_id)
-            embeddings = self._pooled(torch.from_numpy(ids), torch.from_numpy(mask))[:rows]
+            embeddings = self._pooled(torch.from_numpy(ids), torch.from_numpy(mask))[:items]
         except Exception as error:
             if is_fatal(error):
                 raise
-            if rows == 1:
+            if items == 1:
                 log.warning("batch item failed: %s", error)
                 return [Outcome(chunks, None, error, 0, 0)]
-            head, tail = _halve(chunks, rows // 2)
+            head, tail = _halve(chunks, items // 2)
             return self.compute(head, seq_len) + self.compute(tail, seq_len)
         return [Outcome(chunks, embeddings, None, batch.padded_tokens, batch.real_tokens)]
 
@@ -147,24 +148,25 @@ class Engine:
 
 
 class Worker:
-    """The thread around the Engine, and the readiness gate: ``ready`` is set once warmup ended
-    (or loading failed, see ``error``)."""
+    """The thread around the Engine. It loads and warms up at once (``warm`` resolves when done, or
+    when loading failed: see ``error``); batches flow only after ``serve`` hands it the way back."""
 
     def __init__(
         self,
         settings: Settings,
         loop: asyncio.AbstractEventLoop,
-        deliver: Deliver,
         on_fatal: Callable[[BaseException], None],
+        load_model: LoadModel = EmbeddingModel.load,
     ) -> None:
         self._settings = settings
         self._loop = loop
-        self._deliver = deliver
         self._on_fatal = on_fatal
+        self._load_model = load_model
         self._inbox: queue.SimpleQueue[Batch | None] = queue.SimpleQueue()
         self._thread = threading.Thread(target=self._main, name="kembed-worker", daemon=True)
-        self.ready = threading.Event()
-        self.warm: asyncio.Future[None] = loop.create_future()  # the same news, for the event loop
+        self._deliver: Deliver = _not_serving
+        self._serving = threading.Event()
+        self.warm: asyncio.Future[None] = loop.create_future()
         self.error: BaseException | None = None
         self.engine: Engine | None = None
         self.heartbeat = time.monotonic()
@@ -172,11 +174,17 @@ class Worker:
     def start(self) -> None:
         self._thread.start()
 
+    def serve(self, deliver: Deliver) -> None:
+        """Start computing batches; each result goes to ``deliver`` on the event loop."""
+        self._deliver = deliver
+        self._serving.set()
+
     def submit(self, batch: Batch) -> None:
         self._inbox.put(batch)
 
     def stop(self) -> None:
         self._inbox.put(None)
+        self._serving.set()
 
     def alive(self) -> bool:
         return self._thread.is_alive()
@@ -187,18 +195,15 @@ class Worker:
     def _main(self) -> None:
         try:
             engine = self._load_and_warm_up()
-        except BaseException as error:  # reported to the app, which exits non-zero
+        except BaseException as error:  # reported to the engine process, which exits non-zero
             log.exception("model start-up failed")
             self.error = error
-            self._announce_ready()
+            self._loop.call_soon_threadsafe(self._resolve_warm)
             return
         self.engine = engine
-        self._announce_ready()
-        self._serve(engine)
-
-    def _announce_ready(self) -> None:
-        self.ready.set()
         self._loop.call_soon_threadsafe(self._resolve_warm)
+        self._serving.wait()
+        self._serve(engine)
 
     def _resolve_warm(self) -> None:
         if not self.warm.done():
@@ -206,7 +211,7 @@ class Worker:
 
     def _load_and_warm_up(self) -> Engine:
         started = time.monotonic()
-        model = EmbeddingModel.load(self._settings)
+        model = self._load_model(self._settings)
         plan = make_plan(self._settings, model)
         if plan.compiled:
             model.compile()
@@ -242,6 +247,10 @@ class Worker:
             seconds = time.monotonic() - started
             self._beat()
             self._loop.call_soon_threadsafe(self._deliver, batch, outcomes, started, seconds)
+
+
+def _not_serving(batch: Batch, outcomes: list[Outcome], started: float, seconds: float) -> None:
+    raise RuntimeError("a batch was computed before Worker.serve")
 
 
 def _halve(chunks: list[Chunk], n: int) -> tuple[list[Chunk], list[Chunk]]:

@@ -1,0 +1,118 @@
+"""The engine's door: a front end's WORK frame becomes admitted jobs in the buckets, refusals sent
+back, cancellations applied and latency samples counted.
+
+Front ends pre-screen against the board; this is the final word, against the global backlog that
+every front end's requests share. A frame carries many requests: their costs and their routing into
+buckets are computed for the whole frame at once, and only the admission decision loops per request.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+
+import numpy as np
+
+from kembed.admission import AdmissionController
+from kembed.engine.batcher import Batcher
+from kembed.engine.buckets import padded_lengths, route
+from kembed.engine.jobs import Jobs
+from kembed.engine.responder import Outbox
+from kembed.engine.work import Chunk, Job
+from kembed.inputs import Sequences
+from kembed.ipc import Frame
+from kembed.metrics import EngineMetrics
+
+
+@dataclass(frozen=True)
+class Work:
+    """A decoded WORK frame (views of its bytes)."""
+
+    tags: np.ndarray  # uint64 [requests]
+    deadlines: np.ndarray  # float64 [requests], monotonic seconds
+    counts: np.ndarray  # uint32 [requests]: items per request, each >= 1
+    lengths: np.ndarray  # int32 [items]
+    ids: np.ndarray  # int32 [tokens]
+    cancels: np.ndarray  # uint64: tags nobody waits for any more
+    latencies: np.ndarray  # float64: server-side latency samples for the P95 window
+
+    @classmethod
+    def decode(cls, frame: Frame) -> Work:
+        work = cls(*(frame.array(i, dtype) for i, dtype in enumerate(WORK_PARTS)))
+        if work.counts.sum() != work.lengths.size or work.lengths.sum() != work.ids.size:
+            raise ValueError("WORK frame: counts, lengths and ids disagree")
+        return work
+
+
+WORK_PARTS = ("<u8", "<f8", "<u4", "<i4", "<i4", "<u8", "<f8")
+
+
+class Intake:
+    def __init__(
+        self,
+        admission: AdmissionController,
+        batcher: Batcher,
+        jobs: Jobs,
+        outbox: Outbox,
+        metrics: EngineMetrics,
+        pad_token_id: int,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self._admission = admission
+        self._batcher = batcher
+        self._jobs = jobs
+        self._outbox = outbox
+        self._metrics = metrics
+        self._pad = pad_token_id
+        self._ladder = batcher.queue.lengths
+        self._clock = clock
+
+    def accept(self, link: int, work: Work) -> None:
+        for seconds in work.latencies.tolist():
+            self._admission.load.add_latency(seconds)
+        for tag in work.cancels.tolist():
+            self._jobs.cancel(link, tag)
+        if work.tags.size:
+            self._admit(link, work)
+
+    def _admit(self, link: int, work: Work) -> None:
+        starts = np.cumsum(work.counts, dtype=np.int64) - work.counts
+        costs = np.add.reduceat(padded_lengths(work.lengths, self._ladder), starts).tolist()
+        jobs: list[Job | None] = []
+        refused: list[tuple[int, str, str, int]] = []
+        backlog = self._batcher.backlog_tokens
+        for tag, deadline, count, cost in zip(
+            work.tags.tolist(), work.deadlines.tolist(), work.counts.tolist(), costs, strict=True
+        ):
+            rejection = self._admission.admit(cost, backlog)
+            if rejection is not None:
+                self._metrics.rejected.labels(reason=rejection.reason).inc()
+                refused.append((tag, "RESOURCE_EXHAUSTED", rejection.message, rejection.retry_after_ms))
+                jobs.append(None)
+                continue
+            backlog += cost
+            job = Job(link=link, tag=tag, count=count, deadline=deadline, padded_tokens=cost)
+            self._jobs.add(job)
+            jobs.append(job)
+        if refused:
+            self._outbox.errors(link, refused)
+        if len(refused) < len(jobs):
+            self._batcher.submit(self._chunks(work, starts, jobs))
+
+    def _chunks(self, work: Work, starts: np.ndarray, jobs: list[Job | None]) -> list[tuple[int, Chunk]]:
+        """Each bucket's share of the frame, cut into one chunk per admitted request."""
+        now = self._clock()
+        parts = []
+        for routed in route(Sequences(work.ids, work.lengths), self._ladder, self._pad):
+            owner = np.searchsorted(starts, routed.items, side="right") - 1
+            bounds = [0, *(np.flatnonzero(np.diff(owner)) + 1).tolist(), len(owner)]
+            for begin, end in itertools.pairwise(bounds):
+                request = int(owner[begin])
+                job = jobs[request]
+                if job is not None:
+                    slots = routed.items[begin:end] - starts[request]
+                    chunk = Chunk(job, slots, routed.ids[begin:end], routed.lengths[begin:end], now)
+                    parts.append((routed.bucket, chunk))
+        return parts

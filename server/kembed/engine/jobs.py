@@ -1,0 +1,48 @@
+"""The engine's table of admitted requests, by front end and tag: what a cancellation, a finished
+batch or a lost front end finds its requests by."""
+
+from __future__ import annotations
+
+from kembed.engine.batcher import Batcher
+from kembed.engine.work import Job
+
+
+class Jobs:
+    def __init__(self, batcher: Batcher) -> None:
+        self._batcher = batcher
+        self._open: dict[tuple[int, int], Job] = {}
+
+    def add(self, job: Job) -> None:
+        self._open[job.link, job.tag] = job
+
+    def complete(self, job: Job, items: int) -> bool:
+        """``items`` of the job were computed; False if nobody waits for them any more."""
+        if job.closed:
+            return False
+        job.remaining -= items
+        if job.remaining == 0:
+            self._close(job)
+        return True
+
+    def fail(self, job: Job) -> bool:
+        """The job failed; False if it was already closed (nothing to report)."""
+        if job.closed:
+            return False
+        self._close(job)
+        return True
+
+    def cancel(self, link: int, tag: int) -> None:
+        """The front end stopped waiting (deadline, client gone): queued items are dropped."""
+        job = self._open.get((link, tag))
+        if job is not None:
+            self._close(job)
+
+    def drop_link(self, link: int) -> None:
+        """A front end went away: none of its requests can be answered."""
+        for key in [key for key in self._open if key[0] == link]:
+            self._close(self._open[key])
+
+    def _close(self, job: Job) -> None:
+        job.closed = True
+        self._open.pop((job.link, job.tag), None)
+        self._batcher.forget(job)

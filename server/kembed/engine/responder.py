@@ -1,0 +1,89 @@
+"""Routes each finished batch back to the front ends that asked: one RESULT frame per front end per
+batch, holding that front end's rows; the rows of requests nobody waits for any more are dropped."""
+
+from __future__ import annotations
+
+import time
+from collections import defaultdict
+from collections.abc import Callable
+from typing import Protocol
+
+import numpy as np
+
+from kembed.admission import ServiceRate
+from kembed.engine.batcher import Batcher
+from kembed.engine.jobs import Jobs
+from kembed.engine.work import Batch, Chunk
+from kembed.engine.worker import Outcome
+from kembed.metrics import EngineMetrics
+
+
+class Outbox(Protocol):
+    """The way back to the front ends."""
+
+    def result(
+        self, link: int, started: float, seconds: float, tags: np.ndarray, slots: np.ndarray, embeddings: np.ndarray
+    ) -> None: ...
+
+    def errors(self, link: int, errors: list[tuple[int, str, str, int]]) -> None: ...
+
+
+class Responder:
+    def __init__(
+        self,
+        batcher: Batcher,
+        rate: ServiceRate,
+        jobs: Jobs,
+        outbox: Outbox,
+        metrics: EngineMetrics,
+        clock: Callable[[], float] = time.monotonic,
+    ) -> None:
+        self._batcher = batcher
+        self._rate = rate
+        self._jobs = jobs
+        self._outbox = outbox
+        self._metrics = metrics
+        self._clock = clock
+        self._last_done = 0.0
+
+    def deliver(self, batch: Batch, outcomes: list[Outcome], started: float, seconds: float) -> None:
+        """Runs on the event loop, called by the worker thread through call_soon_threadsafe."""
+        self._batcher.batch_done(batch)
+        now = self._clock()
+        # The rate admission relies on is measured here, at completion, in wall time from when the
+        # batch could start (its own start or the previous completion) to its answer on the loop:
+        # compute time alone misses the gaps a busy event loop and shared cores put between batches.
+        wall = now - max(started, self._last_done)
+        self._last_done = now
+        padded = sum(outcome.padded_tokens for outcome in outcomes)
+        if padded:
+            self._rate.record(padded, max(seconds, wall))
+            real = sum(outcome.real_tokens for outcome in outcomes)
+            self._metrics.observe_batch(batch.size, padded, real, seconds)
+        for outcome in outcomes:
+            if outcome.embeddings is None:
+                self._fail(outcome)
+            else:
+                self._send_rows(outcome.chunks, outcome.embeddings, started, seconds)
+
+    def _send_rows(self, chunks: list[Chunk], embeddings: np.ndarray, started: float, seconds: float) -> None:
+        by_link: dict[int, list[tuple[Chunk, int]]] = defaultdict(list)
+        offset = 0
+        for chunk in chunks:
+            if self._jobs.complete(chunk.job, chunk.size):
+                by_link[chunk.job.link].append((chunk, offset))
+            offset += chunk.size
+        for link, owned in by_link.items():
+            tags = np.concatenate([np.full(chunk.size, chunk.job.tag, dtype=np.uint64) for chunk, _ in owned])
+            slots = np.concatenate([chunk.slots for chunk, _ in owned]).astype(np.uint32)
+            rows = np.concatenate([embeddings[start : start + chunk.size] for chunk, start in owned])
+            self._outbox.result(link, started, seconds, tags, slots, rows)
+
+    def _fail(self, outcome: Outcome) -> None:
+        """The model raised on these chunks alone (their batch-mates were retried without them)."""
+        failed: dict[int, list[tuple[int, str, str, int]]] = defaultdict(list)
+        for chunk in outcome.chunks:
+            if self._jobs.fail(chunk.job):
+                failed[chunk.job.link].append((chunk.job.tag, "INTERNAL", f"inference failed: {outcome.error}", 0))
+        for link, errors in failed.items():
+            self._outbox.errors(link, errors)

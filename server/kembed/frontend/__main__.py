@@ -1,0 +1,37 @@
+"""``python -m kembed.frontend --runtime DIR --index I --grpc-port P``: a front end, started by the supervisor."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import sys
+from pathlib import Path
+
+from kembed.config import ConfigError, Settings
+from kembed.frontend.process import FrontendProcess
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="kembed.frontend")
+    parser.add_argument("--runtime", type=Path, required=True, help="the supervisor's runtime folder")
+    parser.add_argument("--index", type=int, required=True, help="this front end's number, from 0")
+    parser.add_argument("--grpc-port", type=int, required=True, help="the port every front end shares")
+    args = parser.parse_args(argv)
+    try:
+        settings = Settings.from_env(grpc_port=args.grpc_port)
+    except ConfigError as error:
+        print(f"kembed front end: configuration error: {error}", file=sys.stderr)
+        return 2
+    logging.basicConfig(
+        level=settings.log_level, format=f"%(asctime)s %(levelname)s frontend-{args.index} %(name)s: %(message)s"
+    )
+    return asyncio.run(_serve(settings, args.runtime, args.index))
+
+
+async def _serve(settings: Settings, runtime: Path, index: int) -> int:
+    return await FrontendProcess(settings, runtime, index).run()  # gRPC's aio server binds to this loop
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,162 @@
+"""A front end's connection to the engine: requests out, rows back, one frame per event-loop turn.
+
+``submit`` queues a request and schedules one flush for the current loop turn, so every request
+that arrives while the loop is busy goes out in a single WORK frame (with any cancellations and
+latency samples). RESULT frames scatter rows into each waiting request by (tag, slot).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+from pathlib import Path
+
+import numpy as np
+
+from kembed.frontend.errors import EmbedError
+from kembed.inputs import Sequences
+from kembed.ipc import ENGINE_SOCKET, Frame, Kind, LinkClosed, ServingInfo, encode_json, receive, send
+
+log = logging.getLogger(__name__)
+
+CONNECT_TIMEOUT_S = 120.0  # the engine binds its socket after importing torch: seconds, not minutes
+CONNECT_RETRY_S = 0.05
+
+
+class Pending:
+    """One request waiting for its rows."""
+
+    __slots__ = ("embeddings", "future", "inference_s", "last_start", "remaining")
+
+    def __init__(self, future: asyncio.Future[None], count: int, dimensions: int) -> None:
+        self.future = future
+        self.embeddings = np.empty((count, dimensions), dtype=np.float32)
+        self.remaining = count
+        self.inference_s = 0.0  # compute time of the batches its items ran in
+        self.last_start = 0.0  # when the batch holding its last item started
+
+
+class EngineLink:
+    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, info: ServingInfo) -> None:
+        self._reader = reader
+        self._writer = writer
+        self.info = info
+        self._tags = itertools.count(1)
+        self._pending: dict[int, Pending] = {}
+        self._out_tags: list[int] = []
+        self._out_deadlines: list[float] = []
+        self._out_lengths: list[np.ndarray] = []
+        self._out_ids: list[np.ndarray] = []
+        self._out_cancels: list[int] = []
+        self._out_latencies: list[float] = []
+        self._flush_scheduled = False
+
+    @classmethod
+    async def connect(cls, runtime: Path, index: int) -> EngineLink:
+        """Connect (retrying while the engine starts), say hello, and wait for READY."""
+        path = str(runtime / ENGINE_SOCKET)
+        loop = asyncio.get_running_loop()
+        give_up = loop.time() + CONNECT_TIMEOUT_S
+        while True:
+            try:
+                reader, writer = await asyncio.open_unix_connection(path)
+                break
+            except (FileNotFoundError, ConnectionRefusedError):
+                if loop.time() > give_up:
+                    raise LinkClosed(f"no engine at {path}") from None
+                await asyncio.sleep(CONNECT_RETRY_S)
+        send(writer, Kind.HELLO, encode_json({"index": index}))
+        ready = await receive(reader)
+        if ready.kind is not Kind.READY:
+            raise LinkClosed(f"expected READY from the engine, got {ready.kind.name}")
+        return cls(reader, writer, ServingInfo.from_json(ready.json(0)))
+
+    def submit(self, seqs: Sequences, deadline: float) -> tuple[int, Pending]:
+        tag = next(self._tags)
+        pending = Pending(asyncio.get_running_loop().create_future(), seqs.count, self.info.dimensions)
+        self._pending[tag] = pending
+        self._out_tags.append(tag)
+        self._out_deadlines.append(deadline)
+        self._out_lengths.append(seqs.lengths)
+        self._out_ids.append(seqs.ids)
+        self._schedule_flush()
+        return tag, pending
+
+    def cancel(self, tag: int) -> None:
+        """Nobody waits for this request any more: the engine drops what is still queued."""
+        if self._pending.pop(tag, None) is not None:
+            self._out_cancels.append(tag)
+            self._schedule_flush()
+
+    def add_latency(self, seconds: float) -> None:
+        """A sample for the engine's P95 window (which every front end shares)."""
+        self._out_latencies.append(seconds)
+        self._schedule_flush()
+
+    async def run(self) -> None:
+        """Route the engine's answers until the link closes (raises :class:`LinkClosed`)."""
+        while True:
+            frame = await receive(self._reader)
+            if frame.kind is Kind.RESULT:
+                self._scatter(frame)
+            elif frame.kind is Kind.ERRORS:
+                self._fail(frame)
+
+    def close(self) -> None:
+        self._writer.close()
+
+    def _schedule_flush(self) -> None:
+        if not self._flush_scheduled:
+            self._flush_scheduled = True
+            asyncio.get_running_loop().call_soon(self._flush)
+
+    def _flush(self) -> None:
+        self._flush_scheduled = False
+        if self._writer.is_closing():
+            return
+        counts = np.fromiter(map(len, self._out_lengths), dtype="<u4", count=len(self._out_lengths))
+        send(
+            self._writer,
+            Kind.WORK,
+            np.asarray(self._out_tags, dtype="<u8"),
+            np.asarray(self._out_deadlines, dtype="<f8"),
+            counts,
+            _concat(self._out_lengths),
+            _concat(self._out_ids),
+            np.asarray(self._out_cancels, dtype="<u8"),
+            np.asarray(self._out_latencies, dtype="<f8"),
+        )
+        for buffer in (self._out_tags, self._out_deadlines, self._out_lengths, self._out_ids):
+            buffer.clear()
+        self._out_cancels.clear()
+        self._out_latencies.clear()
+
+    def _scatter(self, frame: Frame) -> None:
+        started, seconds = frame.array(0, "<f8").tolist()
+        tags = frame.array(1, "<u8")
+        slots = frame.array(2, "<u4")
+        rows = frame.array(3, "<f4").reshape(len(tags), self.info.dimensions)
+        # A request's rows in one batch are contiguous: one step per request, none per row.
+        bounds = [0, *(np.flatnonzero(np.diff(tags)) + 1).tolist(), len(tags)]
+        for begin, end in itertools.pairwise(bounds):
+            pending = self._pending.get(int(tags[begin]))
+            if pending is None:
+                continue  # timed out or cancelled meanwhile
+            pending.embeddings[slots[begin:end]] = rows[begin:end]
+            pending.remaining -= end - begin
+            pending.inference_s += seconds
+            pending.last_start = max(pending.last_start, started)
+            if pending.remaining == 0:
+                del self._pending[int(tags[begin])]
+                pending.future.set_result(None)
+
+    def _fail(self, frame: Frame) -> None:
+        for tag, code, message, retry_after_ms in frame.json(0):
+            pending = self._pending.pop(tag, None)
+            if pending is not None and not pending.future.done():
+                pending.future.set_exception(EmbedError.named(code, message, retry_after_ms))
+
+
+def _concat(arrays: list[np.ndarray]) -> np.ndarray:
+    return np.concatenate(arrays).astype("<i4", copy=False) if arrays else np.empty(0, dtype="<i4")

@@ -1,0 +1,52 @@
+"""A front end's admission pre-screen: the engine's rules against the state the engine publishes.
+
+Refusing here costs no tokenization and no trip to the engine, which is what keeps overload cheap.
+The engine still has the final word (:mod:`kembed.engine.intake`): the board is at most one update
+old, and every front end admits against the same backlog.
+"""
+
+from __future__ import annotations
+
+from kembed.admission import AdmissionController, Rejection
+from kembed.config import Settings
+from kembed.frontend.link import EngineLink
+from kembed.ipc import Board, Slot
+
+
+class PublishedLoad:
+    """The engine's measurements, read off the board; latency samples travel to the engine."""
+
+    def __init__(self, board: Board, link: EngineLink) -> None:
+        self._board = board
+        self._link = link
+
+    @property
+    def tokens_per_second(self) -> float:
+        return self._board[Slot.TOKENS_PER_SECOND]
+
+    def shed_fraction(self) -> float:
+        return self._board[Slot.SHED_FRACTION]
+
+    def p95_seconds(self) -> float:
+        return self._board[Slot.P95_SECONDS]
+
+    def add_latency(self, seconds: float) -> None:
+        self._link.add_latency(seconds)
+
+
+class Screen:
+    def __init__(self, settings: Settings, board: Board, link: EngineLink) -> None:
+        self._board = board
+        self._admission = AdmissionController(settings, PublishedLoad(board, link))
+        self._smallest_bucket = link.info.bucket_lengths[0]
+
+    def before_tokenizing(self, items: int) -> Rejection | None:
+        """The latency draw and the capacity checks on a lower bound of the request's cost."""
+        return self._admission.screen(items * self._smallest_bucket, self._backlog())
+
+    def after_tokenizing(self, padded_tokens: int) -> Rejection | None:
+        """The capacity checks with the request's exact padded cost."""
+        return self._admission.admit(padded_tokens, self._backlog())
+
+    def _backlog(self) -> int:
+        return int(self._board[Slot.BACKLOG_TOKENS])
