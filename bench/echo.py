@@ -80,7 +80,6 @@ def _process(port: int, parent: Connection) -> None:
 def serve(processes: int, port: int, ready_file: Path | None) -> int:
     """Run ``processes`` echo processes on ``port`` until SIGTERM or SIGINT (exit 0), or until one
     of them dies (exit 1). Touches ``ready_file`` once all of them serve."""
-    signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM, signal.SIGINT})  # taken by sigtimedwait
     context = multiprocessing.get_context("spawn")
     # A socket pair per child: it says when the child serves, and its EOF tells the child we ended.
     pipes = [context.Pipe() for _ in range(processes)]
@@ -88,6 +87,8 @@ def serve(processes: int, port: int, ready_file: Path | None) -> int:
     try:
         for child in children:
             child.start()
+        # Only now: the children would inherit the mask, and terminate() must reach them.
+        signal.pthread_sigmask(signal.SIG_BLOCK, {signal.SIGTERM, signal.SIGINT})  # taken by sigtimedwait
         for ours, _ in pipes:
             if not ours.poll(START_TIMEOUT_S):
                 raise RuntimeError(f"an echo process did not start in {START_TIMEOUT_S:.0f} s")
