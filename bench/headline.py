@@ -188,14 +188,17 @@ def hostpath_ratios(result: dict[str, Any]) -> list[Ratio]:
     """The host-path figures of a ``hostpath.json``: each part's ratio against its reference."""
     rows = []
     for pair in result.get("host_path", []):
-        n = pair["processes"]
+        n, zero_cost, echo = pair["processes"], pair["zero_cost"], pair["echo"]
+        calls = Spread.from_dict(zero_cost["calls_per_s"]).over(Spread.from_dict(echo["calls_per_s"]))
         rows.append(
             Ratio(
                 f"Host path, {n} process(es): zero-cost server / echo (calls/s)",
-                Spread.from_dict(pair["zero_cost"]["calls_per_s"]).over(Spread.from_dict(pair["echo"]["calls_per_s"])),
+                calls,
                 HOST_PATH_TARGET if n == 1 else "",
             )
         )
+        cpu = _exact(_cpu_ratio(zero_cost, echo))
+        rows.append(Ratio(f"Host path, {n} process(es): zero-cost server / echo, server CPU per call", cpu, ""))
     if rejection := result.get("rejection"):
         echo, kembed = rejection["echo"], rejection["kembed"]
         for key, label in (("p99_ms", "p99"), ("last_ms", "time to last answer")):
@@ -235,7 +238,10 @@ def _hostpath_phases(result: dict[str, Any]) -> list[tuple[str, str, str, str, d
         n = pair["processes"]
         for name, label in (("echo", "echo"), ("zero_cost", "zero-cost kembed")):
             p = pair[name]
-            figure = f"{_fmt(Spread.from_dict(p['calls_per_s']))} calls/s, p99 {_ms(p['latency_ms']['p99'])} ms"
+            figure = (
+                f"{_fmt(Spread.from_dict(p['calls_per_s']))} calls/s, p99 {_ms(p['latency_ms']['p99'])} ms, "
+                f"{p['server_cpu_ms_per_call']:.2f} CPU ms/call"
+            )
             rows.append(("host path", f"{label}, {n} proc", loop, figure, p))
     if rejection := result.get("rejection"):
         load = f"{s['burst_rounds']} bursts of {s['burst_calls']} x {s['burst_texts']} texts"

@@ -38,9 +38,10 @@ import grpc
 
 from bench import RESULTS_DIR, headline, loadgen, machine, workload
 from bench.loadgen import OK, Outcome
-from bench.report import Spread, latency_summary, percentile, window_rates
+from bench.report import Spread, deltas_by_label, latency_summary, percentile, window_rates
 from bench.server import Server, echo_running, running
 from kembed.config import Settings
+from kembed.contract import Metric
 from kembed.v1 import embedder_pb2
 
 ZERO_COST = "bench.zero_cost"
@@ -148,8 +149,14 @@ def _phase(
     return {
         **rate_figures(outcomes, texts_per_call, opts, duration),
         "cpu_cores": _cores(server_cpu, client_cpu, outcomes),
+        "server_cpu_ms_per_call": _per_call(server_cpu, len(outcomes)),
         "peak_rss_mib": server.peak_rss_mib(),
     }
+
+
+def _per_call(cpu_s: float, calls: int) -> float:
+    """Server CPU milliseconds per answered call: the cost, whatever else takes the cores."""
+    return cpu_s * 1000 / calls if calls else math.nan
 
 
 def _closed_loop(server: Server, requests: list[bytes], opts: Options) -> dict[str, Any]:
@@ -181,11 +188,8 @@ def _bursts(server: Server, request: bytes, opts: Options) -> dict[str, Any]:
 
     rounds, server_cpu, _ = _measure(server, load)
     figures = burst_figures(rounds)
-    return {
-        **figures,
-        "server_cpu_ms_per_call": server_cpu * 1000 / figures["calls"] if figures["calls"] else math.nan,
-        "peak_rss_mib": server.peak_rss_mib(),
-    }
+    return {**figures, "server_cpu_ms_per_call": _per_call(server_cpu, figures["calls"]),
+            "peak_rss_mib": server.peak_rss_mib()}  # fmt: skip
 
 
 def host_path(opts: Options, short_texts: list[str]) -> list[dict[str, Any]]:
@@ -209,10 +213,16 @@ def rejection(opts: Options, texts: list[str]) -> dict[str, Any]:
         echo_figures = _bursts(echo, request, opts)
     settings = {**frontends_setting(1), "max_drain_ms": "1"}
     with running(settings, _log("rejecting"), module="kembed") as server:
+        before = server.metrics()
         kembed_figures = _bursts(server, request, opts)
+        # Which admission rule said no, from the server's own counters.
+        reasons = deltas_by_label(before, server.metrics(), Metric.REJECTED + "_total", "reason")
+        kembed_figures["server_rejections"] = reasons
     for name, f in (("echo", echo_figures), ("kembed, all rejected", kembed_figures)):
         p99, last = f["p99_ms"]["median"], f["last_ms"]["median"]
-        print(f"  burst, {name}: p99 {p99:.0f} ms, last answer {last:.0f} ms, codes {f['codes']}")
+        print(f"  burst, {name}: p99 {p99:.0f} ms, last answer {last:.0f} ms, codes {f['codes']}, "
+              f"server {f['server_cpu_ms_per_call']:.2f} CPU ms/call")  # fmt: skip
+    print(f"  burst, kembed's rejections by reason: {reasons}")
     return {"echo": echo_figures, "kembed": kembed_figures, "settings": settings}
 
 

@@ -88,7 +88,8 @@ def _spread(value: float) -> dict[str, float]:
 
 def _result(zero_cost: float, p99_kembed: float, storm: float) -> dict[str, Any]:
     def closed(calls: float) -> dict[str, Any]:
-        return {"calls_per_s": _spread(calls), "latency_ms": {"p99": 5.0}, "codes": {OK: 10}, "peak_rss_mib": 50}
+        return {"calls_per_s": _spread(calls), "latency_ms": {"p99": 5.0}, "codes": {OK: 10}, "peak_rss_mib": 50,
+                "server_cpu_ms_per_call": 1000 / calls}  # fmt: skip
 
     def burst(p99: float, share: float) -> dict[str, Any]:
         return {"p99_ms": _spread(p99), "last_ms": _spread(p99 * 1.1), "server_cpu_ms_per_call": p99 / 100,
@@ -118,6 +119,8 @@ def test_hostpath_ratios_and_targets() -> None:
     )
     assert (one.value.median, one.met()) == (pytest.approx(0.6), True)
     assert (two.value.median, two.met()) == (0.25, None)  # informative: the target is for one front end
+    cpu = rows["Host path, 1 process(es): zero-cost server / echo, server CPU per call"]
+    assert (cpu.value.median, cpu.met()) == (pytest.approx(4000 / 2400), None)
     p99 = rows["Rejected burst / echo burst, p99"]
     assert (p99.value.median, p99.met()) == (2.5, False)
     assert rows["Rejected burst / echo burst, time to last answer"].value.median == pytest.approx(2.5)
@@ -136,5 +139,5 @@ def test_hostpath_table_and_partial_results() -> None:
     assert table.count("\n") == 1 + 4 + 2 + 2  # header rule, host path, rejection, storm
     assert "zero-cost kembed, 1 proc" in table
     only_host_path = {"settings": _result(1, 1, 1)["settings"], "host_path": _result(2400, 1, 1)["host_path"]}
-    assert len(headline.hostpath_ratios(only_host_path)) == 2
+    assert len(headline.hostpath_ratios(only_host_path)) == 4
     assert math.isclose(headline.hostpath_ratios(only_host_path)[0].value.median, 0.6)
