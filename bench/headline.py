@@ -175,3 +175,91 @@ def gpu_table(gpu: dict[str, Any] | None) -> str:
             f"| {r['gpu_busy_share']:.0%} | {r['recompiles_after_warmup']} | {r['dtype']} |"
         )
     return "\n".join(lines)
+
+
+# --- host path (bench.hostpath) -----------------------------------------------------------------
+
+HOST_PATH_TARGET = ">= 0.50"  # one front end against a one-process echo
+REJECTION_TARGET = "<= 2.00"
+STORM_TARGET = ">= 0.90"
+
+
+def hostpath_ratios(result: dict[str, Any]) -> list[Ratio]:
+    """The host-path figures of a ``hostpath.json``: each part's ratio against its reference."""
+    rows = []
+    for pair in result.get("host_path", []):
+        n, zero_cost, echo = pair["processes"], pair["zero_cost"], pair["echo"]
+        calls = Spread.from_dict(zero_cost["calls_per_s"]).over(Spread.from_dict(echo["calls_per_s"]))
+        rows.append(
+            Ratio(
+                f"Host path, {n} process(es): zero-cost server / echo (calls/s)",
+                calls,
+                HOST_PATH_TARGET if n == 1 else "",
+            )
+        )
+        cpu = _exact(_cpu_ratio(zero_cost, echo))
+        rows.append(Ratio(f"Host path, {n} process(es): zero-cost server / echo, server CPU per call", cpu, ""))
+    if rejection := result.get("rejection"):
+        echo, kembed = rejection["echo"], rejection["kembed"]
+        for key, label in (("p99_ms", "p99"), ("last_ms", "time to last answer")):
+            value = Spread.from_dict(kembed[key]).over(Spread.from_dict(echo[key]))
+            rows.append(Ratio(f"Rejected burst / echo burst, {label}", value, REJECTION_TARGET))
+        rows.append(Ratio("Rejected burst / echo burst, server CPU per call", _exact(_cpu_ratio(kembed, echo)), ""))
+        share = _exact(kembed["rejected_share"])
+        rows.append(Ratio("Share of the rejected burst answered RESOURCE_EXHAUSTED", share, ">= 1.00"))
+    if storm := result.get("retry_storm"):
+        goodput = Spread.from_dict(storm["storm"]["emb_per_s"]).over(Spread.from_dict(storm["saturation"]["emb_per_s"]))
+        rows.append(Ratio(f"Goodput, {storm['multiple']:g}x retry storm / saturation (emb/s)", goodput, STORM_TARGET))
+    return rows
+
+
+def _cpu_ratio(a: dict[str, Any], b: dict[str, Any]) -> float:
+    return float(a["server_cpu_ms_per_call"]) / float(b["server_cpu_ms_per_call"])
+
+
+def hostpath_table(result: dict[str, Any]) -> str:
+    """Every phase of a ``hostpath.json``: which server, what load, what came back."""
+    columns = ["Part", "Server", "Load", "Figure", "Codes", "CPU cores: server / client", "Peak RSS MiB"]
+    lines = ["| " + " | ".join(columns) + " |", "| --- " * len(columns) + "|"]
+    for part, server, load, figure, p in _hostpath_phases(result):
+        codes = ", ".join(f"{code} {n}" for code, n in sorted(p["codes"].items()))
+        lines.append(
+            f"| {part} | {server} | {load} | {figure} | {codes} | {_cores(p.get('cpu_cores'))} "
+            f"| {p['peak_rss_mib']:.0f} |"
+        )
+    return "\n".join(lines)
+
+
+def _hostpath_phases(result: dict[str, Any]) -> list[tuple[str, str, str, str, dict[str, Any]]]:
+    s = result["settings"]
+    rows = []
+    loop = f"closed loop, {s['client_processes']} x {s['concurrency']} callers, 1 text"
+    for pair in result.get("host_path", []):
+        n = pair["processes"]
+        for name, label in (("echo", "echo"), ("zero_cost", "zero-cost kembed")):
+            p = pair[name]
+            figure = (
+                f"{_fmt(Spread.from_dict(p['calls_per_s']))} calls/s, p99 {_ms(p['latency_ms']['p99'])} ms, "
+                f"{p['server_cpu_ms_per_call']:.2f} CPU ms/call"
+            )
+            rows.append(("host path", f"{label}, {n} proc", loop, figure, p))
+    if rejection := result.get("rejection"):
+        load = f"{s['burst_rounds']} bursts of {s['burst_calls']} x {s['burst_texts']} texts"
+        for name, label in (("echo", "echo, 1 proc"), ("kembed", "kembed, max_drain_ms=1")):
+            p = rejection[name]
+            figure = (
+                f"p99 {_fmt(Spread.from_dict(p['p99_ms']))} ms, last {_fmt(Spread.from_dict(p['last_ms']))} ms, "
+                f"{p['server_cpu_ms_per_call']:.2f} CPU ms/call"
+            )
+            rows.append(("rejection", label, load, figure, p))
+    if storm := result.get("retry_storm"):
+        texts = s["storm_texts"]
+        sat, flood = storm["saturation"], storm["storm"]
+        rows.append(("retry storm", "kembed", f"closed loop, pushback respected, {texts} texts", _emb(sat), sat))
+        offered = f"open loop {flood['offered_calls_per_s']:.1f} calls/s, retry {s['retry_after_ms']:g} ms"
+        rows.append(("retry storm", "kembed", f"{offered}, {texts} texts", _emb(flood), flood))
+    return rows
+
+
+def _emb(phase: dict[str, Any]) -> str:
+    return f"{_fmt(Spread.from_dict(phase['emb_per_s']))} emb/s"

@@ -1,20 +1,26 @@
-"""Load generators: open loop (Poisson arrivals at a set rate) and closed loop (N clients).
+"""Load generators: open loop (Poisson arrivals at a set rate), closed loop (N clients) and bursts.
 
-One asyncio process with ``grpc.aio`` and requests serialized up front (raw bytes in and out,
-responses never parsed), so the client takes as little as it can of the CPU it shares with the
-server. Every run is bounded in count and in time; outstanding calls are cancelled at the end.
-Open-loop latency counts from the scheduled arrival, so a late client cannot hide queueing.
+Each client process runs asyncio with ``grpc.aio`` and requests serialized up front (raw bytes in
+and out, responses never parsed), so the client takes as little as it can of the CPU it shares
+with the server. ``in_processes`` runs any of them in K client processes at once, for servers one
+Python process cannot saturate. Every run is bounded in count and in time; outstanding calls are
+cancelled at the end. Open-loop latency counts from the scheduled arrival, so a late client cannot
+hide queueing.
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import itertools
+import multiprocessing
 import random
 import time
-from collections.abc import Sequence
+from collections.abc import AsyncIterator, Callable, Coroutine, Sequence
+from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
-from typing import TypeVar, cast
+from multiprocessing.synchronize import Barrier
+from typing import Any, TypeVar, cast
 
 import grpc
 
@@ -23,6 +29,10 @@ from kembed.contract import GRPC_SERVICE, RETRY_PUSHBACK_KEY
 EMBED_METHOD = f"/{GRPC_SERVICE}/Embed"
 REJECTED = frozenset({grpc.StatusCode.RESOURCE_EXHAUSTED.name, grpc.StatusCode.UNAVAILABLE.name})
 OK = grpc.StatusCode.OK.name
+# Channels of one process share a TCP connection unless each keeps its own subchannels; the
+# server's SO_REUSEPORT spreads connections (not calls) over its processes, so each counts.
+CHANNEL_OPTIONS = (("grpc.use_local_subchannel_pool", 1),)
+BARRIER_TIMEOUT_S = 120.0  # client processes start (spawn and import) within this
 T = TypeVar("T")
 
 
@@ -60,12 +70,12 @@ def _pushback_s(err: grpc.aio.AioRpcError) -> float:
 class _Caller:
     """One channel, one raw-bytes unary method, one clock."""
 
-    def __init__(self, channel: grpc.aio.Channel, requests: Sequence[bytes], timeout: float) -> None:
+    def __init__(self, channel: grpc.aio.Channel, requests: Sequence[bytes], timeout: float, t0: float) -> None:
         # No serializers: pre-serialized bytes go out, and the replies stay bytes (never parsed).
         self._embed = channel.unary_unary(EMBED_METHOD, request_serializer=None, response_deserializer=None)
         self._requests = requests
         self._timeout = timeout
-        self.t0 = time.perf_counter()
+        self.t0 = t0
 
     def now(self) -> float:
         return time.perf_counter() - self.t0
@@ -91,35 +101,136 @@ async def _bounded(tasks: Sequence[asyncio.Task[T]], grace: float) -> list[T]:
     return [t.result() for t in tasks if t in done]
 
 
+@contextlib.asynccontextmanager
+async def _callers(
+    target: str, requests: Sequence[bytes], deadline: float, channels: int
+) -> AsyncIterator[list[_Caller]]:
+    """``channels`` connected channels (each its own TCP connection) sharing one clock, started
+    once every client process is connected too, so connection setup stays out of the figures."""
+    async with contextlib.AsyncExitStack() as stack:
+        opened = [
+            await stack.enter_async_context(grpc.aio.insecure_channel(target, options=CHANNEL_OPTIONS))
+            for _ in range(channels)
+        ]
+        await asyncio.wait_for(asyncio.gather(*(c.channel_ready() for c in opened)), deadline)
+        await _all_processes_ready()
+        t0 = time.perf_counter()
+        yield [_Caller(c, requests, deadline, t0) for c in opened]
+
+
 async def open_loop(
-    target: str, requests: Sequence[bytes], rate: float, duration: float, count: int, seed: int, deadline: float
+    target: str,
+    requests: Sequence[bytes],
+    rate: float,
+    duration: float,
+    count: int,
+    seed: int,
+    deadline: float,
+    retry_after: float | None = None,
 ) -> list[Outcome]:
-    """Fire one request at each Poisson arrival, whatever is outstanding; wait ``deadline`` s for the last."""
+    """Fire one request at each Poisson arrival, whatever is outstanding; wait ``deadline`` s for the last.
+
+    With ``retry_after``, a rejected request is sent again that many seconds later, whatever the
+    server's pushback says (a retry storm), until it is answered otherwise or ``duration`` ends;
+    every attempt is an outcome."""
     arrivals = poisson_arrivals(rate, duration, count, seed)
-    async with grpc.aio.insecure_channel(target) as channel:
-        caller = _Caller(channel, requests, deadline)
+    outcomes: list[Outcome] = []
+    async with _callers(target, requests, deadline, channels=1) as (caller,):
+
+        async def send(item: int, at: float) -> None:
+            while True:
+                outcome, _ = await caller.call(item, at)
+                outcomes.append(outcome)
+                if retry_after is None or outcome.code not in REJECTED or caller.now() + retry_after >= duration:
+                    return
+                await asyncio.sleep(retry_after)
+                at = caller.now()  # a retry's latency counts from its own send
+
         tasks = []
         for item, at in enumerate(arrivals):
             await asyncio.sleep(at - caller.now())  # a negative delay just yields
-            tasks.append(asyncio.create_task(caller.call(item, at)))
-        return [outcome for outcome, _ in await _bounded(tasks, deadline + 1)]
+            tasks.append(asyncio.create_task(send(item, at)))
+        await _bounded(tasks, deadline + 1)  # retries stop at ``duration``: now
+    return sorted(outcomes, key=lambda o: o.scheduled)
 
 
 async def closed_loop(
-    target: str, requests: Sequence[bytes], concurrency: int, duration: float, count: int, deadline: float
+    target: str,
+    requests: Sequence[bytes],
+    concurrency: int,
+    duration: float,
+    count: int,
+    deadline: float,
+    channels: int = 1,
 ) -> list[Outcome]:
-    """``concurrency`` clients, each sending its next request when the last returns (after the
-    server's pushback when rejected), until ``duration`` s or ``count`` requests in all."""
+    """``concurrency`` clients over ``channels`` channels, each sending its next request when the
+    last returns (after the server's pushback when rejected), until ``duration`` s or ``count``
+    requests in all."""
     items = itertools.count()
     outcomes: list[Outcome] = []
-    async with grpc.aio.insecure_channel(target) as channel:
-        caller = _Caller(channel, requests, deadline)
+    async with _callers(target, requests, deadline, channels) as callers:
 
-        async def client() -> None:
+        async def client(caller: _Caller) -> None:
             while (item := next(items)) < count and caller.now() < duration:
                 outcome, pushback = await caller.call(item, caller.now())
                 outcomes.append(outcome)
                 await asyncio.sleep(min(pushback, 1.0))
 
-        await _bounded([asyncio.create_task(client()) for _ in range(concurrency)], duration + deadline + 1)
+        clients = [asyncio.create_task(client(callers[i % channels])) for i in range(concurrency)]
+        await _bounded(clients, duration + deadline + 1)
     return sorted(outcomes, key=lambda o: o.scheduled)
+
+
+async def burst(
+    target: str, request: bytes, calls: int, rounds: int, deadline: float, channels: int = 1
+) -> list[list[Outcome]]:
+    """``rounds`` bursts, one after the other, of ``calls`` copies of ``request`` fired at once;
+    each outcome's latency counts from its burst's start (in every client process alike)."""
+    results: list[list[Outcome]] = []
+    async with _callers(target, [request], deadline, channels) as callers:
+        for _ in range(rounds):
+            await _all_processes_ready()
+            start = callers[0].now()
+            tasks = [asyncio.create_task(callers[i % channels].call(i, start)) for i in range(calls)]
+            results.append([outcome for outcome, _ in await _bounded(tasks, deadline + 1)])
+    return results
+
+
+# --- several client processes -------------------------------------------------------------------
+
+_barrier: Barrier | None = None  # set in each client process by in_processes, None in a single process
+
+
+def _join(barrier: Barrier) -> None:
+    global _barrier
+    _barrier = barrier
+
+
+async def _all_processes_ready() -> None:
+    """Wait until every client process of ``in_processes`` gets here (at once: no-op)."""
+    if _barrier is not None:
+        await asyncio.to_thread(_barrier.wait, BARRIER_TIMEOUT_S)
+
+
+def _run(job: Callable[..., Coroutine[Any, Any, T]], kwargs: dict[str, Any]) -> tuple[T, float]:
+    """In a client process: the job's result and the CPU seconds this process used for it."""
+    start = time.process_time()
+    result = asyncio.run(job(**kwargs))
+    return result, time.process_time() - start
+
+
+def in_processes(job: Callable[..., Coroutine[Any, Any, T]], kwargs: Sequence[dict[str, Any]]) -> tuple[list[T], float]:
+    """``job(**kwargs[i])`` in ``len(kwargs)`` fresh client processes, started together; their
+    results, and the CPU seconds they used in all. Jobs are module-level coroutines of this
+    module (they must pickle); clocks are CLOCK_MONOTONIC, so their times compare across processes."""
+    context = multiprocessing.get_context("spawn")  # grpc's state must not be forked
+    barrier = context.Barrier(len(kwargs))
+    with ProcessPoolExecutor(len(kwargs), mp_context=context, initializer=_join, initargs=(barrier,)) as pool:
+        # One job per process: each blocks at the barrier until all have started.
+        done = list(pool.map(_run, [job] * len(kwargs), kwargs))
+    return [result for result, _ in done], sum(cpu for _, cpu in done)
+
+
+def split(total: int, parts: int) -> list[int]:
+    """``total`` shared out over ``parts`` as evenly as integers allow."""
+    return [total // parts + (i < total % parts) for i in range(parts)]

@@ -1,9 +1,10 @@
 """PNGs and the READMEs' result tables, from the JSON in ``bench/results/``.
 
 ``python -m bench.plot`` writes ``throughput.png``, ``latency.png``, ``padding.png`` and
-``summary.md``, replaces the block between the ``bench:results`` markers of ``bench/README.md``,
-and the block between the ``bench:headline`` markers of the top-level README, where it has them
-(the headline ratios and the throughput plot).
+``summary.md`` (with the host-path tables of ``hostpath.json`` where there is one), replaces the
+block between the ``bench:results`` markers of ``bench/README.md``, and the block between the
+``bench:headline`` markers of the top-level README, where it has them (the headline ratios and
+the throughput plot).
 """
 
 from __future__ import annotations
@@ -101,8 +102,27 @@ def _save(fig: Any, ax: Any, path: Path) -> None:
     print(f"wrote {path}")
 
 
+def hostpath_text(hostpath: dict[str, Any] | None) -> str:
+    """The host path against the bare gRPC echo (``bench.hostpath``), or why there is none."""
+    if not hostpath:
+        return "Host path: not run (no results/hostpath.json; `python -m bench.hostpath`)."
+    m = hostpath["machine"]
+    return "\n\n".join(
+        [
+            f"Host path against a bare gRPC echo, side by side in one run at {m['time_utc']} "
+            f"(load {m['loadavg_1_5_15'][0]}, git {m['git']}):",
+            headline.ratio_table(headline.hostpath_ratios(hostpath)),
+            headline.hostpath_table(hostpath),
+        ]
+    )
+
+
 def markdown(
-    ceiling: dict[str, Any], serves: list[dict[str, Any]], naive: dict[str, Any] | None, gpu: dict[str, Any] | None
+    ceiling: dict[str, Any],
+    serves: list[dict[str, Any]],
+    naive: dict[str, Any] | None,
+    gpu: dict[str, Any] | None,
+    hostpath: dict[str, Any] | None,
 ) -> str:
     m = ceiling["machine"]
     runs = "; ".join(
@@ -119,6 +139,7 @@ def markdown(
             "Ceiling (one process, no server):\n\n" + headline.ceiling_table(ceiling),
             "Server phases:\n\n" + headline.phase_table(serves),
             headline.workload_text(ceiling["workload"]),
+            hostpath_text(hostpath),
             headline.gpu_table(gpu),
         ]
     )
@@ -145,14 +166,15 @@ def headline_block(ceiling: dict[str, Any], token_bucket: dict[str, Any], naive:
 
 
 def main() -> None:
-    ceiling, token_bucket, naive, gpu = map(read_result, ("ceiling", "serve_token_bucket", "serve_naive", "gpu"))
+    names = ("ceiling", "serve_token_bucket", "serve_naive", "gpu", "hostpath")
+    ceiling, token_bucket, naive, gpu, hostpath = map(read_result, names)
     if ceiling is None or token_bucket is None:
         raise SystemExit("need bench/results/ceiling.json and serve_token_bucket.json: run python -m bench.run_all")
     serves = [token_bucket] + ([naive] if naive else [])
     throughput(ceiling, serves, RESULTS_DIR / "throughput.png")
     latency(serves, RESULTS_DIR / "latency.png")
     padding(ceiling, serves, RESULTS_DIR / "padding.png")
-    block = markdown(ceiling, serves, naive, gpu)
+    block = markdown(ceiling, serves, naive, gpu, hostpath)
     (RESULTS_DIR / "summary.md").write_text(block + "\n")
     README.write_text(splice(README.read_text(), block, RESULTS_MARKERS))
     top = TOP_README.read_text()

@@ -1,4 +1,9 @@
-"""A kembed server process for a benchmark: started on free loopback ports, always terminated."""
+"""A server process for a benchmark: started on free loopback ports, always terminated.
+
+``running`` starts ``python -m kembed`` (or a drop-in such as ``bench.zero_cost``), ``echo_running``
+the bare gRPC echo (``bench.echo``). Both may be trees of processes (a supervisor, an engine, front
+ends), so CPU and memory are summed over the tree, and a server that will not stop is killed whole.
+"""
 
 from __future__ import annotations
 
@@ -8,10 +13,11 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Iterator, Mapping
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -32,16 +38,40 @@ class Server:
             return parse_prometheus(reply.read().decode())
 
     def cpu_seconds(self) -> float:
-        """User plus system CPU time of the server process, all its threads."""
-        fields = Path(f"/proc/{self.pid}/stat").read_text().rsplit(")", 1)[1].split()
-        return (int(fields[11]) + int(fields[12])) / os.sysconf("SC_CLK_TCK")  # utime, stime
+        """User plus system CPU time of the server's process tree, all threads, reaped children included."""
+        return sum(_proc_cpu_seconds(pid) for pid in process_tree(self.pid))
 
     def peak_rss_mib(self) -> float:
-        """VmHWM: the most resident memory the server process has used since it started."""
-        for line in Path(f"/proc/{self.pid}/status").read_text().splitlines():
-            if line.startswith("VmHWM:"):
-                return int(line.split()[1]) / 1024
-        raise RuntimeError("no VmHWM in /proc status")
+        """Sum over the process tree of each process's VmHWM (its most resident memory since it
+        started): an upper bound on the tree's peak, as the processes' peaks need not coincide."""
+        return sum(_proc_peak_rss_mib(pid) for pid in process_tree(self.pid))
+
+
+def process_tree(root: int) -> list[int]:
+    """``root`` and its live descendants, parents first (from /proc/<pid>/task/<tid>/children)."""
+    tree, i = [root], 0
+    while i < len(tree):
+        for task in Path(f"/proc/{tree[i]}/task").glob("*/children"):
+            with contextlib.suppress(OSError):  # the task or process ended meanwhile
+                tree += [int(child) for child in task.read_text().split()]
+        i += 1
+    return tree
+
+
+def _proc_cpu_seconds(pid: int) -> float:
+    try:
+        fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:  # ended since the tree was read
+        return 0.0
+    return sum(int(f) for f in fields[11:15]) / os.sysconf("SC_CLK_TCK")  # utime, stime, cutime, cstime
+
+
+def _proc_peak_rss_mib(pid: int) -> float:
+    try:
+        lines = Path(f"/proc/{pid}/status").read_text().splitlines()
+    except OSError:
+        return 0.0
+    return next((int(line.split()[1]) / 1024 for line in lines if line.startswith("VmHWM:")), 0.0)
 
 
 def free_port() -> int:
@@ -59,33 +89,62 @@ def _ready(url: str) -> bool:
 
 
 def _stop(proc: subprocess.Popen[bytes], grace: float) -> None:
-    """SIGTERM, then SIGKILL after ``grace`` seconds."""
-    if proc.poll() is None:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(grace)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
+    """SIGTERM, then SIGKILL after ``grace`` seconds; descendants left behind are killed too."""
+    if proc.poll() is not None:
+        return
+    tree = process_tree(proc.pid)
+    proc.send_signal(signal.SIGTERM)
+    try:
+        proc.wait(grace)
+    except subprocess.TimeoutExpired:
+        proc.kill()
+        proc.wait()
+    for pid in tree[1:]:  # ours a moment ago: reuse of a pid within seconds is unlikely
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid, signal.SIGKILL)
 
 
 @contextlib.contextmanager
-def running(settings: Mapping[str, str], log: Path, start_timeout: float = 300.0) -> Iterator[Server]:
-    """``python -m kembed`` with ``settings`` (names without the KEMBED_ prefix), ready to serve."""
+def _started(
+    argv: Sequence[str], env: Mapping[str, str], log: Path, ready: Callable[[], bool], start_timeout: float
+) -> Iterator[int]:
+    """The process's pid once ``ready()``; always stopped on the way out."""
+    log.parent.mkdir(parents=True, exist_ok=True)
+    with log.open("wb") as out:
+        proc = subprocess.Popen([sys.executable, *argv], env=env, stdout=out, stderr=subprocess.STDOUT)
+        try:
+            deadline = time.monotonic() + start_timeout
+            while not ready():
+                if proc.poll() is not None or time.monotonic() > deadline:
+                    raise RuntimeError(f"{argv[-1]} did not become ready (exit {proc.poll()}); see {log}")
+                time.sleep(0.2)  # start-up only: model load and warmup take seconds
+            yield proc.pid
+        finally:
+            _stop(proc, grace=30)
+
+
+@contextlib.contextmanager
+def running(
+    settings: Mapping[str, str], log: Path, module: str = "kembed", start_timeout: float = 300.0
+) -> Iterator[Server]:
+    """``python -m <module>`` (kembed or a drop-in for it) with ``settings`` (names without the
+    KEMBED_ prefix), ready to serve."""
     grpc_port, http_port = free_port(), free_port()
     overrides = {**settings, "grpc_host": HOST, "http_host": HOST, "grpc_port": grpc_port, "http_port": http_port}
     env = {k: v for k, v in os.environ.items() if not k.startswith("KEMBED_")}
     env.update({env_name(k): str(v) for k, v in overrides.items()})
-    log.parent.mkdir(parents=True, exist_ok=True)
-    with log.open("wb") as out:
-        proc = subprocess.Popen([sys.executable, "-m", "kembed"], env=env, stdout=out, stderr=subprocess.STDOUT)
-        try:
-            server = Server(proc.pid, f"{HOST}:{grpc_port}", f"http://{HOST}:{http_port}")
-            deadline = time.monotonic() + start_timeout
-            while not _ready(server.http_url):
-                if proc.poll() is not None or time.monotonic() > deadline:
-                    raise RuntimeError(f"server did not become ready (exit {proc.poll()}); see {log}")
-                time.sleep(0.5)  # start-up only: model load and warmup take seconds
-            yield server
-        finally:
-            _stop(proc, grace=30)
+    http_url = f"http://{HOST}:{http_port}"
+    with _started(["-m", module], env, log, lambda: _ready(http_url), start_timeout) as pid:
+        yield Server(pid, f"{HOST}:{grpc_port}", http_url)
+
+
+@contextlib.contextmanager
+def echo_running(processes: int, log: Path, start_timeout: float = 60.0) -> Iterator[Server]:
+    """``python -m bench.echo`` with ``processes`` processes on one free port, all of them serving.
+    It has no HTTP port: ``http_url`` is empty and ``metrics()`` does not apply."""
+    port = free_port()
+    with tempfile.TemporaryDirectory() as tmp:
+        ready_file = Path(tmp) / "ready"
+        argv = ["-m", "bench.echo", "--processes", str(processes), "--port", str(port), "--ready-file", str(ready_file)]
+        with _started(argv, os.environ, log, ready_file.exists, start_timeout) as pid:
+            yield Server(pid, f"{HOST}:{port}", "")

@@ -1,0 +1,310 @@
+"""The host path, judged side by side with a bare gRPC echo in one run: ``python -m bench.hostpath``.
+
+1. **Host path.** The same closed-loop load (``--client-processes`` processes of ``--concurrency``
+   callers, one short text a call) against ``bench.echo`` with N processes, then against
+   ``bench.zero_cost`` (kembed whose model returns zeros at once) with ``KEMBED_FRONTENDS=N``:
+   calls/s of each, and their ratio. Target for N=1: >= 0.5.
+2. **Rejection cost.** Bursts of ``--burst-calls`` calls of ``--burst-texts`` texts fired at once,
+   against the echo (1 process) and against ``python -m kembed`` with ``KEMBED_MAX_DRAIN_MS=1`` and
+   ``KEMBED_FRONTENDS=1``, which rejects every call at its admission pre-screen: p99 and time to
+   the last answer, and their ratios. Target: <= 2x. Every kembed answer must be RESOURCE_EXHAUSTED.
+3. **Retry storm** (part ``storm``; the real model). ``--storm-texts`` short texts a call: the server's
+   saturation with clients that respect its pushback (closed loop), then ``--storm-multiple`` times
+   those calls/s offered open loop by clients that ignore the pushback and retry every rejected
+   call ``--retry-after-ms`` later: goodput (embeddings/s of successful calls) over saturation.
+   Target: >= 0.9.
+
+``KEMBED_FRONTENDS`` is always set: N, or 1, where a process count is compared (``auto`` never
+picks it), and ``auto`` for the storm (what a pod runs); a server that does not know the setting
+fails loudly. Writes
+``bench/results/hostpath.json``; server logs go to ``bench/results/hostpath_*.log``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import itertools
+import math
+import os
+import time
+from collections import Counter
+from collections.abc import Callable, Coroutine, Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any, TypeVar
+
+import grpc
+
+from bench import RESULTS_DIR, headline, loadgen, machine, workload
+from bench.loadgen import OK, Outcome
+from bench.report import Spread, deltas_by_label, latency_summary, percentile, window_rates
+from bench.server import Server, echo_running, running
+from kembed.config import Settings
+from kembed.contract import Metric
+from kembed.v1 import embedder_pb2
+
+ZERO_COST = "bench.zero_cost"
+PARTS = ("host_path", "rejection", "storm")
+SHORT_TOKENS = 16  # "one short text": the workload's shortest class
+MAX_CALLS = 1_000_000  # closed loops end on time; this only bounds a runaway
+EXHAUSTED = grpc.StatusCode.RESOURCE_EXHAUSTED.name
+T = TypeVar("T")
+
+
+@dataclass(frozen=True)
+class Options:
+    frontends: tuple[int, ...]  # process counts of the host-path comparison
+    client_processes: int
+    concurrency: int  # closed-loop callers per client process
+    channels: int  # per client process: SO_REUSEPORT spreads connections, not calls
+    duration: float  # seconds per closed-loop phase
+    warmup: float  # seconds at the start of a phase left out of the rates
+    windows: int
+    burst_calls: int
+    burst_texts: int
+    burst_rounds: int
+    parts: tuple[str, ...]  # of PARTS
+    storm_texts: int
+    storm_concurrency: int
+    storm_duration: float
+    storm_multiple: float
+    retry_after_ms: float
+    timeout: float
+
+
+def frontends_setting(value: int | str) -> dict[str, str]:
+    return {"frontends": str(value)}
+
+
+def _log(name: str) -> Path:
+    return RESULTS_DIR / f"hostpath_{name}.log"
+
+
+def encode(texts: Sequence[str], per_call: int) -> list[bytes]:
+    """Requests of ``per_call`` consecutive texts each (``truncate=true``), the texts reused in turn."""
+    cycle = itertools.cycle(texts)
+    calls = max(1, len(texts) // per_call)
+    return [
+        embedder_pb2.EmbedRequest(texts=list(itertools.islice(cycle, per_call)), truncate=True).SerializeToString()
+        for _ in range(calls)
+    ]
+
+
+def _measure(server: Server, load: Callable[[], tuple[T, float]]) -> tuple[T, float, float]:
+    """``load()``'s result, with the server's CPU seconds (whole process tree) and the client's over it."""
+    before = server.cpu_seconds()
+    result, client_cpu = load()
+    return result, server.cpu_seconds() - before, client_cpu
+
+
+def _span(outcomes: Sequence[Outcome]) -> float:
+    """Seconds from the first send to the last answer."""
+    return max(o.done for o in outcomes) - min(o.sent for o in outcomes) if outcomes else math.nan
+
+
+def rate_figures(outcomes: Sequence[Outcome], texts_per_call: int, opts: Options, duration: float) -> dict[str, Any]:
+    """Calls/s and embeddings/s of the successful calls over [warmup, duration), median and range
+    over ``opts.windows`` windows; latency of the successful calls; every status code counted."""
+    ok = [o.done for o in outcomes if o.code == OK]
+
+    def rate(weight: float) -> dict[str, float]:
+        return Spread.of(window_rates(ok, [weight] * len(ok), opts.warmup, duration, opts.windows)).to_dict()
+
+    return {
+        "calls": len(outcomes),
+        "codes": dict(Counter(o.code for o in outcomes)),
+        "calls_per_s": rate(1.0),
+        "emb_per_s": rate(float(texts_per_call)),
+        "latency_ms": latency_summary([o.latency for o in outcomes if o.code == OK]),
+    }
+
+
+def burst_figures(rounds: Sequence[Sequence[Outcome]]) -> dict[str, Any]:
+    """Per burst, the p99 and the last of the answer times (from the burst's start, whatever the
+    code); median and range over the bursts. ``rejected_share``: answers that were RESOURCE_EXHAUSTED."""
+    ms = [[o.latency * 1000 for o in r] for r in rounds if r]
+    outcomes = [o for r in rounds for o in r]
+    exhausted = sum(o.code == EXHAUSTED for o in outcomes)
+    return {
+        "calls": len(outcomes),
+        "codes": dict(Counter(o.code for o in outcomes)),
+        "rejected_share": exhausted / len(outcomes) if outcomes else math.nan,
+        "p99_ms": Spread.of([percentile(r, 99) for r in ms]).to_dict(),
+        "last_ms": Spread.of([max(r) for r in ms]).to_dict(),
+    }
+
+
+def _cores(server_cpu: float, client_cpu: float, outcomes: Sequence[Outcome]) -> dict[str, float]:
+    """Cores busy on average while the load ran: server and client share the machine."""
+    span = _span(outcomes)
+    return {"server": server_cpu / span, "client": client_cpu / span}
+
+
+def _phase(
+    server: Server, load: Callable[[], tuple[list[Outcome], float]], texts_per_call: int, opts: Options, duration: float
+) -> dict[str, Any]:
+    """One load's rates and latency, with the CPU cores and peak memory of the server over it."""
+    outcomes, server_cpu, client_cpu = _measure(server, load)
+    return {
+        **rate_figures(outcomes, texts_per_call, opts, duration),
+        "cpu_cores": _cores(server_cpu, client_cpu, outcomes),
+        "server_cpu_ms_per_call": _per_call(server_cpu, len(outcomes)),
+        "peak_rss_mib": server.peak_rss_mib(),
+    }
+
+
+def _per_call(cpu_s: float, calls: int) -> float:
+    """Server CPU milliseconds per answered call: the cost, whatever else takes the cores."""
+    return cpu_s * 1000 / calls if calls else math.nan
+
+
+def _closed_loop(server: Server, requests: list[bytes], opts: Options) -> dict[str, Any]:
+    """The host-path load: ``client_processes`` processes of ``concurrency`` closed-loop callers."""
+    kwargs = [
+        {"target": server.grpc_target, "requests": requests, "concurrency": opts.concurrency,
+         "duration": opts.duration, "count": count, "deadline": opts.timeout, "channels": opts.channels}
+        for count in loadgen.split(MAX_CALLS, opts.client_processes)
+    ]  # fmt: skip
+
+    def load() -> tuple[list[Outcome], float]:
+        parts, cpu = loadgen.in_processes(loadgen.closed_loop, kwargs)
+        return [o for part in parts for o in part], cpu
+
+    return _phase(server, load, 1, opts, opts.duration)
+
+
+def _bursts(server: Server, request: bytes, opts: Options) -> dict[str, Any]:
+    """``burst_rounds`` bursts of ``burst_calls`` calls, shared out over the client processes."""
+    kwargs = [
+        {"target": server.grpc_target, "request": request, "calls": calls, "rounds": opts.burst_rounds,
+         "deadline": opts.timeout, "channels": opts.channels}
+        for calls in loadgen.split(opts.burst_calls, opts.client_processes)
+    ]  # fmt: skip
+
+    def load() -> tuple[list[list[Outcome]], float]:
+        parts, cpu = loadgen.in_processes(loadgen.burst, kwargs)
+        return [[o for part in parts for o in part[r]] for r in range(opts.burst_rounds)], cpu
+
+    rounds, server_cpu, _ = _measure(server, load)
+    figures = burst_figures(rounds)
+    return {**figures, "server_cpu_ms_per_call": _per_call(server_cpu, figures["calls"]),
+            "peak_rss_mib": server.peak_rss_mib()}  # fmt: skip
+
+
+def host_path(opts: Options, short_texts: list[str]) -> list[dict[str, Any]]:
+    """Echo with N processes, then the zero-cost server with N front ends, for each N."""
+    requests = encode(short_texts, 1)
+    pairs = []
+    for n in opts.frontends:
+        with echo_running(n, _log(f"echo_{n}")) as echo:
+            echo_figures = _closed_loop(echo, requests, opts)
+        with running(frontends_setting(n), _log(f"zero_cost_{n}"), module=ZERO_COST) as server:
+            server_figures = _closed_loop(server, requests, opts)
+        pairs.append({"processes": n, "echo": echo_figures, "zero_cost": server_figures})
+        print(f"  host path, {n} process(es): echo {_calls(echo_figures)}, zero-cost {_calls(server_figures)} calls/s")
+    return pairs
+
+
+def rejection(opts: Options, texts: list[str]) -> dict[str, Any]:
+    """The same bursts against the echo (1 process) and a kembed that rejects every call."""
+    request = encode(texts[: opts.burst_texts], opts.burst_texts)[0]
+    with echo_running(1, _log("echo_burst")) as echo:
+        echo_figures = _bursts(echo, request, opts)
+    settings = {**frontends_setting(1), "max_drain_ms": "1"}
+    with running(settings, _log("rejecting"), module="kembed") as server:
+        before = server.metrics()
+        kembed_figures = _bursts(server, request, opts)
+        # Which admission rule said no, from the server's own counters.
+        reasons = deltas_by_label(before, server.metrics(), Metric.REJECTED + "_total", "reason")
+        kembed_figures["server_rejections"] = reasons
+    for name, f in (("echo", echo_figures), ("kembed, all rejected", kembed_figures)):
+        p99, last = f["p99_ms"]["median"], f["last_ms"]["median"]
+        print(f"  burst, {name}: p99 {p99:.0f} ms, last answer {last:.0f} ms, codes {f['codes']}, "
+              f"server {f['server_cpu_ms_per_call']:.2f} CPU ms/call")  # fmt: skip
+    print(f"  burst, kembed's rejections by reason: {reasons}")
+    return {"echo": echo_figures, "kembed": kembed_figures, "settings": settings}
+
+
+def retry_storm(opts: Options, texts: list[str]) -> dict[str, Any]:
+    """Saturation with pushback-respecting clients, then a multiple of its calls/s offered by
+    clients that retry every rejection ``retry_after_ms`` later; the real model, ``frontends=auto``."""
+    requests = encode(texts, opts.storm_texts)
+    with running(frontends_setting("auto"), _log("storm"), module="kembed") as server:
+        target = server.grpc_target
+        saturate = loadgen.closed_loop(target, requests, opts.storm_concurrency, opts.storm_duration, MAX_CALLS,
+                                       opts.timeout)  # fmt: skip
+        saturation = _phase(server, lambda: _in_this_process(saturate), opts.storm_texts, opts, opts.storm_duration)
+        print(f"  retry storm: saturation {saturation['emb_per_s']['median']:.1f} emb/s")
+        time.sleep(Settings.from_env({}).latency_window_s)  # the server's latency window forgets saturation
+        rate = opts.storm_multiple * saturation["calls_per_s"]["median"]
+        if not rate > 0:
+            raise RuntimeError(f"retry storm: no call succeeded at saturation ({saturation['codes']})")
+        flood = loadgen.open_loop(target, requests, rate, opts.storm_duration, MAX_CALLS, workload.SEED, opts.timeout,
+                                  retry_after=opts.retry_after_ms / 1000)  # fmt: skip
+        storm = _phase(server, lambda: _in_this_process(flood), opts.storm_texts, opts, opts.storm_duration)
+        storm["offered_calls_per_s"] = rate
+        print(f"  retry storm: {storm['emb_per_s']['median']:.1f} emb/s, codes {storm['codes']}")
+    return {"multiple": opts.storm_multiple, "saturation": saturation, "storm": storm}
+
+
+def _in_this_process(load: Coroutine[Any, Any, list[Outcome]]) -> tuple[list[Outcome], float]:
+    """A single-process load and the CPU seconds this process used for it."""
+    start = time.process_time()
+    outcomes = asyncio.run(load)
+    return outcomes, time.process_time() - start
+
+
+def _calls(figures: dict[str, Any]) -> str:
+    return f"{figures['calls_per_s']['median']:.0f}"
+
+
+def run(opts: Options) -> dict[str, Any]:
+    """Every part in ``opts.parts``, each server started and stopped in turn; writes ``hostpath.json``."""
+    wl = workload.load()
+    short = [t for t, n in zip(wl.texts, wl.tokens, strict=True) if n <= SHORT_TOKENS]
+    result: dict[str, Any] = {"settings": asdict(opts), "loadavg_at_start": [round(x, 2) for x in os.getloadavg()]}
+    print(f"hostpath: {', '.join(opts.parts)}; load average {result['loadavg_at_start']}")
+    if "host_path" in opts.parts:
+        result["host_path"] = host_path(opts, short)
+    if "rejection" in opts.parts:
+        result["rejection"] = rejection(opts, wl.texts)
+    if "storm" in opts.parts:
+        result["retry_storm"] = retry_storm(opts, short)
+    rows = headline.hostpath_ratios(result)
+    result["ratios"] = [{"name": r.name, "value": r.value.to_dict(), "target": r.target, "met": r.met()} for r in rows]
+    result["workload"] = wl.describe()
+    machine.write_result("hostpath", result)
+    print(headline.ratio_table(rows))
+    return result
+
+
+def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--parts", default="host_path,rejection", help=f"comma-separated, of {', '.join(PARTS)}")
+    parser.add_argument("--frontends", default="1", help="process counts to compare, e.g. 1,2")
+    parser.add_argument("--client-processes", type=int, default=2)
+    parser.add_argument("--concurrency", type=int, default=32, help="closed-loop callers per client process")
+    parser.add_argument("--channels", type=int, default=4, help="channels (TCP connections) per client process")
+    parser.add_argument("--duration", type=float, default=10.0, help="seconds per host-path phase")
+    parser.add_argument("--warmup", type=float, default=2.0, help="seconds at the start of a phase not counted")
+    parser.add_argument("--windows", type=int, default=4, help="time windows per phase, for the spread")
+    parser.add_argument("--burst-calls", type=int, default=600)
+    parser.add_argument("--burst-texts", type=int, default=8, help="texts per burst call")
+    parser.add_argument("--burst-rounds", type=int, default=5, help="bursts per server, one after the other")
+    parser.add_argument("--storm-texts", type=int, default=64, help="texts per retry-storm call")
+    parser.add_argument("--storm-concurrency", type=int, default=4, help="closed-loop clients for the saturation")
+    parser.add_argument("--storm-duration", type=float, default=20.0, help="seconds per retry-storm phase")
+    parser.add_argument("--storm-multiple", type=float, default=4.0, help="calls/s offered, times saturation's")
+    parser.add_argument("--retry-after-ms", type=float, default=20.0, help="storm clients retry this soon")
+    parser.add_argument("--timeout", type=float, default=30.0, help="client deadline per call, seconds")
+    args = parser.parse_args(argv)
+    parts = tuple(p for p in args.parts.split(",") if p)
+    if unknown := set(parts) - set(PARTS):
+        parser.error(f"unknown parts: {', '.join(sorted(unknown))}")
+    frontends = tuple(int(n) for n in args.frontends.split(",") if n)
+    return run(Options(**{**vars(args), "frontends": frontends, "parts": parts}))  # the flags are the fields
+
+
+if __name__ == "__main__":
+    main()

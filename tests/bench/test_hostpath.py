@@ -1,0 +1,143 @@
+"""The host-path machinery in seconds: the echo yardstick, the multi-process load and the bursts,
+and the arithmetic that judges kembed against the echo. kembed itself is never started here."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+from typing import Any
+
+import grpc
+import pytest
+
+from bench import echo, headline, hostpath, loadgen
+from bench.loadgen import OK, Outcome
+from bench.report import Spread
+from bench.server import echo_running, process_tree
+from kembed.v1 import embedder_pb2, embedder_pb2_grpc
+
+EIGHT_TEXTS = embedder_pb2.EmbedRequest(texts=["a short text"] * 8).SerializeToString()
+
+
+async def test_grpc_shares_a_port_by_default() -> None:
+    """What echo (and kembed's front ends) rely on: grpc sets SO_REUSEPORT unless told not to."""
+    first, second = grpc.aio.server(), grpc.aio.server()
+    port = first.add_insecure_port("127.0.0.1:0")
+    try:
+        assert second.add_insecure_port(f"127.0.0.1:{port}") == port
+        with pytest.raises(RuntimeError):
+            grpc.aio.server(options=[("grpc.so_reuseport", 0)]).add_insecure_port(f"127.0.0.1:{port}")
+    finally:
+        await first.stop(None)
+        await second.stop(None)
+
+
+def test_echo_answers_kembed_sized_responses() -> None:
+    reply = embedder_pb2.EmbedResponse.FromString(echo.response_bytes(8))
+    assert (reply.count, reply.dimensions, len(reply.embeddings)) == (8, 384, 8 * 384 * 4)
+    assert echo.response_bytes(8) is echo.response_bytes(8)  # precomputed
+
+
+def _kwargs(target: str, **extra: Any) -> list[dict[str, Any]]:
+    return [{"target": target, "deadline": 10, "channels": 2, **extra}] * 2
+
+
+async def test_two_echo_processes_answer_the_multiprocess_load_and_bursts(tmp_path: Path) -> None:
+    with echo_running(2, tmp_path / "echo.log") as server:
+        assert len(process_tree(server.pid)) >= 3  # the parent and both echo processes
+        async with grpc.aio.insecure_channel(server.grpc_target) as channel:
+            reply = await embedder_pb2_grpc.EmbedderStub(channel).Embed(embedder_pb2.EmbedRequest(texts=["x", "y"]))
+        assert (reply.count, len(reply.embeddings)) == (2, 2 * 384 * 4)
+        load = _kwargs(server.grpc_target, requests=[EIGHT_TEXTS], concurrency=4, duration=5, count=150)
+        parts, client_cpu = loadgen.in_processes(loadgen.closed_loop, load)
+        bursts, _ = loadgen.in_processes(
+            loadgen.burst, _kwargs(server.grpc_target, request=EIGHT_TEXTS, calls=40, rounds=2)
+        )
+    assert [len(p) for p in parts] == [150, 150]  # the count bound, in each process
+    assert {o.code for p in parts for o in p} == {OK}
+    assert client_cpu > 0
+    assert [[len(r) for r in p] for p in bursts] == [[40, 40], [40, 40]]
+    figures = hostpath.burst_figures([[o for p in bursts for o in p[r]] for r in range(2)])
+    assert figures["calls"] == 160
+    assert figures["codes"] == {OK: 160}
+    assert figures["rejected_share"] == 0
+    assert 0 < figures["p99_ms"]["median"] <= figures["last_ms"]["median"] < 10_000
+
+
+def _outcome(done: float, code: str = OK) -> Outcome:
+    return Outcome(item=0, scheduled=0.0, sent=0.0, done=done, code=code)
+
+
+def test_burst_figures_per_round() -> None:
+    rounds = [[_outcome(t / 100, hostpath.EXHAUSTED) for t in range(1, 101)], [_outcome(0.5), _outcome(2.0)]]
+    figures = hostpath.burst_figures(rounds)
+    assert figures["last_ms"] == Spread(1500.0, 1000.0, 2000.0).to_dict()
+    assert figures["p99_ms"]["lo"] == pytest.approx(990.1)  # 10 ms .. 1000 ms: rank 98.01 of 0..99
+    assert figures["rejected_share"] == pytest.approx(100 / 102)
+    assert figures["codes"] == {hostpath.EXHAUSTED: 100, OK: 2}
+
+
+def test_split_shares_out_every_call() -> None:
+    assert loadgen.split(600, 2) == [300, 300]
+    assert loadgen.split(7, 3) == [3, 2, 2]
+
+
+def _spread(value: float) -> dict[str, float]:
+    return Spread(value, value, value).to_dict()
+
+
+def _result(zero_cost: float, p99_kembed: float, storm: float) -> dict[str, Any]:
+    def closed(calls: float) -> dict[str, Any]:
+        return {"calls_per_s": _spread(calls), "latency_ms": {"p99": 5.0}, "codes": {OK: 10}, "peak_rss_mib": 50,
+                "server_cpu_ms_per_call": 1000 / calls}  # fmt: skip
+
+    def burst(p99: float, share: float) -> dict[str, Any]:
+        return {"p99_ms": _spread(p99), "last_ms": _spread(p99 * 1.1), "server_cpu_ms_per_call": p99 / 100,
+                "rejected_share": share, "codes": {}, "peak_rss_mib": 60}  # fmt: skip
+
+    def storm_phase(emb: float) -> dict[str, Any]:
+        return {"emb_per_s": _spread(emb), "offered_calls_per_s": 4.0, "codes": {OK: 3}, "peak_rss_mib": 700}
+
+    settings = {"client_processes": 2, "concurrency": 32, "burst_rounds": 3, "burst_calls": 600, "burst_texts": 8,
+                "storm_texts": 64, "retry_after_ms": 20.0}  # fmt: skip
+    return {
+        "settings": settings,
+        "host_path": [
+            {"processes": 1, "echo": closed(4000), "zero_cost": closed(zero_cost)},
+            {"processes": 2, "echo": closed(8000), "zero_cost": closed(2000)},
+        ],
+        "rejection": {"echo": burst(400, 0.0), "kembed": burst(p99_kembed, 1.0)},
+        "retry_storm": {"multiple": 4.0, "saturation": storm_phase(100), "storm": storm_phase(storm)},
+    }
+
+
+def test_hostpath_ratios_and_targets() -> None:
+    rows = {r.name: r for r in headline.hostpath_ratios(_result(zero_cost=2400, p99_kembed=1000, storm=95))}
+    one, two = (
+        rows["Host path, 1 process(es): zero-cost server / echo (calls/s)"],
+        rows["Host path, 2 process(es): zero-cost server / echo (calls/s)"],
+    )
+    assert (one.value.median, one.met()) == (pytest.approx(0.6), True)
+    assert (two.value.median, two.met()) == (0.25, None)  # informative: the target is for one front end
+    cpu = rows["Host path, 1 process(es): zero-cost server / echo, server CPU per call"]
+    assert (cpu.value.median, cpu.met()) == (pytest.approx(4000 / 2400), None)
+    p99 = rows["Rejected burst / echo burst, p99"]
+    assert (p99.value.median, p99.met()) == (2.5, False)
+    assert rows["Rejected burst / echo burst, time to last answer"].value.median == pytest.approx(2.5)
+    assert rows["Rejected burst / echo burst, server CPU per call"].value.median == pytest.approx(2.5)
+    assert rows["Share of the rejected burst answered RESOURCE_EXHAUSTED"].met() is True
+    storm = rows["Goodput, 4x retry storm / saturation (emb/s)"]
+    assert (storm.value.median, storm.met()) == (pytest.approx(0.95), True)
+    missed = {r.name: r.met() for r in headline.hostpath_ratios(_result(zero_cost=1000, p99_kembed=800, storm=80))}
+    assert missed["Host path, 1 process(es): zero-cost server / echo (calls/s)"] is False
+    assert missed["Rejected burst / echo burst, p99"] is True  # exactly 2x is within the target
+    assert missed["Goodput, 4x retry storm / saturation (emb/s)"] is False
+
+
+def test_hostpath_table_and_partial_results() -> None:
+    table = headline.hostpath_table(_result(zero_cost=2400, p99_kembed=1000, storm=95))
+    assert table.count("\n") == 1 + 4 + 2 + 2  # header rule, host path, rejection, storm
+    assert "zero-cost kembed, 1 proc" in table
+    only_host_path = {"settings": _result(1, 1, 1)["settings"], "host_path": _result(2400, 1, 1)["host_path"]}
+    assert len(headline.hostpath_ratios(only_host_path)) == 4
+    assert math.isclose(headline.hostpath_ratios(only_host_path)[0].value.median, 0.6)
