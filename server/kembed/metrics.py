@@ -55,14 +55,14 @@ class EngineMetrics:
         self.inference_seconds = Histogram(
             Metric.INFERENCE_SECONDS, "Worker compute time per batch", registry=r, buckets=LATENCY_BUCKETS
         )
-        for kind in ("real", "padding"):
-            self.tokens.labels(kind=kind)
+        self._real_tokens = self.tokens.labels(kind="real")
+        self._padding_tokens = self.tokens.labels(kind="padding")
 
     def observe_batch(self, rows: int, padded_tokens: int, real_tokens: int, seconds: float) -> None:
         self.batch_size.observe(rows)
         self.batch_tokens.observe(padded_tokens)
-        self.tokens.labels(kind="real").inc(real_tokens)
-        self.tokens.labels(kind="padding").inc(padded_tokens - real_tokens)
+        self._real_tokens.inc(real_tokens)
+        self._padding_tokens.inc(padded_tokens - real_tokens)
         self.inference_seconds.observe(seconds)
 
 

@@ -27,10 +27,11 @@ CONNECT_RETRY_S = 0.05
 class Pending:
     """One request waiting for its rows."""
 
-    __slots__ = ("embeddings", "future", "inference_s", "last_start", "remaining")
+    __slots__ = ("arrival", "embeddings", "future", "inference_s", "last_start", "remaining")
 
-    def __init__(self, future: asyncio.Future[None], count: int, dimensions: int) -> None:
+    def __init__(self, future: asyncio.Future[None], arrival: float, count: int, dimensions: int) -> None:
         self.future = future
+        self.arrival = arrival
         self.embeddings = np.empty((count, dimensions), dtype=np.float32)
         self.remaining = count
         self.inference_s = 0.0  # compute time of the batches its items ran in
@@ -72,9 +73,9 @@ class EngineLink:
             raise LinkClosed(f"expected READY from the engine, got {ready.kind.name}")
         return cls(reader, writer, ServingInfo.from_json(ready.json(0)))
 
-    def submit(self, seqs: Sequences, deadline: float) -> tuple[int, Pending]:
+    def submit(self, seqs: Sequences, arrival: float, deadline: float) -> tuple[int, Pending]:
         tag = next(self._tags)
-        pending = Pending(asyncio.get_running_loop().create_future(), seqs.count, self.info.dimensions)
+        pending = Pending(asyncio.get_running_loop().create_future(), arrival, seqs.count, self.info.dimensions)
         self._pending[tag] = pending
         self._out_tags.append(tag)
         self._out_deadlines.append(deadline)
@@ -149,7 +150,8 @@ class EngineLink:
             pending.last_start = max(pending.last_start, started)
             if pending.remaining == 0:
                 del self._pending[int(tags[begin])]
-                pending.future.set_result(None)
+                if not pending.future.done():  # cancelled by its caller meanwhile
+                    pending.future.set_result(None)
 
     def _fail(self, frame: Frame) -> None:
         for tag, code, message, retry_after_ms in frame.json(0):

@@ -8,6 +8,7 @@ admitting, answers everything it accepted, and exits 0. If the engine goes away 
 from __future__ import annotations
 
 import asyncio
+import gc
 import logging
 import os
 import signal
@@ -108,6 +109,10 @@ class FrontendProcess:
         self._servicer.service = EmbedService(self._settings, link, screen, self._gate, self._metrics, self._executor)
         await self._set_serving(True)
         self._board.set_frontend(self._index, FRONTEND_SERVING, 1.0)
+        # What is loaded now lives as long as the process: out of the collector's sight, so full
+        # collections stop walking it between requests.
+        gc.collect()
+        gc.freeze()
 
     async def _drain(self) -> None:
         """Stop taking work, answer everything accepted, then stop listening."""

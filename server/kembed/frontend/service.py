@@ -149,8 +149,8 @@ class EmbedService:
         tokenized = self._clock()
         self._admit(self._padded_tokens(seqs))
         budget = self._settings.default_timeout_ms / 1000 if time_remaining is None else time_remaining
-        tag, pending = self._link.submit(seqs, arrival + budget)
-        await self._wait(tag, pending, arrival, arrival + budget)
+        tag, pending = self._link.submit(seqs, arrival, arrival + budget)
+        await self._wait(tag, pending, arrival + budget)
         done = self._clock()
         self._link.add_latency(done - arrival)
         self._metrics.request_duration.observe(done - arrival)
@@ -195,18 +195,26 @@ class EmbedService:
             self._metrics.rejected.labels(reason=rejection.reason).inc()
             raise EmbedError(grpc.StatusCode.RESOURCE_EXHAUSTED, rejection.message, rejection.retry_after_ms)
 
-    async def _wait(self, tag: int, pending: Pending, arrival: float, deadline: float) -> None:
+    async def _wait(self, tag: int, pending: Pending, deadline: float) -> None:
+        # A timer on the loop rather than wait_for: no extra task or future per request.
+        timer = asyncio.get_running_loop().call_at(deadline, self._expire, tag, pending)
         try:
-            await asyncio.wait_for(asyncio.shield(pending.future), max(0.0, deadline - self._clock()))
-        except TimeoutError:
-            self._link.cancel(tag)
-            self._link.add_latency(self._clock() - arrival)
-            raise EmbedError(
-                grpc.StatusCode.DEADLINE_EXCEEDED, "deadline passed before the request was computed"
-            ) from None
+            await pending.future
         except asyncio.CancelledError:
             self._link.cancel(tag)
             raise
+        finally:
+            timer.cancel()
+
+    def _expire(self, tag: int, pending: Pending) -> None:
+        """The deadline passed: the engine drops what is still queued, the caller hears why."""
+        if pending.future.done():
+            return
+        self._link.cancel(tag)
+        self._link.add_latency(self._clock() - pending.arrival)
+        pending.future.set_exception(
+            EmbedError(grpc.StatusCode.DEADLINE_EXCEEDED, "deadline passed before the request was computed")
+        )
 
     def _response(
         self,
