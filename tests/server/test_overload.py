@@ -19,7 +19,7 @@ from kembed.v1 import embedder_pb2_grpc as pb_grpc
 from tests.server.serving import ServerProcess, wait_until
 
 MAX_QUEUED = 16_384
-MAX_DRAIN_MS = 500
+MAX_DRAIN_MS = 1000  # a busy 2-core machine warms up at ~900 padded tokens/s: room for a few requests
 SENTENCE = "Admission control rejects early instead of queueing into timeouts and memory exhaustion."
 
 
