@@ -19,9 +19,11 @@ from kembed.contract import ENV_PREFIX, GRPC_PORT, HTTP_PORT, env_name
 
 MAX_FRONTENDS = 64
 AUTO_MAX_FRONTENDS = 8
-# One front end per 4 CPUs: the engine's event loop and worker thread need about two cores at
-# GPU speed, and one gRPC front end saturates about one core (see the README's "Choices").
-CPUS_PER_FRONTEND = 4
+# auto: two CPUs for the engine (its event loop and the worker thread), then one front end per two
+# CPUs (a busy front end takes about a core on its event loop plus gRPC's poller and tokenizer
+# threads), from 1 to 8. On 2 CPUs one front end measured faster than two (README, "Choices").
+ENGINE_CPUS = 2
+CPUS_PER_FRONTEND = 2
 
 
 def available_cpus() -> float:
@@ -136,7 +138,7 @@ class Settings(BaseModel):
     log_level: str = Field("INFO", description="Python log level (DEBUG, INFO, WARNING, ERROR)")
     frontends: str = Field(
         "auto",
-        description="gRPC front-end processes sharing the port: a number, or auto (one per 4 CPUs, 1 to 8)",
+        description="gRPC front-end processes sharing the port: a number, or auto ((CPUs - 2) / 2, from 1 to 8)",
     )
 
     @field_validator("control_tokens", "buckets", "admission", mode="before")
@@ -200,7 +202,8 @@ class Settings(BaseModel):
         """How many front ends: as set, or by the CPUs this process may use (see the README)."""
         if self.frontends != "auto":
             return int(self.frontends)
-        return max(1, min(AUTO_MAX_FRONTENDS, int(available_cpus()) // CPUS_PER_FRONTEND))
+        spare = int(available_cpus()) - ENGINE_CPUS
+        return max(1, min(AUTO_MAX_FRONTENDS, spare // CPUS_PER_FRONTEND))
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None, **overrides: Any) -> Settings:

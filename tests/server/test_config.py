@@ -52,3 +52,14 @@ def test_every_setting_has_a_documented_variable():
 def test_readme_table_is_current():
     readme = (Path(__file__).parents[2] / "README.md").read_text()
     assert env_table() in readme, "README's configuration table is stale: paste `make env-table` into it"
+
+
+def test_frontends_auto_follows_the_cpus(monkeypatch: pytest.MonkeyPatch):
+    import kembed.config
+
+    for cpus, expected in ((1, 1), (2, 1), (4, 1), (6, 2), (16, 7), (64, 8)):
+        monkeypatch.setattr(kembed.config, "available_cpus", lambda cpus=cpus: float(cpus))
+        assert Settings(frontends="auto").frontend_count() == expected
+    assert Settings(frontends="3").frontend_count() == 3
+    with pytest.raises(ConfigError, match="KEMBED_FRONTENDS"):
+        Settings.from_env({"KEMBED_FRONTENDS": "0"})
