@@ -22,6 +22,7 @@ log = logging.getLogger(__name__)
 
 CONNECT_TIMEOUT_S = 120.0  # the engine binds its socket after importing torch: seconds, not minutes
 CONNECT_RETRY_S = 0.05
+SAMPLE_FLUSH_S = 0.01  # well under the P95 cache (50 ms) and the engine's board refresh (100 ms)
 
 
 class Pending:
@@ -51,7 +52,8 @@ class EngineLink:
         self._out_ids: list[np.ndarray] = []
         self._out_cancels: list[int] = []
         self._out_latencies: list[float] = []
-        self._flush_scheduled = False
+        self._flush_at: asyncio.TimerHandle | None = None  # a later flush, for samples alone
+        self._flush_now: asyncio.Handle | None = None  # this loop turn's flush
 
     @classmethod
     async def connect(cls, runtime: Path, index: int) -> EngineLink:
@@ -91,9 +93,12 @@ class EngineLink:
             self._schedule_flush()
 
     def add_latency(self, seconds: float) -> None:
-        """A sample for the engine's P95 window (which every front end shares)."""
+        """A sample for the engine's P95 window (which every front end shares). Samples alone wait
+        up to SAMPLE_FLUSH_S for a frame: a storm of rejections must not become a storm of frames
+        that wake the engine between batches."""
         self._out_latencies.append(seconds)
-        self._schedule_flush()
+        if self._flush_now is None and self._flush_at is None:
+            self._flush_at = asyncio.get_running_loop().call_later(SAMPLE_FLUSH_S, self._flush)
 
     async def run(self) -> None:
         """Route the engine's answers until the link closes (raises :class:`LinkClosed`)."""
@@ -108,12 +113,14 @@ class EngineLink:
         self._writer.close()
 
     def _schedule_flush(self) -> None:
-        if not self._flush_scheduled:
-            self._flush_scheduled = True
-            asyncio.get_running_loop().call_soon(self._flush)
+        if self._flush_now is None:
+            self._flush_now = asyncio.get_running_loop().call_soon(self._flush)
 
     def _flush(self) -> None:
-        self._flush_scheduled = False
+        for handle in (self._flush_now, self._flush_at):
+            if handle is not None:
+                handle.cancel()
+        self._flush_now = self._flush_at = None
         if self._writer.is_closing():
             return
         counts = np.fromiter(map(len, self._out_lengths), dtype="<u4", count=len(self._out_lengths))
