@@ -90,6 +90,8 @@ def write_random_bert_base(target: Path, seed: int = 0) -> Path:
             dest = target / item.relative_to(source)
             dest.parent.mkdir(parents=True, exist_ok=True)
             shutil.copy(item, dest)
+    # A model folder without sentence-transformers files (a bare transformers export) pools by mean.
     pooling = target / "1_Pooling" / "config.json"
-    pooling.write_text(json.dumps({**json.loads(pooling.read_text()), "word_embedding_dimension": 768}))
+    if pooling.is_file():
+        pooling.write_text(json.dumps({**json.loads(pooling.read_text()), "word_embedding_dimension": 768}))
     return target
