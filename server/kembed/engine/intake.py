@@ -8,7 +8,6 @@ buckets are computed for the whole frame at once, and only the admission decisio
 
 from __future__ import annotations
 
-import itertools
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
@@ -47,6 +46,7 @@ class Work:
 
 
 WORK_PARTS = ("<u8", "<f8", "<u4", "<i4", "<i4", "<u8", "<f8")
+ONE_SLOT = np.zeros(1, dtype=np.int64)  # the only item of a one-item request (never written to)
 
 
 class Intake:
@@ -102,17 +102,24 @@ class Intake:
             self._batcher.submit(self._chunks(work, starts, jobs))
 
     def _chunks(self, work: Work, starts: np.ndarray, jobs: list[Job | None]) -> list[tuple[int, Chunk]]:
-        """Each bucket's share of the frame, cut into one chunk per admitted request."""
+        """Each admitted request's items as chunks, one per bucket it uses. A one-item request (the
+        common case at high call rates) is padded with two array operations and no routing."""
         now = self._clock()
+        lengths = work.lengths
+        offsets = (np.cumsum(lengths, dtype=np.int64) - lengths).tolist()
+        buckets = np.searchsorted(self._ladder, lengths, side="left").tolist()
         parts = []
-        for routed in route(Sequences(work.ids, work.lengths), self._ladder, self._pad):
-            owner = np.searchsorted(starts, routed.items, side="right") - 1
-            bounds = [0, *(np.flatnonzero(np.diff(owner)) + 1).tolist(), len(owner)]
-            for begin, end in itertools.pairwise(bounds):
-                request = int(owner[begin])
-                job = jobs[request]
-                if job is not None:
-                    slots = routed.items[begin:end] - starts[request]
-                    chunk = Chunk(job, slots, routed.ids[begin:end], routed.lengths[begin:end], now)
-                    parts.append((routed.bucket, chunk))
+        for job, start in zip(jobs, starts.tolist(), strict=True):
+            if job is None:
+                continue
+            if job.count == 1:
+                bucket, length, offset = buckets[start], int(lengths[start]), offsets[start]
+                ids = np.full((1, self._ladder[bucket]), self._pad, dtype=np.int32)
+                ids[0, :length] = work.ids[offset : offset + length]
+                parts.append((bucket, Chunk(job, ONE_SLOT, ids, lengths[start : start + 1], now)))
+                continue
+            end = start + job.count
+            seqs = Sequences(work.ids[offsets[start] : offsets[end - 1] + int(lengths[end - 1])], lengths[start:end])
+            for routed in route(seqs, self._ladder, self._pad):
+                parts.append((routed.bucket, Chunk(job, routed.items, routed.ids, routed.lengths, now)))
         return parts
