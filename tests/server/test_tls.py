@@ -76,13 +76,19 @@ def test_bad_files_name_the_variable(
         tls.verify(files)
 
 
-def test_start_up_fails_with_exit_2_naming_the_variable(files: tls.TlsFiles, tmp_path: Path) -> None:
-    env = {"KEMBED_TLS_CERT_FILE": str(files.cert), "KEMBED_TLS_KEY_FILE": str(tmp_path / "absent.key")}
-    result = subprocess.run(
-        [sys.executable, "-m", "kembed"], env={"PATH": "/usr/bin:/bin", **env}, capture_output=True, timeout=60
-    )
+@pytest.mark.parametrize(
+    ("breakage", "message"),
+    [("missing key", "KEMBED_TLS_KEY_FILE: cannot read"), ("key of another cert", "KEMBED_TLS_KEY_FILE: /")],
+)
+def test_start_up_fails_with_exit_2_naming_the_variable(
+    files: tls.TlsFiles, ca: Authority, breakage: str, message: str
+) -> None:
+    BREAKAGES[breakage][0](files, ca)
+    env = {"PATH": "/usr/bin:/bin", "KEMBED_TLS_CERT_FILE": str(files.cert), "KEMBED_TLS_KEY_FILE": str(files.key)}
+    result = subprocess.run([sys.executable, "-m", "kembed"], env=env, capture_output=True, text=True, timeout=60)
     assert result.returncode == 2
-    assert b"configuration error: KEMBED_TLS_KEY_FILE: cannot read" in result.stderr
+    assert f"kembed: configuration error: {message}" in result.stderr
+    assert breakage != "key of another cert" or "key values mismatch" in result.stderr
 
 
 def test_fetcher_reloads_only_whole_changed_pairs(files: tls.TlsFiles, ca: Authority, tmp_path: Path) -> None:
