@@ -59,6 +59,7 @@ def apply_spec(body: kopf.Body, retry: int, **_: Any) -> None:
 @kopf.on.event("policy", "v1", "poddisruptionbudgets", labels=CHILDREN)
 @kopf.on.event("autoscaling", "v2", "horizontalpodautoscalers", labels=CHILDREN)
 @kopf.on.event("keda.sh", "v1alpha1", "scaledobjects", labels=CHILDREN)
+@kopf.on.event("networking.k8s.io", "v1", "networkpolicies", labels=CHILDREN)
 def repair_child(namespace: str | None, labels: Mapping[str, str], logger: kopf.Logger, **kwargs: Any) -> None:
     """A child changed or vanished: re-render its owner (repairs drift, follows Deployment status)."""
     services: kopf.Index[tuple[str | None, str], kopf.Body] = kwargs["services"]  # kopf passes indices by name

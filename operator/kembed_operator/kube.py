@@ -38,6 +38,7 @@ RESOURCES: dict[tuple[str, str], Resource] = {
     ("policy/v1", "PodDisruptionBudget"): Resource("policy", "v1", "poddisruptionbudgets"),
     ("autoscaling/v2", "HorizontalPodAutoscaler"): Resource("autoscaling", "v2", "horizontalpodautoscalers"),
     ("keda.sh/v1alpha1", "ScaledObject"): Resource("keda.sh", "v1alpha1", "scaledobjects"),
+    ("networking.k8s.io/v1", "NetworkPolicy"): Resource("networking.k8s.io", "v1", "networkpolicies"),
 }
 EMBEDDING_SERVICES = Resource(identity.GROUP, identity.VERSION, identity.PLURAL)
 _MANAGER = ("fieldManager", identity.FIELD_MANAGER)

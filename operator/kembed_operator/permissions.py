@@ -34,6 +34,7 @@ RULES: Final = (
     _rule("policy", "poddisruptionbudgets", *_CHILD),
     _rule("autoscaling", "horizontalpodautoscalers", *_CHILD),
     _rule("keda.sh", "scaledobjects", *_CHILD),
+    _rule("networking.k8s.io", "networkpolicies", *_CHILD),
     # kopf: events for `kubectl describe`, resource discovery, and leader election (peering).
     _rule("", "events", "create"),
     _rule("apiextensions.k8s.io", "customresourcedefinitions", "list", "watch"),

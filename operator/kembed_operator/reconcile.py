@@ -15,7 +15,7 @@ from typing import Any
 
 from kubernetes.client.exceptions import ApiException
 
-from kembed_operator import kube, render, status
+from kembed_operator import access, kube, render, status
 from kembed_operator.config import OperatorConfig
 from kembed_operator.spec import InvalidSpec, parse_spec
 
@@ -40,10 +40,12 @@ def reconcile(body: Mapping[str, Any], config: OperatorConfig) -> Outcome:
         spec = parse_spec(dict(body.get("spec") or {}))
         children = render.render(owner, spec, config)
         model = render.model_name(spec)
+        transport = access.transport(spec)
     except InvalidSpec as err:
         # Keep the children as they are: the last good spec goes on serving while a human fixes this one.
         outcome.problem = status.Problem("InvalidSpec", str(err))
         model = previous.get("model", "")
+        transport = previous.get("transport", "plaintext")
     else:
         _sync_all(owner, children, outcome)
     observed = status.Observed(
@@ -53,6 +55,7 @@ def reconcile(body: Mapping[str, Any], config: OperatorConfig) -> Outcome:
         selector=render.selector(owner.name),
         endpoint=render.endpoint(owner),
         model=model,
+        transport=transport,
     )
     outcome.problem_is_new = _is_new(outcome.problem, previous)
     new = status.compute(observed, previous, datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ"))

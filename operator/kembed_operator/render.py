@@ -15,7 +15,7 @@ from typing import Any
 
 from kembed.config import ConfigError, Settings
 from kembed.contract import ENV_PREFIX, GRPC_PORT, HTTP_PORT, LIVEZ_PATH, METRICS_PATH, READYZ_PATH, Metric, env_name
-from kembed_operator import identity
+from kembed_operator import access, identity
 from kembed_operator.config import OperatorConfig
 from kembed_operator.slo import Thresholds, derive
 from kembed_operator.spec import EmbeddingServiceSpec, InvalidSpec
@@ -28,7 +28,8 @@ SERVICE = ("v1", "Service")
 PDB = ("policy/v1", "PodDisruptionBudget")
 HPA = ("autoscaling/v2", "HorizontalPodAutoscaler")
 SCALED_OBJECT = ("keda.sh/v1alpha1", "ScaledObject")
-CHILD_KINDS = (DEPLOYMENT, SERVICE, PDB, HPA, SCALED_OBJECT)
+NETWORK_POLICY = ("networking.k8s.io/v1", "NetworkPolicy")
+CHILD_KINDS = (DEPLOYMENT, SERVICE, PDB, HPA, SCALED_OBJECT, NETWORK_POLICY)
 
 RUN_AS = 10001  # the uid/gid Dockerfile.server creates
 PRESTOP_SLEEP_S = 5  # lets endpoint removal reach every client before the server stops accepting
@@ -71,6 +72,9 @@ def render(owner: Owner, spec: EmbeddingServiceSpec, config: OperatorConfig) -> 
         Child(_service(owner, spec)),
         Child(_pdb(owner)),
     ]
+    if spec.network_policy.enabled:
+        policy = access.network_policy(_metadata(owner), selector_labels(owner.name), spec.network_policy)
+        children.append(Child(policy))
     if spec.autoscaled and spec.autoscaling.provider == "hpa":
         children.append(Child(_hpa(owner, spec, thresholds)))
     elif spec.autoscaled:
@@ -160,6 +164,7 @@ def server_env(spec: EmbeddingServiceSpec, thresholds: Thresholds) -> dict[str, 
         "max_queued_tokens": admission.max_queued_tokens,
         "drain_timeout_s": spec.drain_seconds,
         **_model_source(spec),
+        **access.tls_settings(spec),
     }
     return {env_name(key): _text(value) for key, value in settings.items() if value is not None}
 
@@ -326,7 +331,8 @@ def _volumes(spec: EmbeddingServiceSpec) -> tuple[list[Manifest], list[Manifest]
         )
         volumes.append({"name": "model-cache", **cache})
         mounts.append({"name": "model-cache", "mountPath": CACHE_DIR})
-    return volumes, mounts
+    tls_volumes, tls_mounts = access.tls_volumes(spec)
+    return volumes + tls_volumes, mounts + tls_mounts
 
 
 # --- Service, PDB ---------------------------------------------------------------------------------

@@ -118,6 +118,20 @@ class ServiceSpec(_Spec):
     annotations: dict[str, str] = Field(default_factory=dict)
 
 
+class TlsSpec(_Spec):
+    secret_name: str = Field(min_length=1)  # a kubernetes.io/tls Secret (tls.crt, tls.key), e.g. cert-manager's
+    # A Secret whose ca.crt signs client certificates: mTLS. ("CA", not to_camel's "Ca".)
+    client_ca_secret_name: str = Field("", alias="clientCASecretName")
+
+
+class NetworkPolicySpec(_Spec):
+    """Ingress to the pods: gRPC from the resource's namespace and ``from``; metrics from ``metricsFrom``."""
+
+    enabled: bool = True
+    from_: list[dict[str, Any]] = Field(default_factory=list, alias="from")  # NetworkPolicyPeers, verbatim
+    metrics_from: list[dict[str, Any]] = Field(default_factory=list)
+
+
 class EmbeddingServiceSpec(_Spec):
     model: ModelSpec = Field(default_factory=ModelSpec)
     image: str = ""  # empty = the operator's default server image
@@ -130,6 +144,8 @@ class EmbeddingServiceSpec(_Spec):
     slo: SloSpec = Field(default_factory=SloSpec)
     autoscaling: AutoscalingSpec = Field(default_factory=AutoscalingSpec)
     service: ServiceSpec = Field(default_factory=ServiceSpec)
+    tls: TlsSpec | None = None
+    network_policy: NetworkPolicySpec = Field(default_factory=NetworkPolicySpec)
     startup_timeout_seconds: int = Field(900, ge=10)  # model load + warmup + CUDA graph capture
     drain_seconds: int = Field(25, ge=0)  # how long a terminating pod may finish accepted work
     node_selector: dict[str, str] = Field(default_factory=dict)

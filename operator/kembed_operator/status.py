@@ -33,6 +33,7 @@ class Observed:
     selector: str
     endpoint: str
     model: str
+    transport: str = "plaintext"  # what a client must speak to the endpoint: plaintext, tls or mtls
 
 
 def compute(observed: Observed, previous: Manifest, now: str) -> Manifest:
@@ -59,6 +60,7 @@ def compute(observed: Observed, previous: Manifest, now: str) -> Manifest:
         "selector": observed.selector,
         "endpoint": observed.endpoint,
         "model": observed.model,
+        "transport": observed.transport,
         "conditions": [_condition(*c, old.get(c[0]), now) for c in conditions],
     }
 

@@ -7,6 +7,7 @@ import asyncio
 import logging
 import sys
 
+from kembed import tls
 from kembed.app import Supervisor
 from kembed.config import ConfigError, Settings, env_table
 
@@ -20,6 +21,7 @@ def main(argv: list[str] | None = None) -> int:
         return 0
     try:
         settings = Settings.from_env()
+        tls.check(settings)  # before any child starts: a bad Secret fails the pod with one clear line
     except ConfigError as error:
         print(f"kembed: configuration error: {error}", file=sys.stderr)
         return 2

@@ -146,9 +146,10 @@ class Supervisor:
     async def _announce_ready(self) -> None:
         while not self.ready():  # noqa: ASYNC110  # the board is shared memory: nothing to wait on
             await asyncio.sleep(READY_POLL_S)
+        tls = " --ca-file CA.crt" if self.settings.tls else ""
         print(
             f"kembed: ready. Try: .venv/bin/python -m kembed.client --target "
-            f"{self.settings.grpc_host}:{self.grpc_port} 'hello world'",
+            f"{self.settings.grpc_host}:{self.grpc_port}{tls} 'hello world'",
             flush=True,
         )
 

@@ -7,7 +7,10 @@ UNAVAILABLE (warming up, draining, a replica going away) with exponential backof
     with EmbedClient("127.0.0.1:50051") as client:
         vectors = client.embed(["hello world"])   # float32 [1, 384], L2-normalised
 
-``python -m kembed.client --target HOST:PORT TEXT...`` prints shapes and timings.
+TLS: ``EmbedClient(target, ca_file="ca.crt")``, plus ``cert_file`` and ``key_file`` for mTLS.
+
+``python -m kembed.client --target HOST:PORT [--ca-file F [--cert-file F --key-file F]] TEXT...``
+prints shapes and timings.
 """
 
 from __future__ import annotations
@@ -17,6 +20,7 @@ import json
 import random
 import time
 from collections.abc import Callable, Sequence
+from pathlib import Path
 from types import TracebackType
 from typing import Any, TypeVar
 
@@ -42,6 +46,9 @@ class EmbedClient:
         backoff_s: float = 0.1,
         max_message_bytes: int = 16 * 1024 * 1024,
         round_robin: bool = False,
+        ca_file: str | None = None,
+        cert_file: str | None = None,
+        key_file: str | None = None,
         sleep: Callable[[float], None] = time.sleep,
     ) -> None:
         options: list[tuple[str, Any]] = [
@@ -50,7 +57,10 @@ class EmbedClient:
         ]
         if round_robin:  # spread calls over every address a headless Service's name resolves to
             options.append(("grpc.service_config", json.dumps({"loadBalancingConfig": [{"round_robin": {}}]})))
-        self._channel = grpc.insecure_channel(target, options=options)
+        if ca_file is None and cert_file is None:
+            self._channel = grpc.insecure_channel(target, options=options)
+        else:
+            self._channel = grpc.secure_channel(target, channel_credentials(ca_file, cert_file, key_file), options)
         self._stub = pb_grpc.EmbedderStub(self._channel)
         self._timeout = timeout_s
         self._max_attempts = max_attempts
@@ -116,6 +126,21 @@ class EmbedClient:
         self.close()
 
 
+def channel_credentials(
+    ca_file: str | None, cert_file: str | None = None, key_file: str | None = None
+) -> grpc.ChannelCredentials:
+    """TLS trusting ``ca_file`` (None: the system's roots), presenting ``cert_file``/``key_file`` for mTLS."""
+    if (cert_file is None) != (key_file is None):
+        raise ValueError("a client certificate needs its key, and a key its certificate")
+    return grpc.ssl_channel_credentials(
+        root_certificates=_read(ca_file), private_key=_read(key_file), certificate_chain=_read(cert_file)
+    )
+
+
+def _read(path: str | None) -> bytes | None:
+    return None if path is None else Path(path).read_bytes()
+
+
 def decode(response: pb.EmbedResponse) -> np.ndarray:
     """The response's float32 little-endian buffer as a [count, dimensions] array."""
     return np.frombuffer(response.embeddings, dtype="<f4").reshape(response.count, response.dimensions)
@@ -125,9 +150,13 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m kembed.client", description="embed texts with a kembed server")
     parser.add_argument("--target", default="127.0.0.1:50051")
     parser.add_argument("--dimensions", type=int, default=0)
+    parser.add_argument("--ca-file", help="PEM CA bundle the server's certificate must chain to: turns TLS on")
+    parser.add_argument("--cert-file", help="PEM client certificate, for a server that requires mTLS")
+    parser.add_argument("--key-file", help="PEM private key of --cert-file")
     parser.add_argument("texts", nargs="+")
     args = parser.parse_args(argv)
-    with EmbedClient(args.target) as client:
+    tls = {"ca_file": args.ca_file, "cert_file": args.cert_file, "key_file": args.key_file}
+    with EmbedClient(args.target, **tls) as client:
         info = client.info()
         response = client.embed_request(pb.EmbedRequest(texts=args.texts, dimensions=args.dimensions))
     vectors = decode(response)

@@ -141,6 +141,15 @@ class Settings(BaseModel):
         description="gRPC front-end processes sharing the port: a number, or auto ((CPUs - 2) / 2, from 1 to 8)",
     )
 
+    # --- TLS (the gRPC port only; the HTTP port stays plaintext for kubelet probes) ---
+    tls_cert_file: str = Field(
+        "", description="PEM certificate chain: with the key, the gRPC port serves TLS only; re-read when it changes"
+    )
+    tls_key_file: str = Field("", description="PEM private key of `KEMBED_TLS_CERT_FILE`")
+    tls_client_ca_file: str = Field(
+        "", description="PEM CA bundle: mTLS, every client must present a certificate it signed"
+    )
+
     @field_validator("control_tokens", "buckets", "admission", mode="before")
     @classmethod
     def _split_csv(cls, value: Any) -> Any:
@@ -196,7 +205,15 @@ class Settings(BaseModel):
             raise ValueError(f"{env_name('p95_soft_ms')} must not exceed {env_name('p95_hard_ms')}")
         if 0 < self.max_tokens_per_batch < self.buckets[0]:
             raise ValueError(f"{env_name('max_tokens_per_batch')} must hold one row of the smallest bucket")
+        if bool(self.tls_cert_file) != bool(self.tls_key_file):
+            raise ValueError(f"{env_name('tls_cert_file')} and {env_name('tls_key_file')} are set together")
+        if self.tls_client_ca_file and not self.tls_cert_file:
+            raise ValueError(f"{env_name('tls_client_ca_file')} needs {env_name('tls_cert_file')} (mTLS is TLS)")
         return self
+
+    @property
+    def tls(self) -> bool:
+        return bool(self.tls_cert_file)
 
     def frontend_count(self) -> int:
         """How many front ends: as set, or by the CPUs this process may use (see the README)."""

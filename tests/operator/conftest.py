@@ -40,6 +40,12 @@ RESOURCES = {
         "namespaced": True,
         "verbs": {"list", "watch", "get", "create", "patch", "delete"},
     },
+    # A built-in kind, missing from kmock's bundled resource list.
+    "networking.k8s.io/v1/networkpolicies": {
+        "kind": "NetworkPolicy",
+        "namespaced": True,
+        "verbs": {"list", "watch", "get", "create", "patch", "delete"},
+    },
 }
 
 

@@ -74,6 +74,7 @@ def test_second_reconcile_writes_nothing(api: FakeApi) -> None:
             "created Service/emb",
             "created PodDisruptionBudget/emb",
             "created HorizontalPodAutoscaler/emb",
+            "created NetworkPolicy/emb",
         ]
     )
     first_status, api.writes = api.status, []

@@ -155,7 +155,7 @@ def test_deployment_defaults() -> None:
     }
     assert {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"} in pod["tolerations"]
     assert env({})[env_name("device")] == "cuda"
-    assert set(children({})) == {"Deployment", "Service", "PodDisruptionBudget"}  # min == max: no autoscaler
+    assert set(children({})) == {"Deployment", "Service", "PodDisruptionBudget", "NetworkPolicy"}  # no autoscaler
 
 
 def test_model_sources() -> None:

@@ -20,6 +20,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1.health import aio as health_aio  # type: ignore[attr-defined]  # no stub
 from grpc_reflection.v1alpha import reflection
 
+from kembed import tls
 from kembed.config import Settings
 from kembed.contract import GRPC_SERVICE
 from kembed.frontend.link import EngineLink
@@ -99,7 +100,7 @@ class FrontendProcess:
             reflection.SERVICE_NAME,
         )
         reflection.enable_server_reflection(service_names, self._grpc)
-        self._grpc.add_insecure_port(f"{self._settings.grpc_host}:{self._settings.grpc_port}")
+        tls.add_port(self._grpc, f"{self._settings.grpc_host}:{self._settings.grpc_port}", self._settings)
         await self._set_serving(False)
         await self._grpc.start()
 
