@@ -225,6 +225,23 @@ def test_switching_autoscaler_replaces_the_child(kube: Kube) -> None:
     wait_for("fixed replicas", lambda: (kube.child(DEPLOYMENTS, "switch") or {}).get("spec", {}).get("replicas") == 2)
 
 
+def test_service_type_switch_recreates_the_service(kube: Kube) -> None:
+    kube.create_es("flip", resources={"gpu": 0})
+    old = wait_for("service", lambda: kube.child(SERVICES, "flip"))
+    assert old["spec"]["clusterIP"] != "None"  # the emulator assigns one and keeps it immutable
+    kube.patch_es("flip", {"service": {"type": "Headless"}})
+    new = wait_for(
+        "a headless Service", lambda: (s := kube.child(SERVICES, "flip")) and s["spec"]["clusterIP"] == "None" and s
+    )
+    assert new["metadata"]["uid"] != old["metadata"]["uid"]
+    wait_for("a Replaced event", lambda: ("Normal", "Replaced") in kube.events("flip"))
+    kube.patch_es("flip", {"service": {"type": "ClusterIP"}})
+    wait_for(
+        "a ClusterIP Service again", lambda: (s := kube.child(SERVICES, "flip")) and s["spec"]["clusterIP"] != "None"
+    )
+    assert condition(kube.es("flip"), "Degraded")["status"] == "False"
+
+
 VERBS = {"LIST": "list", "WATCH": "watch", "FETCH": "get", "CREATE": "create", "UPDATE": "patch", "DELETE": "delete"}
 
 
