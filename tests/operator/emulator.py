@@ -28,6 +28,7 @@ import attrs
 import jsonpatch
 from kmock._internal import aiobus, apps, dicts, enums, k8s, references, rendering
 
+TEST_AGENT = "kembed-tests"  # the User-Agent of the tests' own calls, told apart from the operator's
 _MUTATIONS = (enums.action.CREATE, enums.action.UPDATE, enums.action.DELETE)
 _CURRENT: contextvars.ContextVar[rendering.Request | None] = contextvars.ContextVar("current", default=None)
 
@@ -172,8 +173,11 @@ class StampingEmulator(k8s.KubernetesEmulator):
 class EmulatorThread:
     """Runs the emulator's HTTP server on loopback in its own thread and event loop."""
 
-    def __init__(self, resources: dict[str, dict[str, Any]]) -> None:
+    def __init__(
+        self, resources: dict[str, dict[str, Any]], factory: type[StampingEmulator] = StampingEmulator
+    ) -> None:
         self._resources = resources
+        self._factory = factory
         self._loop = asyncio.new_event_loop()
         self._ready = threading.Event()
         self._stop: asyncio.Event | None = None
@@ -194,7 +198,7 @@ class EmulatorThread:
 
     async def _main(self) -> None:
         self._stop = asyncio.Event()
-        async with StampingEmulator() as emulator, apps.Server(emulator) as server:
+        async with self._factory() as emulator, apps.Server(emulator) as server:
             with warnings.catch_warnings():  # kmock reads its bundled resources with a deprecated call
                 warnings.simplefilter("ignore", DeprecationWarning)
                 emulator.resources.load_bundled()

@@ -8,7 +8,6 @@ cannot prove). Each test uses its own EmbeddingService, so they do not depend on
 from __future__ import annotations
 
 import functools
-import json
 import subprocess
 import urllib.request
 from typing import Any
@@ -17,78 +16,16 @@ import pytest
 from kubernetes import client
 
 from kembed_operator import identity, permissions
+from tests.operator.cluster import DEPLOYMENTS, HPAS, PDBS, SCALED_OBJECTS, SERVICES, Kube, condition
 from tests.operator.conftest import TEST_AGENT, wait_for
 from tests.operator.emulator import EmulatorThread
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(120)]
-NS = "default"
-ES_PATH = f"/apis/{identity.API_VERSION}/namespaces/{NS}/{identity.PLURAL}"
 
 
 @pytest.fixture(scope="module")
 def kube(api: client.ApiClient, operator_process: subprocess.Popen[bytes]) -> Kube:
     return Kube(api)
-
-
-class Kube:
-    """The official client's APIs, reading and writing plain dicts."""
-
-    def __init__(self, api: client.ApiClient) -> None:
-        self.api = api
-        self.core = client.CoreV1Api(api)
-
-    def create_es(self, name: str, **spec: Any) -> str:
-        body = {"apiVersion": identity.API_VERSION, "kind": identity.KIND, "metadata": {"name": name}, "spec": spec}
-        return str(self._call("POST", ES_PATH, body)["metadata"]["uid"])
-
-    def patch_es(self, name: str, spec: dict[str, Any]) -> None:
-        self._call("PATCH", f"{ES_PATH}/{name}", {"spec": spec}, "application/merge-patch+json")
-
-    def es(self, name: str) -> dict[str, Any]:
-        return dict(self._call("GET", f"{ES_PATH}/{name}"))
-
-    def child(self, plural: str, name: str) -> dict[str, Any] | None:
-        """A child as a dict, or None; ``plural`` as in the path, e.g. ``apps/v1/deployments``."""
-        parts = plural.split("/")
-        root = "/api/v1" if len(parts) == 1 else f"/apis/{parts[0]}/{parts[1]}"
-        try:
-            return self._call("GET", f"{root}/namespaces/{NS}/{parts[-1]}/{name}")
-        except client.ApiException as err:
-            if err.status == 404:
-                return None
-            raise
-
-    def patch_child(self, plural: str, name: str, body: dict[str, Any], subresource: str = "") -> None:
-        parts = plural.split("/")
-        root = "/api/v1" if len(parts) == 1 else f"/apis/{parts[0]}/{parts[1]}"
-        path = "/".join(p for p in (f"{root}/namespaces/{NS}/{parts[-1]}/{name}", subresource) if p)
-        self._call("PATCH", path, body, "application/merge-patch+json")
-
-    def delete_child(self, plural: str, name: str) -> None:
-        parts = plural.split("/")
-        root = "/api/v1" if len(parts) == 1 else f"/apis/{parts[0]}/{parts[1]}"
-        self._call("DELETE", f"{root}/namespaces/{NS}/{parts[-1]}/{name}")
-
-    def events(self, name: str) -> list[tuple[str, str]]:
-        listed = self.core.list_namespaced_event(NS)
-        return [(str(e.type), str(e.reason)) for e in listed.items if e.involved_object.name == name]
-
-    def _call(self, method: str, path: str, body: Any = None, content_type: str = "application/json") -> Any:
-        headers = {"Accept": "application/json", "Content-Type": content_type}
-        request = self.api.param_serialize(method=method, resource_path=path, header_params=headers, body=body)
-        response = self.api.call_api(*request)
-        response.read()
-        if not 200 <= response.status < 300:
-            raise client.ApiException(http_resp=response)
-        return json.loads(response.data or b"{}")
-
-
-DEPLOYMENTS, SERVICES, HPAS = "apps/v1/deployments", "services", "autoscaling/v2/horizontalpodautoscalers"
-PDBS, SCALED_OBJECTS = "policy/v1/poddisruptionbudgets", "keda.sh/v1alpha1/scaledobjects"
-
-
-def condition(es: dict[str, Any], kind: str) -> dict[str, Any]:
-    return next((c for c in es.get("status", {}).get("conditions", []) if c["type"] == kind), {})
 
 
 def env_of(deployment: dict[str, Any]) -> dict[str, str]:
