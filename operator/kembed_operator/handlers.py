@@ -54,8 +54,7 @@ def index_id(kind: Kind) -> str:
 
 def _index_child(namespace: str | None, labels: Mapping[str, str], body: kopf.Body, **_: Any) -> dict[Any, Manifest]:
     """(namespace, owner name) -> the child as the last watch event showed it."""
-    fields = {key: body[key] for key in ("metadata", "spec", "status") if key in body}
-    return {(namespace, labels.get(identity.LABEL_INSTANCE, "")): fields}
+    return {(namespace, labels.get(identity.LABEL_INSTANCE, "")): dict(body)}
 
 
 async def _wake_owner(namespace: str | None, labels: Mapping[str, str], **_: Any) -> None:

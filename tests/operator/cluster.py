@@ -4,16 +4,34 @@ and the Deployment controller the emulator lacks."""
 from __future__ import annotations
 
 import json
+from collections.abc import Iterable
 from typing import Any
 
+from kmock._internal import rendering
 from kubernetes import client
 
 from kembed_operator import identity, kinds
+from tests.operator.emulator import TEST_AGENT
 
 NS = "default"
 ES_PATH = kinds.EMBEDDING_SERVICE.path(NS)
 DEPLOYMENTS, SERVICES, HPAS = "apps/v1/deployments", "services", "autoscaling/v2/horizontalpodautoscalers"
 PDBS, SCALED_OBJECTS = "policy/v1/poddisruptionbudgets", "keda.sh/v1alpha1/scaledobjects"
+VERBS = {"LIST": "list", "WATCH": "watch", "FETCH": "get", "CREATE": "create", "UPDATE": "patch", "DELETE": "delete"}
+WRITES = frozenset({"create", "patch", "delete"})
+PEERING = "clusterkopfpeerings"  # kopf's leader-election keepalive writes here on its own clock
+
+
+def operator_calls(requests: Iterable[rendering.Request]) -> list[tuple[str, str, str]]:
+    """(apiGroup, resource, verb) of every API request the operator (kopf included) made, in order."""
+    calls = []
+    for request in requests:
+        res, action = request.resource, request.action
+        if res is None or res.plural is None or action is None or request.headers.get("User-Agent") == TEST_AGENT:
+            continue
+        resource = f"{res.plural}/{request.subresource}" if request.subresource else res.plural
+        calls.append((res.group or "", resource, VERBS[action.name]))
+    return calls
 
 
 class Kube:

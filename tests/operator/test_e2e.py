@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import functools
 import subprocess
+import time
 import urllib.request
 from typing import Any
 
@@ -16,8 +17,19 @@ import pytest
 from kubernetes import client
 
 from kembed_operator import identity, permissions
-from tests.operator.cluster import DEPLOYMENTS, HPAS, PDBS, SCALED_OBJECTS, SERVICES, Kube, condition
-from tests.operator.conftest import TEST_AGENT, wait_for
+from tests.operator.cluster import (
+    DEPLOYMENTS,
+    HPAS,
+    PDBS,
+    PEERING,
+    SCALED_OBJECTS,
+    SERVICES,
+    WRITES,
+    Kube,
+    condition,
+    operator_calls,
+)
+from tests.operator.conftest import wait_for
 from tests.operator.emulator import EmulatorThread
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(120)]
@@ -179,9 +191,6 @@ def test_service_type_switch_recreates_the_service(kube: Kube) -> None:
     assert condition(kube.es("flip"), "Degraded")["status"] == "False"
 
 
-VERBS = {"LIST": "list", "WATCH": "watch", "FETCH": "get", "CREATE": "create", "UPDATE": "patch", "DELETE": "delete"}
-
-
 def test_every_call_is_granted_by_the_rbac_list(kube: Kube, emulator: EmulatorThread) -> None:
     """The emulator saw every request the operator (kopf included) made: each must be in RULES."""
     kube.create_es("audit", maxReplicas=2, resources={"gpu": 0})  # exercise create, status and delete
@@ -189,13 +198,7 @@ def test_every_call_is_granted_by_the_rbac_list(kube: Kube, emulator: EmulatorTh
     kube.patch_es("audit", {"autoscaling": {"enabled": False}})
     wait_for("HPA removed", lambda: kube.child(HPAS, "audit") is None)
     wait_for("a Deleted event", lambda: ("Normal", "Deleted") in kube.events("audit"))
-    calls = set()
-    for request in emulator.requests():
-        res, action = request.resource, request.action
-        if res is None or res.plural is None or action is None or request.headers.get("User-Agent") == TEST_AGENT:
-            continue
-        resource = f"{res.plural}/{request.subresource}" if request.subresource else res.plural
-        calls.add((res.group, resource, VERBS[action.name]))
+    calls = set(operator_calls(emulator.requests()))
     assert calls, "the operator made no calls"
     assert calls <= permissions.triples(), calls - permissions.triples()
     # The operator's core work was exercised, so the comparison means something.
@@ -206,6 +209,44 @@ def test_every_call_is_granted_by_the_rbac_list(kube: Kube, emulator: EmulatorTh
     }
     exercised |= {("kembed.io", "embeddingservices/status", "patch"), ("kopf.dev", "clusterkopfpeerings", "patch")}
     assert exercised <= calls
+
+
+QUIET_S = 20.0
+
+
+def _writes(calls: list[tuple[str, str, str]]) -> list[tuple[str, str, str]]:
+    return [call for call in calls if call[2] in WRITES and call[1] != PEERING]
+
+
+def _writes_over(emulator: EmulatorThread, seconds: float) -> list[tuple[str, str, str]]:
+    """The operator's writes (leader election's keepalive aside) during the next ``seconds``."""
+    mark = len(emulator.requests())
+    time.sleep(seconds)
+    return _writes(operator_calls(emulator.requests()[mark:]))
+
+
+def _selected(service: dict[str, Any] | None) -> str:
+    return str((service or {}).get("spec", {}).get("selector", {}).get(identity.LABEL_INSTANCE))
+
+
+def test_quiet_at_rest_and_reads_per_reconcile(kube: Kube, emulator: EmulatorThread) -> None:
+    # 4000m comes back as 4 (the emulator stores CPU canonically, as the API server does).
+    kube.create_es("quiet", maxReplicas=2, resources={"gpu": 0, "cpu": "4000m"})
+    wait_for("children", lambda: kube.child(HPAS, "quiet"))
+    kube.roll_out()
+    wait_for("Ready", lambda: condition(kube.es("quiet"), "Ready").get("status") == "True")
+    wait_for("every resource at rest", lambda: _writes_over(emulator, 3.0) == [], timeout=60)
+    assert _writes_over(emulator, QUIET_S) == []
+
+    # One drifted child: the repair is one apply, and the reconciles it takes read nothing by GET
+    # (kopf's indexes, fed by the watches, are what they read).
+    mark = len(emulator.requests())
+    kube.patch_child(SERVICES, "quiet", {"spec": {"selector": {identity.LABEL_INSTANCE: "other"}}})
+    wait_for("the selector restored", lambda: _selected(kube.child(SERVICES, "quiet")) == "quiet")
+    time.sleep(2)  # the echoes of the repair: more reconciles, no more writes
+    calls = [call for call in operator_calls(emulator.requests()[mark:]) if call[1] != PEERING]
+    assert sorted(_writes(calls)) == [("", "events", "create"), ("", "services", "patch")]  # the apply, its Event
+    assert [call for call in calls if call[2] == "get"] == []
 
 
 def test_operator_health_endpoint(kube: Kube, health_url: str) -> None:
