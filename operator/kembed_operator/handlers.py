@@ -33,6 +33,9 @@ MAX_BACKOFF_S = 30.0
 # Reads come from kopf's index; a resync reads the server itself, in case the index kept an object
 # that vanished while a watch was being re-listed (kopf does not drop those).
 RESYNC_S = 600.0
+# After a wake-up, let the burst of events behind it (our own writes echoing back) reach the
+# indexes first: one reconcile for the burst, reading an index that has caught up.
+SETTLE_S = 0.5
 CHILDREN = {identity.LABEL_MANAGED_BY: identity.MANAGED_BY}
 API = kube.KubeClient()
 _WAKEUPS: dict[tuple[str, str], asyncio.Event] = {}  # (namespace, name) -> its loop's wake-up call
@@ -108,8 +111,8 @@ async def reconcile_loop(
             failures, retry_after = await _attempt(body, API if fresh else cached, failures, logger)
             if failures:  # wake-ups do not cut a backoff short: our own partial progress makes them
                 await stopped.wait(max(retry_after, backoff(failures)))
-            else:
-                await _wait(wake, stopped, resync_at - loop.time())
+            elif await _wait(wake, stopped, resync_at - loop.time()):
+                await stopped.wait(SETTLE_S)
     finally:
         _WAKEUPS.pop((namespace, name), None)
 
@@ -134,11 +137,13 @@ async def _attempt(body: kopf.Body, client: Client, failures: int, logger: kopf.
     return 0, 0.0
 
 
-async def _wait(wake: asyncio.Event, stopped: kopf.DaemonStopped, seconds: float) -> None:
+async def _wait(wake: asyncio.Event, stopped: kopf.DaemonStopped, seconds: float) -> bool:
+    """Wait for a wake-up, the daemon's stop or the timeout; True when woken."""
     waiters = {asyncio.ensure_future(wake.wait()), asyncio.ensure_future(stopped.wait())}
     _, pending = await asyncio.wait(waiters, timeout=max(0.0, seconds), return_when=asyncio.FIRST_COMPLETED)
     for waiter in pending:
         waiter.cancel()
+    return wake.is_set()
 
 
 def _post(body: kopf.Body, outcome: Outcome) -> None:

@@ -100,6 +100,10 @@ def watch_status(kube: Kube, names: list[str], seen: dict[str, set[str]]) -> Non
             assert kube.child(DEPLOYMENTS, name) is not None, name
 
 
+def write_errors(injected: collections.Counter[str]) -> int:
+    return sum(injected[str(status)] for status in BAD_DAY.statuses)
+
+
 def run_for(seconds: float, step: Callable[[], None]) -> None:
     deadline = time.monotonic() + seconds
     while time.monotonic() < deadline:
@@ -148,8 +152,22 @@ def test_converges_through_write_errors_and_dropped_watches(
     assert "InvalidSpec" in seen["bad"]
     assert kube.child(DEPLOYMENTS, "steady")["spec"]["replicas"] == 2  # type: ignore[index]
     # The faults this claims to survive did happen.
-    assert sum(injected[s] for s in ("409", "429", "500", "503")) >= 20, injected
+    assert write_errors(injected) >= 10, injected
     assert injected["watch ended"] >= 3 and injected["410"] >= 1, injected
+
+
+def test_a_failed_repair_is_retried_without_another_event(
+    kube: Kube, faulty: FaultyEmulator, operators: StartOperator
+) -> None:
+    operators()
+    kube.create_es("lonely", resources={"gpu": 0})
+    wait_for("lonely converged", lambda: converged(kube, "lonely", FIXED))
+    faulty.faults = Faults(write_share=1.0)  # every write fails; no watch is disturbed
+    before = write_errors(faulty.injected)
+    kube.delete_child(SERVICES, "lonely")  # the last event there will be
+    wait_for("the repair to fail twice", lambda: write_errors(faulty.injected) >= before + 2)
+    faulty.faults = Faults()
+    wait_for("the Service back, on the retry timer", lambda: kube.child(SERVICES, "lonely"), timeout=CONVERGED_WITHIN_S)
 
 
 def test_sigkill_mid_reconcile_then_restart(kube: Kube, faulty: FaultyEmulator, operators: StartOperator) -> None:
