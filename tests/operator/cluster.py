@@ -52,6 +52,9 @@ class Kube:
     def es(self, name: str) -> dict[str, Any]:
         return dict(self._call("GET", f"{ES_PATH}/{name}"))
 
+    def delete_es(self, name: str) -> None:
+        self._call("DELETE", f"{ES_PATH}/{name}")
+
     def all_es(self) -> list[dict[str, Any]]:
         return list(self._call("GET", ES_PATH)["items"])
 

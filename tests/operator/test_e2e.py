@@ -211,6 +211,14 @@ def test_every_call_is_granted_by_the_rbac_list(kube: Kube, emulator: EmulatorTh
     assert exercised <= calls
 
 
+def test_deleting_a_resource_waits_only_for_its_loop_to_stop(kube: Kube) -> None:
+    """The reconcile loop's finalizer: on, while the resource lives; released when it goes."""
+    kube.create_es("doomed", resources={"gpu": 0})
+    wait_for("the finalizer", lambda: kube.es("doomed")["metadata"].get("finalizers"))
+    kube.delete_es("doomed")
+    wait_for("the resource gone", lambda: "doomed" not in {es["metadata"]["name"] for es in kube.all_es()})
+
+
 QUIET_S = 20.0
 
 

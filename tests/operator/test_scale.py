@@ -2,7 +2,8 @@
 per resource, the operator's memory, and quiet once converged.
 
 `make test` runs 20; `KEMBED_SCALE_N=200 .venv/bin/python -m pytest tests/operator/test_scale.py -s`
-runs the issue's 200 (docs/operator.md records the figures). The bound is measured on the 2-core
+runs the issue's 200 (docs/operator.md records the figures; KEMBED_SCALE_QUIET_S=180 watches
+for writes at rest over three minutes instead of 10 s). The bound is measured on the 2-core
 machine (200 in 10.5 s) with room for a busy neighbour: 10 s plus 0.25 s per resource.
 """
 
@@ -24,7 +25,7 @@ from tests.operator.emulator import EmulatorThread
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 N = int(os.environ.get("KEMBED_SCALE_N", "20"))
 BOUND_S = 10.0 + 0.25 * N
-QUIET_S = 10.0
+QUIET_S = float(os.environ.get("KEMBED_SCALE_QUIET_S", "10"))  # the window with nothing changing
 
 
 def all_converged(kube: Kube) -> bool:
@@ -59,7 +60,7 @@ def test_many_resources_converge_within_the_bound(
 
     per_resource = {f"{verb} {resource}": round(count / N, 2) for (verb, resource), count in sorted(calls.items())}
     print(f"\n{N} resources converged (Ready) in {elapsed:.1f} s (bound {BOUND_S:.0f} s); operator memory {memory} KiB")
-    print(f"API calls per resource: {per_resource}")
+    print(f"API calls per resource: {per_resource}; writes over {QUIET_S:.0f} s at rest: {len(at_rest)}")
     assert at_rest == []
     # Reads come from kopf's indexes: a GET only on a retry after a failure (none expected here).
     assert sum(count for (verb, _), count in calls.items() if verb == "get") <= 0.1 * N
