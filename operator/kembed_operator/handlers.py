@@ -102,12 +102,12 @@ async def reconcile_loop(
     cached = IndexedClient({kind: kwargs[index_id(kind)] for kind in kinds.CHILDREN})
     wake = _WAKEUPS.setdefault((namespace, name), asyncio.Event())
     loop = asyncio.get_running_loop()
-    failures, resync_at = 0, loop.time() + RESYNC_S
+    failures, resync_at = 0, loop.time() + _resync_delay()
     try:
         while not stopped:
             wake.clear()
             fresh = failures > 0 or loop.time() >= resync_at  # after a failure, trust only the server
-            resync_at = loop.time() + RESYNC_S if fresh else resync_at
+            resync_at = loop.time() + _resync_delay() if fresh else resync_at
             failures, retry_after = await _attempt(body, API if fresh else cached, failures, logger)
             if failures:  # wake-ups do not cut a backoff short: our own partial progress makes them
                 await stopped.wait(max(retry_after, backoff(failures)))
@@ -115,6 +115,10 @@ async def reconcile_loop(
                 await stopped.wait(SETTLE_S)
     finally:
         _WAKEUPS.pop((namespace, name), None)
+
+
+def _resync_delay() -> float:
+    return RESYNC_S * random.uniform(0.9, 1.1)  # resources made together do not resync together
 
 
 def backoff(failures: int) -> float:
