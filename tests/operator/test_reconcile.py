@@ -8,7 +8,7 @@ from typing import Any
 import pytest
 from kubernetes.client.exceptions import ApiException
 
-from kembed_operator import handlers, kinds, reconcile
+from kembed_operator import handlers, kinds, kube, reconcile
 from kembed_operator.config import OperatorConfig
 from kembed_operator.kinds import Kind
 
@@ -158,3 +158,11 @@ def test_backoff_doubles_up_to_the_cap() -> None:
     for failures in range(1, 10):
         ceiling = min(handlers.MAX_BACKOFF_S, 2.0 ** (failures - 1))
         assert 0.75 * ceiling <= handlers.backoff(failures) <= ceiling
+
+
+def test_retry_after_is_read_from_a_throttled_answer() -> None:
+    throttled = ApiException(status=429, reason="Too Many Requests")
+    throttled.headers = {"Retry-After": "7"}
+    assert kube.retry_after(throttled) == 7.0
+    assert kube.retry_after(ApiException(status=500)) == 0.0
+    assert kube.retry_after(ValueError("a bug")) == 0.0
