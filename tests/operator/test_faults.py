@@ -170,6 +170,24 @@ def test_a_failed_repair_is_retried_without_another_event(
     wait_for("the Service back, on the retry timer", lambda: kube.child(SERVICES, "lonely"), timeout=CONVERGED_WITHIN_S)
 
 
+def test_status_says_degraded_while_children_cannot_be_written(
+    kube: Kube, faulty: FaultyEmulator, operators: StartOperator
+) -> None:
+    operators()
+    kube.create_es("honest", resources={"gpu": 0})
+    wait_for("honest converged", lambda: converged(kube, "honest", FIXED))
+    # Every write to a child fails; the status can still be written, so it must say so.
+    faulty.faults = Faults(write_share=1.0, spared=("clusterkopfpeerings", "embeddingservices"))
+    kube.patch_es("honest", {"podAnnotations": {"team": "search"}})
+    es = wait_for("Degraded", lambda: condition(e := kube.es("honest"), "Degraded").get("status") == "True" and e)
+    assert condition(es, "Degraded")["reason"] == "ApiUnavailable"
+    assert (condition(es, "Ready")["status"], condition(es, "Ready")["reason"]) == ("False", "ApiUnavailable")
+    faulty.faults = Faults()
+    wait_for("honest converged again", lambda: converged(kube, "honest", FIXED), timeout=CONVERGED_WITHIN_S)
+    template = kube.child(DEPLOYMENTS, "honest")["spec"]["template"]  # type: ignore[index]
+    assert template["metadata"]["annotations"]["team"] == "search"
+
+
 def test_sigkill_mid_reconcile_then_restart(kube: Kube, faulty: FaultyEmulator, operators: StartOperator) -> None:
     faulty.faults = Faults(delay_s=0.4)  # slow answers: the kill lands between two child writes
     first = operators("first")
