@@ -156,12 +156,17 @@ def test_converges_through_write_errors_and_dropped_watches(
     assert injected["watch ended"] >= 3 and injected["410"] >= 1, injected
 
 
+def one_converged(kube: Kube, operators: StartOperator, name: str) -> None:
+    """An operator running and one fixed-size resource converged under it."""
+    operators()
+    kube.create_es(name, resources={"gpu": 0})
+    wait_for(f"{name} converged", lambda: converged(kube, name, FIXED))
+
+
 def test_a_failed_repair_is_retried_without_another_event(
     kube: Kube, faulty: FaultyEmulator, operators: StartOperator
 ) -> None:
-    operators()
-    kube.create_es("lonely", resources={"gpu": 0})
-    wait_for("lonely converged", lambda: converged(kube, "lonely", FIXED))
+    one_converged(kube, operators, "lonely")
     faulty.faults = Faults(write_share=1.0)  # every write fails; no watch is disturbed
     before = write_errors(faulty.injected)
     kube.delete_child(SERVICES, "lonely")  # the last event there will be
@@ -173,9 +178,7 @@ def test_a_failed_repair_is_retried_without_another_event(
 def test_status_says_degraded_while_children_cannot_be_written(
     kube: Kube, faulty: FaultyEmulator, operators: StartOperator
 ) -> None:
-    operators()
-    kube.create_es("honest", resources={"gpu": 0})
-    wait_for("honest converged", lambda: converged(kube, "honest", FIXED))
+    one_converged(kube, operators, "honest")
     # Every write to a child fails; the status can still be written, so it must say so.
     faulty.faults = Faults(write_share=1.0, spared=("clusterkopfpeerings", "embeddingservices"))
     kube.patch_es("honest", {"podAnnotations": {"team": "search"}})
