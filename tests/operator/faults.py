@@ -1,4 +1,5 @@
-"""The stamping emulator on a bad day: failed writes, slow answers, watches that end and expire.
+"""The stamping emulator on a bad day: failed writes, lost answers, slow answers, watches that end
+and expire.
 
 Faults hit every client but the tests' own (told apart by their User-Agent), so a test can always
 see the truth. They are set at run time (``emulator.faults = Faults(...)``) and counted in
@@ -25,6 +26,7 @@ _REASONS = {409: "Conflict", 429: "TooManyRequests", 500: "InternalError", 503: 
 @dataclass(frozen=True)
 class Faults:
     write_share: float = 0.0  # share of creates, patches and deletes answered with an error
+    lost_answer_share: float = 0.0  # share of writes done and then answered 500 (an answer lost after commit)
     statuses: tuple[int, ...] = (409, 500, 503, 429)  # drawn evenly; 429 carries Retry-After
     retry_after_s: int = 1
     delay_s: float = 0.0  # added to every answer
@@ -52,9 +54,15 @@ class FaultyEmulator(StampingEmulator):
         if faults.delay_s:
             await asyncio.sleep(faults.delay_s)
         spared = request.resource is not None and request.resource.plural in faults.spared
-        if request.action in _MUTATIONS and not spared and self._rng.random() < faults.write_share:
+        if request.action not in _MUTATIONS or spared:
+            return await super()._handle(request)
+        if self._rng.random() < faults.write_share:
             return self._error(self._rng.choice(faults.statuses))
-        return await super()._handle(request)
+        response = await super()._handle(request)
+        if self._rng.random() < faults.lost_answer_share:
+            self.injected["lost answer"] += 1
+            return self._error(500)
+        return response
 
     def _error(self, status: int) -> aiohttp.web.StreamResponse:
         self.injected[str(status)] += 1

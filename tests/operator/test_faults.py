@@ -24,7 +24,7 @@ from tests.operator.faults import Faults, FaultyEmulator
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 CHILD_PLURALS = (DEPLOYMENTS, SERVICES, PDBS, HPAS, SCALED_OBJECTS)
-BAD_DAY = Faults(write_share=0.3, delay_s=0.02, watch_lifetime_s=4.0, gone_share=0.3)
+BAD_DAY = Faults(write_share=0.3, lost_answer_share=0.1, delay_s=0.02, watch_lifetime_s=4.0, gone_share=0.3)
 CONVERGED_WITHIN_S = 60.0  # the target, after the faults stop
 PEERING_LIFETIME_S = 6  # a dead leader's lease lapses this fast here (60 s by default)
 
@@ -153,7 +153,7 @@ def test_converges_through_write_errors_and_dropped_watches(
     assert kube.child(DEPLOYMENTS, "steady")["spec"]["replicas"] == 2  # type: ignore[index]
     # The faults this claims to survive did happen.
     assert write_errors(injected) >= 5, injected
-    assert injected["watch ended"] >= 3 and injected["410"] >= 1, injected
+    assert injected["watch ended"] >= 3 and injected["410"] >= 1 and injected["lost answer"] >= 1, injected
 
 
 def one_converged(kube: Kube, operators: StartOperator, name: str) -> None:
