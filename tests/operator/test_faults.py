@@ -25,6 +25,7 @@ from tests.operator.faults import Faults, FaultyEmulator
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 CHILD_PLURALS = (DEPLOYMENTS, SERVICES, PDBS, HPAS, SCALED_OBJECTS)
 BAD_DAY = Faults(write_share=0.3, lost_answer_share=0.1, delay_s=0.02, watch_lifetime_s=4.0, gone_share=0.3)
+FRESH = 12  # resources created at once under the faults (12 did not converge in 150 s before)
 CONVERGED_WITHIN_S = 60.0  # the target, after the faults stop
 PEERING_LIFETIME_S = 6  # a dead leader's lease lapses this fast here (60 s by default)
 
@@ -125,12 +126,14 @@ def test_converges_through_write_errors_and_dropped_watches(
         wait_for(f"{name} converged", lambda name=name: converged(kube, name, WITH_HPA))  # type: ignore[misc]
 
     faulty.faults, before = BAD_DAY, collections.Counter(faulty.injected)
-    kube.create_es("fresh", maxReplicas=3, resources={"gpu": 0})  # a new service
+    fresh = [f"fresh-{index:02d}" for index in range(FRESH)]
+    for name in fresh:  # new services, created at once
+        kube.create_es(name, maxReplicas=3, resources={"gpu": 0})
     kube.patch_es("steady", {"autoscaling": {"enabled": False}, "minReplicas": 2})  # a spec change
     kube.delete_child(SERVICES, "victim")  # deleted children
     kube.delete_child(HPAS, "victim")
     kube.create_es("bad", admission={"p95SoftMs": 5000}, resources={"gpu": 0})  # a bad spec
-    names = ["fresh", "steady", "victim", "bad"]
+    names = [*fresh, "steady", "victim", "bad"]
     seen: dict[str, set[str]] = collections.defaultdict(set)
     run_for(15, lambda: watch_status(kube, names, seen))
     kube.patch_es("bad", {"admission": {"p95HardMs": 6000}})  # fixed while the faults go on
@@ -139,7 +142,7 @@ def test_converges_through_write_errors_and_dropped_watches(
     injected = faulty.injected - before
     faulty.faults = Faults()
     stopped = time.monotonic()
-    expected = {"fresh": WITH_HPA, "steady": FIXED, "victim": WITH_HPA, "bad": FIXED}
+    expected = {**dict.fromkeys(fresh, WITH_HPA), "steady": FIXED, "victim": WITH_HPA, "bad": FIXED}
     for name, children in expected.items():
         wait_for(
             f"{name} converged",
@@ -147,12 +150,12 @@ def test_converges_through_write_errors_and_dropped_watches(
             timeout=CONVERGED_WITHIN_S - (time.monotonic() - stopped),
         )
     print(f"converged {time.monotonic() - stopped:.1f} s after the faults stopped; injected {dict(injected)}")
-    print(f"Degraded reasons shown during the faults: {dict(seen)}")
+    print(f"Degraded reasons shown during the faults: { {name: sorted(r) for name, r in seen.items()} }")
     assert_no_strays(kube)
     assert "InvalidSpec" in seen["bad"]
     assert kube.child(DEPLOYMENTS, "steady")["spec"]["replicas"] == 2  # type: ignore[index]
     # The faults this claims to survive did happen.
-    assert write_errors(injected) >= 5, injected
+    assert write_errors(injected) >= 20, injected
     assert injected["watch ended"] >= 3 and injected["410"] >= 1 and injected["lost answer"] >= 1, injected
 
 
