@@ -1,14 +1,15 @@
 """The only module that talks to the API server: get, create, apply, delete, patch status.
 
+:class:`KubeClient` is what :func:`kembed_operator.reconcile.reconcile` is given in production.
+
 Plain JSON over the official client's transport (its auth, TLS and kubeconfig handling), addressed
-by (apiVersion, kind), so the renderer's manifests go out as they are. Every call is checked
+by :class:`~kembed_operator.kinds.Kind`, so the renderer's manifests go out as they are. Every call is checked
 against :mod:`kembed_operator.permissions` first: a call missing there would be a 403 in a cluster.
 """
 
 from __future__ import annotations
 
 import json
-from dataclasses import dataclass
 from functools import cache
 from typing import Any
 
@@ -17,31 +18,12 @@ from kubernetes import client, config
 from kubernetes.client.exceptions import ApiException
 
 from kembed_operator import identity, permissions
+from kembed_operator.kinds import Kind
 
 Manifest = dict[str, Any]
-
-
-@dataclass(frozen=True)
-class Resource:
-    group: str
-    version: str
-    plural: str
-
-    def path(self, namespace: str, name: str = "", subresource: str = "") -> str:
-        root = f"/apis/{self.group}/{self.version}" if self.group else f"/api/{self.version}"
-        return "/".join(part for part in (root, "namespaces", namespace, self.plural, name, subresource) if part)
-
-
-RESOURCES: dict[tuple[str, str], Resource] = {
-    ("apps/v1", "Deployment"): Resource("apps", "v1", "deployments"),
-    ("v1", "Service"): Resource("", "v1", "services"),
-    ("policy/v1", "PodDisruptionBudget"): Resource("policy", "v1", "poddisruptionbudgets"),
-    ("autoscaling/v2", "HorizontalPodAutoscaler"): Resource("autoscaling", "v2", "horizontalpodautoscalers"),
-    ("keda.sh/v1alpha1", "ScaledObject"): Resource("keda.sh", "v1alpha1", "scaledobjects"),
-    ("networking.k8s.io/v1", "NetworkPolicy"): Resource("networking.k8s.io", "v1", "networkpolicies"),
-}
-EMBEDDING_SERVICES = Resource(identity.GROUP, identity.VERSION, identity.PLURAL)
 _MANAGER = ("fieldManager", identity.FIELD_MANAGER)
+# (connect, read) seconds: a hung request fails and is retried instead of stalling its reconcile loop.
+REQUEST_TIMEOUT_S = (5.0, 30.0)
 
 
 def connect() -> None:
@@ -65,47 +47,54 @@ def is_transient(err: Exception) -> bool:
     return isinstance(err, urllib3.exceptions.HTTPError)
 
 
-def get(res: Resource, namespace: str, name: str) -> Manifest | None:
-    """The live object, or None when it (or its whole resource type, e.g. KEDA's) does not exist."""
+def retry_after(err: Exception) -> float:
+    """Seconds the server asked us to wait (``Retry-After`` on a 429 or 503), else 0."""
+    headers = getattr(err, "headers", None) or {}
     try:
-        return _call("get", res, "GET", res.path(namespace, name))
-    except ApiException as err:
-        if err.status == 404:
-            return None
-        raise
+        return max(0.0, float(headers.get("Retry-After", 0)))
+    except ValueError:  # an HTTP date: rare from the API server, treat as no hint
+        return 0.0
 
 
-def create(res: Resource, namespace: str, body: Manifest) -> Manifest:
-    return _call("create", res, "POST", res.path(namespace), body=body, query=[_MANAGER])
+class KubeClient:
+    """The API server over the official client's transport: every call a request."""
 
-
-def apply(res: Resource, namespace: str, name: str, body: Manifest) -> Manifest:
-    """Server-side apply as the operator's field manager: only the fields in ``body`` are claimed,
-    so fields other managers own (an autoscaler's replica count) are left alone."""
-    query = [_MANAGER, ("force", "true")]
-    path = res.path(namespace, name)
-    return _call("patch", res, "PATCH", path, body=body, content_type="application/apply-patch+yaml", query=query)
-
-
-def delete(res: Resource, namespace: str, name: str) -> None:
-    try:
-        _call("delete", res, "DELETE", res.path(namespace, name))
-    except ApiException as err:
-        if err.status != 404:
+    def get(self, kind: Kind, namespace: str, name: str) -> Manifest | None:
+        """The live object, or None when it (or its whole resource type, e.g. KEDA's) does not exist."""
+        try:
+            return _call("get", kind, "GET", kind.path(namespace, name))
+        except ApiException as err:
+            if err.status == 404:
+                return None
             raise
 
+    def create(self, kind: Kind, namespace: str, body: Manifest) -> Manifest:
+        return _call("create", kind, "POST", kind.path(namespace), body=body, query=[_MANAGER])
 
-def patch_status(res: Resource, namespace: str, name: str, status: Manifest) -> Manifest:
-    path = res.path(namespace, name, "status")
-    body = {"status": status}
-    return _call(
-        "patch", res, "PATCH", path, body=body, content_type="application/merge-patch+json", subresource="status"
-    )
+    def apply(self, kind: Kind, namespace: str, name: str, body: Manifest) -> Manifest:
+        """Server-side apply as the operator's field manager: only the fields in ``body`` are claimed,
+        so fields other managers own (an autoscaler's replica count) are left alone."""
+        query = [_MANAGER, ("force", "true")]
+        path = kind.path(namespace, name)
+        return _call("patch", kind, "PATCH", path, body=body, content_type="application/apply-patch+yaml", query=query)
+
+    def delete(self, kind: Kind, namespace: str, name: str) -> None:
+        try:
+            _call("delete", kind, "DELETE", kind.path(namespace, name))
+        except ApiException as err:
+            if err.status != 404:
+                raise
+
+    def patch_status(self, kind: Kind, namespace: str, name: str, status: Manifest) -> Manifest:
+        path = kind.path(namespace, name, "status")
+        body = {"status": status}
+        content_type = "application/merge-patch+json"
+        return _call("patch", kind, "PATCH", path, body=body, content_type=content_type, subresource="status")
 
 
 def _call(
     verb: str,
-    res: Resource,
+    res: Kind,
     method: str,
     path: str,
     *,
@@ -127,7 +116,7 @@ def _call(
         body=body,
         auth_settings=["BearerToken"],
     )
-    response = api.call_api(*request)
+    response = api.call_api(*request, _request_timeout=REQUEST_TIMEOUT_S)
     response.read()
     if not 200 <= response.status < 300:
         raise ApiException(http_resp=response)

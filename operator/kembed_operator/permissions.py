@@ -8,7 +8,7 @@ from __future__ import annotations
 
 from typing import Final, NamedTuple
 
-from kembed_operator import identity
+from kembed_operator import kinds
 
 
 class Rule(NamedTuple):
@@ -21,20 +21,17 @@ def _rule(group: str, resource: str, *verbs: str) -> Rule:
     return Rule(group, resource, frozenset(verbs))
 
 
-# Children: kopf lists and watches them (drift repair); the operator reads, creates, applies and
-# deletes them (delete only removes an autoscaler that a spec no longer asks for).
+# Children: kopf lists and watches them (its index is what a reconcile reads); the operator reads
+# them again after a failure or on a resync, creates, applies and deletes them (an autoscaler a spec
+# no longer asks for, a Service whose type changed).
 _CHILD = ("get", "list", "watch", "create", "patch", "delete")
+_ES = kinds.EMBEDDING_SERVICE
 
 RULES: Final = (
-    # The custom resource: kopf lists, watches and patches it (its bookkeeping annotations).
-    _rule(identity.GROUP, identity.PLURAL, "list", "watch", "patch"),
-    _rule(identity.GROUP, f"{identity.PLURAL}/status", "patch"),
-    _rule("apps", "deployments", *_CHILD),
-    _rule("", "services", *_CHILD),
-    _rule("policy", "poddisruptionbudgets", *_CHILD),
-    _rule("autoscaling", "horizontalpodautoscalers", *_CHILD),
-    _rule("keda.sh", "scaledobjects", *_CHILD),
-    _rule("networking.k8s.io", "networkpolicies", *_CHILD),
+    # The custom resource: kopf lists, watches and patches it (the finalizer its daemon needs).
+    _rule(_ES.group, _ES.plural, "list", "watch", "patch"),
+    _rule(_ES.group, f"{_ES.plural}/status", "patch"),
+    *(_rule(kind.group, kind.plural, *_CHILD) for kind in kinds.CHILDREN),
     # kopf: events for `kubectl describe`, resource discovery, and leader election (peering).
     _rule("", "events", "create"),
     _rule("apiextensions.k8s.io", "customresourcedefinitions", "list", "watch"),

@@ -1,8 +1,10 @@
 """One reconcile: parse, render, bring every child in line, write the status. Idempotent.
 
 A child is written only when the live object lacks something the rendered one has (the API
-server's defaults and other managers' fields are extra, not drift), so a converged service costs
-reads only and no write ever echoes back as a new event to react to.
+server's defaults and other managers' fields are extra, not drift; quantities compare by value),
+so a converged service costs no write and no write ever echoes back as a new event to react to.
+The API is reached only through the :class:`Client` it is given: the handlers pass one that reads
+from kopf's watch-fed index (no GETs) or, after a failure, one that reads the server itself.
 """
 
 from __future__ import annotations
@@ -11,31 +13,48 @@ import json
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from datetime import UTC, datetime
-from typing import Any
+from typing import Any, Protocol
 
 from kubernetes.client.exceptions import ApiException
+from kubernetes.utils.quantity import parse_quantity
 
-from kembed_operator import access, kube, render, status
+from kembed_operator import access, kinds, kube, render, status
 from kembed_operator.config import OperatorConfig
+from kembed_operator.kinds import Kind
 from kembed_operator.spec import InvalidSpec, parse_spec
 
 Manifest = dict[str, Any]
+# Fields the API server stores as a canonical Quantity (`4000m` comes back as `4`).
+QUANTITY_KEYS = frozenset({"cpu", "memory", "ephemeral-storage", render.GPU_RESOURCE, "sizeLimit", "averageValue"})
+
+
+class Client(Protocol):
+    """The calls a reconcile makes; :class:`kembed_operator.kube.KubeClient` is the real one."""
+
+    def get(self, kind: Kind, namespace: str, name: str) -> Manifest | None: ...
+    def create(self, kind: Kind, namespace: str, body: Manifest) -> Manifest: ...
+    def apply(self, kind: Kind, namespace: str, name: str, body: Manifest) -> Manifest: ...
+    def delete(self, kind: Kind, namespace: str, name: str) -> None: ...
+    def patch_status(self, kind: Kind, namespace: str, name: str, status: Manifest) -> Manifest: ...
 
 
 @dataclass
 class Outcome:
-    """What a reconcile did, for events and logs."""
+    """What a reconcile did, for events and logs; ``error`` set means it must be tried again."""
 
     changes: list[str] = field(default_factory=list)  # e.g. "created Deployment/emb"
     problem: status.Problem | None = None
     problem_is_new: bool = False  # not reported by the status before: worth a Warning event
+    error: ApiException | None = None  # a transient API error that stopped the children's sync
 
 
-def reconcile(body: Mapping[str, Any], config: OperatorConfig) -> Outcome:
+def reconcile(body: Mapping[str, Any], config: OperatorConfig, client: Client, failures: int = 0) -> Outcome:
+    """``failures``: how many attempts in a row failed before this one (the status says so from the second)."""
     meta = body["metadata"]
     owner = render.Owner(name=meta["name"], namespace=meta["namespace"], uid=meta["uid"])
     previous = dict(body.get("status") or {})
     outcome = Outcome()
+    live: dict[Kind, Manifest | None] = {}
     try:
         spec = parse_spec(dict(body.get("spec") or {}))
         children = render.render(owner, spec, config)
@@ -47,10 +66,17 @@ def reconcile(body: Mapping[str, Any], config: OperatorConfig) -> Outcome:
         model = previous.get("model", "")
         transport = previous.get("transport", "plaintext")
     else:
-        _sync_all(owner, children, outcome)
+        live = _sync_all(client, owner, children, outcome)
+    if outcome.error is not None and failures > 0 and outcome.problem is None:
+        outcome.problem = status.Problem("ApiUnavailable", f"{_describe(outcome.error)}; retrying")
+    deployment = (
+        live[kinds.DEPLOYMENT]
+        if kinds.DEPLOYMENT in live
+        else client.get(kinds.DEPLOYMENT, owner.namespace, owner.name)
+    )
     observed = status.Observed(
         generation=int(meta.get("generation", 0)),
-        deployment=kube.get(kube.RESOURCES[render.DEPLOYMENT], owner.namespace, owner.name),
+        deployment=deployment,
         problem=outcome.problem,
         selector=render.selector(owner.name),
         endpoint=render.endpoint(owner),
@@ -60,7 +86,7 @@ def reconcile(body: Mapping[str, Any], config: OperatorConfig) -> Outcome:
     outcome.problem_is_new = _is_new(outcome.problem, previous)
     new = status.compute(observed, previous, datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ"))
     if status.changed(new, previous):
-        kube.patch_status(kube.EMBEDDING_SERVICES, owner.namespace, owner.name, new)
+        client.patch_status(kinds.EMBEDDING_SERVICE, owner.namespace, owner.name, new)
     return outcome
 
 
@@ -72,70 +98,98 @@ def _is_new(problem: status.Problem | None, previous: Manifest) -> bool:
     )
 
 
-def _sync_all(owner: render.Owner, children: list[render.Child], outcome: Outcome) -> None:
+def _sync_all(
+    client: Client, owner: render.Owner, children: list[render.Child], outcome: Outcome
+) -> dict[Kind, Manifest | None]:
+    """Each child brought in line; returns the live objects reached (the Deployment feeds the status)."""
     wanted = {child.kind for child in children}
+    live: dict[Kind, Manifest | None] = {}
     try:
         for child in children:
-            _record(outcome, _sync(owner, child), child.kind, owner.name)
-        for kind in render.CHILD_KINDS:
+            action, live[child.kind] = _sync(client, owner, child)
+            _record(outcome, action, child.kind, owner.name)
+        for kind in kinds.CHILDREN:
             if kind not in wanted:
-                _record(outcome, _remove(owner, kind), kind, owner.name)
+                _record(outcome, _remove(client, owner, kind), kind, owner.name)
     except ApiException as err:
         if kube.is_transient(err):
-            raise
-        # A child the API server refuses (quota, admission webhook, immutable field): say so, go on.
-        outcome.problem = status.Problem("ApplyRejected", f"{err.status} {err.reason}: {_message(err)}")
+            outcome.error = err
+        else:  # a child the API server refuses (quota, admission webhook): say so, go on
+            outcome.problem = status.Problem("ApplyRejected", _describe(err))
     except OwnershipError as err:
         outcome.problem = status.Problem("NameConflict", str(err))
+    return live
 
 
 class OwnershipError(Exception):
     """A child's name is taken by an object this EmbeddingService does not own."""
 
 
-def _sync(owner: render.Owner, child: render.Child) -> str | None:
-    res = kube.RESOURCES[child.kind]
-    live = kube.get(res, owner.namespace, owner.name)
+def _sync(client: Client, owner: render.Owner, child: render.Child) -> tuple[str | None, Manifest]:
+    kind, namespace = child.kind, owner.namespace
+    live = client.get(kind, namespace, owner.name)
     if live is None:
-        kube.create(res, owner.namespace, _merge(child.manifest, child.on_create))
-        return "created"
-    _check_owned(live, owner, child.kind)
+        return "created", client.create(kind, namespace, _merge(child.manifest, child.on_create))
+    _check_owned(live, owner, kind)
+    if _immutable_changed(live, child.manifest):
+        # The API server refuses the change in place: delete and create again (a short gap in DNS).
+        client.delete(kind, namespace, owner.name)
+        return "replaced", client.create(kind, namespace, _merge(child.manifest, child.on_create))
     if contains(live, child.manifest):
-        return None
-    kube.apply(res, owner.namespace, owner.name, child.manifest)
-    return "updated"
+        return None, live
+    return "updated", client.apply(kind, namespace, owner.name, child.manifest)
 
 
-def _remove(owner: render.Owner, kind: tuple[str, str]) -> str | None:
-    res = kube.RESOURCES[kind]
-    live = kube.get(res, owner.namespace, owner.name)
+def _immutable_changed(live: Manifest, wanted: Manifest) -> bool:
+    """A Service switching between ClusterIP and Headless (``clusterIP: None``), which is immutable."""
+    if kinds.of(wanted) != kinds.SERVICE:
+        return False
+    return bool((live["spec"].get("clusterIP") == "None") != (wanted["spec"].get("clusterIP") == "None"))
+
+
+def _remove(client: Client, owner: render.Owner, kind: Kind) -> str | None:
+    live = client.get(kind, owner.namespace, owner.name)
     if live is None or not _owned(live, owner):
         return None
-    kube.delete(res, owner.namespace, owner.name)
+    client.delete(kind, owner.namespace, owner.name)
     return "deleted"
 
 
-def _record(outcome: Outcome, action: str | None, kind: tuple[str, str], name: str) -> None:
+def _record(outcome: Outcome, action: str | None, kind: Kind, name: str) -> None:
     if action is not None:
-        outcome.changes.append(f"{action} {kind[1]}/{name}")
+        outcome.changes.append(f"{action} {kind.kind}/{name}")
 
 
 def _owned(live: Manifest, owner: render.Owner) -> bool:
     return any(ref.get("uid") == owner.uid for ref in live.get("metadata", {}).get("ownerReferences", []))
 
 
-def _check_owned(live: Manifest, owner: render.Owner, kind: tuple[str, str]) -> None:
+def _check_owned(live: Manifest, owner: render.Owner, kind: Kind) -> None:
     if not _owned(live, owner):
-        raise OwnershipError(f"{kind[1]} {owner.name} exists and is not owned by this EmbeddingService")
+        raise OwnershipError(f"{kind.kind} {owner.name} exists and is not owned by this EmbeddingService")
 
 
-def contains(live: Any, wanted: Any) -> bool:
-    """Whether ``live`` has everything ``wanted`` has (dicts may hold more; lists match item by item)."""
+def contains(live: Any, wanted: Any, key: str = "") -> bool:
+    """Whether ``live`` has everything ``wanted`` has (dicts may hold more; lists match item by item;
+    quantities match by value)."""
     if isinstance(wanted, dict):
-        return isinstance(live, dict) and all(k in live and contains(live[k], v) for k, v in wanted.items())
+        return isinstance(live, dict) and all(k in live and contains(live[k], v, k) for k, v in wanted.items())
     if isinstance(wanted, list):
-        return isinstance(live, list) and len(live) == len(wanted) and all(map(contains, live, wanted))
+        return (
+            isinstance(live, list)
+            and len(live) == len(wanted)
+            and all(contains(a, b, key) for a, b in zip(live, wanted, strict=True))
+        )
+    if key in QUANTITY_KEYS and isinstance(live, str) and isinstance(wanted, str) and live != wanted:
+        return _same_quantity(live, wanted)
     return bool(live == wanted)
+
+
+def _same_quantity(live: str, wanted: str) -> bool:
+    try:
+        return bool(parse_quantity(live) == parse_quantity(wanted))
+    except ValueError:
+        return False
 
 
 def _merge(base: Manifest, extra: Manifest) -> Manifest:
@@ -145,8 +199,9 @@ def _merge(base: Manifest, extra: Manifest) -> Manifest:
     return merged
 
 
-def _message(err: ApiException) -> str:
+def _describe(err: ApiException) -> str:
     try:
-        return str(json.loads(err.body or "{}").get("message", err.body))
+        message = str(json.loads(err.body or "{}").get("message", err.body))
     except ValueError:
-        return str(err.body)
+        message = str(err.body)
+    return f"{err.status} {err.reason}: {message}"

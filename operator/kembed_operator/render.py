@@ -15,21 +15,12 @@ from typing import Any
 
 from kembed.config import ConfigError, Settings
 from kembed.contract import ENV_PREFIX, GRPC_PORT, HTTP_PORT, LIVEZ_PATH, METRICS_PATH, READYZ_PATH, Metric, env_name
-from kembed_operator import access, identity
+from kembed_operator import access, identity, kinds
 from kembed_operator.config import OperatorConfig
 from kembed_operator.slo import Thresholds, derive
 from kembed_operator.spec import EmbeddingServiceSpec, InvalidSpec
 
 Manifest = dict[str, Any]
-
-# (apiVersion, kind) of every child the operator may create; ones a spec no longer needs are deleted.
-DEPLOYMENT = ("apps/v1", "Deployment")
-SERVICE = ("v1", "Service")
-PDB = ("policy/v1", "PodDisruptionBudget")
-HPA = ("autoscaling/v2", "HorizontalPodAutoscaler")
-SCALED_OBJECT = ("keda.sh/v1alpha1", "ScaledObject")
-NETWORK_POLICY = ("networking.k8s.io/v1", "NetworkPolicy")
-CHILD_KINDS = (DEPLOYMENT, SERVICE, PDB, HPA, SCALED_OBJECT, NETWORK_POLICY)
 
 RUN_AS = 10001  # the uid/gid Dockerfile.server creates
 PRESTOP_SLEEP_S = 5  # lets endpoint removal reach every client before the server stops accepting
@@ -58,8 +49,8 @@ class Child:
     on_create: Manifest = field(default_factory=dict)
 
     @property
-    def kind(self) -> tuple[str, str]:
-        return self.manifest["apiVersion"], self.manifest["kind"]
+    def kind(self) -> kinds.Kind:
+        return kinds.of(self.manifest)
 
 
 def render(owner: Owner, spec: EmbeddingServiceSpec, config: OperatorConfig) -> list[Child]:
@@ -114,6 +105,10 @@ def model_name(spec: EmbeddingServiceSpec) -> str:
     if model.pvc is not None:
         return f"pvc:{model.pvc.claim_name}/{model.pvc.path}".rstrip("/")
     return "bundled:all-MiniLM-L6-v2"
+
+
+def _object(kind: kinds.Kind, owner: Owner, spec: Manifest, **metadata: Any) -> Manifest:
+    return {"apiVersion": kind.api_version, "kind": kind.kind, "metadata": _metadata(owner, **metadata), "spec": spec}
 
 
 def _metadata(owner: Owner, **extra: Any) -> Manifest:
@@ -217,7 +212,7 @@ def _deployment(owner: Owner, spec: EmbeddingServiceSpec, config: OperatorConfig
             "spec": _pod_spec(spec, config, env),
         },
     }
-    manifest = {"apiVersion": "apps/v1", "kind": "Deployment", "metadata": _metadata(owner), "spec": deployment_spec}
+    manifest = _object(kinds.DEPLOYMENT, owner, deployment_spec)
     if spec.autoscaled:  # the autoscaler owns the count: set it once, at creation, never again
         return Child(manifest, on_create={"spec": {"replicas": spec.min_replicas}})
     deployment_spec["replicas"] = spec.min_replicas
@@ -349,23 +344,19 @@ def _service(owner: Owner, spec: EmbeddingServiceSpec) -> Manifest:
     }
     if spec.service.type == "Headless":
         service_spec["clusterIP"] = "None"
-    metadata = _metadata(owner, annotations=spec.service.annotations) if spec.service.annotations else _metadata(owner)
-    return {"apiVersion": "v1", "kind": "Service", "metadata": metadata, "spec": service_spec}
+    annotations = {"annotations": spec.service.annotations} if spec.service.annotations else {}
+    return _object(kinds.SERVICE, owner, service_spec, **annotations)
 
 
 def _pdb(owner: Owner) -> Manifest:
-    return {
-        "apiVersion": "policy/v1",
-        "kind": "PodDisruptionBudget",
-        "metadata": _metadata(owner),
-        "spec": {
-            "selector": {"matchLabels": selector_labels(owner.name)},
-            # One voluntary disruption at a time; never blocks a node drain for good, even at 1 replica
-            # or while pods crash-loop.
-            "maxUnavailable": 1,
-            "unhealthyPodEvictionPolicy": "AlwaysAllow",
-        },
+    pdb_spec = {
+        "selector": {"matchLabels": selector_labels(owner.name)},
+        # One voluntary disruption at a time; never blocks a node drain for good, even at 1 replica
+        # or while pods crash-loop.
+        "maxUnavailable": 1,
+        "unhealthyPodEvictionPolicy": "AlwaysAllow",
     }
+    return _object(kinds.PDB, owner, pdb_spec)
 
 
 # --- autoscaling ----------------------------------------------------------------------------------
@@ -393,19 +384,18 @@ def _hpa(owner: Owner, spec: EmbeddingServiceSpec, thresholds: Thresholds) -> Ma
         for name, target in targets(thresholds).items()
     ]
     hpa_spec: Manifest = {
-        "scaleTargetRef": {"apiVersion": "apps/v1", "kind": "Deployment", "name": owner.name},
+        "scaleTargetRef": {
+            "apiVersion": kinds.DEPLOYMENT.api_version,
+            "kind": kinds.DEPLOYMENT.kind,
+            "name": owner.name,
+        },
         "minReplicas": spec.min_replicas,
         "maxReplicas": spec.replica_ceiling,
         "metrics": metrics,
     }
     if spec.autoscaling.behavior is not None:
         hpa_spec["behavior"] = spec.autoscaling.behavior
-    return {
-        "apiVersion": "autoscaling/v2",
-        "kind": "HorizontalPodAutoscaler",
-        "metadata": _metadata(owner),
-        "spec": hpa_spec,
-    }
+    return _object(kinds.HPA, owner, hpa_spec)
 
 
 def pod_matcher(owner: Owner) -> str:
@@ -444,4 +434,4 @@ def _scaled_object(
     }
     if spec.autoscaling.behavior is not None:
         so_spec["advanced"] = {"horizontalPodAutoscalerConfig": {"behavior": spec.autoscaling.behavior}}
-    return {"apiVersion": "keda.sh/v1alpha1", "kind": "ScaledObject", "metadata": _metadata(owner), "spec": so_spec}
+    return _object(kinds.SCALED_OBJECT, owner, so_spec)

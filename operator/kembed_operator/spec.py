@@ -13,6 +13,8 @@ from typing import Annotated, Any, Literal
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, model_validator
 from pydantic.alias_generators import to_camel
 
+from kembed_operator.config import Dtype, Pooling
+
 
 class InvalidSpec(ValueError):
     """The spec cannot be rendered; the message says which field and why."""
@@ -41,10 +43,10 @@ class HubSource(_Spec):
 class ModelSpec(_Spec):
     pvc: PvcSource | None = None
     hub: HubSource | None = None
-    pooling: Literal["auto", "mean", "cls", "last"] = "auto"
+    pooling: Pooling = Pooling.AUTO
     control_tokens: list[str] = Field(default_factory=list)
     max_input_tokens: int = Field(0, ge=0)
-    dtype: Literal["auto", "float32", "float16", "bfloat16"] = "auto"
+    dtype: Dtype = Dtype.AUTO
 
     @model_validator(mode="after")
     def _one_source(self) -> ModelSpec:

@@ -16,12 +16,11 @@ import yaml
 from kubernetes import client, config
 
 from kembed_operator import identity
-from tests.operator.emulator import EmulatorThread
+from tests.operator.emulator import TEST_AGENT, EmulatorThread
 
 ROOT = Path(__file__).resolve().parents[2]
 CRD_PATH = ROOT / "crds" / "embeddingservices.kembed.io.yaml"
 CHART = ROOT / "charts" / "kembed-operator"
-TEST_AGENT = "kembed-tests"
 
 RESOURCES = {
     f"{identity.API_VERSION}/{identity.PLURAL}": {
@@ -131,27 +130,41 @@ def health_url() -> str:
 
 
 @pytest.fixture(scope="module")
-def operator_process(
-    kubeconfig: Path, api: client.ApiClient, health_url: str, tmp_path_factory: pytest.TempPathFactory
-) -> Iterator[subprocess.Popen[bytes]]:
-    """``kopf run`` with the chart's arguments (peering included) against the emulator; always killed."""
-    args = [health_url.join(("--liveness=", "")) if a.startswith("--liveness=") else a for a in chart_operator_args()]
-    peering = next(a.split("=", 1)[1] for a in args if a.startswith("--peering="))
-    client.CustomObjectsApi(api).create_cluster_custom_object(
-        "kopf.dev",
-        "v1",
-        "clusterkopfpeerings",
-        {"apiVersion": "kopf.dev/v1", "kind": "ClusterKopfPeering", "metadata": {"name": peering}},
-    )
-    log_path = tmp_path_factory.mktemp("kopf") / "kopf.log"
-    env = {**os.environ, "KUBECONFIG": str(kubeconfig)}
-    with log_path.open("wb") as log:
-        process = subprocess.Popen(
-            [sys.executable, "-m", "kopf", *args, "--verbose"], env=env, stdout=log, stderr=subprocess.STDOUT
+def peering(api: client.ApiClient) -> str:
+    """The ClusterKopfPeering the chart installs, named as the chart's arguments name it."""
+    name = next(a.split("=", 1)[1] for a in chart_operator_args() if a.startswith("--peering="))
+    body = {"apiVersion": "kopf.dev/v1", "kind": "ClusterKopfPeering", "metadata": {"name": name}}
+    client.CustomObjectsApi(api).create_cluster_custom_object("kopf.dev", "v1", "clusterkopfpeerings", body)
+    return name
+
+
+def start_operator(
+    kubeconfig: Path, log_path: Path, health_url: str = "", env: dict[str, str] | None = None
+) -> subprocess.Popen[bytes]:
+    """``kopf run`` with the chart's arguments (peering included) against the emulator."""
+    args = [a for a in chart_operator_args() if not a.startswith("--liveness=")]
+    args += [f"--liveness={health_url}"] if health_url else []  # two operators cannot share a port
+    full_env = {**os.environ, "KUBECONFIG": str(kubeconfig), **(env or {})}
+    with log_path.open("ab") as log:
+        return subprocess.Popen(
+            [sys.executable, "-m", "kopf", *args, "--verbose"], env=full_env, stdout=log, stderr=subprocess.STDOUT
         )
+
+
+def stop(process: subprocess.Popen[bytes]) -> None:
+    process.kill()
+    process.wait(10)
+
+
+@pytest.fixture(scope="module")
+def operator_process(
+    kubeconfig: Path, peering: str, health_url: str, tmp_path_factory: pytest.TempPathFactory
+) -> Iterator[subprocess.Popen[bytes]]:
+    """One operator for a whole test module; always killed."""
+    log_path = tmp_path_factory.mktemp("kopf") / "kopf.log"
+    process = start_operator(kubeconfig, log_path, health_url)
     try:
         yield process
     finally:
-        process.kill()
-        process.wait(10)
+        stop(process)
         print(f"kopf log: {log_path}")

@@ -3,7 +3,10 @@
 kmock 0.8 keeps objects in memory and speaks HTTP, but leaves out what kopf and the operator rely
 on: uid, resourceVersion, generation (bumped on spec changes only), creationTimestamp, the namespace
 from the URL, generateName, a list resourceVersion, and watches that resume from a resourceVersion
-instead of replaying every object as ADDED. :class:`StampingEmulator` adds exactly those.
+instead of replaying every object as ADDED. :class:`StampingEmulator` adds exactly those, and three
+behaviours of a real API server the operator must cope with: a JSON patch whose ``test`` fails is
+422 (kmock says 500, which clients retry as is), a Service's ``clusterIP`` is assigned and then
+immutable, and CPU quantities are stored canonical (``4000m`` reads back as ``4``).
 """
 
 from __future__ import annotations
@@ -22,8 +25,10 @@ from typing import Any
 
 import aiohttp.web
 import attrs
+import jsonpatch
 from kmock._internal import aiobus, apps, dicts, enums, k8s, references, rendering
 
+TEST_AGENT = "kembed-tests"  # the User-Agent of the tests' own calls, told apart from the operator's
 _MUTATIONS = (enums.action.CREATE, enums.action.UPDATE, enums.action.DELETE)
 _CURRENT: contextvars.ContextVar[rendering.Request | None] = contextvars.ContextVar("current", default=None)
 
@@ -37,6 +42,23 @@ class _HistoryBus(aiobus.Bus[Any]):
     async def put(self, item: Any) -> None:
         self.history.append(item)
         await super().put(item)
+
+
+@attrs.frozen
+class Invalid(k8s.KubernetesError):
+    status: int = 422
+    reason: str = "Invalid"
+    message: str = ""
+
+
+def _canonical_cpu(manifest: Any) -> None:
+    """Rewrite whole-core milli-CPU quantities in a pod template as the API server stores them."""
+    template = manifest.get("spec", {}).get("template", {}) if isinstance(manifest, dict) else {}
+    for container in template.get("spec", {}).get("containers", []) or []:
+        for group in (container.get("resources") or {}).values():
+            cpu = group.get("cpu") if isinstance(group, dict) else None
+            if isinstance(cpu, str) and cpu.endswith("m") and cpu[:-1].isdigit() and int(cpu[:-1]) % 1000 == 0:
+                group["cpu"] = str(int(cpu[:-1]) // 1000)
 
 
 def _rv(event: dict[str, Any]) -> int:
@@ -68,7 +90,10 @@ class StampingEmulator(k8s.KubernetesEmulator):
             return await super()._handle(request)
         async with self._write_lock:  # writes are serialised, as etcd would
             self._stamp(request)
-            return await super()._handle(request)
+            try:
+                return await super()._handle(request)
+            except jsonpatch.JsonPatchTestFailed as err:  # kopf's finalizer patch tests the resourceVersion
+                raise Invalid(message=str(err)) from None
 
     def _stamp(self, request: rendering.Request) -> None:
         resource = request.resource
@@ -79,6 +104,10 @@ class StampingEmulator(k8s.KubernetesEmulator):
                 meta["name"] = meta["generateName"] + uuid.uuid4().hex[:5]
             if request.namespace:
                 meta["namespace"] = request.namespace
+            if resource.plural == "services":
+                spec = request.data.setdefault("spec", {})
+                spec.setdefault("clusterIP", f"10.96.{self._last_rv // 250 % 250}.{self._last_rv % 250 + 1}")
+            _canonical_cpu(request.data)
             meta.update(
                 uid=str(uuid.uuid4()),
                 resourceVersion=self._next_rv(),
@@ -90,6 +119,10 @@ class StampingEmulator(k8s.KubernetesEmulator):
             if key not in self.objects or self.objects[key].deleted:
                 return  # the parent answers 404
             current = self.objects[key].raw
+            ip = (request.data.get("spec") or {}).get("clusterIP", current.get("spec", {}).get("clusterIP"))
+            if resource.plural == "services" and ip != current.get("spec", {}).get("clusterIP"):
+                raise Invalid(message="Service spec.clusterIP: Invalid value: field is immutable")
+            _canonical_cpu(request.data)
             meta = request.data["metadata"] = dict(request.data.get("metadata") or {})
             for immutable in ("uid", "creationTimestamp"):  # a real server ignores them in patches
                 meta.pop(immutable, None)
@@ -140,8 +173,11 @@ class StampingEmulator(k8s.KubernetesEmulator):
 class EmulatorThread:
     """Runs the emulator's HTTP server on loopback in its own thread and event loop."""
 
-    def __init__(self, resources: dict[str, dict[str, Any]]) -> None:
+    def __init__(
+        self, resources: dict[str, dict[str, Any]], factory: type[StampingEmulator] = StampingEmulator
+    ) -> None:
         self._resources = resources
+        self._factory = factory
         self._loop = asyncio.new_event_loop()
         self._ready = threading.Event()
         self._stop: asyncio.Event | None = None
@@ -162,7 +198,7 @@ class EmulatorThread:
 
     async def _main(self) -> None:
         self._stop = asyncio.Event()
-        async with StampingEmulator() as emulator, apps.Server(emulator) as server:
+        async with self._factory() as emulator, apps.Server(emulator) as server:
             with warnings.catch_warnings():  # kmock reads its bundled resources with a deprecated call
                 warnings.simplefilter("ignore", DeprecationWarning)
                 emulator.resources.load_bundled()

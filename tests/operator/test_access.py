@@ -11,7 +11,7 @@ import pytest
 
 from kembed.config import Settings
 from kembed.contract import GRPC_PORT, HTTP_PORT, env_name
-from kembed_operator import access, render
+from kembed_operator import access, kinds, render
 from kembed_operator.spec import InvalidSpec, parse_spec
 from tests.operator.test_crd import apply_defaults, as_json_schema, resource
 from tests.operator.test_render import CONFIG, K8S_VERSION, OWNER, children, container, env
@@ -109,7 +109,7 @@ def test_peers_add_grpc_callers_and_metrics_scrapers() -> None:
 
 def test_a_disabled_policy_is_not_rendered() -> None:
     assert "NetworkPolicy" not in children(SPECS["no policy"])
-    assert render.NETWORK_POLICY in render.CHILD_KINDS  # ...so a reconcile deletes one made before
+    assert kinds.NETWORK_POLICY in kinds.CHILDREN  # ...so a reconcile deletes one made before
 
 
 INVALID: dict[str, tuple[dict[str, Any], str]] = {

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from typing import Any
 
 import helm_python
@@ -9,6 +10,7 @@ import kubernetes_validate
 import pytest
 
 from kembed_operator import permissions
+from kembed_operator.config import PREFIX, OperatorConfig
 from tests.operator.conftest import CHART, CRD_PATH, chart_operator_args, render_chart
 
 K8S_VERSION = "1.34.0"
@@ -76,7 +78,8 @@ def test_operator_deployment() -> None:
         f":{container['ports'][0]['containerPort']}{container['livenessProbe']['httpGet']['path']}"
     )
     env = {e["name"]: e["value"] for e in container["env"]}
-    assert env["KEMBED_OPERATOR_DEFAULT_IMAGE"] == "ghcr.io/kembed/kembed-server:0.1.0"
+    assert OperatorConfig.from_env(env) == OperatorConfig()  # the chart's defaults are the operator's
+    assert set(env) == {PREFIX + f.name.upper() for f in dataclasses.fields(OperatorConfig)}
 
 
 @pytest.mark.parametrize(

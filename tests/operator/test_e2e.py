@@ -8,8 +8,8 @@ cannot prove). Each test uses its own EmbeddingService, so they do not depend on
 from __future__ import annotations
 
 import functools
-import json
 import subprocess
+import time
 import urllib.request
 from typing import Any
 
@@ -17,78 +17,27 @@ import pytest
 from kubernetes import client
 
 from kembed_operator import identity, permissions
-from tests.operator.conftest import TEST_AGENT, wait_for
+from tests.operator.cluster import (
+    DEPLOYMENTS,
+    HPAS,
+    PDBS,
+    PEERING,
+    SCALED_OBJECTS,
+    SERVICES,
+    WRITES,
+    Kube,
+    condition,
+    operator_calls,
+)
+from tests.operator.conftest import wait_for
 from tests.operator.emulator import EmulatorThread
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(120)]
-NS = "default"
-ES_PATH = f"/apis/{identity.API_VERSION}/namespaces/{NS}/{identity.PLURAL}"
 
 
 @pytest.fixture(scope="module")
 def kube(api: client.ApiClient, operator_process: subprocess.Popen[bytes]) -> Kube:
     return Kube(api)
-
-
-class Kube:
-    """The official client's APIs, reading and writing plain dicts."""
-
-    def __init__(self, api: client.ApiClient) -> None:
-        self.api = api
-        self.core = client.CoreV1Api(api)
-
-    def create_es(self, name: str, **spec: Any) -> str:
-        body = {"apiVersion": identity.API_VERSION, "kind": identity.KIND, "metadata": {"name": name}, "spec": spec}
-        return str(self._call("POST", ES_PATH, body)["metadata"]["uid"])
-
-    def patch_es(self, name: str, spec: dict[str, Any]) -> None:
-        self._call("PATCH", f"{ES_PATH}/{name}", {"spec": spec}, "application/merge-patch+json")
-
-    def es(self, name: str) -> dict[str, Any]:
-        return dict(self._call("GET", f"{ES_PATH}/{name}"))
-
-    def child(self, plural: str, name: str) -> dict[str, Any] | None:
-        """A child as a dict, or None; ``plural`` as in the path, e.g. ``apps/v1/deployments``."""
-        parts = plural.split("/")
-        root = "/api/v1" if len(parts) == 1 else f"/apis/{parts[0]}/{parts[1]}"
-        try:
-            return self._call("GET", f"{root}/namespaces/{NS}/{parts[-1]}/{name}")
-        except client.ApiException as err:
-            if err.status == 404:
-                return None
-            raise
-
-    def patch_child(self, plural: str, name: str, body: dict[str, Any], subresource: str = "") -> None:
-        parts = plural.split("/")
-        root = "/api/v1" if len(parts) == 1 else f"/apis/{parts[0]}/{parts[1]}"
-        path = "/".join(p for p in (f"{root}/namespaces/{NS}/{parts[-1]}/{name}", subresource) if p)
-        self._call("PATCH", path, body, "application/merge-patch+json")
-
-    def delete_child(self, plural: str, name: str) -> None:
-        parts = plural.split("/")
-        root = "/api/v1" if len(parts) == 1 else f"/apis/{parts[0]}/{parts[1]}"
-        self._call("DELETE", f"{root}/namespaces/{NS}/{parts[-1]}/{name}")
-
-    def events(self, name: str) -> list[tuple[str, str]]:
-        listed = self.core.list_namespaced_event(NS)
-        return [(str(e.type), str(e.reason)) for e in listed.items if e.involved_object.name == name]
-
-    def _call(self, method: str, path: str, body: Any = None, content_type: str = "application/json") -> Any:
-        headers = {"Accept": "application/json", "Content-Type": content_type}
-        request = self.api.param_serialize(method=method, resource_path=path, header_params=headers, body=body)
-        response = self.api.call_api(*request)
-        response.read()
-        if not 200 <= response.status < 300:
-            raise client.ApiException(http_resp=response)
-        return json.loads(response.data or b"{}")
-
-
-DEPLOYMENTS, SERVICES, HPAS = "apps/v1/deployments", "services", "autoscaling/v2/horizontalpodautoscalers"
-PDBS, SCALED_OBJECTS = "policy/v1/poddisruptionbudgets", "keda.sh/v1alpha1/scaledobjects"
-
-
-def condition(es: dict[str, Any], kind: str) -> dict[str, Any]:
-    return next((c for c in es.get("status", {}).get("conditions", []) if c["type"] == kind), {})
 
 
 def env_of(deployment: dict[str, Any]) -> dict[str, str]:
@@ -225,7 +174,21 @@ def test_switching_autoscaler_replaces_the_child(kube: Kube) -> None:
     wait_for("fixed replicas", lambda: (kube.child(DEPLOYMENTS, "switch") or {}).get("spec", {}).get("replicas") == 2)
 
 
-VERBS = {"LIST": "list", "WATCH": "watch", "FETCH": "get", "CREATE": "create", "UPDATE": "patch", "DELETE": "delete"}
+def test_service_type_switch_recreates_the_service(kube: Kube) -> None:
+    kube.create_es("flip", resources={"gpu": 0})
+    old = wait_for("service", lambda: kube.child(SERVICES, "flip"))
+    assert old["spec"]["clusterIP"] != "None"  # the emulator assigns one and keeps it immutable
+    kube.patch_es("flip", {"service": {"type": "Headless"}})
+    new = wait_for(
+        "a headless Service", lambda: (s := kube.child(SERVICES, "flip")) and s["spec"]["clusterIP"] == "None" and s
+    )
+    assert new["metadata"]["uid"] != old["metadata"]["uid"]
+    wait_for("a Replaced event", lambda: ("Normal", "Replaced") in kube.events("flip"))
+    kube.patch_es("flip", {"service": {"type": "ClusterIP"}})
+    wait_for(
+        "a ClusterIP Service again", lambda: (s := kube.child(SERVICES, "flip")) and s["spec"]["clusterIP"] != "None"
+    )
+    assert condition(kube.es("flip"), "Degraded")["status"] == "False"
 
 
 def test_every_call_is_granted_by_the_rbac_list(kube: Kube, emulator: EmulatorThread) -> None:
@@ -235,13 +198,7 @@ def test_every_call_is_granted_by_the_rbac_list(kube: Kube, emulator: EmulatorTh
     kube.patch_es("audit", {"autoscaling": {"enabled": False}})
     wait_for("HPA removed", lambda: kube.child(HPAS, "audit") is None)
     wait_for("a Deleted event", lambda: ("Normal", "Deleted") in kube.events("audit"))
-    calls = set()
-    for request in emulator.requests():
-        res, action = request.resource, request.action
-        if res is None or res.plural is None or action is None or request.headers.get("User-Agent") == TEST_AGENT:
-            continue
-        resource = f"{res.plural}/{request.subresource}" if request.subresource else res.plural
-        calls.add((res.group, resource, VERBS[action.name]))
+    calls = set(operator_calls(emulator.requests()))
     assert calls, "the operator made no calls"
     assert calls <= permissions.triples(), calls - permissions.triples()
     # The operator's core work was exercised, so the comparison means something.
@@ -252,6 +209,52 @@ def test_every_call_is_granted_by_the_rbac_list(kube: Kube, emulator: EmulatorTh
     }
     exercised |= {("kembed.io", "embeddingservices/status", "patch"), ("kopf.dev", "clusterkopfpeerings", "patch")}
     assert exercised <= calls
+
+
+def test_deleting_a_resource_waits_only_for_its_loop_to_stop(kube: Kube) -> None:
+    """The reconcile loop's finalizer: on, while the resource lives; released when it goes."""
+    kube.create_es("doomed", resources={"gpu": 0})
+    wait_for("the finalizer", lambda: kube.es("doomed")["metadata"].get("finalizers"))
+    kube.delete_es("doomed")
+    wait_for("the resource gone", lambda: "doomed" not in {es["metadata"]["name"] for es in kube.all_es()})
+
+
+QUIET_S = 20.0
+
+
+def _writes(calls: list[tuple[str, str, str]]) -> list[tuple[str, str, str]]:
+    return [call for call in calls if call[2] in WRITES and call[1] != PEERING]
+
+
+def _writes_over(emulator: EmulatorThread, seconds: float) -> list[tuple[str, str, str]]:
+    """The operator's writes (leader election's keepalive aside) during the next ``seconds``."""
+    mark = len(emulator.requests())
+    time.sleep(seconds)
+    return _writes(operator_calls(emulator.requests()[mark:]))
+
+
+def _selected(service: dict[str, Any] | None) -> str:
+    return str((service or {}).get("spec", {}).get("selector", {}).get(identity.LABEL_INSTANCE))
+
+
+def test_quiet_at_rest_and_reads_per_reconcile(kube: Kube, emulator: EmulatorThread) -> None:
+    # 4000m comes back as 4 (the emulator stores CPU canonically, as the API server does).
+    kube.create_es("quiet", maxReplicas=2, resources={"gpu": 0, "cpu": "4000m"})
+    wait_for("children", lambda: kube.child(HPAS, "quiet"))
+    kube.roll_out()
+    wait_for("Ready", lambda: condition(kube.es("quiet"), "Ready").get("status") == "True")
+    wait_for("every resource at rest", lambda: _writes_over(emulator, 3.0) == [], timeout=60)
+    assert _writes_over(emulator, QUIET_S) == []
+
+    # One drifted child: the repair is one apply, and the reconciles it takes read nothing by GET
+    # (kopf's indexes, fed by the watches, are what they read).
+    mark = len(emulator.requests())
+    kube.patch_child(SERVICES, "quiet", {"spec": {"selector": {identity.LABEL_INSTANCE: "other"}}})
+    wait_for("the selector restored", lambda: _selected(kube.child(SERVICES, "quiet")) == "quiet")
+    time.sleep(2)  # the echoes of the repair: more reconciles, no more writes
+    calls = [call for call in operator_calls(emulator.requests()[mark:]) if call[1] != PEERING]
+    assert sorted(_writes(calls)) == [("", "events", "create"), ("", "services", "patch")]  # the apply, its Event
+    assert [call for call in calls if call[2] == "get"] == []
 
 
 def test_operator_health_endpoint(kube: Kube, health_url: str) -> None:

@@ -25,7 +25,7 @@ import pytest
 import yaml
 
 from kembed.contract import METRICS_PATH, READYZ_PATH, Metric
-from kembed_operator import render
+from kembed_operator import kinds, render
 from kembed_operator.config import OperatorConfig
 from kembed_operator.spec import parse_spec
 from tests.operator.conftest import CHART, free_port, wait_for
@@ -146,7 +146,7 @@ def test_adapter_rules_cover_exactly_the_hpa_metrics() -> None:
     hpa = next(
         c.manifest
         for c in render.render(OWNER, parse_spec({"maxReplicas": 2}), OperatorConfig())
-        if c.kind == render.HPA
+        if c.kind == kinds.HPA
     )
     assert names == {m["pods"]["metric"]["name"] for m in hpa["spec"]["metrics"]} == set(HPA_METRICS)
     assert all(rule["resources"]["overrides"].keys() == {"namespace", "pod"} for rule in adapter_rules())
@@ -166,7 +166,7 @@ def test_adapter_query_returns_what_the_server_exposes(rule: dict[str, Any], ser
 @needs_prometheus
 def test_keda_queries_return_what_the_server_exposes(server: str, prometheus: str) -> None:
     spec = parse_spec({"maxReplicas": 2, "autoscaling": {"provider": "keda", "keda": {"serverAddress": prometheus}}})
-    scaled = next(c.manifest for c in render.render(OWNER, spec, OperatorConfig()) if c.kind == render.SCALED_OBJECT)
+    scaled = next(c.manifest for c in render.render(OWNER, spec, OperatorConfig()) if c.kind == kinds.SCALED_OBJECT)
     for trigger in scaled["spec"]["triggers"]:
         promql = trigger["metadata"]["query"]
         metric = promql.removeprefix("sum(").split("{")[0]

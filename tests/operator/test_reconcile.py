@@ -1,60 +1,64 @@
-"""One reconcile against an in-memory stand-in for the API: writes only on drift, errors become conditions."""
+"""One reconcile against an in-memory client: writes only on drift, errors become conditions or retries."""
 
 from __future__ import annotations
 
+import copy
 from typing import Any
 
-import kopf
 import pytest
 from kubernetes.client.exceptions import ApiException
 
-from kembed_operator import handlers, kube, reconcile
+from kembed_operator import handlers, kinds, kube, reconcile
 from kembed_operator.config import OperatorConfig
+from kembed_operator.kinds import Kind
 
 Key = tuple[str, str, str]
 
 
-class FakeApi:
-    """kube's functions over a dict; records every write."""
+class FakeClient:
+    """The reconcile's client over a dict; records every call."""
 
-    def __init__(self, monkeypatch: pytest.MonkeyPatch) -> None:
+    def __init__(self) -> None:
         self.objects: dict[Key, dict[str, Any]] = {}
-        self.writes: list[tuple[str, str]] = []
+        self.calls: list[tuple[str, str]] = []
         self.fail: dict[str, ApiException] = {}
-        for name in ("get", "create", "apply", "delete", "patch_status"):
-            monkeypatch.setattr(kube, name, getattr(self, name))
+        self.status: dict[str, Any] = {}
 
-    def _check(self, verb: str, res: kube.Resource) -> None:
+    def _record(self, verb: str, kind: Kind) -> None:
+        self.calls.append((verb, kind.plural))
         if verb in self.fail:
             raise self.fail[verb]
-        self.writes.append((verb, res.plural))
 
-    def get(self, res: kube.Resource, namespace: str, name: str) -> dict[str, Any] | None:
-        return self.objects.get((res.plural, namespace, name))
+    def writes(self) -> list[tuple[str, str]]:
+        return [call for call in self.calls if call[0] != "get"]
 
-    def create(self, res: kube.Resource, namespace: str, body: dict[str, Any]) -> dict[str, Any]:
-        self._check("create", res)
-        self.objects[res.plural, namespace, body["metadata"]["name"]] = body
+    def get(self, kind: Kind, namespace: str, name: str) -> dict[str, Any] | None:
+        self._record("get", kind)
+        return self.objects.get((kind.plural, namespace, name))
+
+    def create(self, kind: Kind, namespace: str, body: dict[str, Any]) -> dict[str, Any]:
+        self._record("create", kind)
+        self.objects[kind.plural, namespace, body["metadata"]["name"]] = copy.deepcopy(body)
         return body
 
-    def apply(self, res: kube.Resource, namespace: str, name: str, body: dict[str, Any]) -> dict[str, Any]:
-        self._check("apply", res)
-        self.objects[res.plural, namespace, name] = body
+    def apply(self, kind: Kind, namespace: str, name: str, body: dict[str, Any]) -> dict[str, Any]:
+        self._record("apply", kind)
+        self.objects[kind.plural, namespace, name] = copy.deepcopy(body)
         return body
 
-    def delete(self, res: kube.Resource, namespace: str, name: str) -> None:
-        self._check("delete", res)
-        self.objects.pop((res.plural, namespace, name), None)
+    def delete(self, kind: Kind, namespace: str, name: str) -> None:
+        self._record("delete", kind)
+        self.objects.pop((kind.plural, namespace, name), None)
 
-    def patch_status(self, res: kube.Resource, namespace: str, name: str, status: dict[str, Any]) -> dict[str, Any]:
-        self._check("patch_status", res)
+    def patch_status(self, kind: Kind, namespace: str, name: str, status: dict[str, Any]) -> dict[str, Any]:
+        self._record("patch_status", kind)
         self.status = status
         return status
 
 
 @pytest.fixture
-def api(monkeypatch: pytest.MonkeyPatch) -> FakeApi:
-    return FakeApi(monkeypatch)
+def api() -> FakeClient:
+    return FakeClient()
 
 
 def body(spec: dict[str, Any], status: dict[str, Any] | None = None) -> dict[str, Any]:
@@ -62,12 +66,17 @@ def body(spec: dict[str, Any], status: dict[str, Any] | None = None) -> dict[str
     return {"metadata": meta, "spec": spec, "status": status or {}}
 
 
-def conditions(api: FakeApi) -> dict[str, tuple[str, str]]:
+def run(api: FakeClient, spec: dict[str, Any], failures: int = 0) -> reconcile.Outcome:
+    """A reconcile of ``spec`` over the status the previous one wrote."""
+    return reconcile.reconcile(body(spec, api.status), OperatorConfig(), api, failures)
+
+
+def conditions(api: FakeClient) -> dict[str, tuple[str, str]]:
     return {c["type"]: (c["status"], c["reason"]) for c in api.status["conditions"]}
 
 
-def test_second_reconcile_writes_nothing(api: FakeApi) -> None:
-    outcome = reconcile.reconcile(body({"maxReplicas": 2}), OperatorConfig())
+def test_second_reconcile_writes_nothing(api: FakeClient) -> None:
+    outcome = run(api, {"maxReplicas": 2})
     assert sorted(outcome.changes) == sorted(
         [
             "created Deployment/emb",
@@ -77,41 +86,84 @@ def test_second_reconcile_writes_nothing(api: FakeApi) -> None:
             "created NetworkPolicy/emb",
         ]
     )
-    first_status, api.writes = api.status, []
-    again = reconcile.reconcile(body({"maxReplicas": 2}, first_status), OperatorConfig())
-    assert (again.changes, api.writes) == ([], [])  # converged: reads only, not even a status write
+    api.calls = []
+    again = run(api, {"maxReplicas": 2})
+    assert (again.changes, api.writes()) == ([], [])  # converged: not even a status write
+    # One read per child kind (a dict lookup in kopf's index in production), nothing else.
+    assert sorted(api.calls) == sorted(("get", kind.plural) for kind in kinds.CHILDREN)
 
 
-def test_invalid_spec_keeps_the_children_and_reports(api: FakeApi) -> None:
-    reconcile.reconcile(body({}), OperatorConfig())
-    api.writes = []
-    outcome = reconcile.reconcile(body({"admission": {"p95SoftMs": 9000}}), OperatorConfig())
+def test_quantities_the_server_rewrites_are_not_drift(api: FakeClient) -> None:
+    run(api, {"resources": {"cpu": "4000m", "memory": "1024Mi", "gpu": 0}})
+    deployment = api.objects["deployments", "ns", "emb"]
+    # What a real API server stores: canonical quantities.
+    deployment["spec"]["template"]["spec"]["containers"][0]["resources"]["requests"] = {"cpu": "4", "memory": "1Gi"}
+    api.calls = []
+    assert run(api, {"resources": {"cpu": "4000m", "memory": "1024Mi", "gpu": 0}}).changes == []
+    assert api.writes() == []
+    assert run(api, {"resources": {"cpu": "3", "memory": "1024Mi", "gpu": 0}}).changes == ["updated Deployment/emb"]
+
+
+@pytest.mark.parametrize(("before", "after"), [("ClusterIP", "Headless"), ("Headless", "ClusterIP")])
+def test_service_type_switch_replaces_the_service(api: FakeClient, before: str, after: str) -> None:
+    run(api, {"service": {"type": before}})
+    service = api.objects["services", "ns", "emb"]
+    service["spec"].setdefault("clusterIP", "10.0.0.7")  # what the API server assigns to a ClusterIP one
+    api.calls = []
+    assert run(api, {"service": {"type": after}}).changes == ["replaced Service/emb"]
+    assert [c for c in api.writes() if c[1] == "services"] == [("delete", "services"), ("create", "services")]
+    assert (api.objects["services", "ns", "emb"]["spec"].get("clusterIP") == "None") == (after == "Headless")
+
+
+def test_invalid_spec_keeps_the_children_and_reports(api: FakeClient) -> None:
+    run(api, {})
+    api.calls = []
+    outcome = run(api, {"admission": {"p95SoftMs": 9000}})
     assert outcome.problem is not None and outcome.problem_is_new
-    assert api.writes == [("patch_status", "embeddingservices")]  # no child touched
+    assert api.writes() == [("patch_status", "embeddingservices")]  # no child touched
     assert conditions(api)["Degraded"] == ("True", "InvalidSpec")
     assert api.status["observedGeneration"] == 2
 
 
-def test_rejected_child_degrades(api: FakeApi) -> None:
+def test_rejected_child_degrades(api: FakeClient) -> None:
     api.fail["create"] = ApiException(status=422, reason="Unprocessable Entity")
-    outcome = reconcile.reconcile(body({}), OperatorConfig())
+    outcome = run(api, {})
     assert outcome.problem is not None and outcome.problem.reason == "ApplyRejected"
+    assert outcome.error is None  # a human must act: no retry loop
     assert conditions(api)["Degraded"] == ("True", "ApplyRejected")
 
 
-def test_foreign_object_with_our_name_is_not_touched(api: FakeApi) -> None:
-    api.objects["services", "ns", "emb"] = {"metadata": {"name": "emb", "ownerReferences": []}}
-    outcome = reconcile.reconcile(body({}), OperatorConfig())
+def test_foreign_object_with_our_name_is_not_touched(api: FakeClient) -> None:
+    api.objects["services", "ns", "emb"] = {"metadata": {"name": "emb", "ownerReferences": []}, "spec": {}}
+    outcome = run(api, {})
     assert outcome.problem is not None and outcome.problem.reason == "NameConflict"
-    assert ("apply", "services") not in api.writes
+    assert ("apply", "services") not in api.writes()
 
 
 @pytest.mark.parametrize("status", [409, 429, 500, 503])
-def test_transient_errors_are_retried_with_backoff(api: FakeApi, status: int) -> None:
-    api.fail["create"] = ApiException(status=status)
-    with pytest.raises(kopf.TemporaryError) as raised:
-        handlers._reconcile(kopf.Body(body({})), retry=3)  # type: ignore[arg-type]
-    assert raised.value.delay == 8.0
-    with pytest.raises(kopf.TemporaryError) as capped:
-        handlers._reconcile(kopf.Body(body({})), retry=30)  # type: ignore[arg-type]
-    assert capped.value.delay == handlers.MAX_BACKOFF_S
+def test_transient_errors_ask_for_a_retry_and_degrade_from_the_second(api: FakeClient, status: int) -> None:
+    api.fail["create"] = ApiException(status=status, reason="Flaky")
+    first = run(api, {})
+    assert first.error is not None and first.error.status == status
+    assert conditions(api)["Degraded"][0] == "False"  # one failure retried at once is not a degradation
+    second = run(api, {}, failures=1)
+    assert second.error is not None
+    assert conditions(api)["Degraded"] == ("True", "ApiUnavailable")
+    assert conditions(api)["Ready"][0] == "False"
+    del api.fail["create"]
+    assert run(api, {}, failures=2).error is None
+    assert conditions(api)["Degraded"] == ("False", "AsExpected")
+
+
+def test_backoff_doubles_up_to_the_cap() -> None:
+    for failures in range(1, 10):
+        ceiling = min(handlers.MAX_BACKOFF_S, 2.0 ** (failures - 1))
+        assert 0.75 * ceiling <= handlers.backoff(failures) <= ceiling
+
+
+def test_retry_after_is_read_from_a_throttled_answer() -> None:
+    throttled = ApiException(status=429, reason="Too Many Requests")
+    throttled.headers = {"Retry-After": "7"}
+    assert kube.retry_after(throttled) == 7.0
+    assert kube.retry_after(ApiException(status=500)) == 0.0
+    assert kube.retry_after(ValueError("a bug")) == 0.0

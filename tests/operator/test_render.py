@@ -9,7 +9,7 @@ import pytest
 
 from kembed.config import Settings
 from kembed.contract import GRPC_PORT, HTTP_PORT, LIVEZ_PATH, METRICS_PATH, READYZ_PATH, Metric, env_name
-from kembed_operator import identity, render
+from kembed_operator import identity, kinds, render
 from kembed_operator.config import OperatorConfig
 from kembed_operator.spec import InvalidSpec, parse_spec
 
@@ -224,9 +224,7 @@ def test_hpa() -> None:
     assert hpa["behavior"] == FEATURES["hpa"]["autoscaling"]["behavior"]  # verbatim
     assert all(m["type"] == "Pods" and m["pods"]["target"]["type"] == "AverageValue" for m in hpa["metrics"])
     assert "replicas" not in rendered["Deployment"]["spec"]  # the HPA owns it
-    (deployment,) = [
-        c for c in render.render(OWNER, parse_spec(FEATURES["hpa"]), CONFIG) if c.kind == render.DEPLOYMENT
-    ]
+    (deployment,) = [c for c in render.render(OWNER, parse_spec(FEATURES["hpa"]), CONFIG) if c.kind == kinds.DEPLOYMENT]
     assert deployment.on_create == {"spec": {"replicas": 1}}  # ...after it starts at minReplicas
     explicit = children(FEATURES["hpa explicit targets"])["HorizontalPodAutoscaler"]["spec"]["metrics"]
     assert [m["pods"]["target"]["averageValue"] for m in explicit] == ["200m", "300m"]

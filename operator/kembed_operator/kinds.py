@@ -1,0 +1,42 @@
+"""Every kind the operator reads or writes, declared once: the renderer, the API client, the kopf
+handlers and the RBAC rules all take their child kinds from :data:`CHILDREN`."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any, Final
+
+from kembed_operator import identity
+
+
+@dataclass(frozen=True)
+class Kind:
+    group: str
+    version: str
+    plural: str
+    kind: str
+
+    @property
+    def api_version(self) -> str:
+        return f"{self.group}/{self.version}" if self.group else self.version
+
+    def path(self, namespace: str, name: str = "", subresource: str = "") -> str:
+        root = f"/apis/{self.group}/{self.version}" if self.group else f"/api/{self.version}"
+        return "/".join(part for part in (root, "namespaces", namespace, self.plural, name, subresource) if part)
+
+
+DEPLOYMENT: Final = Kind("apps", "v1", "deployments", "Deployment")
+SERVICE: Final = Kind("", "v1", "services", "Service")
+PDB: Final = Kind("policy", "v1", "poddisruptionbudgets", "PodDisruptionBudget")
+HPA: Final = Kind("autoscaling", "v2", "horizontalpodautoscalers", "HorizontalPodAutoscaler")
+SCALED_OBJECT: Final = Kind("keda.sh", "v1alpha1", "scaledobjects", "ScaledObject")
+NETWORK_POLICY: Final = Kind("networking.k8s.io", "v1", "networkpolicies", "NetworkPolicy")
+# Every child an EmbeddingService may own; ones a spec no longer needs are deleted.
+CHILDREN: Final = (DEPLOYMENT, SERVICE, PDB, HPA, SCALED_OBJECT, NETWORK_POLICY)
+EMBEDDING_SERVICE: Final = Kind(identity.GROUP, identity.VERSION, identity.PLURAL, identity.KIND)
+
+
+def of(manifest: dict[str, Any]) -> Kind:
+    """The child kind of a manifest (by apiVersion and kind)."""
+    api_version, kind = manifest["apiVersion"], manifest["kind"]
+    return next(k for k in CHILDREN if (k.api_version, k.kind) == (api_version, kind))
