@@ -92,9 +92,10 @@ class Supervisor:
             for i in range(self.frontends)
         ]
         s = self.settings
+        plural = "s" if self.frontends > 1 else ""
         print(
-            f"kembed: gRPC on {s.grpc_host}:{self.grpc_port} ({self.frontends} front ends), health and metrics on "
-            f"http://{s.http_host}:{self.http.port} (warming up; /readyz turns 200 when ready)",
+            f"kembed: gRPC on {s.grpc_host}:{self.grpc_port} ({self.frontends} front end{plural}), "
+            f"health and metrics on http://{s.http_host}:{self.http.port} (warming up; /readyz turns 200 when ready)",
             flush=True,
         )
         exits = {asyncio.create_task(child.wait()): child for child in self._children}
