@@ -1,4 +1,4 @@
-"""Strict loading and the pooled forward (kembed.model), checked against sentence-transformers."""
+"""Strict loading and the pooled forward (kembed.engine.model), checked against sentence-transformers."""
 
 from __future__ import annotations
 

@@ -1,4 +1,4 @@
-"""Pooling and post-processing (kembed.pooling) on hand-made tensors with known answers."""
+"""Pooling (kembed.engine.pooling) and the front end's post-processing, on hand-made tensors with known answers."""
 
 from __future__ import annotations
 
