@@ -98,9 +98,11 @@ def test_a_folder_whose_manifest_disagrees_with_its_name_is_started_afresh(tmp_p
 def test_use_points_inductor_at_the_identitys_folder(
     tmp_path: Path, model_dir: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    monkeypatch.delenv(compile_cache.INDUCTOR_ENV, raising=False)
+    for name in (compile_cache.INDUCTOR_ENV, compile_cache.TRITON_ENV):
+        monkeypatch.delenv(name, raising=False)
     assert compile_cache.use("", ident(model_dir)) is None
     assert compile_cache.INDUCTOR_ENV not in os.environ
     folder = compile_cache.use(str(tmp_path), ident(model_dir))
     assert folder == tmp_path / cache_key(ident(model_dir))
     assert os.environ[compile_cache.INDUCTOR_ENV] == str(folder / "inductor")
+    assert os.environ[compile_cache.TRITON_ENV] == str(folder / "triton")

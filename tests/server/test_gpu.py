@@ -8,6 +8,7 @@ Skipped without a GPU (CI has none); run on a GPU machine with `pytest -m gpu`.
 from __future__ import annotations
 
 from collections import Counter
+from collections.abc import Iterator
 
 import numpy as np
 import pytest
@@ -27,11 +28,11 @@ MOST_KERNELS_BESIDE_A_GRAPH = 8
 
 
 @pytest.fixture(scope="module", params=["capture", "static"])
-def engine(request: pytest.FixtureRequest) -> Engine:
-    torch.compiler.set_stance("default")
-    torch.compiler.reset()
+def engine(request: pytest.FixtureRequest) -> Iterator[Engine]:
     settings = Settings.from_env({}, device="cuda", compile="on", graphs=request.param, **PLAN)
-    return start_engine(settings, EmbeddingModel.load, lambda: None)
+    yield start_engine(settings, EmbeddingModel.load, lambda: None)
+    torch.compiler.set_stance("default")  # sealing forbade recompiles process-wide
+    torch.compiler.reset()
 
 
 def planned(engine: Engine) -> list[tuple[int, int]]:
@@ -64,8 +65,9 @@ def test_every_planned_shape_has_a_graph_and_replays_it_rather_than_running_eage
     assert engine.graphs.shapes == set(shapes)
     for rows, seq_len in shapes:
         calls = launches(engine, rows, seq_len)
+        graphs = sum(n for name, n in calls.items() if "GraphLaunch" in name)  # names may carry a _vNNNN
         kernels = sum(n for name, n in calls.items() if "LaunchKernel" in name)
-        assert calls["cudaGraphLaunch"] >= 1, f"{rows}x{seq_len} replayed no graph: {calls}"
+        assert graphs >= 1, f"{rows}x{seq_len} replayed no graph: {calls}"
         assert kernels <= MOST_KERNELS_BESIDE_A_GRAPH, f"{rows}x{seq_len} ran eager: {calls}"
 
 

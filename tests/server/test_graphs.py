@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterator
 
 import pytest
 import torch
 
+from kembed.config import Graphs
+from kembed.engine import graphs
 from kembed.engine.graphs import ShapeGuard, UnplannedShapeError, configure_dynamo, recompile_limit
 
 
@@ -69,3 +72,15 @@ def test_after_warmup_an_unplanned_shape_is_refused_and_a_recompile_raises(dynam
     guard(torch.ones(2, 16), torch.ones(2, 16))  # planned shapes still run
     with pytest.raises(Exception, match=r"fail_on_recompile|recompil"):
         double(torch.ones(3))  # type: ignore[operator]
+
+
+def test_capture_without_cuda_compiles_per_shape_and_says_so(
+    dynamo: None, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    pools: list[str] = []
+    monkeypatch.setattr(torch.cuda, "graph_pool_handle", lambda: pools.append("cuda"))  # must not be reached
+    with caplog.at_level(logging.WARNING, logger=graphs.__name__):
+        guard = graphs.compile_graphs(lambda ids, mask: ids.float(), Graphs.CAPTURE, 4, torch.device("cpu"))
+    assert not guard.shapes and not guard.sealed
+    assert pools == []
+    assert any("graphs=capture needs CUDA" in r.getMessage() for r in caplog.records)

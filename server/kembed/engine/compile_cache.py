@@ -1,7 +1,7 @@
 """``KEMBED_COMPILE_CACHE_DIR``: torch's compile caches kept across restarts, one folder per identity.
 
-Inductor's FX-graph, autotuning and Triton kernel caches go under ``TORCHINDUCTOR_CACHE_DIR``
-(Triton's under it by default), which must be set before the first compile. The folder is named by
+Inductor's FX-graph and autotuning caches go under ``TORCHINDUCTOR_CACHE_DIR`` and Triton's kernels
+under ``TRITON_CACHE_DIR``, both set before the first compile. The folder is named by
 a hash of what the compiled code depends on: torch and CUDA versions, the GPU, the model's files,
 dtype, pooling, graph mode and the planned shapes, written out in a manifest. A folder written for
 another identity is left alone and logged, never used: torch's own cache keys are the second line
@@ -24,6 +24,7 @@ log = logging.getLogger(__name__)
 
 MANIFEST = "kembed-compile-cache.json"
 INDUCTOR_ENV = "TORCHINDUCTOR_CACHE_DIR"
+TRITON_ENV = "TRITON_CACHE_DIR"  # inductor puts it under its own unless already set: set it too
 # What the compiled code depends on in a model folder; weight values are inputs, not constants.
 _MODEL_FILES = ("config.json", "modules.json", "1_Pooling/config.json")
 _WEIGHT_SUFFIXES = (".safetensors", ".bin")
@@ -108,9 +109,10 @@ def select(root: Path, ident: Identity) -> Path:
 
 
 def use(root: str, ident: Identity) -> Path | None:
-    """Point inductor (and Triton, beneath it) at this identity's folder; call before compiling."""
+    """Point inductor and Triton at this identity's folder; call before compiling."""
     if not root:
         return None
     folder = select(Path(root), ident)
     os.environ[INDUCTOR_ENV] = str(folder / "inductor")
+    os.environ[TRITON_ENV] = str(folder / "triton")
     return folder

@@ -168,9 +168,11 @@ def reduce_overhead(forward: Forward) -> Prepare:
     return lambda ids, attention_mask: replay
 
 
-def compile_graphs(forward: Forward, mode: Graphs, planned_shapes: int) -> ShapeGuard:
+def compile_graphs(forward: Forward, mode: Graphs, planned_shapes: int, device: torch.device) -> ShapeGuard:
     """The guarded, graph-replaying forward for ``planned_shapes`` shapes."""
     configure_dynamo(planned_shapes)
-    if mode is Graphs.CAPTURE:
+    if mode is Graphs.CAPTURE and device.type == "cuda":
         return ShapeGuard(capturing(torch.compile(forward, dynamic=True)))
+    if mode is Graphs.CAPTURE:  # CUDA graphs need CUDA; reduce-overhead compiles without them elsewhere
+        log.warning("graphs=capture needs CUDA; %s compiles per shape (static) instead", device)
     return ShapeGuard(reduce_overhead(forward))

@@ -139,7 +139,7 @@ class EmbeddingModel:
     def compile(self, mode: Graphs, planned_shapes: int) -> ShapeGuard:
         """Serve through CUDA graphs, one per shape, each prepared on its first call (warmup) and
         replayed after; call from the thread that will replay them."""
-        guard = compile_graphs(self._pooled, mode, planned_shapes)
+        guard = compile_graphs(self._pooled, mode, planned_shapes, self.info.device)
         self._compute = guard
         return guard
 
