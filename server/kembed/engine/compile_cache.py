@@ -115,4 +115,8 @@ def use(root: str, ident: Identity) -> Path | None:
     folder = select(Path(root), ident)
     os.environ[INDUCTOR_ENV] = str(folder / "inductor")
     os.environ[TRITON_ENV] = str(folder / "triton")
+    import torch._inductor.config as inductor  # heavy: only when a cache is used
+
+    # Without the FX-graph cache a warm restart recompiles everything (it is on by default).
+    log.info("compile cache: inductor fx_graph_cache=%s", getattr(inductor, "fx_graph_cache", "absent"))
     return folder

@@ -66,7 +66,7 @@ def configure_dynamo(planned_shapes: int) -> dict[str, int | bool]:
     wanted: list[tuple[tuple[str, ...], int | bool]] = [
         (("recompile_limit", "cache_size_limit"), limit),
         (("accumulated_recompile_limit", "accumulated_cache_size_limit"), limit * ACCUMULATED_PER_LIMIT),
-        (("fail_on_recompile_limit_hit",), True),
+        (("fail_on_recompile_limit_hit", "fail_on_cache_limit_hit"), True),
     ]
     applied: dict[str, int | bool] = {}
     for names, value in wanted:
