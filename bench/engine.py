@@ -51,8 +51,8 @@ def load(overrides: Mapping[str, str]) -> Engine:
     loaded = EmbeddingModel.load(settings)
     info = loaded.info
     plan = make_plan(settings, loaded)  # the server's own choice of compilation and shapes
-    if plan.compiled:
-        loaded.compile()
+    if plan.compiled:  # graphs are prepared as shapes come, and never sealed: the bench picks its shapes
+        loaded.compile(settings.graphs, len(plan.shapes.grid(plan.bucket_lengths)))
 
     def tokenize(texts: list[str], truncate: bool) -> tuple[np.ndarray, np.ndarray]:
         step = settings.max_items_per_request

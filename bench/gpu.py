@@ -1,19 +1,28 @@
 """GPU extras, when CUDA is present: ``python -m bench.gpu``.
 
-The ceiling (length-sorted, the server's fixed bucketed shapes) for the bundled all-MiniLM-L6-v2
-and for a BERT-base-sized model (12 layers x 768; random weights, since no package ships that
-size offline: speed does not depend on weight values), each compiled (torch.compile, CUDA graphs,
-as the server does on CUDA) and eager, in the server's CUDA dtype (bf16). Reports embeddings/s,
-tokens/s, the share of wall time a kernel ran (profiled), and recompiles after warmup.
+- Start-up: the server's own load, compile and warmup of every planned shape (``start_engine``), in a
+  fresh process each time, once with an empty ``KEMBED_COMPILE_CACHE_DIR`` (cold) and once reusing it
+  (warm restart), per graph mode. Records the seconds, the shapes planned and given a graph, and the
+  eager fallbacks (planned shapes without one: must be 0).
+- The ceiling (length-sorted, the server's fixed bucketed shapes) for the bundled all-MiniLM-L6-v2
+  and for a BERT-base-sized model (12 layers x 768; random weights, since no package ships that
+  size offline: speed does not depend on weight values), each compiled (as the server does on
+  CUDA) and eager, in the server's CUDA dtype (bf16): embeddings/s, tokens/s, the share of wall
+  time a kernel ran (profiled), and recompiles after warmup (must be 0).
 
-Without CUDA it writes ``gpu.json`` saying it was not run, and exits cleanly. The server runs of
-``bench.run_all`` need nothing special: the server and the ceiling pick CUDA when present.
+The machine block of ``gpu.json`` names the GPU and the torch version. Without CUDA it writes
+``gpu.json`` saying it was not run, and exits cleanly. The server runs of ``bench.run_all`` need
+nothing special: the server and the ceiling pick CUDA when present.
 """
 
 from __future__ import annotations
 
 import argparse
+import json
+import subprocess
+import sys
 import tempfile
+import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -21,8 +30,54 @@ from typing import Any
 import torch
 
 from bench import ceiling, engine, machine, workload
+from kembed.config import Graphs
 
 MODELS = {"all-MiniLM-L6-v2": "", "bert-base-random": "bert-base-random"}
+START_TIMEOUT_S = 900
+
+
+def start_once(model_dir: str, graphs: str, cache_dir: str) -> dict[str, Any]:
+    """Load and warm up as the server does, in this process; what a start-up took and left."""
+    from kembed.config import Settings
+    from kembed.engine.model import EmbeddingModel
+    from kembed.engine.worker import start_engine
+
+    settings = Settings.from_env(
+        {}, model=model_dir, device="cuda", compile="on", graphs=graphs, compile_cache_dir=cache_dir
+    )
+    started = time.perf_counter()
+    eng = start_engine(settings, EmbeddingModel.load, lambda: None)
+    seconds = time.perf_counter() - started
+    planned = {(rows, seq_len) for seq_len, rows in eng.warmup_shapes()}
+    graphed = eng.graphs.shapes if eng.graphs is not None else frozenset()
+    return {
+        "seconds": round(seconds, 1),
+        "shapes": len(planned),
+        "shapes_with_graph": len(planned & graphed),
+        "eager_fallbacks": len(planned - graphed),
+        "sealed": eng.graphs is not None and eng.graphs.sealed,
+    }
+
+
+def _start_in_fresh_process(model_dir: str, graphs: str, cache_dir: str) -> dict[str, Any]:
+    """A fresh process, so nothing compiled in this one makes the start look warm."""
+    command = [sys.executable, "-m", "bench.gpu", "--start-once", model_dir, graphs, cache_dir]
+    done = subprocess.run(command, capture_output=True, text=True, timeout=START_TIMEOUT_S, check=False)
+    if done.returncode != 0:
+        return {"error": done.stderr.strip().splitlines()[-1:] or [f"exit {done.returncode}"]}
+    return dict(json.loads(done.stdout.strip().splitlines()[-1]))
+
+
+def startups(model_dir: str, scratch: Path) -> dict[str, Any]:
+    """Cold, then warm from the cache the cold start filled, for each graph mode."""
+    result: dict[str, Any] = {}
+    for graphs in Graphs:
+        cache = scratch / f"compile-cache-{graphs}"
+        cache.mkdir()
+        for start in ("cold", "warm"):
+            result[f"{graphs} {start}"] = run = _start_in_fresh_process(model_dir, graphs, str(cache))
+            print(f"gpu: start-up, graphs={graphs}, {start}: {run}")
+    return result
 
 
 def _measure(model_dir: str, compile: str, texts: list[str], repeats: int) -> dict[str, Any]:
@@ -40,14 +95,19 @@ def _measure(model_dir: str, compile: str, texts: list[str], repeats: int) -> di
 def main(argv: Sequence[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--start-once", nargs=3, metavar=("MODEL", "GRAPHS", "CACHE"), help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if not torch.cuda.is_available():
         print("gpu: no CUDA device on this machine; not run")
         machine.write_result("gpu", {"run": False, "reason": "no CUDA device"})
         return
+    if args.start_once:
+        print(json.dumps(start_once(*args.start_once)))
+        return
     texts = workload.load().texts[: 256 if args.quick else None]
     runs: dict[str, Any] = {}
     with tempfile.TemporaryDirectory() as scratch:
+        start = startups(ceiling.model_dir("", Path(scratch)), Path(scratch))
         for name, model in MODELS.items():
             model_dir = ceiling.model_dir(model, Path(scratch))
             for compile in ("on", "off"):
@@ -55,7 +115,9 @@ def main(argv: Sequence[str] | None = None) -> None:
                     model_dir, compile, texts, repeats=1 if args.quick else 3
                 )
                 torch.compiler.reset()  # graphs of one model must not count as the next one's recompiles
-    machine.write_result("gpu", {"run": True, "texts": len(texts), "runs": runs})
+    machine.write_result(
+        "gpu", {"run": True, "texts": len(texts), "cuda": torch.version.cuda, "startup": start, "runs": runs}
+    )
 
 
 if __name__ == "__main__":

@@ -15,7 +15,7 @@ from typing import Any
 
 from kembed.config import ConfigError, Settings
 from kembed.contract import ENV_PREFIX, GRPC_PORT, HTTP_PORT, LIVEZ_PATH, METRICS_PATH, READYZ_PATH, Metric, env_name
-from kembed_operator import access, identity, kinds
+from kembed_operator import access, identity, kinds, startup
 from kembed_operator.config import OperatorConfig
 from kembed_operator.slo import Thresholds, derive
 from kembed_operator.spec import EmbeddingServiceSpec, InvalidSpec
@@ -28,6 +28,7 @@ GRACE_MARGIN_S = 5
 STARTUP_PERIOD_S = 10
 MODEL_DIR = "/models"
 CACHE_DIR = "/cache"
+COMPILE_CACHE_DIR = "/compile-cache"
 GPU_RESOURCE = "nvidia.com/gpu"
 
 
@@ -158,6 +159,7 @@ def server_env(spec: EmbeddingServiceSpec, thresholds: Thresholds) -> dict[str, 
         "latency_window_s": admission.latency_window_seconds,
         "max_queued_tokens": admission.max_queued_tokens,
         "drain_timeout_s": spec.drain_seconds,
+        "compile_cache_dir": COMPILE_CACHE_DIR if spec.compile_cache.enabled else None,
         **_model_source(spec),
         **access.tls_settings(spec),
     }
@@ -270,7 +272,7 @@ def _container(
         "resources": _resources(spec),
         # Startup waits for /readyz: model load, warmup and CUDA graph capture can take minutes.
         "startupProbe": _probe(
-            READYZ_PATH, period=STARTUP_PERIOD_S, failures=math.ceil(spec.startup_timeout_seconds / STARTUP_PERIOD_S)
+            READYZ_PATH, period=STARTUP_PERIOD_S, failures=math.ceil(startup_seconds(spec, env) / STARTUP_PERIOD_S)
         ),
         "readinessProbe": _probe(READYZ_PATH, period=5, failures=2),
         "livenessProbe": _probe(LIVEZ_PATH, period=10, failures=3),
@@ -326,8 +328,28 @@ def _volumes(spec: EmbeddingServiceSpec) -> tuple[list[Manifest], list[Manifest]
         )
         volumes.append({"name": "model-cache", **cache})
         mounts.append({"name": "model-cache", "mountPath": CACHE_DIR})
+    cache_volumes, cache_mounts = _compile_cache(spec)
     tls_volumes, tls_mounts = access.tls_volumes(spec)
-    return volumes + tls_volumes, mounts + tls_mounts
+    return volumes + cache_volumes + tls_volumes, mounts + cache_mounts + tls_mounts
+
+
+def _compile_cache(spec: EmbeddingServiceSpec) -> tuple[list[Manifest], list[Manifest]]:
+    cache = spec.compile_cache
+    if not cache.enabled:
+        return [], []
+    source: Manifest = (
+        {"persistentVolumeClaim": {"claimName": cache.claim_name}}
+        if cache.claim_name
+        else {"emptyDir": {"sizeLimit": cache.size_limit}}
+    )
+    return [{"name": "compile-cache", **source}], [{"name": "compile-cache", "mountPath": COMPILE_CACHE_DIR}]
+
+
+def startup_seconds(spec: EmbeddingServiceSpec, env: dict[str, str]) -> int:
+    """The spec's startup timeout, or one derived from the shapes the server will warm up."""
+    if spec.startup_timeout_seconds is not None:
+        return spec.startup_timeout_seconds
+    return startup.startup_budget_seconds(Settings.from_env(env), "cuda" if spec.resources.gpu else "cpu")
 
 
 # --- Service, PDB ---------------------------------------------------------------------------------

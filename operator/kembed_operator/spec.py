@@ -55,6 +55,14 @@ class ModelSpec(_Spec):
         return self
 
 
+class CompileCacheSpec(_Spec):
+    """torch's compile caches: an emptyDir survives container restarts; a PVC survives pods too."""
+
+    enabled: bool = True
+    size_limit: Quantity = "5Gi"  # of the emptyDir
+    claim_name: str = ""  # a PVC instead of the emptyDir (ReadWriteMany when replicas share it)
+
+
 class ResourcesSpec(_Spec):
     gpu: int = Field(1, ge=0)
     cpu: Quantity = "4"
@@ -148,7 +156,9 @@ class EmbeddingServiceSpec(_Spec):
     service: ServiceSpec = Field(default_factory=ServiceSpec)
     tls: TlsSpec | None = None
     network_policy: NetworkPolicySpec = Field(default_factory=NetworkPolicySpec)
-    startup_timeout_seconds: int = Field(900, ge=10)  # model load + warmup + CUDA graph capture
+    compile_cache: CompileCacheSpec = Field(default_factory=CompileCacheSpec)
+    # unset = derived from the shapes warmed up and measured cold starts (kembed_operator.startup)
+    startup_timeout_seconds: int | None = Field(None, ge=10)
     drain_seconds: int = Field(25, ge=0)  # how long a terminating pod may finish accepted work
     node_selector: dict[str, str] = Field(default_factory=dict)
     tolerations: list[dict[str, Any]] = Field(default_factory=list)

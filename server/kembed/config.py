@@ -57,9 +57,14 @@ class Toggle(StrEnum):
 
 
 class Warmup(StrEnum):
-    AUTO = "auto"  # grid when compiling (graphs must be captured), else largest
+    AUTO = "auto"  # grid when compiling (always: graphs must be captured), else largest
     GRID = "grid"  # every (bucket, batch size) shape
     LARGEST = "largest"  # the largest batch of every bucket: enough to seed the service rate
+
+
+class Graphs(StrEnum):
+    CAPTURE = "capture"  # one dynamic-shape compile, a torch.cuda.CUDAGraph captured per planned shape
+    STATIC = "static"  # a reduce-overhead compile per planned shape (the mechanism measured first)
 
 
 def _csv(value: Any) -> Any:
@@ -84,7 +89,14 @@ class Settings(BaseModel):
     dtype: str = Field("auto", description="auto (bf16 on CUDA, fp32 on CPU), float32, float16 or bfloat16")
     device: str = Field("auto", description="auto, cpu, cuda or cuda:N")
     compile: Toggle = Field(Toggle.AUTO, description="torch.compile with CUDA graphs: auto = on for CUDA")
-    warmup: Warmup = Field(Warmup.AUTO, description="auto, grid or largest (see the README)")
+    graphs: Graphs = Field(
+        Graphs.CAPTURE, description='When compiling: capture or static (see the README, "Compile, cache and warmup")'
+    )
+    compile_cache_dir: str = Field(
+        "",
+        description="Folder kept across restarts for torch's compile caches (keyed by torch, GPU, model); empty = none",
+    )
+    warmup: Warmup = Field(Warmup.AUTO, description="auto, grid or largest (see the README); compiled, always grid")
 
     # --- batching ---
     batching: Batching = Field(Batching.TOKEN_BUCKET, description="token_bucket, or naive (the ablation baseline)")

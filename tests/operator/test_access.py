@@ -77,7 +77,7 @@ def test_mtls_mounts_only_the_ca_certificate() -> None:
 
 
 def test_no_tls_mounts_nothing() -> None:
-    assert [v["name"] for v in pod({})["volumes"]] == ["tmp"]
+    assert [v["name"] for v in pod({})["volumes"]] == ["tmp", "compile-cache"]  # no TLS volume
     assert not any(name.startswith("KEMBED_TLS_") for name in env({}))
 
 

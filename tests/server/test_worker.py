@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import numpy as np
 import pytest
 import torch
 
 from kembed.config import Settings, Warmup
+from kembed.engine.graphs import ShapeGuard, UnplannedShapeError
 from kembed.engine.model import EmbeddingModel
 from kembed.engine.work import Chunk, Job
 from kembed.engine.worker import Engine, Outcome, make_plan
@@ -70,3 +73,26 @@ def test_warmup_times_the_largest_batch_of_each_bucket(engine: Engine):
     engine.warm_up(lambda: None)
     assert engine.warmup_tokens == 16 * 8 + 32 * 8 + 256
     assert engine.warmup_seconds > 0
+
+
+def test_after_warmup_an_unplanned_shape_fails_its_batch_whole(engine: Engine, monkeypatch: pytest.MonkeyPatch):
+    real_forward = engine.model.forward
+    prepared: list[tuple[int, ...]] = []
+
+    def prepare(ids: torch.Tensor, mask: torch.Tensor) -> Callable[[torch.Tensor, torch.Tensor], torch.Tensor]:
+        prepared.append(tuple(ids.shape))
+        return real_forward
+
+    guard = ShapeGuard(prepare)
+    monkeypatch.setattr(engine.model, "forward", guard)
+    sealed = Engine(engine.model, engine.plan, Warmup.LARGEST, graphs=guard)
+    try:
+        sealed.warm_up(lambda: None)
+    finally:
+        torch.compiler.set_stance("default")  # sealing forbids recompiles process-wide
+    assert guard.sealed
+    assert prepared == [(rows, seq_len) for seq_len, rows in sealed.warmup_shapes()]
+    outcomes = sealed.compute(chunks_for(sealed, ["one", "two", "three"]), seq_len=16)  # 3x16: not warmed
+    assert len(outcomes) == 1  # not halved into per-item failures: no shape of it would be planned either
+    assert isinstance(outcomes[0].error, UnplannedShapeError)
+    assert len(prepared) == len(sealed.warmup_shapes())

@@ -16,11 +16,12 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from kembed.engine.buckets import BucketQueue
 from kembed.engine.work import Batch, Chunk, Job
+from kembed.shapes import BatchShapes
 
 # Batches handed to the worker and not yet finished. With fixed shapes (CUDA graphs) a batch takes
 # milliseconds, so one waits ready while another runs and the device never idles on the host. In
@@ -28,44 +29,6 @@ from kembed.engine.work import Batch, Chunk, Job
 # worker is free, from everything that queued meanwhile, so batches are larger and run faster per token.
 IN_FLIGHT_FIXED = 2
 IN_FLIGHT_EAGER = 1
-
-
-@dataclass(frozen=True)
-class BatchShapes:
-    """Batch row counts (powers of two up to ``max_batch_size``, capped by tokens), and whether
-    batches are padded to exactly those shapes."""
-
-    sizes: tuple[int, ...]
-    max_tokens: int
-    fixed: bool  # pad to (size, bucket length): CUDA graphs need it; in eager mode it is wasted work
-
-    @classmethod
-    def build(cls, max_batch_size: int, max_tokens: int, fixed: bool) -> BatchShapes:
-        sizes = [1 << i for i in range(max_batch_size.bit_length()) if 1 << i <= max_batch_size]
-        if sizes[-1] != max_batch_size:
-            sizes.append(max_batch_size)
-        return cls(tuple(sizes), max_tokens, fixed)
-
-    def max_rows(self, seq_len: int) -> int:
-        """The most rows a batch of this length may have (always at least one)."""
-        fitting = [size for size in self.sizes if size * seq_len <= self.max_tokens]
-        return fitting[-1] if fitting else self.sizes[0]
-
-    def rows_for(self, n: int, seq_len: int) -> int:
-        """The batch size for ``n`` items: the smallest fixed size that holds them, when fixed."""
-        if not self.fixed:
-            return n
-        return next(size for size in self.sizes if size >= n)
-
-    def seq_len_for(self, bucket_length: int, chunks: Sequence[Chunk]) -> int:
-        """The batch length: the bucket's when fixed, else the longest item's."""
-        if self.fixed:
-            return bucket_length
-        return max(int(chunk.lengths.max()) for chunk in chunks)
-
-    def grid(self, seq_lens: Sequence[int]) -> list[tuple[int, int]]:
-        """Every (seq_len, rows) shape a batch can take: what warmup compiles."""
-        return [(seq_len, rows) for seq_len in seq_lens for rows in self.sizes if rows <= self.max_rows(seq_len)]
 
 
 @dataclass(frozen=True)

@@ -16,8 +16,9 @@ from typing import Any
 import torch
 from transformers import AutoModel, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
-from kembed.config import Settings
+from kembed.config import Graphs, Settings
 from kembed.contract import env_name
+from kembed.engine.graphs import ShapeGuard, compile_graphs
 from kembed.engine.pooling import pool
 from kembed.inputs import Tokenizer, tokenizer_fingerprint
 
@@ -135,15 +136,12 @@ class EmbeddingModel:
         """float32 [B, dimensions] pooled rows (not normalized) for right-padded ids/mask [B, L] on the device."""
         return self._compute(ids, attention_mask)
 
-    def compile(self) -> None:
-        """Capture CUDA graphs per fixed shape; call from the thread that will replay them."""
-        graphs = torch.compile(self._pooled, mode="reduce-overhead", dynamic=False)
-
-        def replay(ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
-            torch.compiler.cudagraph_mark_step_begin()  # inference: every call starts a new step
-            return graphs(ids, attention_mask).clone()  # the next replay overwrites the graph's output
-
-        self._compute = replay
+    def compile(self, mode: Graphs, planned_shapes: int) -> ShapeGuard:
+        """Serve through CUDA graphs, one per shape, each prepared on its first call (warmup) and
+        replayed after; call from the thread that will replay them."""
+        guard = compile_graphs(self._pooled, mode, planned_shapes, self.info.device)
+        self._compute = guard
+        return guard
 
     def _pooled(self, ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
         hidden = self._model(input_ids=ids, attention_mask=attention_mask).last_hidden_state

@@ -18,11 +18,13 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from kembed.config import Batching, Settings, Toggle, Warmup
-from kembed.engine.batcher import BatchShapes
+from kembed.config import Batching, Settings, Warmup
+from kembed.engine import compile_cache
 from kembed.engine.buckets import clip_buckets
+from kembed.engine.graphs import ShapeGuard, UnplannedShapeError
 from kembed.engine.model import EmbeddingModel
 from kembed.engine.work import Batch, Chunk
+from kembed.shapes import BatchShapes, batch_tokens, compiles
 
 log = logging.getLogger(__name__)
 
@@ -30,6 +32,7 @@ log = logging.getLogger(__name__)
 # shape pays one-off allocation costs. The last repeat is the one timed.
 WARMUP_REPEATS_COMPILED = 3
 WARMUP_REPEATS_EAGER = 2
+_STANCES = {"fail_on_recompile": "raises (that batch fails)", "none": "is possible (this torch has no stances)"}
 
 
 @dataclass(frozen=True)
@@ -57,22 +60,13 @@ Deliver = Callable[[Batch, list[Outcome], float, float], None]
 LoadModel = Callable[[Settings], EmbeddingModel]
 
 
-# A batch should take a small share of the drain budget: two are in flight and both count in the
-# backlog. On CPU 2048 tokens (~0.4 s on two cores) is as efficient per token as 8192 (~2 s).
-AUTO_MAX_TOKENS = {"cpu": 2048, "cuda": 16384}
-
-
 def make_plan(settings: Settings, model: EmbeddingModel) -> Plan:
     device = model.info.device
     naive = settings.batching is Batching.NAIVE
-    # Compiled graphs need fixed shapes; the naive baseline has none, so it always runs eager.
-    compiled = not naive and (
-        settings.compile is Toggle.ON or (settings.compile is Toggle.AUTO and device.type == "cuda")
-    )
+    compiled = compiles(settings, device.type)
     max_tokens = model.info.max_input_tokens
     lengths = [max_tokens] if naive else clip_buckets(settings.buckets, max_tokens)
-    max_batch_tokens = settings.max_tokens_per_batch or AUTO_MAX_TOKENS.get(device.type, AUTO_MAX_TOKENS["cpu"])
-    shapes = BatchShapes.build(settings.max_batch_size, max_batch_tokens, fixed=compiled)
+    shapes = BatchShapes.build(settings.max_batch_size, batch_tokens(settings, device.type), fixed=compiled)
     return Plan(lengths, shapes, compiled, naive)
 
 
@@ -87,16 +81,18 @@ def is_fatal(error: BaseException) -> bool:
 class Engine:
     """The loaded model and its serving plan: warmup and batch compute, on the worker thread."""
 
-    def __init__(self, model: EmbeddingModel, plan: Plan, warmup: Warmup) -> None:
+    def __init__(self, model: EmbeddingModel, plan: Plan, warmup: Warmup, graphs: ShapeGuard | None = None) -> None:
         self.model = model
         self.plan = plan
+        self.graphs = graphs  # when compiled: which shapes have a graph, sealed after warmup
         self._warmup_mode = warmup
         self.warmup_tokens = 0  # of the largest batch of each bucket: what seeds the service rate
         self.warmup_seconds = 0.0
 
     def warmup_shapes(self) -> list[tuple[int, int]]:
         plan = self.plan
-        if self._warmup_mode is Warmup.GRID or (self._warmup_mode is Warmup.AUTO and plan.compiled):
+        # Compiled, every shape needs its graph before serving: sealing refuses shapes not warmed.
+        if plan.compiled or self._warmup_mode is Warmup.GRID:
             return plan.shapes.grid(plan.bucket_lengths)
         return [(length, plan.shapes.max_rows(length)) for length in plan.bucket_lengths]
 
@@ -116,6 +112,9 @@ class Engine:
             if rows == plan.shapes.max_rows(seq_len):
                 self.warmup_tokens += rows * seq_len
                 self.warmup_seconds += seconds
+        if self.graphs is not None:  # readiness waits on this: every planned shape has its graph
+            stance = self.graphs.seal()
+            log.info("%d shapes sealed; a recompile while serving %s", len(self.graphs.shapes), _STANCES[stance])
 
     def compute(self, chunks: list[Chunk], seq_len: int) -> list[Outcome]:
         """Compute chunks as one batch; if that fails, each half on its own, so only the
@@ -127,6 +126,9 @@ class Engine:
         try:
             ids, mask = batch.assemble(self.model.info.pad_token_id)
             embeddings = self._pooled(torch.from_numpy(ids), torch.from_numpy(mask))[:items]
+        except UnplannedShapeError as error:  # a planning bug, not this input's: halving cannot help
+            log.error("batch of %d items failed: %s", items, error)
+            return [Outcome(chunks, None, error, 0, 0)]
         except Exception as error:
             if is_fatal(error):
                 raise
@@ -145,6 +147,33 @@ class Engine:
             ids = ids.pin_memory().to(device, non_blocking=True)
             mask = mask.pin_memory().to(device, non_blocking=True)
         return self.model.forward(ids, mask).float().cpu().numpy()
+
+
+def start_engine(settings: Settings, load_model: LoadModel, beat: Callable[[], None]) -> Engine:
+    """Load, compile (through the compile cache when set) and warm up every planned shape."""
+    started = time.monotonic()
+    model = load_model(settings)
+    plan = make_plan(settings, model)
+    engine = Engine(model, plan, settings.warmup)
+    if plan.compiled:
+        shapes = engine.warmup_shapes()
+        info = model.info
+        ident = compile_cache.identity(info.device, info.path, info.dtype, info.pooling, settings.graphs, shapes)
+        compile_cache.use(settings.compile_cache_dir, ident)
+        engine.graphs = model.compile(settings.graphs, len(shapes))
+    engine.warm_up(beat)
+    log.info(
+        "warm: %d shapes in %.1f s, %.0f padded tokens/s (%s, %s, compiled=%s, graphs=%s, torch %s)",
+        len(engine.warmup_shapes()),
+        time.monotonic() - started,
+        engine.warmup_tokens / max(engine.warmup_seconds, 1e-9),
+        model.info.device,
+        model.info.dtype,
+        plan.compiled,
+        settings.graphs if plan.compiled else "none",
+        torch.__version__,
+    )
+    return engine
 
 
 class Worker:
@@ -210,23 +239,7 @@ class Worker:
             self.warm.set_result(None)
 
     def _load_and_warm_up(self) -> Engine:
-        started = time.monotonic()
-        model = self._load_model(self._settings)
-        plan = make_plan(self._settings, model)
-        if plan.compiled:
-            model.compile()
-        engine = Engine(model, plan, self._settings.warmup)
-        engine.warm_up(self._beat)
-        log.info(
-            "warm: %d shapes in %.1f s, %.0f padded tokens/s (%s, %s, compiled=%s)",
-            len(engine.warmup_shapes()),
-            time.monotonic() - started,
-            engine.warmup_tokens / max(engine.warmup_seconds, 1e-9),
-            model.info.device,
-            model.info.dtype,
-            plan.compiled,
-        )
-        return engine
+        return start_engine(self._settings, self._load_model, self._beat)
 
     def _serve(self, engine: Engine) -> None:
         while True:

@@ -1,0 +1,86 @@
+"""CPU-testable parts of the graph guard: limits that cover the plan, a loud limit hit, sealing."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Iterator
+
+import pytest
+import torch
+
+from kembed.config import Graphs
+from kembed.engine import graphs
+from kembed.engine.graphs import ShapeGuard, UnplannedShapeError, configure_dynamo, recompile_limit
+
+
+@pytest.fixture
+def dynamo() -> Iterator[None]:
+    """Dynamo's limits and stance as they were, and no compiled code, after the test."""
+    config = torch._dynamo.config
+    saved = {
+        "recompile_limit": config.recompile_limit,
+        "accumulated_recompile_limit": config.accumulated_recompile_limit,
+        "fail_on_recompile_limit_hit": config.fail_on_recompile_limit_hit,
+    }
+    with config.patch(saved):
+        yield
+    torch.compiler.set_stance("default")
+    torch.compiler.reset()
+
+
+def _compiled_sum() -> object:
+    # backend="eager": dynamo's guards and cache entries without inductor's C++ compiler.
+    return torch.compile(lambda x: (x * 2).sum(), backend="eager", dynamic=False)
+
+
+def test_the_limit_covers_every_planned_shape_and_is_never_lowered(dynamo: None) -> None:
+    applied = configure_dynamo(40)
+    assert applied["recompile_limit"] == recompile_limit(40) >= 40
+    assert applied["accumulated_recompile_limit"] >= applied["recompile_limit"]
+    assert applied["fail_on_recompile_limit_hit"] is True
+    torch._dynamo.config.recompile_limit = 500
+    assert configure_dynamo(40)["recompile_limit"] == 500
+
+
+def test_every_planned_shape_compiles_and_one_more_than_the_limit_is_an_error(dynamo: None) -> None:
+    planned = 3
+    configure_dynamo(planned)
+    double = _compiled_sum()
+    for length in range(1, recompile_limit(planned) + 1):  # dynamic=False: one cache entry per length
+        double(torch.ones(length))  # type: ignore[operator]
+    with pytest.raises(Exception, match=r"recompile_limit|cache_size_limit"):  # not a silent eager run
+        double(torch.ones(recompile_limit(planned) + 1))  # type: ignore[operator]
+
+
+def test_after_warmup_an_unplanned_shape_is_refused_and_a_recompile_raises(dynamo: None) -> None:
+    prepared: list[tuple[int, ...]] = []
+    double = _compiled_sum()
+
+    def prepare(ids: torch.Tensor, mask: torch.Tensor) -> object:
+        prepared.append(tuple(ids.shape))
+        return lambda ids, mask: double(ids)  # type: ignore[operator]
+
+    guard = ShapeGuard(prepare)  # type: ignore[arg-type]
+    for shape in [(1, 16), (2, 16), (1, 16)]:
+        guard(torch.ones(shape), torch.ones(shape))
+    assert prepared == [(1, 16), (2, 16)]  # once per shape
+    assert guard.shapes == {(1, 16), (2, 16)}
+    assert guard.seal() == "fail_on_recompile"
+    with pytest.raises(UnplannedShapeError, match="4x16 is not one of the 2 warmed-up shapes"):
+        guard(torch.ones(4, 16), torch.ones(4, 16))
+    assert prepared == [(1, 16), (2, 16)]
+    guard(torch.ones(2, 16), torch.ones(2, 16))  # planned shapes still run
+    with pytest.raises(Exception, match=r"fail_on_recompile|recompil"):
+        double(torch.ones(3))  # type: ignore[operator]
+
+
+def test_capture_without_cuda_compiles_per_shape_and_says_so(
+    dynamo: None, caplog: pytest.LogCaptureFixture, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    pools: list[str] = []
+    monkeypatch.setattr(torch.cuda, "graph_pool_handle", lambda: pools.append("cuda"))  # must not be reached
+    with caplog.at_level(logging.WARNING, logger=graphs.__name__):
+        guard = graphs.compile_graphs(lambda ids, mask: ids.float(), Graphs.CAPTURE, 4, torch.device("cpu"))
+    assert not guard.shapes and not guard.sealed
+    assert pools == []
+    assert any("graphs=capture needs CUDA" in r.getMessage() for r in caplog.records)
