@@ -5,14 +5,11 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
-import os
 import sys
 from pathlib import Path
 
 from kembed.config import ConfigError, Settings
 from kembed.frontend.process import FrontendProcess
-
-FRONTEND_NICENESS = 5
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -26,9 +23,6 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as error:
         print(f"kembed front end: configuration error: {error}", file=sys.stderr)
         return 2
-    # Below the engine: where they share cores (CPU inference, a small pod), a storm of calls to
-    # refuse must not take the CPU the engine computes with. Free cores are used all the same.
-    os.nice(FRONTEND_NICENESS)
     logging.basicConfig(
         level=settings.log_level, format=f"%(asctime)s %(levelname)s frontend-{args.index} %(name)s: %(message)s"
     )
