@@ -148,6 +148,12 @@ class Settings(BaseModel):
     )
     drain_timeout_s: float = Field(25.0, ge=0, description="On SIGTERM, how long accepted work may take to finish")
     log_level: str = Field("INFO", description="Python log level (DEBUG, INFO, WARNING, ERROR)")
+    frontend_nice: int = Field(
+        5,
+        ge=0,
+        le=19,
+        description="Niceness of the front ends: where they share cores with the engine, it computes first",
+    )
     frontends: str = Field(
         "auto",
         description="gRPC front-end processes sharing the port: a number, or auto ((CPUs - 2) / 2, from 1 to 8)",

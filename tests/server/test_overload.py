@@ -69,7 +69,9 @@ def test_overload_rejects_fast_and_answers_everything_accepted(server: ServerPro
     rejected = [i for i, code in enumerate(codes) if code is grpc.StatusCode.RESOURCE_EXHAUSTED]
     assert len(ok) + len(rejected) == len(codes), {c for c in codes}  # no timeouts, no internal errors
     assert len(ok) >= 3 and len(rejected) >= 100  # a busy machine admits only a few within the budget
-    assert np.median([latency[i] for i in rejected]) < 0.25
+    # Front ends run below the engine (KEMBED_FRONTEND_NICE): while it computes on both cores a
+    # rejection took about 0.3 s here, against 0.1 s at equal priority.
+    assert np.median([latency[i] for i in rejected]) < 0.5
     assert np.percentile([latency[i] for i in ok], 95) < MAX_DRAIN_MS / 1000 + 4.0
     assert watch.peak <= MAX_QUEUED
     trailers = dict(futures[rejected[0]].trailing_metadata())

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import logging
+import os
 import sys
 from pathlib import Path
 
@@ -23,6 +24,9 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as error:
         print(f"kembed front end: configuration error: {error}", file=sys.stderr)
         return 2
+    # Below the engine where they share cores (CPU inference, a small pod): a storm of calls to
+    # refuse must not take the cores the engine computes with (README, "Choices").
+    os.nice(settings.frontend_nice)
     logging.basicConfig(
         level=settings.log_level, format=f"%(asctime)s %(levelname)s frontend-{args.index} %(name)s: %(message)s"
     )
