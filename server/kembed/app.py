@@ -14,7 +14,6 @@ once, so Kubernetes restarts the pod instead of leaving it half-alive.
 from __future__ import annotations
 
 import asyncio
-import json
 import logging
 import os
 import shutil
@@ -35,7 +34,6 @@ from kembed.ipc import (
     FRONTEND_HEARTBEAT,
     FRONTEND_SERVING,
     METRICS_DIR,
-    SERVING_FILE,
     Board,
     Slot,
 )
@@ -62,7 +60,6 @@ class Supervisor:
         self._port_hold = _reserve_port(settings.grpc_host, settings.grpc_port)
         self.grpc_port = int(self._port_hold.getsockname()[1])
         self._children: list[Process] = []
-        self._info: dict[str, Any] | None = None
         self.http = HealthServer(
             settings.http_host,
             settings.http_port,
@@ -183,7 +180,7 @@ class Supervisor:
             "estimated_drain_time_ms": round(drain * 1000, 1),
             "p95_server_side_latency_ms": round(p95 * 1000, 1),
             "worker_queue_depth": int(board[Slot.IN_FLIGHT_BATCHES]),
-            "embedding_dimension": (self._serving_info() or {}).get("dimensions"),
+            "embedding_dimension": int(board[Slot.DIMENSIONS]) or None,
             "frontends": self.frontends,
             "uptime_seconds": round(time.monotonic() - self.started, 1),
         }
@@ -196,11 +193,6 @@ class Supervisor:
         if drain * 1000 > self.settings.max_drain_ms or p95 * 1000 > self.settings.p95_hard_ms:
             return "overloaded"
         return "degraded" if self.board[Slot.SHED_FRACTION] > 0 else "healthy"
-
-    def _serving_info(self) -> dict[str, Any] | None:
-        if self._info is None and (self._runtime / SERVING_FILE).is_file():
-            self._info = json.loads((self._runtime / SERVING_FILE).read_text())
-        return self._info
 
 
 def _reserve_port(host: str, port: int) -> socket.socket:

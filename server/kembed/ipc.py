@@ -29,7 +29,6 @@ import numpy as np
 HEADER = struct.Struct("<IBH")
 ENGINE_SOCKET = "engine.sock"
 BOARD_FILE = "board"
-SERVING_FILE = "serving.json"  # the warm engine's ServingInfo, less the tokenizer, for /health
 METRICS_DIR = "metrics"
 # What the engine loads the model with, as ``module:callable``; benchmarks swap in a zero-cost one.
 DEFAULT_MODEL_LOADER = "kembed.engine.model:EmbeddingModel.load"
@@ -130,7 +129,8 @@ class Slot(IntEnum):
     SHED_FRACTION = 5
     ENGINE_HEARTBEAT = 6  # time.monotonic() of the engine's last sign of life
     IN_FLIGHT_BATCHES = 7
-    FRONTENDS = 8
+    DIMENSIONS = 8  # of the served embeddings, once warm
+    FRONTENDS = 9
 
 
 FRONTEND_HEARTBEAT = 0

@@ -12,7 +12,7 @@ import pytest
 from kembed.admission import AdmissionController, MeasuredLoad
 from kembed.config import Settings
 from kembed.engine.batcher import Batcher, BatchShapes
-from kembed.engine.buckets import BucketQueue
+from kembed.engine.buckets import BucketQueue, padded_lengths
 from kembed.engine.intake import WORK_PARTS, Intake, Work
 from kembed.engine.jobs import Jobs
 from kembed.engine.responder import Responder
@@ -52,6 +52,7 @@ def work_frame(requests: list[list[int]], tags: list[int], deadline: float = 1e9
         np.asarray(tags, "<u8"),
         np.full(len(tags), deadline, "<f8"),
         np.asarray([len(r) for r in requests], "<u4"),
+        np.asarray([padded_lengths(np.asarray(r), LENGTHS).sum() for r in requests], "<u8"),
         np.asarray(lengths, "<i4"),
         np.concatenate([np.arange(n, dtype="<i4") + 1 for n in lengths]) if lengths else np.empty(0, "<i4"),
         np.asarray(cancels, "<u8"),
@@ -154,7 +155,8 @@ def test_a_lost_front_end_takes_its_queued_work_with_it(engine_path):
 
 
 def test_inconsistent_frames_are_refused():
-    arrays = [np.asarray(v, d) for v, d in zip(([1], [1.0], [2], [3], [1, 2, 3], [], []), WORK_PARTS, strict=True)]
+    values: tuple[list[float], ...] = ([1], [1.0], [2], [16], [3], [1, 2, 3], [], [])
+    arrays = [np.asarray(v, d) for v, d in zip(values, WORK_PARTS, strict=True)]
     with pytest.raises(ValueError, match="disagree"):
         Work.decode(Frame(Kind.WORK, [memoryview(a.tobytes()) for a in arrays]))
 

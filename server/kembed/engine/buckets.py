@@ -50,7 +50,7 @@ def route(seqs: Sequences, bucket_lengths: Sequence[int], pad_id: int) -> list[R
     return routed
 
 
-def padded_lengths(lengths: np.ndarray, bucket_lengths: Sequence[int]) -> np.ndarray:
+def padded_lengths(lengths: np.ndarray, bucket_lengths: Sequence[int] | np.ndarray) -> np.ndarray:
     """Each sequence's length once padded to its bucket: summed per request, the unit admission counts."""
     ladder = np.asarray(bucket_lengths)
     return ladder[np.minimum(np.searchsorted(ladder, lengths, side="left"), len(ladder) - 1)]

@@ -2,8 +2,9 @@
 back, cancellations applied and latency samples counted.
 
 Front ends pre-screen against the board; this is the final word, against the global backlog that
-every front end's requests share. A frame carries many requests: their costs and their routing into
-buckets are computed for the whole frame at once, and only the admission decision loops per request.
+every front end's requests share. Each request arrives with the padded cost its front end computed
+(the engine does not compute it again); the decision and the cut into chunks loop per request, a
+one-item request without routing.
 """
 
 from __future__ import annotations
@@ -16,7 +17,7 @@ import numpy as np
 
 from kembed.admission import AdmissionController
 from kembed.engine.batcher import Batcher
-from kembed.engine.buckets import padded_lengths, route
+from kembed.engine.buckets import route
 from kembed.engine.jobs import Jobs
 from kembed.engine.responder import Outbox
 from kembed.engine.work import Chunk, Job
@@ -32,6 +33,7 @@ class Work:
     tags: np.ndarray  # uint64 [requests]
     deadlines: np.ndarray  # float64 [requests], monotonic seconds
     counts: np.ndarray  # uint32 [requests]: items per request, each >= 1
+    costs: np.ndarray  # uint64 [requests]: padded tokens, as the front end admitted it
     lengths: np.ndarray  # int32 [items]
     ids: np.ndarray  # int32 [tokens]
     cancels: np.ndarray  # uint64: tags nobody waits for any more
@@ -45,7 +47,7 @@ class Work:
         return work
 
 
-WORK_PARTS = ("<u8", "<f8", "<u4", "<i4", "<i4", "<u8", "<f8")
+WORK_PARTS = ("<u8", "<f8", "<u4", "<u8", "<i4", "<i4", "<u8", "<f8")
 ONE_SLOT = np.zeros(1, dtype=np.int64)  # the only item of a one-item request (never written to)
 
 
@@ -67,6 +69,7 @@ class Intake:
         self._metrics = metrics
         self._pad = pad_token_id
         self._ladder = batcher.queue.lengths
+        self._ladder_array = np.asarray(self._ladder)
         self._clock = clock
 
     def accept(self, link: int, work: Work) -> None:
@@ -78,13 +81,11 @@ class Intake:
             self._admit(link, work)
 
     def _admit(self, link: int, work: Work) -> None:
-        starts = np.cumsum(work.counts, dtype=np.int64) - work.counts
-        costs = np.add.reduceat(padded_lengths(work.lengths, self._ladder), starts).tolist()
         jobs: list[Job | None] = []
         refused: list[tuple[int, str, str, int]] = []
         backlog = self._batcher.backlog_tokens
         for tag, deadline, count, cost in zip(
-            work.tags.tolist(), work.deadlines.tolist(), work.counts.tolist(), costs, strict=True
+            work.tags.tolist(), work.deadlines.tolist(), work.counts.tolist(), work.costs.tolist(), strict=True
         ):
             rejection = self._admission.admit(cost, backlog)
             if rejection is not None:
@@ -99,17 +100,18 @@ class Intake:
         if refused:
             self._outbox.errors(link, refused)
         if len(refused) < len(jobs):
-            self._batcher.submit(self._chunks(work, starts, jobs))
+            self._batcher.submit(self._chunks(work, jobs))
 
-    def _chunks(self, work: Work, starts: np.ndarray, jobs: list[Job | None]) -> list[tuple[int, Chunk]]:
+    def _chunks(self, work: Work, jobs: list[Job | None]) -> list[tuple[int, Chunk]]:
         """Each admitted request's items as chunks, one per bucket it uses. A one-item request (the
         common case at high call rates) is padded with two array operations and no routing."""
         now = self._clock()
         lengths = work.lengths
         offsets = (np.cumsum(lengths, dtype=np.int64) - lengths).tolist()
-        buckets = np.searchsorted(self._ladder, lengths, side="left").tolist()
+        starts = (np.cumsum(work.counts, dtype=np.int64) - work.counts).tolist()
+        buckets = np.searchsorted(self._ladder_array, lengths, side="left").tolist()
         parts = []
-        for job, start in zip(jobs, starts.tolist(), strict=True):
+        for job, start in zip(jobs, starts, strict=True):
             if job is None:
                 continue
             if job.count == 1:

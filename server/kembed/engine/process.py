@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import asyncio
 import gc
-import json
 import logging
 import os
 import signal
@@ -29,11 +28,11 @@ from kembed.engine.buckets import BucketQueue
 from kembed.engine.intake import Intake, Work
 from kembed.engine.jobs import Jobs
 from kembed.engine.responder import Responder
-from kembed.engine.worker import Engine, LoadModel, Worker
+from kembed.engine.work import Batch
+from kembed.engine.worker import Engine, LoadModel, Outcome, Worker
 from kembed.ipc import (
     BOARD_FILE,
     ENGINE_SOCKET,
-    SERVING_FILE,
     Board,
     Kind,
     LinkClosed,
@@ -188,12 +187,15 @@ class EngineProcess:
     def _open(self, worker: Worker, engine: Engine) -> Core:
         """Build the serving path, publish it, and tell every front end."""
         core = Core.build(self._settings, worker, engine, self._links, self._metrics)
-        worker.serve(core.responder.deliver)
+
+        def deliver(batch: Batch, outcomes: list[Outcome], started: float, seconds: float) -> None:
+            core.responder.deliver(batch, outcomes, started, seconds)
+            self._publish(core)  # the backlog just shrank: front ends admit against it at once
+
+        worker.serve(deliver)
         self._core = core
-        (self._runtime / SERVING_FILE).write_text(
-            json.dumps({k: v for k, v in vars(core.info).items() if k != "tokenizer_json"})
-        )
         self._publish(core)
+        self._board[Slot.DIMENSIONS] = core.info.dimensions
         self._board[Slot.ENGINE_READY] = 1.0
         for link in self._links.ids():
             self._links.ready(link, core.info)

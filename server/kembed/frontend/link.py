@@ -11,6 +11,7 @@ import asyncio
 import itertools
 import logging
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 
@@ -48,6 +49,7 @@ class EngineLink:
         self._pending: dict[int, Pending] = {}
         self._out_tags: list[int] = []
         self._out_deadlines: list[float] = []
+        self._out_costs: list[int] = []
         self._out_lengths: list[np.ndarray] = []
         self._out_ids: list[np.ndarray] = []
         self._out_cancels: list[int] = []
@@ -75,12 +77,14 @@ class EngineLink:
             raise LinkClosed(f"expected READY from the engine, got {ready.kind.name}")
         return cls(reader, writer, ServingInfo.from_json(ready.json(0)))
 
-    def submit(self, seqs: Sequences, arrival: float, deadline: float) -> tuple[int, Pending]:
+    def submit(self, seqs: Sequences, cost: int, arrival: float, deadline: float) -> tuple[int, Pending]:
+        """Queue a request admitted at ``cost`` padded tokens (the engine's final word counts the same)."""
         tag = next(self._tags)
         pending = Pending(asyncio.get_running_loop().create_future(), arrival, seqs.count, self.info.dimensions)
         self._pending[tag] = pending
         self._out_tags.append(tag)
         self._out_deadlines.append(deadline)
+        self._out_costs.append(cost)
         self._out_lengths.append(seqs.lengths)
         self._out_ids.append(seqs.ids)
         self._schedule_flush()
@@ -130,15 +134,26 @@ class EngineLink:
             np.asarray(self._out_tags, dtype="<u8"),
             np.asarray(self._out_deadlines, dtype="<f8"),
             counts,
+            np.asarray(self._out_costs, dtype="<u8"),
             _concat(self._out_lengths),
             _concat(self._out_ids),
             np.asarray(self._out_cancels, dtype="<u8"),
             np.asarray(self._out_latencies, dtype="<f8"),
         )
-        for buffer in (self._out_tags, self._out_deadlines, self._out_lengths, self._out_ids):
+        for buffer in self._outbox():
             buffer.clear()
-        self._out_cancels.clear()
-        self._out_latencies.clear()
+
+    def _outbox(self) -> tuple[list[Any], ...]:
+        """Everything queued for the next WORK frame."""
+        return (
+            self._out_tags,
+            self._out_deadlines,
+            self._out_costs,
+            self._out_lengths,
+            self._out_ids,
+            self._out_cancels,
+            self._out_latencies,
+        )
 
     def _scatter(self, frame: Frame) -> None:
         started, seconds = frame.array(0, "<f8").tolist()

@@ -117,6 +117,7 @@ class EmbedService:
         self._metrics = metrics
         self._executor = executor
         self._clock = clock
+        self._ladder = np.asarray(info.bucket_lengths)
         self._tokenizer = Tokenizer(
             tokenizers.Tokenizer.from_str(info.tokenizer_json),
             pad_token_id=info.pad_token_id,
@@ -147,9 +148,10 @@ class EmbedService:
         except InputError as error:
             raise EmbedError(grpc.StatusCode.INVALID_ARGUMENT, str(error)) from None
         tokenized = self._clock()
-        self._admit(self._padded_tokens(seqs))
+        cost = self._padded_tokens(seqs)
+        self._admit(cost)
         budget = self._settings.default_timeout_ms / 1000 if time_remaining is None else time_remaining
-        tag, pending = self._link.submit(seqs, arrival, arrival + budget)
+        tag, pending = self._link.submit(seqs, cost, arrival, arrival + budget)
         await self._wait(tag, pending, arrival + budget)
         done = self._clock()
         self._link.add_latency(done - arrival)
@@ -178,7 +180,7 @@ class EmbedService:
 
     def _padded_tokens(self, seqs: Sequences) -> int:
         """What the request costs once each item is padded to its bucket."""
-        return int(padded_lengths(seqs.lengths, self._info.bucket_lengths).sum())
+        return int(padded_lengths(seqs.lengths, self._ladder).sum())
 
     def _admit(self, cost: int) -> None:
         limit = self._settings.max_queued_tokens
