@@ -83,7 +83,8 @@ class Links:
         self, link: int, started: float, seconds: float, tags: np.ndarray, slots: np.ndarray, embeddings: np.ndarray
     ) -> None:
         timing = np.array([started, seconds], dtype="<f8")
-        self._send(link, Kind.RESULT, timing, tags.astype("<u8"), slots.astype("<u4"), embeddings.astype("<f4"))
+        rows = embeddings.astype("<f4", copy=False)  # already float32 from the worker: no copy
+        self._send(link, Kind.RESULT, timing, tags.astype("<u8", copy=False), slots.astype("<u4", copy=False), rows)
 
     def errors(self, link: int, errors: list[tuple[int, str, str, int]]) -> None:
         self._send(link, Kind.ERRORS, encode_json(errors))
