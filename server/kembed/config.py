@@ -113,6 +113,12 @@ class Settings(BaseModel):
     max_wait_ms: float = Field(
         20.0, ge=0, description="A bucket whose oldest item waited this long is stale and drains first"
     )
+    frame_interval_ms: float = Field(
+        2.0,
+        ge=0,
+        le=100,
+        description="A front end sends the engine at most one frame of requests per interval (0 = one per loop turn)",
+    )
 
     # --- admission ---
     admission: list[Admission] = Field(

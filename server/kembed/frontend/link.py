@@ -1,8 +1,11 @@
-"""A front end's connection to the engine: requests out, rows back, one frame per event-loop turn.
+"""A front end's connection to the engine: requests out, rows back, at most one frame per interval.
 
-``submit`` queues a request and schedules one flush for the current loop turn, so every request
-that arrives while the loop is busy goes out in a single WORK frame (with any cancellations and
-latency samples). RESULT frames scatter rows into each waiting request by (tag, slot).
+``submit`` queues a request and schedules a flush: at once when the link was quiet for the frame
+interval, else when the interval since the last WORK frame ends. Under load, then, every request
+that arrives within an interval goes out in one WORK frame (with any cancellations and latency
+samples), and the engine forms a batch from a frame rather than from each request: per-request
+costs on both sides (wake-ups, syscalls, a batch's fixed work) are paid once per frame. A quiet
+link adds no delay. RESULT frames scatter rows into each waiting request by (tag, slot).
 """
 
 from __future__ import annotations
@@ -10,6 +13,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
+import math
 from pathlib import Path
 from typing import Any
 
@@ -41,7 +45,9 @@ class Pending:
 
 
 class EngineLink:
-    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, info: ServingInfo) -> None:
+    def __init__(
+        self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, info: ServingInfo, frame_interval: float
+    ) -> None:
         self._reader = reader
         self._writer = writer
         self.info = info
@@ -54,12 +60,15 @@ class EngineLink:
         self._out_ids: list[np.ndarray] = []
         self._out_cancels: list[int] = []
         self._out_latencies: list[float] = []
+        self._frame_interval = frame_interval
+        self._last_flush = -math.inf
         self._flush_at: asyncio.TimerHandle | None = None  # a later flush, for samples alone
-        self._flush_now: asyncio.Handle | None = None  # this loop turn's flush
+        self._flush_now: asyncio.Handle | None = None  # the flush of queued requests
 
     @classmethod
-    async def connect(cls, runtime: Path, index: int) -> EngineLink:
-        """Connect (retrying while the engine starts), say hello, and wait for READY."""
+    async def connect(cls, runtime: Path, index: int, frame_interval: float) -> EngineLink:
+        """Connect (retrying while the engine starts), say hello, and wait for READY. WORK frames
+        then go at most one per ``frame_interval`` seconds."""
         path = str(runtime / ENGINE_SOCKET)
         loop = asyncio.get_running_loop()
         give_up = loop.time() + CONNECT_TIMEOUT_S
@@ -75,7 +84,7 @@ class EngineLink:
         ready = await receive(reader)
         if ready.kind is not Kind.READY:
             raise LinkClosed(f"expected READY from the engine, got {ready.kind.name}")
-        return cls(reader, writer, ServingInfo.from_json(ready.json(0)))
+        return cls(reader, writer, ServingInfo.from_json(ready.json(0)), frame_interval)
 
     def submit(self, seqs: Sequences, cost: int, arrival: float, deadline: float) -> tuple[int, Pending]:
         """Queue a request admitted at ``cost`` padded tokens (the engine's final word counts the same)."""
@@ -118,13 +127,15 @@ class EngineLink:
 
     def _schedule_flush(self) -> None:
         if self._flush_now is None:
-            self._flush_now = asyncio.get_running_loop().call_soon(self._flush)
+            loop = asyncio.get_running_loop()
+            self._flush_now = loop.call_at(max(loop.time(), self._last_flush + self._frame_interval), self._flush)
 
     def _flush(self) -> None:
         for handle in (self._flush_now, self._flush_at):
             if handle is not None:
                 handle.cancel()
         self._flush_now = self._flush_at = None
+        self._last_flush = asyncio.get_running_loop().time()
         if self._writer.is_closing():
             return
         counts = np.fromiter(map(len, self._out_lengths), dtype="<u4", count=len(self._out_lengths))

@@ -67,7 +67,8 @@ class FrontendProcess:
         signal.signal(signal.SIGINT, signal.SIG_IGN)  # the supervisor decides; a terminal's ^C reaches all
         await self._listen()
         ticker = asyncio.create_task(self._tick())
-        connect = asyncio.create_task(EngineLink.connect(self._runtime, self._index))
+        frame_interval = self._settings.frame_interval_ms / 1000
+        connect = asyncio.create_task(EngineLink.connect(self._runtime, self._index, frame_interval))
         stopped = asyncio.create_task(self._stop.wait())
         await asyncio.wait({connect, stopped}, return_when=asyncio.FIRST_COMPLETED)
         if not connect.done():

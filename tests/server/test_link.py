@@ -1,0 +1,89 @@
+"""The front end's link to the engine: how requests are grouped into WORK frames (a real socket)."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import numpy as np
+
+from kembed.engine.intake import Work
+from kembed.frontend.link import EngineLink
+from kembed.inputs import Sequences
+from kembed.ipc import Frame, Kind, ServingInfo, receive
+
+INTERVAL = 0.2  # long against a loop turn, so the grouping cannot be an accident of timing
+
+
+def serving_info() -> ServingInfo:
+    return ServingInfo("test", 4, 16, 100, 0, "mean", [], "", "float32", "cpu", [16], [1, 2], "{}")
+
+
+def seqs(*ids: int) -> Sequences:
+    return Sequences(np.array(ids, dtype=np.int32), np.array([len(ids)], dtype=np.int32))
+
+
+class Engine:
+    """The far end of one link: every frame it receives, with the loop time it arrived."""
+
+    def __init__(self) -> None:
+        self.frames: asyncio.Queue[tuple[float, Frame]] = asyncio.Queue()
+
+    async def serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        loop = asyncio.get_running_loop()
+        while True:
+            frame = await receive(reader)
+            await self.frames.put((loop.time(), frame))
+
+    async def next_work(self) -> tuple[float, Work]:
+        arrived, frame = await asyncio.wait_for(self.frames.get(), 5)
+        assert frame.kind is Kind.WORK
+        return arrived, Work.decode(frame)
+
+
+@contextlib.asynccontextmanager
+async def linked(path: Path, frame_interval: float) -> AsyncIterator[tuple[EngineLink, Engine]]:
+    engine = Engine()
+    server = await asyncio.start_unix_server(engine.serve, str(path))
+    reader, writer = await asyncio.open_unix_connection(str(path))
+    link = EngineLink(reader, writer, serving_info(), frame_interval)
+    try:
+        yield link, engine
+    finally:
+        link.close()
+        server.close()
+
+
+async def test_a_quiet_link_sends_at_once_and_a_busy_one_groups_an_interval(tmp_path):
+    async with linked(tmp_path / "engine.sock", INTERVAL) as (link, engine):
+        await _quiet_then_busy(link, engine)
+
+
+async def _quiet_then_busy(link: EngineLink, engine: Engine) -> None:
+    loop = asyncio.get_running_loop()
+    sent = loop.time()
+    link.submit(seqs(1, 2), 32, sent, sent + 30)
+    arrived, first = await engine.next_work()
+    assert first.tags.tolist() == [1] and arrived - sent < INTERVAL / 2, "a quiet link waits for nothing"
+
+    for _ in range(3):  # within the interval after the first frame: held, then sent together
+        link.submit(seqs(3, 4, 5), 16, loop.time(), loop.time() + 30)
+        await asyncio.sleep(INTERVAL / 10)
+    arrived, second = await engine.next_work()
+    assert second.tags.tolist() == [2, 3, 4]
+    assert second.ids.tolist() == [3, 4, 5] * 3 and second.costs.tolist() == [16] * 3
+    assert arrived - sent >= INTERVAL * 0.9, "the second frame went before the interval ended"
+    assert engine.frames.empty()
+
+
+async def test_with_no_interval_each_loop_turn_sends_its_own_frame(tmp_path):
+    async with linked(tmp_path / "engine.sock", 0.0) as (link, engine):
+        now = asyncio.get_running_loop().time()
+        link.submit(seqs(1), 16, now, now + 30)
+        link.submit(seqs(2), 16, now, now + 30)  # the same loop turn: the same frame
+        await asyncio.sleep(0.01)
+        link.submit(seqs(3), 16, now, now + 30)
+        assert (await engine.next_work())[1].tags.tolist() == [1, 2]
+        assert (await engine.next_work())[1].tags.tolist() == [3]
