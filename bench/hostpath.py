@@ -11,8 +11,9 @@
 3. **Retry storm** (part ``storm``; the real model). ``--storm-texts`` short texts a call: the server's
    saturation with clients that respect its pushback (closed loop), then ``--storm-multiple`` times
    those calls/s offered open loop by clients that ignore the pushback and retry every rejected
-   call ``--retry-after-ms`` later: goodput (embeddings/s of successful calls) over saturation.
-   Target: >= 0.9.
+   call ``--retry-after-ms`` later: goodput (embeddings/s of successful calls) over saturation,
+   and how long a rejection took. Target: >= 0.9. ``--storm-nice N`` runs the storm's server with
+   ``KEMBED_FRONTEND_NICE=N`` and writes ``hostpath_nice<N>.json`` instead (the niceness trade-off).
 
 ``KEMBED_FRONTENDS`` is always set: N, or 1, where a process count is compared (``auto`` never
 picks it), and ``auto`` for the storm (what a pod runs); a server that does not know the setting
@@ -70,6 +71,7 @@ class Options:
     storm_duration: float
     storm_multiple: float
     retry_after_ms: float
+    storm_nice: int | None  # KEMBED_FRONTEND_NICE for the storm's server; None = the server's default
     timeout: float
 
 
@@ -117,6 +119,7 @@ def rate_figures(outcomes: Sequence[Outcome], texts_per_call: int, opts: Options
         "calls_per_s": rate(1.0),
         "emb_per_s": rate(float(texts_per_call)),
         "latency_ms": latency_summary([o.latency for o in outcomes if o.code == OK]),
+        "rejection_latency_ms": latency_summary([o.latency for o in outcomes if o.code == EXHAUSTED]),
     }
 
 
@@ -230,7 +233,8 @@ def retry_storm(opts: Options, texts: list[str]) -> dict[str, Any]:
     """Saturation with pushback-respecting clients, then a multiple of its calls/s offered by
     clients that retry every rejection ``retry_after_ms`` later; the real model, ``frontends=auto``."""
     requests = encode(texts, opts.storm_texts)
-    with running(frontends_setting("auto"), _log("storm"), module="kembed") as server:
+    nice = {} if opts.storm_nice is None else {"frontend_nice": str(opts.storm_nice)}
+    with running({**frontends_setting("auto"), **nice}, _log("storm"), module="kembed") as server:
         target = server.grpc_target
         saturate = loadgen.closed_loop(target, requests, opts.storm_concurrency, opts.storm_duration, MAX_CALLS,
                                        opts.timeout)  # fmt: skip
@@ -274,7 +278,7 @@ def run(opts: Options) -> dict[str, Any]:
     rows = headline.hostpath_ratios(result)
     result["ratios"] = [{"name": r.name, "value": r.value.to_dict(), "target": r.target, "met": r.met()} for r in rows]
     result["workload"] = wl.describe()
-    machine.write_result("hostpath", result)
+    machine.write_result("hostpath" if opts.storm_nice is None else f"hostpath_nice{opts.storm_nice}", result)
     print(headline.ratio_table(rows))
     return result
 
@@ -297,6 +301,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--storm-duration", type=float, default=20.0, help="seconds per retry-storm phase")
     parser.add_argument("--storm-multiple", type=float, default=4.0, help="calls/s offered, times saturation's")
     parser.add_argument("--retry-after-ms", type=float, default=20.0, help="storm clients retry this soon")
+    parser.add_argument("--storm-nice", type=int, help="front-end niceness of the storm; writes hostpath_nice<N>.json")
     parser.add_argument("--timeout", type=float, default=30.0, help="client deadline per call, seconds")
     args = parser.parse_args(argv)
     parts = tuple(p for p in args.parts.split(",") if p)
