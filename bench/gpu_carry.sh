@@ -113,7 +113,7 @@ PYEOF
     echo "wheels:"
     (cd "$CARRY/wheels" && ls -1 ./*.whl | sed 's|^\./|  |')
 } >"$CARRY/MANIFEST.txt"
-rm -rf "$CARRY/site"  # installed on the GPU host, by gpu_session.sh; never carried from here
+rm -rf "$CARRY/site" "$CARRY/site-extra"  # installed on the GPU host by gpu_session.sh; never carried from here
 
 bytes=$(du -sb "$CARRY" | cut -f1)
 tree=$(git ls-files -co --exclude-standard -z | du -cb --files0-from=- 2>/dev/null | tail -1 | cut -f1)

@@ -89,18 +89,20 @@ if [[ -d $CARRY/wheels ]]; then
             fi
             te=$(compgen -G "$CARRY/wheels/typing_extensions-*.whl" | head -1)
             if [[ -n $te ]] && "$PY" - "$te" <<'PYEOF'; then
+import re
 import sys
 from importlib.metadata import PackageNotFoundError, version
 from pathlib import Path
 
-from packaging.version import Version
+def parse(text: str) -> tuple[int, ...]:
+    return tuple(int(n) for n in re.findall(r"\d+", text)[:3])
 
-carried = Version(Path(sys.argv[1]).name.split("-")[1])
+carried = parse(Path(sys.argv[1]).name.split("-")[1])
 try:
-    there = Version(version("typing_extensions"))
+    there = parse(version("typing_extensions"))
 except PackageNotFoundError:
-    there = Version("0")
-sys.exit(0 if there < carried else 1)
+    there = ()
+sys.exit(0 if there < carried else 1)  # 0: the host's is older (or absent), install the carried one
 PYEOF
                 "$PY" -m pip install -q --no-index --no-deps --no-compile --target "$EXTRA" "$te" >>"$WORK/pip.log" 2>&1 \
                     && say "carried typing-extensions installed (the host's is older)"
@@ -158,38 +160,43 @@ def v(name: str) -> str:
     except PackageNotFoundError:
         return "absent"
 
-import torch
-
-print(f"python {platform.python_version()} ({platform.machine()}), torch {torch.__version__} (kembed pins 2.13.0), "
-      f"CUDA runtime {torch.version.cuda}, cuDNN {torch.backends.cudnn.version()}")
+problems = []
+try:
+    import torch
+except Exception as err:  # report the rest all the same
+    torch = None
+    problems.append(f"torch: {type(err).__name__}: {err}")
+print(f"python {platform.python_version()} ({platform.machine()}), torch {v('torch')} (kembed pins 2.13.0), "
+      f"CUDA runtime {torch.version.cuda if torch else '?'}")
 for name in ("grpcio", "protobuf", "pydantic", "pydantic-core", "typing-extensions", "transformers", "tokenizers",
              "safetensors", "sentence-transformers", "numpy", "prometheus-client", "pytest", "pytest-asyncio",
              "pytest-timeout", "triton", "py-spy"):
     print(f"  {name} {v(name)}")
-problems = []
 for module in ("grpc", "google.protobuf", "pydantic", "grpc_health.v1.health", "grpc_reflection.v1alpha.reflection",
-               "prometheus_client", "kembed.v1.embedder_pb2", "kembed.v1.embedder_pb2_grpc", "kembed.app",
-               "kembed.engine.worker", "bench.hostpath", "bench.ceiling", "bench.gpu", "pytest_asyncio",
+               "prometheus_client", "kembed.v1.embedder_pb2", "kembed.v1.embedder_pb2_grpc", "kembed.config",
+               "kembed.app", "kembed.engine.worker", "bench.hostpath", "bench.ceiling", "bench.gpu", "pytest_asyncio",
                "pytest_timeout", "sentence_transformers"):
     try:
         importlib.import_module(module)
     except Exception as err:  # report every missing piece, not just the first
         problems.append(f"{module}: {type(err).__name__}: {err}")
+try:
+    import grpc
+    from safetensors import safe_open
+
+    from kembed.config import Settings
+    from kembed.engine.model import resolve_model_path
+
+    settings = Settings.from_env({})
+    model_id, path = resolve_model_path(settings)
+    with safe_open(str(path / "model.safetensors"), "numpy") as f:
+        dtype = f.get_slice(next(iter(f.keys()))).get_dtype()
+    print(f"grpc {grpc.__version__}; model {model_id} at {path} (weights stored as {dtype}); "
+          f"KEMBED_FRONTENDS=auto -> {settings.frontend_count()} front ends")
+except Exception as err:
+    problems.append(f"model: {type(err).__name__}: {err}")
 print("imports: " + ("all ok" if not problems else "PROBLEMS\n  " + "\n  ".join(problems)))
-
-import grpc
-from safetensors import safe_open
-
-from kembed.config import Settings
-from kembed.engine.model import resolve_model_path
-
-settings = Settings.from_env({})
-model_id, path = resolve_model_path(settings)
-with safe_open(str(path / "model.safetensors"), "pt") as f:
-    dtype = f.get_slice(next(iter(f.keys()))).get_dtype()
-print(f"grpc {grpc.__version__}; model {model_id} at {path} (weights stored as {dtype}); "
-      f"KEMBED_FRONTENDS=auto -> {settings.frontend_count()} front ends")
-if torch.cuda.is_available():
+if torch is not None and torch.cuda.is_available():
     p = torch.cuda.get_device_properties(0)
     print(f"CUDA: {p.name}, {p.total_memory / 2**30:.0f} GiB, sm_{p.major}{p.minor}, {p.multi_processor_count} SMs")
 else:
