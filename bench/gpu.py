@@ -12,9 +12,10 @@
   through a bare ``torch.compile`` of the transformers model, the yardstick the compiled ceiling
   should reach 0.85 of.
 
-The machine block of ``gpu.json`` names the GPU and the torch version. Without CUDA it writes
-``gpu.json`` saying it was not run, and exits cleanly. The server runs of ``bench.run_all`` need
-nothing special: the server and the ceiling pick CUDA when present.
+``--parts startup`` or ``--parts models`` runs one of the two (each takes minutes on an H100), and
+``--models`` picks among the models. The machine block of ``gpu.json`` names the GPU and the torch
+version. Without CUDA it writes ``gpu.json`` saying it was not run, and exits cleanly. The server
+runs of ``bench.run_all`` need nothing special: the server and the ceiling pick CUDA when present.
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ from bench import ceiling, engine, machine, workload
 from kembed.config import Graphs
 
 MODELS = {"all-MiniLM-L6-v2": "", "bert-base-random": "bert-base-random"}
+PARTS = ("startup", "models")
 START_TIMEOUT_S = 900
 
 
@@ -119,8 +121,13 @@ def _bare_compiled(model_dir: str, texts: list[str], repeats: int) -> dict[str, 
 def main(argv: Sequence[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--quick", action="store_true")
+    parser.add_argument("--parts", default=",".join(PARTS), help=f"comma-separated, of {', '.join(PARTS)}")
+    parser.add_argument("--models", default=",".join(MODELS), help=f"comma-separated, of {', '.join(MODELS)}")
     parser.add_argument("--start-once", nargs=3, metavar=("MODEL", "GRAPHS", "CACHE"), help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    parts, models = args.parts.split(","), args.models.split(",")
+    if unknown := (set(parts) - set(PARTS)) | (set(models) - set(MODELS)):
+        parser.error(f"unknown parts or models: {', '.join(sorted(unknown))}")
     if not torch.cuda.is_available():
         print("gpu: no CUDA device on this machine; not run")
         machine.write_result("gpu", {"run": False, "reason": "no CUDA device"})
@@ -130,9 +137,13 @@ def main(argv: Sequence[str] | None = None) -> None:
         return
     texts = workload.load().texts[: 256 if args.quick else None]
     runs: dict[str, Any] = {}
+    start: dict[str, Any] = {}
     with tempfile.TemporaryDirectory() as scratch:
-        start = startups(ceiling.model_dir("", Path(scratch)), Path(scratch))
+        if "startup" in parts:
+            start = startups(ceiling.model_dir("", Path(scratch)), Path(scratch))
         for name, model in MODELS.items():
+            if "models" not in parts or name not in models:
+                continue
             model_dir = ceiling.model_dir(model, Path(scratch))
             for compile in ("on", "off"):
                 runs[f"{name} {'compiled' if compile == 'on' else 'eager'}"] = _measure(
@@ -142,7 +153,8 @@ def main(argv: Sequence[str] | None = None) -> None:
             runs[f"{name} bare compiled forward"] = _bare_compiled(model_dir, texts, repeats=1 if args.quick else 3)
             torch.compiler.reset()
     machine.write_result(
-        "gpu", {"run": True, "texts": len(texts), "cuda": torch.version.cuda, "startup": start, "runs": runs}
+        "gpu",
+        {"run": True, "parts": parts, "texts": len(texts), "cuda": torch.version.cuda, "startup": start, "runs": runs},
     )
 
 

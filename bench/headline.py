@@ -182,6 +182,11 @@ def gpu_table(gpu: dict[str, Any] | None) -> str:
 HOST_PATH_TARGET = ">= 0.50"  # one front end against a one-process echo
 REJECTION_TARGET = "<= 2.00"
 STORM_TARGET = ">= 0.90"
+# The GPU targets of the serve part, judged only where the server ran on CUDA: texts a call -> target.
+SERVE_EMB_TARGETS = {1: ">= 15000", 16: ">= 25000"}
+SERVE_P95_MS_TARGETS = {1: "<= 100"}
+SERVE_CEILING_TARGETS = {16: ">= 0.55"}
+GPU_BUSY_TARGET = ">= 0.50"
 
 
 def hostpath_ratios(result: dict[str, Any]) -> list[Ratio]:
@@ -210,6 +215,35 @@ def hostpath_ratios(result: dict[str, Any]) -> list[Ratio]:
     if storm := result.get("retry_storm"):
         goodput = Spread.from_dict(storm["storm"]["emb_per_s"]).over(Spread.from_dict(storm["saturation"]["emb_per_s"]))
         rows.append(Ratio(f"Goodput, {storm['multiple']:g}x retry storm / saturation (emb/s)", goodput, STORM_TARGET))
+    if serve := result.get("serve"):
+        rows += serve_ratios(serve)
+    return rows
+
+
+def serve_ratios(serve: dict[str, Any]) -> list[Ratio]:
+    """The serve part's figures (``bench.hostpath --parts serve``): per load, embeddings/s, accepted
+    p95, the share of the in-process ceiling and GPU busy; targets only where it ran on CUDA."""
+    cuda = str(serve["info"].get("device", "")).startswith("cuda")
+    ceiling = serve.get("ceiling")
+    rows = []
+    for load in serve["loads"]:
+        n = load["texts_per_call"]
+
+        def target(targets: dict[int, str], n: int = n) -> str:
+            return targets.get(n, "") if cuda else ""
+
+        name = f"Serving, {n} text{'s' if n > 1 else ''} a call"
+        rows.append(Ratio(f"{name}: emb/s", _rate(load), target(SERVE_EMB_TARGETS)))
+        p95 = _exact(load["latency_ms"]["p95"])
+        rows.append(Ratio(f"{name}: accepted p95 (ms)", p95, target(SERVE_P95_MS_TARGETS)))
+        if ceiling:
+            kind = f"{'compiled' if ceiling['compiled'] else 'eager'} {ceiling['batching']}"
+            value = _rate(load).over(Spread.from_dict(ceiling["emb_per_s"]))
+            rows.append(Ratio(f"{name} / in-process ceiling, {kind} (emb/s)", value, target(SERVE_CEILING_TARGETS)))
+        busy = load.get("gpu_busy_pct") or {}
+        if busy.get("samples"):
+            share = _exact(busy["mean"] / 100)
+            rows.append(Ratio(f"{name}: GPU busy (nvidia-smi)", share, GPU_BUSY_TARGET if cuda else ""))
     return rows
 
 
@@ -258,6 +292,13 @@ def _hostpath_phases(result: dict[str, Any]) -> list[tuple[str, str, str, str, d
         rows.append(("retry storm", "kembed", f"closed loop, pushback respected, {texts} texts", _emb(sat), sat))
         offered = f"open loop {flood['offered_calls_per_s']:.1f} calls/s, retry {s['retry_after_ms']:g} ms"
         rows.append(("retry storm", "kembed", f"{offered}, {texts} texts", _emb(flood), flood))
+    if serve := result.get("serve"):
+        server = f"kembed, frontends={serve['settings'].get('frontends')}, {serve['info'].get('device', '?')}"
+        for p in serve["loads"]:
+            load = f"closed loop, {s['client_processes']} x {s['concurrency']} callers, {p['texts_per_call']} texts"
+            busy = (p.get("gpu_busy_pct") or {}).get("mean", math.nan)
+            figure = f"{_emb(p)}, p95 {_ms(p['latency_ms']['p95'])} ms, GPU busy {_ms(busy)}%"
+            rows.append(("serving", server, load, figure, p))
     return rows
 
 

@@ -19,6 +19,18 @@
 picks it), and ``auto`` for the storm (what a pod runs); a server that does not know the setting
 fails loudly. Writes
 ``bench/results/hostpath.json``; server logs go to ``bench/results/hostpath_*.log``.
+
+Part ``serve`` (the GPU targets; the real model with ``KEMBED_FRONTENDS=auto``, what a pod runs, and
+any ``--serve-env SETTING=VALUE``): one server, the host-path closed loop at each of ``--serve-texts``
+texts a call (the whole workload in turn, ``truncate=true``), the server's latency window between
+loads; per load embeddings/s, latency, the worker's own figures from the server's counters, and GPU
+busy (nvidia-smi every 0.5 s over the load's last duration - warmup seconds, where there is one).
+``--serve-ceiling NAME`` judges the loads against the in-process ceiling in
+``bench/results/NAME.json`` (``python -m bench.ceiling --device cuda --name NAME`` just before, on
+the same machine). ``--py-spy-seconds S`` adds one more 1-text load, not counted, with ``py-spy
+record`` on every server process (``pyspy_<pid>.txt``). Targets, on CUDA only: 1 text a call
+>= 15,000 emb/s with accepted p95 <= 100 ms; 16 texts a call >= 25,000 emb/s and >= 0.55 of the
+compiled ceiling; GPU busy >= 50% under each load.
 """
 
 from __future__ import annotations
@@ -28,6 +40,8 @@ import asyncio
 import itertools
 import math
 import os
+import shutil
+import subprocess
 import time
 from collections import Counter
 from collections.abc import Callable, Coroutine, Sequence
@@ -36,17 +50,28 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 import grpc
+from google.protobuf.json_format import MessageToDict
 
 from bench import RESULTS_DIR, headline, loadgen, machine, workload
 from bench.loadgen import OK, Outcome
-from bench.report import Spread, deltas_by_label, latency_summary, percentile, window_rates
-from bench.server import Server, echo_running, running
+from bench.report import (
+    Samples,
+    Spread,
+    deltas_by_label,
+    latency_summary,
+    metric_delta,
+    padding_ratio,
+    percentile,
+    window_rates,
+    worker_figures,
+)
+from bench.server import Server, echo_running, process_tree, running
 from kembed.config import Settings
-from kembed.contract import Metric
-from kembed.v1 import embedder_pb2
+from kembed.contract import Metric, env_name
+from kembed.v1 import embedder_pb2, embedder_pb2_grpc
 
 ZERO_COST = "bench.zero_cost"
-PARTS = ("host_path", "rejection", "storm")
+PARTS = ("host_path", "rejection", "storm", "serve")
 SHORT_TOKENS = 16  # "one short text": the workload's shortest class
 MAX_CALLS = 1_000_000  # closed loops end on time; this only bounds a runaway
 EXHAUSTED = grpc.StatusCode.RESOURCE_EXHAUSTED.name
@@ -73,6 +98,11 @@ class Options:
     retry_after_ms: float
     storm_nice: int | None  # KEMBED_FRONTEND_NICE for the storm's server; None = the server's default
     timeout: float
+    serve_texts: tuple[int, ...]  # texts a call, one closed-loop load each (part serve)
+    serve_env: tuple[str, ...]  # SETTING=VALUE for the serve part's server
+    serve_ceiling: str  # bench/results/<name>.json: the in-process ceiling the serve loads are judged against
+    serve_start_timeout: float  # seconds for the serve part's server to load, compile and warm up
+    py_spy_seconds: float  # > 0: one more 1-text load under py-spy (part serve)
 
 
 def frontends_setting(value: int | str) -> dict[str, str]:
@@ -154,6 +184,7 @@ def _phase(
         "cpu_cores": _cores(server_cpu, client_cpu, outcomes),
         "server_cpu_ms_per_call": _per_call(server_cpu, len(outcomes)),
         "peak_rss_mib": server.peak_rss_mib(),
+        "span_s": _span(outcomes),
     }
 
 
@@ -162,7 +193,7 @@ def _per_call(cpu_s: float, calls: int) -> float:
     return cpu_s * 1000 / calls if calls else math.nan
 
 
-def _closed_loop(server: Server, requests: list[bytes], opts: Options) -> dict[str, Any]:
+def _closed_loop(server: Server, requests: list[bytes], opts: Options, texts_per_call: int = 1) -> dict[str, Any]:
     """The host-path load: ``client_processes`` processes of ``concurrency`` closed-loop callers."""
     kwargs = [
         {"target": server.grpc_target, "requests": requests, "concurrency": opts.concurrency,
@@ -174,7 +205,7 @@ def _closed_loop(server: Server, requests: list[bytes], opts: Options) -> dict[s
         parts, cpu = loadgen.in_processes(loadgen.closed_loop, kwargs)
         return [o for part in parts for o in part], cpu
 
-    return _phase(server, load, 1, opts, opts.duration)
+    return _phase(server, load, texts_per_call, opts, opts.duration)
 
 
 def _bursts(server: Server, request: bytes, opts: Options) -> dict[str, Any]:
@@ -252,6 +283,107 @@ def retry_storm(opts: Options, texts: list[str]) -> dict[str, Any]:
     return {"multiple": opts.storm_multiple, "saturation": saturation, "storm": storm}
 
 
+TOKENS_TOTAL = Metric.TOKENS + "_total"
+
+
+def serve(opts: Options, texts: list[str]) -> dict[str, Any]:
+    """The real model, ``frontends=auto``, one server for every load: the closed loop at each of
+    ``serve_texts`` texts a call, with the server's counters and GPU busy over each load."""
+    settings = {**frontends_setting("auto"), **dict(kv.split("=", 1) for kv in opts.serve_env)}
+    window_s = Settings.from_env({env_name(k): v for k, v in settings.items()}).latency_window_s
+    ceiling = ceiling_reference(opts.serve_ceiling)
+    loads = []
+    with running(settings, _log("serve"), module="kembed", start_timeout=opts.serve_start_timeout) as server:
+        info = _info(server.grpc_target)
+        print(f"  serve: {info.get('model_id')} on {info.get('device')} ({info.get('dtype')}), {settings}")
+        for i, n in enumerate(opts.serve_texts):
+            if i:
+                time.sleep(window_s)  # the server's latency window forgets the last load
+            before = server.metrics()
+            with machine.gpu_busy() as busy:
+                figures = _closed_loop(server, encode(texts, n), opts, n)
+                ended = time.monotonic()
+            # GPU busy over the load's last (duration - warmup) s: client start-up and warm-up left out.
+            steady = machine.busy_summary(busy, ended - (opts.duration - opts.warmup), ended)
+            figures.update(texts_per_call=n, gpu_busy_pct=steady, gpu_busy_pct_whole_load=machine.busy_summary(busy))
+            figures.update(_counters(before, server.metrics(), figures["span_s"]))
+            loads.append(figures)
+            print(f"  serve, {n} text(s) a call: {figures['emb_per_s']['median']:.0f} emb/s, "
+                  f"p95 {figures['latency_ms']['p95']:.0f} ms, GPU busy {figures['gpu_busy_pct']['mean']:.0f}%, "
+                  f"codes {figures['codes']}")  # fmt: skip
+        profile = None
+        if opts.py_spy_seconds > 0:
+            time.sleep(window_s)
+            profile = _profiled(server, encode(texts, 1), opts)
+    return {"settings": settings, "info": info, "ceiling": ceiling, "loads": loads, "py_spy": profile}
+
+
+def _info(target: str) -> dict[str, Any]:
+    """The server's own Info: model, device and dtype it serves with."""
+    with grpc.insecure_channel(target) as channel:
+        reply = embedder_pb2_grpc.EmbedderStub(channel).Info(embedder_pb2.InfoRequest(), timeout=30)
+    return MessageToDict(reply, preserving_proto_field_name=True)
+
+
+def _counters(before: Samples, after: Samples, span_s: float) -> dict[str, Any]:
+    """From the server's own counters over a load: padding, and the worker's busy share, padded
+    tokens per compute-second and rows per batch."""
+    real = metric_delta(before, after, TOKENS_TOTAL, kind="real")
+    padding = metric_delta(before, after, TOKENS_TOTAL, kind="padding")
+    return {"padding_ratio": padding_ratio(real, padding), "worker": worker_figures(before, after, span_s)}
+
+
+def ceiling_reference(name: str) -> dict[str, Any] | None:
+    """The in-process ceiling the serve loads are judged against, from ``bench/results/<name>.json``:
+    its ``sorted`` batching, or ``bucketed`` when compiled, with when and on what it ran."""
+    if not name:
+        return None
+    result = machine.read_result(name)
+    if result is None:
+        print(f"  serve: no {RESULTS_DIR / name}.json; the loads are not judged against a ceiling")
+        return None
+    batching = "sorted" if "sorted" in result else "bucketed"
+    ran = result["machine"]
+    return {"name": name, "batching": batching, "compiled": bool(result.get("compiled")),
+            "emb_per_s": result[batching]["emb_per_s"], "time_utc": ran["time_utc"], "gpu": ran["gpu"],
+            "torch": ran["torch"]}  # fmt: skip
+
+
+def _profiled(server: Server, requests: list[bytes], opts: Options) -> dict[str, Any]:
+    """One more 1-text load, not judged, with ``py-spy record`` (raw collapsed stacks, per thread,
+    non-blocking) on each server process for ``py_spy_seconds``, started as the clients start."""
+    exe = shutil.which("py-spy")
+    if exe is None:
+        print("  serve: no py-spy on PATH; not profiled")
+        return {"error": "no py-spy on PATH"}
+    seconds = str(max(1, round(opts.py_spy_seconds)))
+    spies = []
+    for pid in process_tree(server.pid):
+        out = RESULTS_DIR / f"pyspy_{pid}.txt"
+        argv = [exe, "record", "--pid", str(pid), "--duration", seconds, "--threads", "--nonblocking",
+                "--format", "raw", "--output", str(out)]  # fmt: skip
+        spies.append((pid, out, subprocess.Popen(argv, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)))
+    figures = _closed_loop(server, requests, opts)
+    processes = []
+    for pid, out, spy in spies:
+        try:
+            _, err = spy.communicate(timeout=opts.py_spy_seconds + 30)
+        except subprocess.TimeoutExpired:
+            spy.kill()
+            _, err = spy.communicate()
+        processes.append({"pid": pid, "cmdline": _cmdline(pid), "file": out.name if out.exists() else None,
+                          "exit": spy.returncode, "stderr": err.decode(errors="replace")[-400:]})  # fmt: skip
+    print(f"  serve, profiled: {sum(p['file'] is not None for p in processes)} of {len(processes)} processes recorded")
+    return {"load": figures, "processes": processes}
+
+
+def _cmdline(pid: int) -> str:
+    try:
+        return (Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")).strip()
+    except OSError:
+        return ""
+
+
 def _in_this_process(load: Coroutine[Any, Any, list[Outcome]]) -> tuple[list[Outcome], float]:
     """A single-process load and the CPU seconds this process used for it."""
     start = time.process_time()
@@ -275,6 +407,8 @@ def run(opts: Options) -> dict[str, Any]:
         result["rejection"] = rejection(opts, wl.texts)
     if "storm" in opts.parts:
         result["retry_storm"] = retry_storm(opts, short)
+    if "serve" in opts.parts:
+        result["serve"] = serve(opts, wl.texts)
     rows = headline.hostpath_ratios(result)
     result["ratios"] = [{"name": r.name, "value": r.value.to_dict(), "target": r.target, "met": r.met()} for r in rows]
     result["workload"] = wl.describe()
@@ -303,12 +437,19 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--retry-after-ms", type=float, default=20.0, help="storm clients retry this soon")
     parser.add_argument("--storm-nice", type=int, help="front-end niceness of the storm; writes hostpath_nice<N>.json")
     parser.add_argument("--timeout", type=float, default=30.0, help="client deadline per call, seconds")
+    parser.add_argument("--serve-texts", default="1,16", help="serve: texts a call, one load each")
+    parser.add_argument("--serve-env", action="append", default=[], metavar="SETTING=VALUE", help="serve: a setting")
+    parser.add_argument("--serve-ceiling", default="", help="serve: judge against bench/results/NAME.json")
+    parser.add_argument("--serve-start-timeout", type=float, default=600.0, help="serve: seconds to become ready")
+    parser.add_argument("--py-spy-seconds", type=float, default=0.0, help="serve: > 0 adds a load under py-spy")
     args = parser.parse_args(argv)
     parts = tuple(p for p in args.parts.split(",") if p)
     if unknown := set(parts) - set(PARTS):
         parser.error(f"unknown parts: {', '.join(sorted(unknown))}")
     frontends = tuple(int(n) for n in args.frontends.split(",") if n)
-    return run(Options(**{**vars(args), "frontends": frontends, "parts": parts}))  # the flags are the fields
+    serve_texts = tuple(int(n) for n in args.serve_texts.split(",") if n)
+    fields = {"frontends": frontends, "parts": parts, "serve_texts": serve_texts, "serve_env": tuple(args.serve_env)}
+    return run(Options(**{**vars(args), **fields}))  # the flags are the fields
 
 
 if __name__ == "__main__":

@@ -2,12 +2,18 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
+import math
 import os
 import platform
+import shutil
+import statistics
 import subprocess
 import sys
+import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -55,6 +61,45 @@ def describe() -> dict[str, Any]:
         "git": _git_commit(),
         "loadavg_1_5_15": [round(x, 2) for x in os.getloadavg()],
     }
+
+
+@contextlib.contextmanager
+def gpu_busy(interval_s: float = 0.5) -> Iterator[list[tuple[float, float]]]:
+    """(``time.monotonic()``, GPU 0's ``utilization.gpu``) readings every ``interval_s`` while the
+    block runs: the percent of the driver's last sample period in which a kernel ran, as nvidia-smi
+    reports it. One query per reading, in a thread: a looping nvidia-smi block-buffers into a pipe
+    and loses what it holds when stopped. Empty where there is no nvidia-smi."""
+    samples: list[tuple[float, float]] = []
+    exe = shutil.which("nvidia-smi")
+    if exe is None:
+        yield samples
+        return
+    query = [exe, "--id=0", "--query-gpu=utilization.gpu", "--format=csv,noheader,nounits"]
+    stop = threading.Event()
+
+    def sample() -> None:
+        while not stop.wait(interval_s):
+            with contextlib.suppress(OSError, subprocess.SubprocessError, ValueError, IndexError):
+                done = subprocess.run(query, capture_output=True, text=True, timeout=5, check=True)
+                samples.append((time.monotonic(), float(done.stdout.split()[0])))
+
+    thread = threading.Thread(target=sample, name="gpu-busy", daemon=True)
+    thread.start()
+    try:
+        yield samples
+    finally:
+        stop.set()
+        thread.join(10)
+
+
+def busy_summary(
+    samples: list[tuple[float, float]], start: float = -math.inf, end: float = math.inf
+) -> dict[str, float]:
+    """Mean and median (percent) of the ``gpu_busy`` readings taken within [start, end], and how many."""
+    values = [pct for t, pct in samples if start <= t <= end]
+    if not values:
+        return {"samples": 0, "mean": math.nan, "median": math.nan}
+    return {"samples": len(values), "mean": statistics.fmean(values), "median": statistics.median(values)}
 
 
 def write_result(name: str, result: dict[str, Any]) -> Path:

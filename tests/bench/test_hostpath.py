@@ -10,7 +10,7 @@ from typing import Any
 import grpc
 import pytest
 
-from bench import echo, headline, hostpath, loadgen
+from bench import echo, headline, hostpath, loadgen, machine
 from bench.loadgen import OK, Outcome
 from bench.report import Spread
 from bench.server import echo_running, process_tree
@@ -141,3 +141,40 @@ def test_hostpath_table_and_partial_results() -> None:
     only_host_path = {"settings": _result(1, 1, 1)["settings"], "host_path": _result(2400, 1, 1)["host_path"]}
     assert len(headline.hostpath_ratios(only_host_path)) == 4
     assert math.isclose(headline.hostpath_ratios(only_host_path)[0].value.median, 0.6)
+
+
+def _serve(device: str, emb_1: float, p95_1: float, emb_16: float, busy: float) -> dict[str, Any]:
+    def load(n: int, emb: float, p95: float) -> dict[str, Any]:
+        return {"texts_per_call": n, "emb_per_s": _spread(emb), "latency_ms": {"p95": p95}, "codes": {OK: 10},
+                "peak_rss_mib": 900, "gpu_busy_pct": {"samples": 16, "mean": busy, "median": busy}}  # fmt: skip
+
+    return {
+        "settings": {"frontends": "auto"},
+        "info": {"device": device},
+        "ceiling": {"batching": "bucketed", "compiled": True, "emb_per_s": _spread(40_000)},
+        "loads": [load(1, emb_1, p95_1), load(16, emb_16, 300.0)],
+    }
+
+
+def test_serve_rows_judge_the_gpu_targets_only_on_cuda() -> None:
+    rows = {r.name: r for r in headline.serve_ratios(_serve("cuda:0", 16_000, 80.0, 24_000, 45.0))}
+    assert rows["Serving, 1 text a call: emb/s"].met() is True
+    assert rows["Serving, 1 text a call: accepted p95 (ms)"].met() is True
+    assert rows["Serving, 16 texts a call: emb/s"].met() is False
+    share = rows["Serving, 16 texts a call / in-process ceiling, compiled bucketed (emb/s)"]
+    assert (share.value.median, share.met()) == (pytest.approx(0.6), True)
+    assert rows["Serving, 1 text a call / in-process ceiling, compiled bucketed (emb/s)"].met() is None
+    assert rows["Serving, 16 texts a call: accepted p95 (ms)"].met() is None  # no latency target at 16
+    assert rows["Serving, 1 text a call: GPU busy (nvidia-smi)"].value.median == pytest.approx(0.45)
+    assert rows["Serving, 1 text a call: GPU busy (nvidia-smi)"].met() is False
+    on_cpu = headline.serve_ratios(_serve("cpu", 100, 900.0, 200, 0.0))
+    assert {r.met() for r in on_cpu} == {None}  # the targets are the GPU's
+    table = headline.hostpath_table({"settings": _result(1, 1, 1)["settings"], "serve": _serve("cuda:0", 1, 1, 1, 50)})
+    assert table.count("serving") == 2
+
+
+def test_gpu_busy_summary_keeps_the_readings_in_the_window() -> None:
+    readings = [(1.0, 0.0), (2.0, 60.0), (3.0, 80.0), (4.0, 100.0)]
+    assert machine.busy_summary(readings, 1.5, 3.5) == {"samples": 2, "mean": 70.0, "median": 70.0}
+    assert machine.busy_summary(readings)["samples"] == 4
+    assert machine.busy_summary([])["samples"] == 0
