@@ -117,7 +117,7 @@ class Settings(BaseModel):
         2.0,
         ge=0,
         le=100,
-        description="A front end sends the engine at most one frame of requests per interval (0 = one per loop turn)",
+        description="Once calls overlap, a front end sends the engine a frame of requests per interval (0 = per turn)",
     )
 
     # --- admission ---

@@ -7,7 +7,7 @@ number of requests costs one header and one copy each way: no per-item pickling.
 the alternatives in ``bench/ipc.py`` (see the README's "Choices").
 
 Every front end holds one connection. Front end → engine: ``HELLO`` once, then ``WORK`` frames
-(new requests, cancellations and latency samples, at most one frame per frame interval). Engine → front
+(new requests, cancellations and latency samples; grouped per frame interval under load). Engine → front
 end: ``READY`` once the model is warm (the serving info, tokenizer included), ``RESULT`` per batch
 (that front end's rows) and ``ERRORS`` (requests the engine refused or failed).
 """

@@ -56,26 +56,33 @@ async def linked(path: Path, frame_interval: float) -> AsyncIterator[tuple[Engin
         server.close()
 
 
-async def test_a_quiet_link_sends_at_once_and_a_busy_one_groups_an_interval(tmp_path):
+async def test_overlapping_calls_are_grouped_an_interval_at_a_time(tmp_path):
     async with linked(tmp_path / "engine.sock", INTERVAL) as (link, engine):
-        await _quiet_then_busy(link, engine)
+        loop = asyncio.get_running_loop()
+        sent = loop.time()
+        link.submit(seqs(1, 2), 32, sent, sent + 30)
+        link.submit(seqs(3), 16, sent, sent + 30)  # the same loop turn: the same frame, at once
+        arrived, first = await engine.next_work()
+        assert first.tags.tolist() == [1, 2] and arrived - sent < INTERVAL / 2
+
+        for _ in range(3):  # the last frame carried two: these wait for the interval, then go together
+            link.submit(seqs(3, 4, 5), 16, loop.time(), loop.time() + 30)
+            await asyncio.sleep(INTERVAL / 10)
+        arrived, second = await engine.next_work()
+        assert second.tags.tolist() == [3, 4, 5]
+        assert second.ids.tolist() == [3, 4, 5] * 3 and second.costs.tolist() == [16] * 3
+        assert arrived - sent >= INTERVAL * 0.9, "the second frame went before the interval ended"
+        assert engine.frames.empty()
 
 
-async def _quiet_then_busy(link: EngineLink, engine: Engine) -> None:
-    loop = asyncio.get_running_loop()
-    sent = loop.time()
-    link.submit(seqs(1, 2), 32, sent, sent + 30)
-    arrived, first = await engine.next_work()
-    assert first.tags.tolist() == [1] and arrived - sent < INTERVAL / 2, "a quiet link waits for nothing"
-
-    for _ in range(3):  # within the interval after the first frame: held, then sent together
-        link.submit(seqs(3, 4, 5), 16, loop.time(), loop.time() + 30)
-        await asyncio.sleep(INTERVAL / 10)
-    arrived, second = await engine.next_work()
-    assert second.tags.tolist() == [2, 3, 4]
-    assert second.ids.tolist() == [3, 4, 5] * 3 and second.costs.tolist() == [16] * 3
-    assert arrived - sent >= INTERVAL * 0.9, "the second frame went before the interval ended"
-    assert engine.frames.empty()
+async def test_a_caller_alone_never_waits_for_the_interval(tmp_path):
+    async with linked(tmp_path / "engine.sock", INTERVAL) as (link, engine):
+        loop = asyncio.get_running_loop()
+        for tag in (1, 2, 3):  # one request a frame, each well within the interval of the last
+            sent = loop.time()
+            link.submit(seqs(tag), 16, sent, sent + 30)
+            arrived, work = await engine.next_work()
+            assert work.tags.tolist() == [tag] and arrived - sent < INTERVAL / 2
 
 
 async def test_with_no_interval_each_loop_turn_sends_its_own_frame(tmp_path):
