@@ -50,7 +50,6 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 import grpc
-from google.protobuf.json_format import MessageToDict
 
 from bench import RESULTS_DIR, headline, loadgen, machine, workload
 from bench.loadgen import OK, Outcome
@@ -59,16 +58,16 @@ from bench.report import (
     Spread,
     deltas_by_label,
     latency_summary,
-    metric_delta,
     padding_ratio,
     percentile,
+    server_tokens,
     window_rates,
     worker_figures,
 )
 from bench.server import Server, echo_running, process_tree, running
 from kembed.config import Settings
 from kembed.contract import Metric, env_name
-from kembed.v1 import embedder_pb2, embedder_pb2_grpc
+from kembed.v1 import embedder_pb2
 
 ZERO_COST = "bench.zero_cost"
 PARTS = ("host_path", "rejection", "storm", "serve")
@@ -283,9 +282,6 @@ def retry_storm(opts: Options, texts: list[str]) -> dict[str, Any]:
     return {"multiple": opts.storm_multiple, "saturation": saturation, "storm": storm}
 
 
-TOKENS_TOTAL = Metric.TOKENS + "_total"
-
-
 def serve(opts: Options, texts: list[str]) -> dict[str, Any]:
     """The real model, ``frontends=auto``, one server for every load: the closed loop at each of
     ``serve_texts`` texts a call, with the server's counters and GPU busy over each load."""
@@ -294,8 +290,8 @@ def serve(opts: Options, texts: list[str]) -> dict[str, Any]:
     ceiling = ceiling_reference(opts.serve_ceiling)
     loads = []
     with running(settings, _log("serve"), module="kembed", start_timeout=opts.serve_start_timeout) as server:
-        info = _info(server.grpc_target)
-        print(f"  serve: {info.get('model_id')} on {info.get('device')} ({info.get('dtype')}), {settings}")
+        info = server.info()
+        print(f"  serve: {info.get('modelId')} on {info.get('device')} ({info.get('dtype')}), {settings}")
         for i, n in enumerate(opts.serve_texts):
             if i:
                 time.sleep(window_s)  # the server's latency window forgets the last load
@@ -318,18 +314,10 @@ def serve(opts: Options, texts: list[str]) -> dict[str, Any]:
     return {"settings": settings, "info": info, "ceiling": ceiling, "loads": loads, "py_spy": profile}
 
 
-def _info(target: str) -> dict[str, Any]:
-    """The server's own Info: model, device and dtype it serves with."""
-    with grpc.insecure_channel(target) as channel:
-        reply = embedder_pb2_grpc.EmbedderStub(channel).Info(embedder_pb2.InfoRequest(), timeout=30)
-    return MessageToDict(reply, preserving_proto_field_name=True)
-
-
 def _counters(before: Samples, after: Samples, span_s: float) -> dict[str, Any]:
     """From the server's own counters over a load: padding, and the worker's busy share, padded
     tokens per compute-second and rows per batch."""
-    real = metric_delta(before, after, TOKENS_TOTAL, kind="real")
-    padding = metric_delta(before, after, TOKENS_TOTAL, kind="padding")
+    real, padding = server_tokens(before, after)
     return {"padding_ratio": padding_ratio(real, padding), "worker": worker_figures(before, after, span_s)}
 
 

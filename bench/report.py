@@ -114,6 +114,12 @@ def metric_delta(before: Samples, after: Samples, name: str, **labels: str) -> f
     return metric_sum(after, name, **labels) - metric_sum(before, name, **labels)
 
 
+def server_tokens(before: Samples, after: Samples) -> tuple[float, float]:
+    """Real and padding tokens the server computed between two scrapes."""
+    name = Metric.TOKENS + "_total"
+    return metric_delta(before, after, name, kind="real"), metric_delta(before, after, name, kind="padding")
+
+
 def worker_figures(before: Samples, after: Samples, wall_s: float) -> dict[str, float]:
     """From the server's own counters over a phase: the share of wall time the worker computed,
     padded tokens per compute-second (drops when something else takes the cores), rows per batch."""

@@ -22,9 +22,6 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass
 from typing import Any
 
-import grpc
-from google.protobuf.json_format import MessageToDict
-
 from bench import RESULTS_DIR, machine, workload
 from bench.loadgen import OK, REJECTED, Outcome, closed_loop, open_loop
 from bench.report import (
@@ -32,17 +29,15 @@ from bench.report import (
     Spread,
     deltas_by_label,
     latency_summary,
-    metric_delta,
     padding_ratio,
+    server_tokens,
     window_rates,
     worker_figures,
 )
 from bench.server import Server, running
 from kembed.config import Settings
 from kembed.contract import Metric, env_name
-from kembed.v1 import embedder_pb2, embedder_pb2_grpc
-
-TOKENS_TOTAL = Metric.TOKENS + "_total"
+from kembed.v1 import embedder_pb2
 
 
 @dataclass(frozen=True)
@@ -72,8 +67,7 @@ def summarize(
     def rate(weights: Sequence[float]) -> Spread:
         return Spread.of(window_rates([o.done for o in ok], weights, opts.warmup, opts.duration, opts.windows))
 
-    real = metric_delta(before, after, TOKENS_TOTAL, kind="real")
-    padding = metric_delta(before, after, TOKENS_TOTAL, kind="padding")
+    real, padding = server_tokens(before, after)
     return {
         "sent": len(outcomes),
         "codes": dict(Counter(o.code for o in outcomes)),
@@ -114,17 +108,11 @@ async def _phase(server: Server, requests: list[bytes], tokens: list[int], opts:
     return summary
 
 
-async def _info(target: str) -> dict[str, Any]:
-    async with grpc.aio.insecure_channel(target) as channel:
-        reply = await embedder_pb2_grpc.EmbedderStub(channel).Info(embedder_pb2.InfoRequest(), timeout=10)
-    return MessageToDict(reply)
-
-
 async def _run(server: Server, opts: Options, loads: list[float], capacity: float) -> dict[str, Any]:
     wl = workload.load()
     requests = encode_requests(wl.texts)
     tokens = [min(t, workload.BUCKETS[-1]) for t in wl.tokens]
-    result: dict[str, Any] = {"server_info": await _info(server.grpc_target)}
+    result: dict[str, Any] = {"server_info": server.info()}
     print(f"serve_load[{opts.batching}]: capacity, closed loop x{opts.concurrency}, {opts.duration:.0f} s")
     result["saturation"] = await _phase(server, requests, tokens, opts, rate=0)
     saturated = result["saturation"]["emb_per_s"]["median"]

@@ -20,9 +20,14 @@ import urllib.request
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
+
+import grpc
+from google.protobuf.json_format import MessageToDict
 
 from bench.report import Samples, parse_prometheus
 from kembed.contract import METRICS_PATH, READYZ_PATH, env_name
+from kembed.v1 import embedder_pb2, embedder_pb2_grpc
 
 HOST = "127.0.0.1"
 
@@ -32,6 +37,12 @@ class Server:
     pid: int
     grpc_target: str
     http_url: str
+
+    def info(self) -> dict[str, Any]:
+        """The server's own Info (model, device, dtype, plan), as ``MessageToDict`` writes it."""
+        with grpc.insecure_channel(self.grpc_target) as channel:
+            reply = embedder_pb2_grpc.EmbedderStub(channel).Info(embedder_pb2.InfoRequest(), timeout=30)
+        return MessageToDict(reply)
 
     def metrics(self) -> Samples:
         with urllib.request.urlopen(self.http_url + METRICS_PATH, timeout=10) as reply:

@@ -14,7 +14,6 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
-import math
 from pathlib import Path
 from typing import Any
 
@@ -62,15 +61,15 @@ class EngineLink:
         self._out_cancels: list[int] = []
         self._out_latencies: list[float] = []
         self._frame_interval = frame_interval
-        self._last_flush = -math.inf
+        self._last_flush = 0.0  # loop time; unused until a frame carried several requests
         self._last_frame_requests = 0  # requests the last WORK frame carried
         self._flush_at: asyncio.TimerHandle | None = None  # a later flush, for samples alone
         self._flush_now: asyncio.Handle | None = None  # the flush of queued requests
 
     @classmethod
     async def connect(cls, runtime: Path, index: int, frame_interval: float) -> EngineLink:
-        """Connect (retrying while the engine starts), say hello, and wait for READY. WORK frames
-        then go at most one per ``frame_interval`` seconds."""
+        """Connect (retrying while the engine starts), say hello, and wait for READY. Once calls
+        overlap, WORK frames go at most one per ``frame_interval`` seconds."""
         path = str(runtime / ENGINE_SOCKET)
         loop = asyncio.get_running_loop()
         give_up = loop.time() + CONNECT_TIMEOUT_S
