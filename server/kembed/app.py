@@ -180,6 +180,7 @@ class Supervisor:
             "estimated_drain_time_ms": round(drain * 1000, 1),
             "p95_server_side_latency_ms": round(p95 * 1000, 1),
             "worker_queue_depth": int(board[Slot.IN_FLIGHT_BATCHES]),
+            "open_requests": int(board[Slot.OPEN_REQUESTS]),
             "embedding_dimension": int(board[Slot.DIMENSIONS]) or None,
             "frontends": self.frontends,
             "uptime_seconds": round(time.monotonic() - self.started, 1),

@@ -130,7 +130,8 @@ class Slot(IntEnum):
     ENGINE_HEARTBEAT = 6  # time.monotonic() of the engine's last sign of life
     IN_FLIGHT_BATCHES = 7
     DIMENSIONS = 8  # of the served embeddings, once warm
-    FRONTENDS = 9
+    OPEN_REQUESTS = 9  # admitted by the engine and not yet answered
+    FRONTENDS = 10
 
 
 FRONTEND_HEARTBEAT = 0

@@ -58,7 +58,7 @@ def crd_schema(crd: dict[str, Any]) -> dict[str, Any]:
     return crd["spec"]["versions"][0]["schema"]["openAPIV3Schema"]
 
 
-def wait_for(what: str, probe: Callable[[], Any], timeout: float = 30.0, interval: float = 0.2) -> Any:
+def wait_for(what: str, probe: Callable[[], Any], timeout: float = 120.0, interval: float = 0.2) -> Any:
     """Poll ``probe`` until it returns something truthy (returned); fail with ``what`` after ``timeout`` s."""
     deadline = time.monotonic() + timeout
     last = None

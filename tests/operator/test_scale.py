@@ -3,8 +3,9 @@ per resource, the operator's memory, and quiet once converged.
 
 `make test` runs 20; `KEMBED_SCALE_N=200 .venv/bin/python -m pytest tests/operator/test_scale.py -s`
 runs the issue's 200 (docs/operator.md records the figures; KEMBED_SCALE_QUIET_S=180 watches
-for writes at rest over three minutes instead of 10 s). The bound is measured on the 2-core
-machine (200 in 10.5 s) with room for a busy neighbour: 10 s plus 0.25 s per resource.
+for writes at rest over three minutes instead of 10 s). The time to converge is printed, not
+asserted (a busy machine is slower, not wrong): what is asserted is that everything converges,
+how many API calls it took, and that nothing is written once it has.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from tests.operator.emulator import EmulatorThread
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 N = int(os.environ.get("KEMBED_SCALE_N", "20"))
-BOUND_S = 10.0 + 0.25 * N
+CONVERGE_TIMEOUT_S = 300.0 + 3.0 * N  # a hang, not a speed: converging takes about 10 s for 200 here
 QUIET_S = float(os.environ.get("KEMBED_SCALE_QUIET_S", "10"))  # the window with nothing changing
 
 
@@ -42,14 +43,14 @@ def memory_kib(pid: int) -> dict[str, int]:
     return {key: int(fields[key].split()[0]) for key in ("VmRSS", "VmHWM")}
 
 
-def test_many_resources_converge_within_the_bound(
+def test_many_resources_converge_with_few_calls_and_then_stay_quiet(
     api: client.ApiClient, emulator: EmulatorThread, operator_process: subprocess.Popen[bytes]
 ) -> None:
     kube = Kube(api)
     mark, started = len(emulator.requests()), time.monotonic()
     for index in range(N):
         kube.create_es(f"es-{index:03d}", maxReplicas=2, resources={"gpu": 0})
-    wait_for(f"{N} resources converged", lambda: all_converged(kube), timeout=BOUND_S, interval=1.0)
+    wait_for(f"{N} resources converged", lambda: all_converged(kube), timeout=CONVERGE_TIMEOUT_S, interval=1.0)
     elapsed = time.monotonic() - started
     calls = collections.Counter((verb, resource) for _, resource, verb in operator_calls(emulator.requests()[mark:]))
     memory = memory_kib(operator_process.pid)
@@ -59,7 +60,7 @@ def test_many_resources_converge_within_the_bound(
     at_rest = [c for c in operator_calls(emulator.requests()[quiet_mark:]) if c[2] in WRITES and c[1] != PEERING]
 
     per_resource = {f"{verb} {resource}": round(count / N, 2) for (verb, resource), count in sorted(calls.items())}
-    print(f"\n{N} resources converged (Ready) in {elapsed:.1f} s (bound {BOUND_S:.0f} s); operator memory {memory} KiB")
+    print(f"\n{N} resources converged (Ready) in {elapsed:.1f} s; operator memory {memory} KiB")
     print(f"API calls per resource: {per_resource}; writes over {QUIET_S:.0f} s at rest: {len(at_rest)}")
     assert at_rest == []
     # Reads come from kopf's indexes: a GET only on a retry after a failure (none expected here).

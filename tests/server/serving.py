@@ -20,6 +20,7 @@ import grpc
 from kembed.contract import env_name
 from kembed.v1 import embedder_pb2 as pb
 from kembed.v1 import embedder_pb2_grpc as pb_grpc
+from tests.server.held import HOLD_ENV, EngineHold
 
 FAST = {
     "buckets": "16,32,64,128,256",
@@ -43,12 +44,19 @@ def wait_until(condition: Any, timeout: float, what: str) -> None:
 
 
 class ServerProcess:
-    def __init__(self, log: Path, module: str = "kembed", **settings: Any) -> None:
+    """``held=True`` serves through ``tests.server.held``: ``self.engine`` then holds its batches
+    (the real model computes them once released)."""
+
+    def __init__(self, log: Path, module: str = "kembed", held: bool = False, **settings: Any) -> None:
         self.grpc_port, self.http_port = free_port(), free_port()
         values = {**FAST, **settings, "grpc_port": self.grpc_port, "http_port": self.http_port}
         env = {k: v for k, v in os.environ.items() if not k.startswith("KEMBED_")}
         env.update({env_name(k): str(v) for k, v in values.items()})
         env["HF_HUB_OFFLINE"] = "1"
+        self.engine = EngineHold(log.with_suffix(".hold"))
+        if held:
+            module = "tests.server.held"
+            env[HOLD_ENV] = str(self.engine.path)
         self.log = log
         self._out = log.open("wb")
         self.process = subprocess.Popen(
@@ -79,6 +87,10 @@ class ServerProcess:
         assert status == 200
         return dict(json.loads(body))
 
+    def wait_open_requests(self, count: int, timeout: float = 120) -> None:
+        """Until the engine holds exactly ``count`` admitted requests (every one past the gates)."""
+        wait_until(lambda: self.health()["open_requests"] == count, timeout, f"{count} requests in the engine")
+
     def children(self) -> dict[str, int]:
         """The supervisor's children by role (``engine``, ``frontend-0``...), from their command lines."""
         found = {}
@@ -98,6 +110,7 @@ class ServerProcess:
         return self.log.read_text(errors="replace")
 
     def stop(self) -> None:
+        self.engine.release()
         if self.process.poll() is None:
             self.process.send_signal(signal.SIGTERM)
             try:

@@ -1,4 +1,5 @@
-"""The batching policy with a fake clock, and the event-driven loop around it."""
+"""The batching policy with a fake clock, and the event-driven loop around it (with a fake clock
+too: each step wakes the loop by an event and lets it run, so no step depends on how fast it runs)."""
 
 import asyncio
 
@@ -28,8 +29,25 @@ def add(queue: BucketQueue, length: int, count: int, now: float) -> Job:
     return job
 
 
-def submit(batcher: Batcher, n: int, seqs: Sequences) -> None:
-    batcher.submit(chunks(make_job(n), seqs, LENGTHS, asyncio.get_running_loop().time()))
+class FakeClock:
+    def __init__(self) -> None:
+        self.now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+def submit(batcher: Batcher, n: int, seqs: Sequences, now: float) -> None:
+    batcher.submit(chunks(make_job(n), seqs, LENGTHS, now))
+
+
+async def settle() -> None:
+    """Let the batcher's loop handle what woke it and wait again: a few turns of the event loop."""
+    for _ in range(10):
+        await asyncio.sleep(0)
+
+
+ONE_ITEM = Sequences(np.ones(5, np.int32), np.array([5], np.int32))
 
 
 SHAPES = BatchShapes.build(max_batch_size=8, max_tokens=512, fixed=True)
@@ -99,24 +117,30 @@ def test_naive_takes_everything_in_arrival_order_when_idle():
 
 async def test_loop_dispatches_on_events_and_bounds_in_flight():
     dispatched: list[Batch] = []
-    queue = BucketQueue(LENGTHS)
-    batcher = Batcher(queue, SHAPES, dispatched.append, max_wait=MAX_WAIT, naive=False)
+    clock = FakeClock()
+    batcher = Batcher(BucketQueue(LENGTHS), SHAPES, dispatched.append, max_wait=MAX_WAIT, naive=False, clock=clock)
     task = asyncio.create_task(batcher.run())
     try:
-        submit(batcher, 3, Sequences(np.ones(30, np.int32), np.full(3, 10, np.int32)))
-        await asyncio.sleep(0.01)
+        submit(batcher, 3, Sequences(np.ones(30, np.int32), np.full(3, 10, np.int32)), clock.now)
+        await settle()
         assert len(dispatched) == 1  # idle worker: at once, no waiting for staleness
         first = dispatched[0]
         assert (first.size, first.seq_len, first.items) == (4, 16, 3)  # padded to a fixed shape
         assert batcher.in_flight == 1 and batcher.backlog_tokens == 64
-        one_item = Sequences(np.ones(5, np.int32), np.array([5], np.int32))
-        for _ in range(3):
-            submit(batcher, 1, one_item)
-            await asyncio.sleep(MAX_WAIT * 2)
-        assert len(dispatched) == 2  # the second slot filled once stale; the third waits
+        submit(batcher, 1, ONE_ITEM, clock.now)
+        await settle()
+        assert len(dispatched) == 1  # the worker is busy and nothing is stale yet
+        clock.now += MAX_WAIT
+        submit(batcher, 1, ONE_ITEM, clock.now)
+        await settle()
+        assert [b.items for b in dispatched] == [3, 2]  # stale: the second slot takes the bucket
+        submit(batcher, 1, ONE_ITEM, clock.now)
+        clock.now += MAX_WAIT
+        await settle()
+        assert len(dispatched) == 2  # stale, but both slots are taken
         batcher.batch_done(dispatched[0])
-        await asyncio.sleep(0.01)
-        assert len(dispatched) == 3
+        await settle()
+        assert [b.items for b in dispatched] == [3, 2, 1]
     finally:
         task.cancel()
 
@@ -139,13 +163,13 @@ async def test_loop_does_not_poll_when_idle():
 async def test_eager_batches_are_trimmed_to_their_items():
     dispatched: list[Batch] = []
     eager = BatchShapes.build(max_batch_size=8, max_tokens=512, fixed=False)
-    batcher = Batcher(BucketQueue(LENGTHS), eager, dispatched.append, max_wait=MAX_WAIT, naive=False)
+    batcher = Batcher(BucketQueue(LENGTHS), eager, dispatched.append, max_wait=MAX_WAIT, naive=False, clock=FakeClock())
     task = asyncio.create_task(batcher.run())
     try:
         lengths = np.array([20, 27, 18], np.int32)
         seqs = Sequences(np.ones(int(lengths.sum()), np.int32), lengths)
-        submit(batcher, 3, seqs)
-        await asyncio.sleep(0.01)
+        submit(batcher, 3, seqs, 0.0)
+        await settle()
         assert [(b.size, b.seq_len) for b in dispatched] == [(3, 27)]  # not (4, 32)
     finally:
         task.cancel()
@@ -154,20 +178,21 @@ async def test_eager_batches_are_trimmed_to_their_items():
 async def test_eager_mode_forms_the_next_batch_only_when_the_worker_is_free():
     """One batch in flight on CPU: what queues while it runs goes together, not in dribs and drabs."""
     dispatched: list[Batch] = []
+    clock = FakeClock()
     eager = BatchShapes.build(max_batch_size=8, max_tokens=512, fixed=False)
-    batcher = Batcher(BucketQueue(LENGTHS), eager, dispatched.append, max_wait=MAX_WAIT, naive=False)
+    batcher = Batcher(BucketQueue(LENGTHS), eager, dispatched.append, max_wait=MAX_WAIT, naive=False, clock=clock)
     task = asyncio.create_task(batcher.run())
-    one_item = Sequences(np.ones(5, np.int32), np.array([5], np.int32))
     try:
-        submit(batcher, 1, one_item)
-        await asyncio.sleep(0.01)
+        submit(batcher, 1, ONE_ITEM, clock.now)
+        await settle()
         assert len(dispatched) == 1
         for _ in range(3):
-            submit(batcher, 1, one_item)
-            await asyncio.sleep(MAX_WAIT * 2)
+            submit(batcher, 1, ONE_ITEM, clock.now)
+            clock.now += MAX_WAIT * 2
+            await settle()
         assert len(dispatched) == 1  # stale, but the worker is busy
         batcher.batch_done(dispatched[0])
-        await asyncio.sleep(0.01)
+        await settle()
         assert [b.items for b in dispatched] == [1, 3]
     finally:
         task.cancel()

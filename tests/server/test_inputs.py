@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import shutil
-import time
 import tracemalloc
 from concurrent.futures import ThreadPoolExecutor
 from itertools import chain
@@ -103,14 +102,11 @@ def test_bogus_length_fails_fast_without_allocating(tok: Tokenizer) -> None:
     # A client's -1 arrives as 4294967295 through the proto's uint32 field.
     message = embedder_pb2.TokenIds(ids=as_bytes([CLS, SEP, CLS, SEP]), lengths=[2**32 - 1, 2**32 - 1, 2])
     tracemalloc.start()
-    started = time.perf_counter()
     with raises("tokens.lengths", "sum to 8589934592"):
         tok.from_token_bytes(message.ids, message.lengths, truncate=True)
-    elapsed = time.perf_counter() - started
     peak = tracemalloc.get_traced_memory()[1]
     tracemalloc.stop()
-    assert elapsed < 0.5  # microseconds in fact; slack for a loaded machine
-    assert peak < 1 << 20
+    assert peak < 1 << 20  # nothing sized by the bogus lengths was allocated
 
 
 def test_token_truncation_keeps_first_and_last(tok: Tokenizer) -> None:
@@ -156,3 +152,27 @@ def test_fingerprint_covers_tokenizer_files_only(bundled_path: Path, tmp_path: P
     with (tmp_path / "vocab.txt").open("a") as f:
         f.write("extra\n")
     assert tokenizer_fingerprint(tmp_path) != before
+
+
+LOWER_BOUND_TEXTS = [
+    "hello world",
+    "Tokenizers split on whitespace first, then into word pieces: antidisestablishmentarianism.",
+    "Punctuation!!! splits... words, (brackets) and 'quotes' too; e.g. U.S.A. and 3.14159.",
+    "   leading, trailing   and  repeated   spaces   ",
+    "tabs\tand\nnewlines\r\nbetween words",
+    "Ünïcödé ĉàfé naïve façade — em dashes – and “curly quotes”",
+    "東京は日本の首都です。中文没有空格。",
+    "emoji 🙂🚀 and symbols ∑∫√ ≠ ≤",
+    "def f(x):\n    return {k: v for k, v in x.items() if v is not None}",
+    "a",
+    "x" * 400,
+]
+
+
+def test_least_lengths_bound_the_real_lengths_from_below(tok: Tokenizer) -> None:
+    real = tok.from_texts(LOWER_BOUND_TEXTS[:8], truncate=True).lengths
+    real = np.concatenate([real, tok.from_texts(LOWER_BOUND_TEXTS[8:], truncate=True).lengths])
+    least = tok.least_lengths(LOWER_BOUND_TEXTS)
+    assert (least <= real).all(), list(zip(LOWER_BOUND_TEXTS, least, real, strict=True))
+    assert (least >= 3).sum() >= 8  # and they are not trivial: words count
+    assert least.max() <= LIMIT

@@ -8,7 +8,6 @@ import re
 import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import grpc
@@ -59,15 +58,17 @@ def _health_status(health: health_pb2_grpc.HealthStub) -> int | None:
 
 
 def test_expired_work_is_dropped_before_compute(tmp_path: Path):
-    server = ServerProcess(tmp_path / "server.log", admission="").wait_ready()
+    server = ServerProcess(tmp_path / "server.log", held=True, admission="").wait_ready()
     try:
         with grpc.insecure_channel(server.target) as channel:
             stub = pb_grpc.EmbedderStub(channel)
-            backlog = stub.Embed.future(pb.EmbedRequest(texts=[PARAGRAPH] * 64), timeout=120)  # seconds of work
-            wait_until(lambda: server.health()["queued_tokens"] > 0, 30, "a backlog")
-            with pytest.raises(grpc.RpcError) as caught:
-                stub.Embed(pb.EmbedRequest(texts=["late"] * 3), timeout=0.2)
-            assert caught.value.code() is grpc.StatusCode.DEADLINE_EXCEEDED
+            with server.engine:  # the backlog's first batch waits: the late request waits behind it
+                backlog = stub.Embed.future(pb.EmbedRequest(texts=[PARAGRAPH] * 64), timeout=120)
+                server.wait_open_requests(1)
+                with pytest.raises(grpc.RpcError) as caught:
+                    stub.Embed(pb.EmbedRequest(texts=["late"] * 3), timeout=0.2)
+                assert caught.value.code() is grpc.StatusCode.DEADLINE_EXCEEDED
+                server.wait_open_requests(1)  # the engine dropped it
             answered = backlog.result()
         _, metrics = server.http("/metrics")
         real = re.search(r'^kembed_tokens_total\{kind="real"\} (\S+)', metrics, re.M)
@@ -78,22 +79,22 @@ def test_expired_work_is_dropped_before_compute(tmp_path: Path):
 
 
 def test_sigterm_answers_everything_accepted_in_every_front_end(tmp_path: Path):
-    server = ServerProcess(tmp_path / "server.log", admission="", frontends=2).wait_ready()
+    server = ServerProcess(tmp_path / "server.log", held=True, admission="", frontends=2).wait_ready()
     try:
         channels = channel_per_frontend(server, 2)
-        accepted = []
-        for channel in channels.values():
-            stub = pb_grpc.EmbedderStub(channel)
-            accepted += [stub.Embed.future(pb.EmbedRequest(texts=[PARAGRAPH] * 8), timeout=120) for _ in range(10)]
-        wait_until(lambda: server.health()["queued_tokens"] > 0, 30, "work queued")
-        time.sleep(0.5)  # every request is past the gate (tokenized and queued)
-        server.process.send_signal(signal.SIGTERM)
-        wait_until(lambda: server.http("/readyz")[0] != 200, 2, "readiness to drop")
-        for channel in channels.values():
-            with pytest.raises(grpc.RpcError) as caught:
-                pb_grpc.EmbedderStub(channel).Embed(pb.EmbedRequest(texts=["after SIGTERM"]), timeout=5)
-            assert caught.value.code() is grpc.StatusCode.UNAVAILABLE
-        assert not all(future.done() for future in accepted)  # the checks above ran with work in flight
+        with server.engine:  # nothing is computed until the drain has been checked
+            accepted = []
+            for channel in channels.values():
+                stub = pb_grpc.EmbedderStub(channel)
+                accepted += [stub.Embed.future(pb.EmbedRequest(texts=[PARAGRAPH] * 8), timeout=120) for _ in range(10)]
+            server.wait_open_requests(20)  # every request is past the gate, in the engine
+            server.process.send_signal(signal.SIGTERM)
+            wait_until(lambda: server.http("/readyz")[0] != 200, 60, "readiness to drop")
+            for channel in channels.values():
+                with pytest.raises(grpc.RpcError) as caught:
+                    pb_grpc.EmbedderStub(channel).Embed(pb.EmbedRequest(texts=["after SIGTERM"]), timeout=30)
+                assert caught.value.code() is grpc.StatusCode.UNAVAILABLE
+            assert not any(future.done() for future in accepted)  # every one of them is still in flight
         assert [future.result().count for future in accepted] == [8] * 20
         assert server.process.wait(timeout=60) == 0
         for channel in channels.values():

@@ -12,6 +12,10 @@ class Jobs:
         self._batcher = batcher
         self._open: dict[tuple[int, int], Job] = {}
 
+    def __len__(self) -> int:
+        """Requests admitted and not yet closed."""
+        return len(self._open)
+
     def add(self, job: Job) -> None:
         self._open[job.link, job.tag] = job
 

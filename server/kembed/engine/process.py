@@ -239,6 +239,7 @@ class EngineProcess:
         board[Slot.BACKLOG_TOKENS] = core.batcher.backlog_tokens
         board[Slot.TOKENS_PER_SECOND] = core.load.tokens_per_second
         board[Slot.IN_FLIGHT_BATCHES] = core.batcher.in_flight
+        board[Slot.OPEN_REQUESTS] = len(core.jobs)
 
     async def _tick(self, worker: Worker) -> None:
         """Heartbeat, P95 and shedding on the board; exit if the supervisor is gone."""
