@@ -154,11 +154,12 @@ class Settings(BaseModel):
     )
     drain_timeout_s: float = Field(25.0, ge=0, description="On SIGTERM, how long accepted work may take to finish")
     log_level: str = Field("INFO", description="Python log level (DEBUG, INFO, WARNING, ERROR)")
-    frontend_nice: int = Field(
-        5,
+    compute_nice: int = Field(
+        10,
         ge=0,
         le=19,
-        description="Niceness of the front ends: where they share cores with the engine, it computes first",
+        description="CPU inference: niceness added to the compute threads, so serving (refusing, admitting, "
+        "answering calls) preempts them",
     )
     frontends: str = Field(
         "auto",

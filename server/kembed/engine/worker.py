@@ -19,7 +19,7 @@ import numpy as np
 import torch
 
 from kembed.config import Batching, Settings, Warmup
-from kembed.engine import compile_cache
+from kembed.engine import compile_cache, cpu
 from kembed.engine.buckets import clip_buckets
 from kembed.engine.graphs import ShapeGuard, UnplannedShapeError
 from kembed.engine.model import EmbeddingModel
@@ -153,6 +153,8 @@ def start_engine(settings: Settings, load_model: LoadModel, beat: Callable[[], N
     """Load, compile (through the compile cache when set) and warm up every planned shape."""
     started = time.monotonic()
     model = load_model(settings)
+    if model.info.device.type == "cpu":
+        cpu.share_cores(settings.compute_nice)
     plan = make_plan(settings, model)
     engine = Engine(model, plan, settings.warmup)
     if plan.compiled:

@@ -1,0 +1,62 @@
+"""How CPU inference shares the cores with serving: compute yields, serving never waits for it.
+
+When the model runs on the CPU, its threads (the worker and torch's intra-op pool) want every core,
+and so do the front ends and the engine's event loop whenever a call arrives: to refuse it, admit
+it or answer it. Whoever waits for the other loses something. Serving waiting for compute makes a
+rejection take as long as a batch (seconds, not the microseconds it costs); compute waiting for
+serving only loses the microseconds a call costs. So the compute threads run at a higher niceness
+(``KEMBED_COMPUTE_NICE``) than every process and thread that talks to clients, and the kernel
+preempts them the moment serving has work. Raising one's own niceness needs no capability, so it
+works in a container without privileges; nothing here ever lowers it.
+
+On a GPU the worker thread only launches work for the device: it is the device's feeder and keeps
+the process's priority.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import threading
+from pathlib import Path
+
+import torch
+
+from kembed.config import available_cpus
+
+log = logging.getLogger(__name__)
+
+TASKS = Path("/proc/self/task")
+MAX_NICE = 19
+
+
+def yield_to_serving(compute_nice: int) -> int:
+    """Put every thread of this process but the main one (the engine's event loop) ``compute_nice``
+    below it: the worker thread (the caller) and torch's pool, if it exists yet (threads the worker
+    creates later inherit its niceness). Returns the niceness they run at."""
+    main = threading.main_thread().native_id or os.getpid()  # the main thread's id is the process's
+    target = min(MAX_NICE, os.getpriority(os.PRIO_PROCESS, main) + compute_nice)
+    threads = [int(task.name) for task in TASKS.iterdir()] if TASKS.is_dir() else [threading.get_native_id()]
+    for tid in threads:
+        if tid == main:
+            continue
+        with contextlib.suppress(ProcessLookupError):  # the thread ended meanwhile
+            if os.getpriority(os.PRIO_PROCESS, tid) < target:
+                os.setpriority(os.PRIO_PROCESS, tid, target)
+    return target
+
+
+def size_compute_threads() -> int:
+    """torch's intra-op threads for the CPUs this pod may use (its cgroup quota, not the node's
+    cores: more threads than the quota allows are throttled at every barrier)."""
+    threads = max(1, int(available_cpus()))
+    torch.set_num_threads(threads)
+    return threads
+
+
+def share_cores(compute_nice: int) -> None:
+    """CPU inference: size torch's threads and put them below serving. Call on the worker thread."""
+    threads = size_compute_threads()
+    nice = yield_to_serving(compute_nice)
+    log.info("CPU inference: %d compute threads at niceness %d, below serving", threads, nice)
