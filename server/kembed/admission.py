@@ -209,30 +209,36 @@ class AdmissionController:
         """After tokenizing: the capacity checks with the request's exact padded cost."""
         return self._record(self._capacity(request_tokens, backlog_tokens), backlog_tokens + request_tokens)
 
+    def fits(self, request_tokens: int, backlog_tokens: int) -> bool:
+        """Whether the capacity checks would admit the request now; records nothing."""
+        return self._over_capacity(backlog_tokens + request_tokens) is None
+
     def _record(self, rejection: Rejection | None, tokens_ahead: int) -> Rejection | None:
         if rejection is not None:
             self.load.add_latency(self.drain_seconds(tokens_ahead))
         return rejection
 
+    def _over_capacity(self, tokens_after: int) -> str | None:
+        """Which capacity rule the backlog would break with the request in it, if any."""
+        if tokens_after > self._max_queued:
+            return "queue_full"
+        if Admission.THROUGHPUT in self._strategies and self.longest_wait(tokens_after) > self._max_drain:
+            return "drain_time"
+        return None
+
     def _capacity(self, request_tokens: int, backlog_tokens: int) -> Rejection | None:
         after = backlog_tokens + request_tokens
-        if after > self._max_queued:
-            return Rejection(
-                "queue_full",
-                self._pushback(after),
-                f"server queue is full ({backlog_tokens} of {self._max_queued} padded tokens queued)",
+        reason = self._over_capacity(after)
+        if reason is None:
+            return None
+        if reason == "queue_full":
+            message = f"server queue is full ({backlog_tokens} of {self._max_queued} padded tokens queued)"
+        else:
+            message = (
+                f"server is overloaded: estimated queue wait {self.longest_wait(after) * 1000:.0f} ms exceeds the "
+                f"{self._max_drain * 1000:.0f} ms drain budget"
             )
-        if Admission.THROUGHPUT not in self._strategies:
-            return None
-        wait = self.longest_wait(after)
-        if wait <= self._max_drain:
-            return None
-        return Rejection(
-            "drain_time",
-            self._pushback(after),
-            f"server is overloaded: estimated queue wait {wait * 1000:.0f} ms exceeds the "
-            f"{self._max_drain * 1000:.0f} ms drain budget",
-        )
+        return Rejection(reason, self._pushback(after), message)
 
     def _shed(self, tokens_ahead: int) -> Rejection | None:
         fraction = self.load.shed_fraction()

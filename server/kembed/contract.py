@@ -38,6 +38,7 @@ class Metric:
     SERVICE_RATE: Final = "kembed_service_rate_tokens_per_second"
     REQUESTS: Final = "kembed_requests"  # exposed as kembed_requests_total{code}
     REJECTED: Final = "kembed_rejected"  # exposed as kembed_rejected_total{reason}
+    PUSHBACK_WAITS: Final = "kembed_pushback_waits"  # exposed as kembed_pushback_waits_total
     BATCH_SIZE: Final = "kembed_batch_size"
     BATCH_TOKENS: Final = "kembed_batch_tokens"
     TOKENS: Final = "kembed_tokens"  # exposed as kembed_tokens_total{kind="real"|"padding"}

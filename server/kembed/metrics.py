@@ -41,6 +41,9 @@ class FrontendMetrics:
         )
         self.requests = Counter(Metric.REQUESTS, "Requests by gRPC status code", ["code"], registry=r)
         self.rejected = _rejected(r)
+        self.pushback_waits = Counter(
+            Metric.PUSHBACK_WAITS, "Calls that came within their connection's pushback and waited it out", registry=r
+        )
 
 
 class EngineMetrics:

@@ -106,7 +106,7 @@ def _result(zero_cost: float, p99_kembed: float, storm: float) -> dict[str, Any]
             {"processes": 1, "echo": closed(4000), "zero_cost": closed(zero_cost)},
             {"processes": 2, "echo": closed(8000), "zero_cost": closed(2000)},
         ],
-        "rejection": {"echo": burst(400, 0.0), "kembed": burst(p99_kembed, 1.0)},
+        "rejection": {"echo": burst(400, 0.0), "kembed": burst(p99_kembed, 1.0), "computing": burst(600, 0.97)},
         "retry_storm": {"multiple": 4.0, "saturation": storm_phase(100), "storm": storm_phase(storm)},
     }
 
@@ -126,6 +126,8 @@ def test_hostpath_ratios_and_targets() -> None:
     assert rows["Rejected burst / echo burst, time to last answer"].value.median == pytest.approx(2.5)
     assert rows["Rejected burst / echo burst, server CPU per call"].value.median == pytest.approx(2.5)
     assert rows["Share of the rejected burst answered RESOURCE_EXHAUSTED"].met() is True
+    computing = rows["Rejections while the engine computes / echo burst, p99"]
+    assert (computing.value.median, computing.met()) == (1.5, True)
     storm = rows["Goodput, 4x retry storm / saturation (emb/s)"]
     assert (storm.value.median, storm.met()) == (pytest.approx(0.95), True)
     missed = {r.name: r.met() for r in headline.hostpath_ratios(_result(zero_cost=1000, p99_kembed=800, storm=80))}
@@ -136,7 +138,7 @@ def test_hostpath_ratios_and_targets() -> None:
 
 def test_hostpath_table_and_partial_results() -> None:
     table = headline.hostpath_table(_result(zero_cost=2400, p99_kembed=1000, storm=95))
-    assert table.count("\n") == 1 + 4 + 2 + 2  # header rule, host path, rejection, storm
+    assert table.count("\n") == 1 + 4 + 3 + 2  # header rule, host path, rejection (echo, idle, computing), storm
     assert "zero-cost kembed, 1 proc" in table
     only_host_path = {"settings": _result(1, 1, 1)["settings"], "host_path": _result(2400, 1, 1)["host_path"]}
     assert len(headline.hostpath_ratios(only_host_path)) == 4
@@ -178,3 +180,25 @@ def test_gpu_busy_summary_keeps_the_readings_in_the_window() -> None:
     assert machine.busy_summary(readings, 1.5, 3.5) == {"samples": 2, "mean": 70.0, "median": 70.0}
     assert machine.busy_summary(readings)["samples"] == 4
     assert machine.busy_summary([])["samples"] == 0
+
+
+def test_burst_figures_of_one_code() -> None:
+    rounds = [[_outcome(0.1, hostpath.EXHAUSTED), _outcome(5.0)], [_outcome(0.2, hostpath.EXHAUSTED)]]
+    figures = hostpath.burst_figures(rounds, hostpath.EXHAUSTED)
+    assert figures["last_ms"] == Spread(150.0, 100.0, 200.0).to_dict()  # the OK answer's 5 s left out
+    assert figures["calls"] == 3
+
+
+def test_give_ups_against_the_fewest_possible() -> None:
+    attempts = [
+        Outcome(item=0, scheduled=0.0, sent=0.0, done=0.1, code=hostpath.EXHAUSTED),
+        Outcome(item=0, scheduled=0.11, sent=0.11, done=0.2, code=OK),  # retried, then answered
+        Outcome(item=1, scheduled=1.0, sent=1.0, done=1.1, code=hostpath.EXHAUSTED),
+        Outcome(item=1, scheduled=1.2, sent=1.2, done=1.3, code=hostpath.EXHAUSTED),  # gave up
+    ]
+    # Arrivals over 1 s, give-ups 9 s later: 0.1 calls/s serves 1 of the 2 calls within 10 s.
+    assert hostpath.give_ups(attempts, capacity_calls_per_s=0.1, give_up_s=9) == {
+        "calls": 2,
+        "gave_up": 1,
+        "fewest_possible": 1,
+    }

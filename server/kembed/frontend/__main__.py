@@ -19,14 +19,14 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--index", type=int, required=True, help="this front end's number, from 0")
     parser.add_argument("--grpc-port", type=int, required=True, help="the port every front end shares")
     args = parser.parse_args(argv)
+    # Front ends are the tokenizing parallelism: a request's texts are tokenized on one thread, and
+    # the Rust tokenizer's own thread pool would only spin on the cores the engine computes with.
+    os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     try:
         settings = Settings.from_env(grpc_port=args.grpc_port)
     except ConfigError as error:
         print(f"kembed front end: configuration error: {error}", file=sys.stderr)
         return 2
-    # Below the engine where they share cores (CPU inference, a small pod): a storm of calls to
-    # refuse must not take the cores the engine computes with (README, "Choices").
-    os.nice(settings.frontend_nice)
     logging.basicConfig(
         level=settings.log_level, format=f"%(asctime)s %(levelname)s frontend-{args.index} %(name)s: %(message)s"
     )

@@ -119,6 +119,8 @@ class FrontendProcess:
     async def _drain(self) -> None:
         """Stop taking work, answer everything accepted, then stop listening."""
         self._gate.draining = True
+        if isinstance(self._servicer.service, EmbedService):
+            self._servicer.service.release_held()
         self._board.set_frontend(self._index, FRONTEND_SERVING, 0.0)
         await self._set_serving(False)
         log.info("draining: %d requests in progress", self._gate.active)

@@ -38,11 +38,14 @@ class Screen:
     def __init__(self, settings: Settings, board: Board, link: EngineLink) -> None:
         self._board = board
         self._admission = AdmissionController(settings, PublishedLoad(board, link))
-        self._smallest_bucket = link.info.bucket_lengths[0]
 
-    def before_tokenizing(self, items: int) -> Rejection | None:
+    def before_tokenizing(self, least_padded_tokens: int) -> Rejection | None:
         """The latency draw and the capacity checks on a lower bound of the request's cost."""
-        return self._admission.screen(items * self._smallest_bucket, self._backlog())
+        return self._admission.screen(least_padded_tokens, self._backlog())
+
+    def has_room(self, padded_tokens: int) -> bool:
+        """Whether the capacity checks would take this many more padded tokens now (decides nothing)."""
+        return self._admission.fits(padded_tokens, self._backlog())
 
     def after_tokenizing(self, padded_tokens: int) -> Rejection | None:
         """The capacity checks with the request's exact padded cost."""

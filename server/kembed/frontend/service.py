@@ -25,6 +25,7 @@ from kembed.contract import RETRY_PUSHBACK_KEY
 from kembed.engine.buckets import padded_lengths
 from kembed.frontend.errors import EmbedError
 from kembed.frontend.link import EngineLink, Pending
+from kembed.frontend.pushback import ConnectionPushback, HeldCalls
 from kembed.frontend.screen import Screen
 from kembed.inputs import InputError, Sequences, Tokenizer
 from kembed.metrics import FrontendMetrics
@@ -37,6 +38,9 @@ MAX_STREAM_IN_FLIGHT = 256  # per stream: beyond this the server stops reading (
 # executor (two thread switches and a loop wake-up) costs more than tokenizing a sentence. Larger
 # inputs go to the executor, where the Rust tokenizer runs without the GIL.
 INLINE_PREPARE_LIMIT = 2048
+# Counting words for the pre-screen costs a fiftieth of tokenizing; above this many characters a
+# request's words are not counted on the event loop, and it is pre-screened at one token an item.
+WORD_COUNT_LIMIT = 65536
 
 
 def _input_size(request: pb.EmbedRequest) -> int:
@@ -44,10 +48,6 @@ def _input_size(request: pb.EmbedRequest) -> int:
     if request.HasField("tokens"):
         return len(request.tokens.ids)
     return sum(len(text) for text in request.texts)
-
-
-def _item_count(request: pb.EmbedRequest) -> int:
-    return len(request.tokens.lengths) if request.HasField("tokens") else len(request.texts)
 
 
 class Gate:
@@ -63,10 +63,13 @@ class Gate:
         self._idle.set()
 
     def enter(self) -> None:
-        if self.draining or self._pod_draining():
-            raise EmbedError(grpc.StatusCode.UNAVAILABLE, "server is draining: retry on another replica")
+        self.check_open()
         self.active += 1
         self._idle.clear()
+
+    def check_open(self) -> None:
+        if self.draining or self._pod_draining():
+            raise EmbedError(grpc.StatusCode.UNAVAILABLE, "server is draining: retry on another replica")
 
     def leave(self) -> None:
         self.active -= 1
@@ -80,7 +83,9 @@ class Gate:
 class Service(Protocol):
     """What the RPCs call: the real path once the engine is warm, a refusal before."""
 
-    async def embed(self, request: pb.EmbedRequest, time_remaining: float | None) -> pb.EmbedResponse: ...
+    async def embed(
+        self, request: pb.EmbedRequest, time_remaining: float | None, connection: str
+    ) -> pb.EmbedResponse: ...
 
     def info(self) -> pb.InfoResponse: ...
 
@@ -88,7 +93,7 @@ class Service(Protocol):
 class WarmingUp:
     """The service until the engine is warm: every call is UNAVAILABLE."""
 
-    async def embed(self, request: pb.EmbedRequest, time_remaining: float | None) -> pb.EmbedResponse:
+    async def embed(self, request: pb.EmbedRequest, time_remaining: float | None, connection: str) -> pb.EmbedResponse:
         raise EmbedError(grpc.StatusCode.UNAVAILABLE, "server is warming up: retry shortly")
 
     def info(self) -> pb.InfoResponse:
@@ -118,6 +123,8 @@ class EmbedService:
         self._executor = executor
         self._clock = clock
         self._ladder = np.asarray(info.bucket_lengths)
+        self._pushback = ConnectionPushback(clock)
+        self._held = HeldCalls(self._pushback, screen.has_room)
         self._tokenizer = Tokenizer(
             tokenizers.Tokenizer.from_str(info.tokenizer_json),
             pad_token_id=info.pad_token_id,
@@ -127,19 +134,36 @@ class EmbedService:
             max_text_chars=settings.max_text_chars,
         )
 
-    async def embed(self, request: pb.EmbedRequest, time_remaining: float | None) -> pb.EmbedResponse:
+    async def embed(self, request: pb.EmbedRequest, time_remaining: float | None, connection: str) -> pb.EmbedResponse:
+        """``connection`` names the client's connection: its pushback is enforced on it."""
         arrival = self._clock()
+        budget = self._settings.default_timeout_ms / 1000 if time_remaining is None else time_remaining
         self._gate.enter()
         try:
-            return await self._embed(request, arrival, time_remaining)
+            return await self._embed(request, arrival, arrival + budget, connection)
+        except EmbedError as error:
+            if error.retry_after_ms:
+                self._pushback.refused(connection, error.retry_after_ms)
+            raise
         finally:
             self._gate.leave()
 
-    async def _embed(self, request: pb.EmbedRequest, arrival: float, time_remaining: float | None) -> pb.EmbedResponse:
+    def release_held(self) -> None:
+        """Draining: calls held for their connection's pushback go on (to be refused), none waits any more."""
+        self._held.release_all()
+
+    async def _embed(
+        self, request: pb.EmbedRequest, arrival: float, deadline: float, connection: str
+    ) -> pb.EmbedResponse:
         self._validate(request)
-        self._raise_if_rejected(
-            self._screen.before_tokenizing(min(_item_count(request), self._settings.max_items_per_request))
-        )
+        least_cost = self._least_cost(request)
+        if self._pushback.must_wait(connection):
+            self._metrics.pushback_waits.inc()
+            await self._held.wait(connection, least_cost)
+            # Then handled as if it had just arrived: its wait was its client's own doing.
+            self._gate.check_open()
+            arrival = self._clock()
+        self._raise_if_rejected(self._screen.before_tokenizing(least_cost))
         try:
             if _input_size(request) <= INLINE_PREPARE_LIMIT:
                 seqs = self._tokenize(request)
@@ -148,11 +172,10 @@ class EmbedService:
         except InputError as error:
             raise EmbedError(grpc.StatusCode.INVALID_ARGUMENT, str(error)) from None
         tokenized = self._clock()
-        cost = self._padded_tokens(seqs)
+        cost = self._padded_tokens(seqs.lengths)
         self._admit(cost)
-        budget = self._settings.default_timeout_ms / 1000 if time_remaining is None else time_remaining
-        tag, pending = self._link.submit(seqs, cost, arrival, arrival + budget)
-        await self._wait(tag, pending, arrival + budget)
+        tag, pending = self._link.submit(seqs, cost, arrival, deadline)
+        await self._wait(tag, pending, deadline)
         done = self._clock()
         self._link.add_latency(done - arrival)
         self._metrics.request_duration.observe(done - arrival)
@@ -178,9 +201,23 @@ class EmbedService:
             return self._tokenizer.from_token_bytes(request.tokens.ids, request.tokens.lengths, request.truncate)
         return self._tokenizer.from_texts(request.texts, request.truncate)
 
-    def _padded_tokens(self, seqs: Sequences) -> int:
-        """What the request costs once each item is padded to its bucket."""
-        return int(padded_lengths(seqs.lengths, self._ladder).sum())
+    def _least_cost(self, request: pb.EmbedRequest) -> int:
+        """A lower bound of the request's padded cost, read without tokenizing, so that the
+        pre-screen refuses what the server cannot take before it costs a tokenization: exact for
+        pre-tokenized ids, from the word counts for texts (see ``Tokenizer.least_lengths``)."""
+        items = self._settings.max_items_per_request
+        if request.HasField("tokens"):
+            lengths = np.asarray(request.tokens.lengths[:items], dtype=np.int64)
+            lengths = np.clip(lengths, 1, self._info.max_input_tokens)
+        elif _input_size(request) <= WORD_COUNT_LIMIT:
+            lengths = self._tokenizer.least_lengths(request.texts[:items])
+        else:
+            lengths = np.ones(min(len(request.texts), items), dtype=np.int64)
+        return self._padded_tokens(lengths)
+
+    def _padded_tokens(self, lengths: np.ndarray) -> int:
+        """What items of these lengths cost once each is padded to its bucket."""
+        return int(padded_lengths(lengths, self._ladder).sum())
 
     def _admit(self, cost: int) -> None:
         limit = self._settings.max_queued_tokens
@@ -273,7 +310,7 @@ class EmbedderServicer(pb_grpc.EmbedderServicer):
 
     async def Embed(self, request: pb.EmbedRequest, context: grpc.aio.ServicerContext) -> pb.EmbedResponse:
         try:
-            response = await self.service.embed(request, context.time_remaining())
+            response = await self.service.embed(request, context.time_remaining(), context.peer())
         except EmbedError as error:
             self._count(error.code)
             if error.retry_after_ms:
@@ -291,7 +328,7 @@ class EmbedderServicer(pb_grpc.EmbedderServicer):
 
         async def answer(request: pb.EmbedRequest) -> None:
             try:
-                await answers.put(await self._stream_one(request, context.time_remaining()))
+                await answers.put(await self._stream_one(request, context))
             finally:
                 slots.release()
 
@@ -314,9 +351,9 @@ class EmbedderServicer(pb_grpc.EmbedderServicer):
             for task in list(tasks):
                 task.cancel()
 
-    async def _stream_one(self, request: pb.EmbedRequest, time_remaining: float | None) -> pb.EmbedResponse:
+    async def _stream_one(self, request: pb.EmbedRequest, context: grpc.aio.ServicerContext) -> pb.EmbedResponse:
         try:
-            response = await self.service.embed(request, time_remaining)
+            response = await self.service.embed(request, context.time_remaining(), context.peer())
         except EmbedError as error:
             self._count(error.code)
             return pb.EmbedResponse(
