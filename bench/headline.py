@@ -206,17 +206,26 @@ def hostpath_ratios(result: dict[str, Any]) -> list[Ratio]:
         rows.append(Ratio(f"Host path, {n} process(es): zero-cost server / echo, server CPU per call", cpu, ""))
     if rejection := result.get("rejection"):
         echo, kembed = rejection["echo"], rejection["kembed"]
-        for key, label in (("p99_ms", "p99"), ("last_ms", "time to last answer")):
-            value = Spread.from_dict(kembed[key]).over(Spread.from_dict(echo[key]))
-            rows.append(Ratio(f"Rejected burst / echo burst, {label}", value, REJECTION_TARGET))
+        rows += _burst_ratios("Rejected burst", kembed, echo)
         rows.append(Ratio("Rejected burst / echo burst, server CPU per call", _exact(_cpu_ratio(kembed, echo)), ""))
         share = _exact(kembed["rejected_share"])
         rows.append(Ratio("Share of the rejected burst answered RESOURCE_EXHAUSTED", share, ">= 1.00"))
+        if computing := rejection.get("computing"):
+            rows += _burst_ratios("Rejections while the engine computes", computing, echo)
     if storm := result.get("retry_storm"):
         goodput = Spread.from_dict(storm["storm"]["emb_per_s"]).over(Spread.from_dict(storm["saturation"]["emb_per_s"]))
         rows.append(Ratio(f"Goodput, {storm['multiple']:g}x retry storm / saturation (emb/s)", goodput, STORM_TARGET))
     if serve := result.get("serve"):
         rows += serve_ratios(serve)
+    return rows
+
+
+def _burst_ratios(name: str, burst: dict[str, Any], echo: dict[str, Any]) -> list[Ratio]:
+    """A burst's p99 and time to the last answer, each over the echo's for the same burst."""
+    rows = []
+    for key, label in (("p99_ms", "p99"), ("last_ms", "time to last answer")):
+        value = Spread.from_dict(burst[key]).over(Spread.from_dict(echo[key]))
+        rows.append(Ratio(f"{name} / echo burst, {label}", value, REJECTION_TARGET))
     return rows
 
 
@@ -279,7 +288,8 @@ def _hostpath_phases(result: dict[str, Any]) -> list[tuple[str, str, str, str, d
             rows.append(("host path", f"{label}, {n} proc", loop, figure, p))
     if rejection := result.get("rejection"):
         load = f"{s['burst_rounds']} bursts of {s['burst_calls']} x {s['burst_texts']} texts"
-        for name, label in (("echo", "echo, 1 proc"), ("kembed", "kembed, max_drain_ms=1")):
+        labels = (("echo", "echo, 1 proc"), ("kembed", "kembed, max_drain_ms=1"), ("computing", "kembed, computing"))
+        for name, label in ((n, text) for n, text in labels if n in rejection):
             p = rejection[name]
             figure = (
                 f"p99 {_fmt(Spread.from_dict(p['p99_ms']))} ms, last {_fmt(Spread.from_dict(p['last_ms']))} ms, "
@@ -291,7 +301,11 @@ def _hostpath_phases(result: dict[str, Any]) -> list[tuple[str, str, str, str, d
         sat, flood = storm["saturation"], storm["storm"]
         rows.append(("retry storm", "kembed", f"closed loop, pushback respected, {texts} texts", _emb(sat), sat))
         offered = f"open loop {flood['offered_calls_per_s']:.1f} calls/s, retry {s['retry_after_ms']:g} ms"
-        rows.append(("retry storm", "kembed", f"{offered}, {texts} texts", _emb(flood), flood))
+        figure = _emb(flood)
+        if gave_up := flood.get("give_ups"):
+            figure += (f", {gave_up['gave_up']} of {gave_up['calls']} calls gave up after {s['give_up_s']:g} s "
+                       f"(at least {gave_up['fewest_possible']} must)")  # fmt: skip
+        rows.append(("retry storm", "kembed", f"{offered}, {texts} texts", figure, flood))
     if serve := result.get("serve"):
         server = f"kembed, frontends={serve['settings'].get('frontends')}, {serve['info'].get('device', '?')}"
         for p in serve["loads"]:

@@ -4,16 +4,22 @@
    callers, one short text a call) against ``bench.echo`` with N processes, then against
    ``bench.zero_cost`` (kembed whose model returns zeros at once) with ``KEMBED_FRONTENDS=N``:
    calls/s of each, and their ratio. Target for N=1: >= 0.5.
-2. **Rejection cost.** Bursts of ``--burst-calls`` calls of ``--burst-texts`` texts fired at once,
-   against the echo (1 process) and against ``python -m kembed`` with ``KEMBED_MAX_DRAIN_MS=1`` and
-   ``KEMBED_FRONTENDS=1``, which rejects every call at its admission pre-screen: p99 and time to
-   the last answer, and their ratios. Target: <= 2x. Every kembed answer must be RESOURCE_EXHAUSTED.
-3. **Retry storm** (part ``storm``; the real model). ``--storm-texts`` short texts a call: the server's
-   saturation with clients that respect its pushback (closed loop), then ``--storm-multiple`` times
-   those calls/s offered open loop by clients that ignore the pushback and retry every rejected
-   call ``--retry-after-ms`` later: goodput (embeddings/s of successful calls) over saturation,
-   and how long a rejection took. Target: >= 0.9. ``--storm-nice N`` runs the storm's server with
-   ``KEMBED_FRONTEND_NICE=N`` and writes ``hostpath_nice<N>.json`` instead (the niceness trade-off).
+2. **Rejection cost.** Bursts of ``--burst-calls`` calls of ``--burst-texts`` texts of 64-128
+   tokens (about 60 words) fired at once, against the echo (1 process), then against two kembeds:
+   *idle*, ``KEMBED_MAX_DRAIN_MS=1`` and ``KEMBED_FRONTENDS=1``, which rejects every call at its
+   admission pre-screen (the host path's cost of a rejection), and *computing*, the real model with
+   default settings and ``KEMBED_FRONTENDS=auto``, which admits what fits its drain budget and
+   rejects the rest while the engine computes what it admitted. Per burst the p99 of the answers
+   (the rejected ones, for *computing*) and the time to the last; their ratios to the echo's.
+   Targets: <= 2x, with every *idle* answer RESOURCE_EXHAUSTED.
+3. **Retry storm** (part ``storm``; the real model, ``KEMBED_FRONTENDS=auto``). ``--storm-texts``
+   texts of the workload a call: the server's saturation with ``--storm-concurrency`` closed-loop clients
+   that respect its pushback, then ``--storm-multiple`` times those calls/s offered open loop by
+   clients that ignore the pushback, send every rejected call again ``--retry-after-ms`` later and
+   give up ``--give-up-s`` after its arrival: goodput (embeddings/s of successful calls) over
+   saturation, how long a rejection took, and how many calls gave up (against the fewest that
+   must: what saturation cannot serve before they give up). Target: >= 0.9. Storm clients run
+   ``--client-nice`` below the server: in production they are on other machines.
 
 ``KEMBED_FRONTENDS`` is always set: N, or 1, where a process count is compared (``auto`` never
 picks it), and ``auto`` for the storm (what a pod runs); a server that does not know the setting
@@ -36,7 +42,6 @@ compiled ceiling; GPU busy >= 50% under each load.
 from __future__ import annotations
 
 import argparse
-import asyncio
 import itertools
 import math
 import os
@@ -72,6 +77,7 @@ from kembed.v1 import embedder_pb2
 ZERO_COST = "bench.zero_cost"
 PARTS = ("host_path", "rejection", "storm", "serve")
 SHORT_TOKENS = 16  # "one short text": the workload's shortest class
+BURST_TOKENS = (64, 128)  # a burst call's texts: about 60 words each
 MAX_CALLS = 1_000_000  # closed loops end on time; this only bounds a runaway
 EXHAUSTED = grpc.StatusCode.RESOURCE_EXHAUSTED.name
 T = TypeVar("T")
@@ -90,12 +96,14 @@ class Options:
     burst_texts: int
     burst_rounds: int
     parts: tuple[str, ...]  # of PARTS
+    name: str  # results file: bench/results/<name>.json
     storm_texts: int
     storm_concurrency: int
     storm_duration: float
     storm_multiple: float
     retry_after_ms: float
-    storm_nice: int | None  # KEMBED_FRONTEND_NICE for the storm's server; None = the server's default
+    give_up_s: float  # a storm client stops retrying a call this long after its arrival
+    client_nice: int  # the storm's clients run this much below the server
     timeout: float
     serve_texts: tuple[int, ...]  # texts a call, one closed-loop load each (part serve)
     serve_env: tuple[str, ...]  # SETTING=VALUE for the serve part's server
@@ -152,10 +160,12 @@ def rate_figures(outcomes: Sequence[Outcome], texts_per_call: int, opts: Options
     }
 
 
-def burst_figures(rounds: Sequence[Sequence[Outcome]]) -> dict[str, Any]:
-    """Per burst, the p99 and the last of the answer times (from the burst's start, whatever the
-    code); median and range over the bursts. ``rejected_share``: answers that were RESOURCE_EXHAUSTED."""
-    ms = [[o.latency * 1000 for o in r] for r in rounds if r]
+def burst_figures(rounds: Sequence[Sequence[Outcome]], code: str | None = None) -> dict[str, Any]:
+    """Per burst, the p99 and the last of the answer times (from the burst's start) with status
+    ``code``, or whatever the code; median and range over the bursts. ``rejected_share``: answers
+    that were RESOURCE_EXHAUSTED."""
+    ms = [[o.latency * 1000 for o in r if code is None or o.code == code] for r in rounds]
+    ms = [r for r in ms if r]
     outcomes = [o for r in rounds for o in r]
     exhausted = sum(o.code == EXHAUSTED for o in outcomes)
     return {
@@ -207,7 +217,7 @@ def _closed_loop(server: Server, requests: list[bytes], opts: Options, texts_per
     return _phase(server, load, texts_per_call, opts, opts.duration)
 
 
-def _bursts(server: Server, request: bytes, opts: Options) -> dict[str, Any]:
+def _bursts(server: Server, request: bytes, opts: Options, code: str | None = None) -> dict[str, Any]:
     """``burst_rounds`` bursts of ``burst_calls`` calls, shared out over the client processes."""
     kwargs = [
         {"target": server.grpc_target, "request": request, "calls": calls, "rounds": opts.burst_rounds,
@@ -220,7 +230,7 @@ def _bursts(server: Server, request: bytes, opts: Options) -> dict[str, Any]:
         return [[o for part in parts for o in part[r]] for r in range(opts.burst_rounds)], cpu
 
     rounds, server_cpu, _ = _measure(server, load)
-    figures = burst_figures(rounds)
+    figures = burst_figures(rounds, code)
     return {**figures, "server_cpu_ms_per_call": _per_call(server_cpu, figures["calls"]),
             "peak_rss_mib": server.peak_rss_mib()}  # fmt: skip
 
@@ -240,46 +250,91 @@ def host_path(opts: Options, short_texts: list[str]) -> list[dict[str, Any]]:
 
 
 def rejection(opts: Options, texts: list[str]) -> dict[str, Any]:
-    """The same bursts against the echo (1 process) and a kembed that rejects every call."""
+    """The same bursts against the echo (1 process), a kembed that rejects every call on an idle
+    engine, and a kembed that rejects what its drain budget cannot hold while it computes the rest."""
     request = encode(texts[: opts.burst_texts], opts.burst_texts)[0]
     with echo_running(1, _log("echo_burst")) as echo:
         echo_figures = _bursts(echo, request, opts)
-    settings = {**frontends_setting(1), "max_drain_ms": "1"}
-    with running(settings, _log("rejecting"), module="kembed") as server:
-        before = server.metrics()
-        kembed_figures = _bursts(server, request, opts)
-        # Which admission rule said no, from the server's own counters.
-        reasons = deltas_by_label(before, server.metrics(), Metric.REJECTED + "_total", "reason")
-        kembed_figures["server_rejections"] = reasons
-    for name, f in (("echo", echo_figures), ("kembed, all rejected", kembed_figures)):
+    idle_settings = {**frontends_setting(1), "max_drain_ms": "1"}
+    with running(idle_settings, _log("rejecting"), module="kembed") as server:
+        idle = _rejecting_bursts(server, request, opts)
+    computing_settings = frontends_setting("auto")
+    with running(computing_settings, _log("computing"), module="kembed") as server:
+        computing = _rejecting_bursts(server, request, opts, code=EXHAUSTED)
+    for name, f in (("echo", echo_figures), ("kembed, idle engine", idle), ("kembed, engine computing", computing)):
         p99, last = f["p99_ms"]["median"], f["last_ms"]["median"]
-        print(f"  burst, {name}: p99 {p99:.0f} ms, last answer {last:.0f} ms, codes {f['codes']}, "
+        print(f"  burst, {name}: p99 {p99:.0f} ms, last {last:.0f} ms, codes {f['codes']}, "
               f"server {f['server_cpu_ms_per_call']:.2f} CPU ms/call")  # fmt: skip
-    print(f"  burst, kembed's rejections by reason: {reasons}")
-    return {"echo": echo_figures, "kembed": kembed_figures, "settings": settings}
+    return {"echo": echo_figures, "kembed": idle, "computing": computing,
+            "settings": {"idle": idle_settings, "computing": computing_settings}}  # fmt: skip
+
+
+def _rejecting_bursts(server: Server, request: bytes, opts: Options, code: str | None = None) -> dict[str, Any]:
+    """Bursts against a kembed, with which admission rule said no (from the server's own counters)."""
+    before = server.metrics()
+    figures = _bursts(server, request, opts, code)
+    figures["server_rejections"] = deltas_by_label(before, server.metrics(), Metric.REJECTED + "_total", "reason")
+    return figures
 
 
 def retry_storm(opts: Options, texts: list[str]) -> dict[str, Any]:
     """Saturation with pushback-respecting clients, then a multiple of its calls/s offered by
-    clients that retry every rejection ``retry_after_ms`` later; the real model, ``frontends=auto``."""
+    clients that retry every rejection ``retry_after_ms`` later until they give up; the real model,
+    ``frontends=auto``; the clients ``client_nice`` below the server, in a process of their own."""
     requests = encode(texts, opts.storm_texts)
-    nice = {} if opts.storm_nice is None else {"frontend_nice": str(opts.storm_nice)}
-    with running({**frontends_setting("auto"), **nice}, _log("storm"), module="kembed") as server:
+    with running(frontends_setting("auto"), _log("storm"), module="kembed") as server:
         target = server.grpc_target
-        saturate = loadgen.closed_loop(target, requests, opts.storm_concurrency, opts.storm_duration, MAX_CALLS,
-                                       opts.timeout)  # fmt: skip
-        saturation = _phase(server, lambda: _in_this_process(saturate), opts.storm_texts, opts, opts.storm_duration)
+        saturate = {"target": target, "requests": requests, "concurrency": opts.storm_concurrency,
+                    "duration": opts.storm_duration, "count": MAX_CALLS, "deadline": opts.timeout}  # fmt: skip
+        saturation = _phase(server, lambda: _niced(loadgen.closed_loop, saturate, opts), opts.storm_texts, opts,
+                            opts.storm_duration)  # fmt: skip
         print(f"  retry storm: saturation {saturation['emb_per_s']['median']:.1f} emb/s")
         time.sleep(Settings.from_env({}).latency_window_s)  # the server's latency window forgets saturation
         rate = opts.storm_multiple * saturation["calls_per_s"]["median"]
         if not rate > 0:
             raise RuntimeError(f"retry storm: no call succeeded at saturation ({saturation['codes']})")
-        flood = loadgen.open_loop(target, requests, rate, opts.storm_duration, MAX_CALLS, workload.SEED, opts.timeout,
-                                  retry_after=opts.retry_after_ms / 1000)  # fmt: skip
-        storm = _phase(server, lambda: _in_this_process(flood), opts.storm_texts, opts, opts.storm_duration)
+        flood = {"target": target, "requests": requests, "rate": rate, "duration": opts.storm_duration,
+                 "count": MAX_CALLS, "seed": workload.SEED, "deadline": opts.timeout,
+                 "retry_after": opts.retry_after_ms / 1000, "give_up": opts.give_up_s}  # fmt: skip
+        outcomes: list[Outcome] = []
+
+        def storm_load() -> tuple[list[Outcome], float]:
+            attempts, cpu = _niced(loadgen.open_loop, flood, opts)
+            outcomes.extend(attempts)
+            return attempts, cpu
+
+        storm = _phase(server, storm_load, opts.storm_texts, opts, opts.storm_duration)
         storm["offered_calls_per_s"] = rate
-        print(f"  retry storm: {storm['emb_per_s']['median']:.1f} emb/s, codes {storm['codes']}")
-    return {"multiple": opts.storm_multiple, "saturation": saturation, "storm": storm}
+        storm["give_ups"] = give_ups(outcomes, saturation["calls_per_s"]["median"], opts.give_up_s)
+        print(f"  retry storm: {storm['emb_per_s']['median']:.1f} emb/s, codes {storm['codes']}, "
+              f"gave up {storm['give_ups']}")  # fmt: skip
+    return {"multiple": opts.storm_multiple, "client_nice": opts.client_nice, "saturation": saturation,
+            "storm": storm}  # fmt: skip
+
+
+def give_ups(attempts: Sequence[Outcome], capacity_calls_per_s: float, give_up_s: float) -> dict[str, Any]:
+    """Calls whose last attempt was refused, against the fewest that must give up: whatever a
+    server serving ``capacity_calls_per_s`` cannot answer before the last of them gives up."""
+    first: dict[int, Outcome] = {}
+    last: dict[int, Outcome] = {}
+    for outcome in sorted(attempts, key=lambda o: o.sent):
+        first.setdefault(outcome.item, outcome)
+        last[outcome.item] = outcome
+    calls = len(last)
+    arrivals = [o.scheduled for o in first.values()]
+    window = (max(arrivals) - min(arrivals) + give_up_s) if arrivals else 0.0
+    return {
+        "calls": calls,
+        "gave_up": sum(o.code in loadgen.REJECTED for o in last.values()),
+        "fewest_possible": max(0, math.ceil(calls - capacity_calls_per_s * window)),
+    }
+
+
+def _niced(job: Callable[..., Coroutine[Any, Any, list[Outcome]]], kwargs: dict[str, Any], opts: Options
+           ) -> tuple[list[Outcome], float]:  # fmt: skip
+    """One load in a client process of its own, ``client_nice`` below the server."""
+    parts, cpu = loadgen.in_processes(job, [kwargs], nice=opts.client_nice)
+    return parts[0], cpu
 
 
 def serve(opts: Options, texts: list[str]) -> dict[str, Any]:
@@ -372,13 +427,6 @@ def _cmdline(pid: int) -> str:
         return ""
 
 
-def _in_this_process(load: Coroutine[Any, Any, list[Outcome]]) -> tuple[list[Outcome], float]:
-    """A single-process load and the CPU seconds this process used for it."""
-    start = time.process_time()
-    outcomes = asyncio.run(load)
-    return outcomes, time.process_time() - start
-
-
 def _calls(figures: dict[str, Any]) -> str:
     return f"{figures['calls_per_s']['median']:.0f}"
 
@@ -387,20 +435,21 @@ def run(opts: Options) -> dict[str, Any]:
     """Every part in ``opts.parts``, each server started and stopped in turn; writes ``hostpath.json``."""
     wl = workload.load()
     short = [t for t, n in zip(wl.texts, wl.tokens, strict=True) if n <= SHORT_TOKENS]
+    about_60_words = [t for t, n in zip(wl.texts, wl.tokens, strict=True) if BURST_TOKENS[0] < n <= BURST_TOKENS[1]]
     result: dict[str, Any] = {"settings": asdict(opts), "loadavg_at_start": [round(x, 2) for x in os.getloadavg()]}
     print(f"hostpath: {', '.join(opts.parts)}; load average {result['loadavg_at_start']}")
     if "host_path" in opts.parts:
         result["host_path"] = host_path(opts, short)
     if "rejection" in opts.parts:
-        result["rejection"] = rejection(opts, wl.texts)
+        result["rejection"] = rejection(opts, about_60_words)
     if "storm" in opts.parts:
-        result["retry_storm"] = retry_storm(opts, short)
+        result["retry_storm"] = retry_storm(opts, wl.texts)
     if "serve" in opts.parts:
         result["serve"] = serve(opts, wl.texts)
     rows = headline.hostpath_ratios(result)
     result["ratios"] = [{"name": r.name, "value": r.value.to_dict(), "target": r.target, "met": r.met()} for r in rows]
     result["workload"] = wl.describe()
-    machine.write_result("hostpath" if opts.storm_nice is None else f"hostpath_nice{opts.storm_nice}", result)
+    machine.write_result(opts.name, result)
     print(headline.ratio_table(rows))
     return result
 
@@ -409,6 +458,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--parts", default="host_path,rejection", help=f"comma-separated, of {', '.join(PARTS)}")
     parser.add_argument("--frontends", default="1", help="process counts to compare, e.g. 1,2")
+    parser.add_argument("--name", default="hostpath", help="write bench/results/NAME.json")
     parser.add_argument("--client-processes", type=int, default=2)
     parser.add_argument("--concurrency", type=int, default=32, help="closed-loop callers per client process")
     parser.add_argument("--channels", type=int, default=4, help="channels (TCP connections) per client process")
@@ -418,12 +468,13 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--burst-calls", type=int, default=600)
     parser.add_argument("--burst-texts", type=int, default=8, help="texts per burst call")
     parser.add_argument("--burst-rounds", type=int, default=5, help="bursts per server, one after the other")
-    parser.add_argument("--storm-texts", type=int, default=64, help="texts per retry-storm call")
-    parser.add_argument("--storm-concurrency", type=int, default=4, help="closed-loop clients for the saturation")
+    parser.add_argument("--storm-texts", type=int, default=16, help="texts per retry-storm call")
+    parser.add_argument("--storm-concurrency", type=int, default=24, help="closed-loop clients for the saturation")
     parser.add_argument("--storm-duration", type=float, default=20.0, help="seconds per retry-storm phase")
-    parser.add_argument("--storm-multiple", type=float, default=4.0, help="calls/s offered, times saturation's")
-    parser.add_argument("--retry-after-ms", type=float, default=20.0, help="storm clients retry this soon")
-    parser.add_argument("--storm-nice", type=int, help="front-end niceness of the storm; writes hostpath_nice<N>.json")
+    parser.add_argument("--storm-multiple", type=float, default=3.0, help="calls/s offered, times saturation's")
+    parser.add_argument("--retry-after-ms", type=float, default=10.0, help="storm clients retry this soon")
+    parser.add_argument("--give-up-s", type=float, default=8.0, help="storm clients give a call up this long after it")
+    parser.add_argument("--client-nice", type=int, default=19, help="storm clients' niceness, added to ours")
     parser.add_argument("--timeout", type=float, default=30.0, help="client deadline per call, seconds")
     parser.add_argument("--serve-texts", default="1,16", help="serve: texts a call, one load each")
     parser.add_argument("--serve-env", action="append", default=[], metavar="SETTING=VALUE", help="serve: a setting")

@@ -13,7 +13,9 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import itertools
+import math
 import multiprocessing
+import os
 import random
 import time
 from collections.abc import AsyncIterator, Callable, Coroutine, Sequence
@@ -127,21 +129,24 @@ async def open_loop(
     seed: int,
     deadline: float,
     retry_after: float | None = None,
+    give_up: float = math.inf,
 ) -> list[Outcome]:
     """Fire one request at each Poisson arrival, whatever is outstanding; wait ``deadline`` s for the last.
 
     With ``retry_after``, a rejected request is sent again that many seconds later, whatever the
-    server's pushback says (a retry storm), until it is answered otherwise or ``duration`` ends;
-    every attempt is an outcome."""
+    server's pushback says (a retry storm), until it is answered otherwise, or ``give_up`` s have
+    passed since its arrival; every attempt is an outcome."""
     arrivals = poisson_arrivals(rate, duration, count, seed)
     outcomes: list[Outcome] = []
     async with _callers(target, requests, deadline, channels=1) as (caller,):
 
-        async def send(item: int, at: float) -> None:
+        async def send(item: int, arrival: float) -> None:
+            at = arrival
+            stop_at = arrival + give_up
             while True:
                 outcome, _ = await caller.call(item, at)
                 outcomes.append(outcome)
-                if retry_after is None or outcome.code not in REJECTED or caller.now() + retry_after >= duration:
+                if retry_after is None or outcome.code not in REJECTED or caller.now() + retry_after > stop_at:
                     return
                 await asyncio.sleep(retry_after)
                 at = caller.now()  # a retry's latency counts from its own send
@@ -185,14 +190,18 @@ async def burst(
     target: str, request: bytes, calls: int, rounds: int, deadline: float, channels: int = 1
 ) -> list[list[Outcome]]:
     """``rounds`` bursts, one after the other, of ``calls`` copies of ``request`` fired at once;
-    each outcome's latency counts from its burst's start (in every client process alike)."""
+    each outcome's latency counts from its burst's start (in every client process alike). Before
+    the next burst the client waits out the longest pushback the last one was given, as a client
+    that respects it does."""
     results: list[list[Outcome]] = []
     async with _callers(target, [request], deadline, channels) as callers:
         for _ in range(rounds):
             await _all_processes_ready()
             start = callers[0].now()
             tasks = [asyncio.create_task(callers[i % channels].call(i, start)) for i in range(calls)]
-            results.append([outcome for outcome, _ in await _bounded(tasks, deadline + 1)])
+            answered = await _bounded(tasks, deadline + 1)
+            results.append([outcome for outcome, _ in answered])
+            await asyncio.sleep(max((pushback for _, pushback in answered), default=0.0))
     return results
 
 
@@ -201,9 +210,10 @@ async def burst(
 _barrier: Barrier | None = None  # set in each client process by in_processes, None in a single process
 
 
-def _join(barrier: Barrier) -> None:
+def _join(barrier: Barrier, nice: int) -> None:
     global _barrier
     _barrier = barrier
+    os.nice(nice)
 
 
 async def _all_processes_ready() -> None:
@@ -219,13 +229,17 @@ def _run(job: Callable[..., Coroutine[Any, Any, T]], kwargs: dict[str, Any]) -> 
     return result, time.process_time() - start
 
 
-def in_processes(job: Callable[..., Coroutine[Any, Any, T]], kwargs: Sequence[dict[str, Any]]) -> tuple[list[T], float]:
-    """``job(**kwargs[i])`` in ``len(kwargs)`` fresh client processes, started together; their
-    results, and the CPU seconds they used in all. Jobs are module-level coroutines of this
-    module (they must pickle); clocks are CLOCK_MONOTONIC, so their times compare across processes."""
+def in_processes(
+    job: Callable[..., Coroutine[Any, Any, T]], kwargs: Sequence[dict[str, Any]], nice: int = 0
+) -> tuple[list[T], float]:
+    """``job(**kwargs[i])`` in ``len(kwargs)`` fresh client processes at niceness ``nice`` (added
+    to ours), started together; their results, and the CPU seconds they used in all. Jobs are
+    module-level coroutines of this module (they must pickle); clocks are CLOCK_MONOTONIC, so
+    their times compare across processes."""
     context = multiprocessing.get_context("spawn")  # grpc's state must not be forked
     barrier = context.Barrier(len(kwargs))
-    with ProcessPoolExecutor(len(kwargs), mp_context=context, initializer=_join, initargs=(barrier,)) as pool:
+    initargs = (barrier, nice)
+    with ProcessPoolExecutor(len(kwargs), mp_context=context, initializer=_join, initargs=initargs) as pool:
         # One job per process: each blocks at the barrier until all have started.
         done = list(pool.map(_run, [job] * len(kwargs), kwargs))
     return [result for result, _ in done], sum(cpu for _, cpu in done)
