@@ -158,8 +158,8 @@ def start_engine(settings: Settings, load_model: LoadModel, beat: Callable[[], N
     if plan.compiled:
         shapes = engine.warmup_shapes()
         info = model.info
-        ident = compile_cache.identity(info.device, info.path, info.dtype, info.pooling, settings.graphs, shapes)
-        compile_cache.use(settings.compile_cache_dir, ident)
+        ident = compile_cache.identity(info.device, info.path, info.dtype, info.pooling, settings.graphs)
+        compile_cache.use(settings.compile_cache_dir, ident, shapes)
         engine.graphs = model.compile(settings.graphs, len(shapes))
     engine.warm_up(beat)
     log.info(
