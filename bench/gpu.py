@@ -2,8 +2,10 @@
 
 - Start-up: the server's own load, compile and warmup of every planned shape (``start_engine``), in a
   fresh process each time, once with an empty ``KEMBED_COMPILE_CACHE_DIR`` (cold) and once reusing it
-  (warm restart), per graph mode. Records the seconds, the shapes planned and given a graph, and the
-  eager fallbacks (planned shapes without one: must be 0).
+  (warm restart), per graph mode. Records the seconds, the shapes planned and given a graph, and
+  what warmup compiled: dynamo's graphs (per shape and in all: at least one, one per shape in static
+  mode), inductor's kernels (generated cold, loaded from the cache warm: at least one) and graph
+  breaks (0). Replays and eager forwards move none of these, so an eager warmup shows as 0 graphs.
 - The ceiling (length-sorted, the server's fixed bucketed shapes) for the bundled all-MiniLM-L6-v2
   and for a BERT-base-sized model (12 layers x 768; random weights, since no package ships that
   size offline: speed does not depend on weight values), each compiled (as the server does on
@@ -35,6 +37,7 @@ import torch
 
 from bench import ceiling, engine, machine, workload
 from kembed.config import Graphs
+from kembed.engine.graphs import CompileCount
 
 MODELS = {"all-MiniLM-L6-v2": "", "bert-base-random": "bert-base-random"}
 PARTS = ("startup", "models")
@@ -53,14 +56,20 @@ def start_once(model_dir: str, graphs: str, cache_dir: str) -> dict[str, Any]:
     started = time.perf_counter()
     eng = start_engine(settings, EmbeddingModel.load, lambda: None)
     seconds = time.perf_counter() - started
+    if eng.graphs is None:
+        raise RuntimeError("compile=on planned no graphs")
     planned = {(rows, seq_len) for seq_len, rows in eng.warmup_shapes()}
-    graphed = eng.graphs.shapes if eng.graphs is not None else frozenset()
+    compiles = eng.graphs.compiles
+    compiled = CompileCount.total(compiles.values())
     return {
         "seconds": round(seconds, 1),
         "shapes": len(planned),
-        "shapes_with_graph": len(planned & graphed),
-        "eager_fallbacks": len(planned - graphed),
-        "sealed": eng.graphs is not None and eng.graphs.sealed,
+        "shapes_with_graph": len(planned & eng.graphs.shapes),
+        "sealed": eng.graphs.sealed,
+        "dynamo_graphs": compiled.graphs,
+        "inductor_kernels": compiled.kernels,
+        "graph_breaks": compiled.graph_breaks,
+        "dynamo_graphs_per_shape": {f"{rows}x{seq_len}": count.graphs for (rows, seq_len), count in compiles.items()},
     }
 
 

@@ -1,4 +1,4 @@
-"""bench.gpu: a clean "not run" without CUDA; on a GPU, a start-up with no eager fallback."""
+"""bench.gpu: a clean "not run" without CUDA; on a GPU, start-ups that compiled whole graphs."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ import pytest
 import torch
 
 from bench import gpu, machine
+from kembed.config import Graphs
 
 CUDA = torch.cuda.is_available()
 
@@ -25,9 +26,16 @@ def test_without_cuda_it_records_that_it_was_not_run(tmp_path: Path, monkeypatch
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not CUDA, reason="needs a CUDA device")
-def test_a_cold_then_warm_start_gives_every_shape_a_graph(tmp_path: Path) -> None:
+def test_a_cold_then_warm_start_compiles_whole_graphs_and_gives_every_shape_one(tmp_path: Path) -> None:
     runs = gpu.startups("", tmp_path)
     for name, run in runs.items():
         assert "error" not in run, name
-        assert run["eager_fallbacks"] == 0 and run["sealed"], name
-        assert run["shapes_with_graph"] == run["shapes"], name
+        assert run["sealed"] and run["shapes_with_graph"] == run["shapes"], name
+        # An eager warmup compiles no graph and no kernel; a warm start loads its kernels from the cache.
+        assert run["dynamo_graphs"] >= 1 and run["inductor_kernels"] >= 1 and run["graph_breaks"] == 0, name
+        per_shape = run["dynamo_graphs_per_shape"]
+        assert len(per_shape) == run["shapes"], name
+        if name.startswith(Graphs.STATIC):
+            assert set(per_shape.values()) == {1}, name  # dynamic=False: one graph per shape
+        else:
+            assert run["dynamo_graphs"] <= 2, name  # one dynamic graph, one for one-row batches

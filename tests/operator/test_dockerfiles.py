@@ -5,8 +5,12 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import os
 import re
 import shlex
+import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -86,6 +90,27 @@ def test_server_installs_as_ci_does() -> None:
     pyproject = (ROOT / "pyproject.toml").read_text()
     tools = next(c for c in commands if "grpcio-tools" in c)
     assert tools.split('"')[1] in pyproject  # the [proto] extra's own pin
+
+
+def test_server_has_the_compiler_and_headers_torch_compile_needs_at_run_time() -> None:
+    """Triton builds C launchers that include Python.h whenever inductor compiles for CUDA, and a CUDA
+    runtime image has neither a compiler nor the headers (pytorch#116696): warmup would fail."""
+    commands = run_commands(parse("Dockerfile.server"))
+    install = next(command for command in commands if command.startswith("apt-get install"))
+    assert {"python3-dev", "gcc", "g++", "libc6-dev"} <= set(install.split())
+    probe = next(index for index, command in enumerate(commands) if command.startswith("gcc "))
+    assert commands.index("python3 -m venv /opt/venv") < probe < commands.index('pip install ".[server]"')
+
+
+@pytest.mark.skipif(shutil.which("gcc") is None, reason="no C compiler on this machine")
+def test_the_server_images_compiler_probe_is_a_working_command(tmp_path: Path) -> None:
+    """The probe the image build runs, run here with this interpreter standing in for the venv's."""
+    (probe,) = [run for run in args(parse("Dockerfile.server"), "RUN") if "probe.c" in run]
+    env = {**os.environ, "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"}
+    done = subprocess.run(
+        ["sh", "-c", probe.replace("/tmp/probe", str(tmp_path / "probe"))], env=env, capture_output=True, text=True
+    )
+    assert done.returncode == 0, done.stderr
 
 
 def test_server_runs_the_server_on_the_contract() -> None:

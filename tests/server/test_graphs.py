@@ -1,7 +1,9 @@
-"""CPU-testable parts of the graph guard: limits that cover the plan, a loud limit hit, sealing."""
+"""CPU-testable parts of the graph guard: limits that cover the plan, a loud limit hit, sealing, whole
+graphs only, and counting what warmup compiled (an eager warmup cannot pass for a compiled one)."""
 
 from __future__ import annotations
 
+import importlib
 import logging
 from collections.abc import Iterator
 
@@ -10,7 +12,17 @@ import torch
 
 from kembed.config import Graphs
 from kembed.engine import graphs
-from kembed.engine.graphs import ShapeGuard, UnplannedShapeError, configure_dynamo, recompile_limit
+from kembed.engine.graphs import (
+    CompileCount,
+    NothingCompiledError,
+    ShapeGuard,
+    UnplannedShapeError,
+    compile_forward,
+    configure_dynamo,
+    recompile_limit,
+)
+from kembed.engine.model import EmbeddingModel
+from kembed.engine.worker import warmup_batch
 
 
 @pytest.fixture
@@ -25,6 +37,9 @@ def dynamo() -> Iterator[None]:
     with config.patch(saved):
         yield
     torch.compiler.set_stance("default")
+    # torch 2.13: resetting a reduce-overhead backend imports this module, whose import registers a
+    # backend in the dict that reset() is iterating ("dictionary changed size during iteration").
+    importlib.import_module("torch._inductor.cudagraph_trees")
     torch.compiler.reset()
 
 
@@ -84,3 +99,55 @@ def test_capture_without_cuda_compiles_per_shape_and_says_so(
     assert not guard.shapes and not guard.sealed
     assert pools == []
     assert any("graphs=capture needs CUDA" in r.getMessage() for r in caplog.records)
+
+
+def _masked_sum(ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    return (ids.float() * mask).sum(dim=1)
+
+
+def _checks_for_padding(ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+    if bool(mask.all()):  # a host sync and a data-dependent branch, as some attention-mask code has
+        return ids.float().sum(dim=1)
+    return _masked_sum(ids, mask)
+
+
+@pytest.mark.parametrize("mode", list(Graphs))
+def test_a_graph_break_fails_the_compile_instead_of_running_eager_between_graphs(dynamo: None, mode: Graphs) -> None:
+    ids, mask = warmup_batch(2, 8, 100, 0, torch.Generator().manual_seed(0))
+    with pytest.raises(torch._dynamo.exc.TorchDynamoException, match=r"(?i)data-dependent"):
+        compile_forward(_checks_for_padding, mode)(ids, mask)
+
+
+def test_the_models_forward_is_one_graph_with_padding(stock_model: EmbeddingModel) -> None:
+    """Dynamo's graph breaks do not depend on the device: this is what capture mode compiles on CUDA."""
+    ids, mask = warmup_batch(4, 32, stock_model.info.vocab_size, 0, torch.Generator().manual_seed(0))
+    assert 0 < int(mask.sum()) < mask.numel()  # padded
+    with torch.inference_mode():
+        explained = torch._dynamo.explain(stock_model._pooled)(ids, mask)
+    assert (explained.graph_count, explained.graph_break_count) == (1, 0), explained.break_reasons
+
+
+def test_a_compiled_warmup_counts_what_each_shape_compiled(dynamo: None) -> None:
+    """Inductor on CPU (static mode, a C++ compile per shape): one whole graph and its kernels per shape."""
+    guard = graphs.compile_graphs(_masked_sum, Graphs.STATIC, 2, torch.device("cpu"))
+    generator = torch.Generator().manual_seed(0)
+    for rows in (2, 1):
+        ids, mask = warmup_batch(rows, 8, 100, 0, generator)
+        torch.testing.assert_close(guard(ids, mask), _masked_sum(ids, mask))
+    assert set(guard.compiles) == {(2, 8), (1, 8)}
+    for shape, count in guard.compiles.items():
+        assert count.graphs == 1 and count.kernels >= 1 and count.graph_breaks == 0, (shape, count)
+    before = CompileCount.now()
+    guard(*warmup_batch(2, 8, 100, 0, generator))  # a planned shape again: nothing compiles
+    assert CompileCount.now() == before
+    assert guard.seal() == "fail_on_recompile"
+
+
+def test_a_compiled_warmup_that_ran_eager_refuses_to_seal(dynamo: None) -> None:
+    torch.compiler.set_stance("force_eager")  # one way torch.compile silently runs the plain function
+    guard = graphs.compile_graphs(_masked_sum, Graphs.STATIC, 1, torch.device("cpu"))
+    guard(*warmup_batch(2, 8, 100, 0, torch.Generator().manual_seed(0)))
+    assert guard.compiles[(2, 8)] == CompileCount()
+    with pytest.raises(NothingCompiledError, match="compiled no graph"):
+        guard.seal()
+    assert not guard.sealed

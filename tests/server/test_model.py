@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import tomllib
 from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
@@ -12,6 +13,7 @@ import huggingface_hub.constants
 import numpy as np
 import pytest
 import torch
+from packaging.version import Version
 from safetensors.torch import load_file, save_file
 from transformers import AutoModel
 
@@ -131,6 +133,44 @@ def test_info(stock_model: EmbeddingModel, bundled_path: Path) -> None:
     assert (info.pooling, info.excluded_token_ids) == ("mean", ())
     assert (info.dtype, info.device) == (torch.float32, torch.device("cpu"))
     assert len(info.tokenizer_fingerprint) == 64
+
+
+@pytest.mark.parametrize(("asked", "expected"), [("bfloat16", torch.bfloat16), ("float32", torch.float32)])
+def test_info_reports_the_dtype_the_weights_were_loaded_in(asked: str, expected: torch.dtype) -> None:
+    model = EmbeddingModel.load(settings(dtype=asked))
+    assert model.info.dtype == expected
+    assert {parameter.dtype for parameter in model._model.parameters()} == {expected}
+
+
+def test_info_follows_the_weights_when_the_loader_ignores_the_dtype_asked_for(
+    monkeypatch: pytest.MonkeyPatch, caplog: pytest.LogCaptureFixture
+) -> None:
+    """transformers before 4.56 took no ``dtype=`` and loaded float32 whatever was asked."""
+    from_pretrained = AutoModel.from_pretrained
+
+    def without_dtype(*args: Any, dtype: torch.dtype | None = None, **kwargs: Any) -> Any:
+        return from_pretrained(*args, **kwargs)
+
+    monkeypatch.setattr(AutoModel, "from_pretrained", without_dtype)
+    model = EmbeddingModel.load(settings(dtype="bfloat16"))
+    assert model.info.dtype == torch.float32
+    assert any("asked for torch.bfloat16 weights, loaded torch.float32" in r.getMessage() for r in caplog.records)
+
+
+def test_the_version_floors_cover_what_the_code_calls() -> None:
+    """pip installs the lowest version a floor allows: each floor must have what the server uses."""
+    used = {
+        "transformers": ("4.56", "from_pretrained(dtype=...)"),
+        "tokenizers": ("0.20", "Tokenizer.encode_batch_fast"),
+    }
+    pyproject = tomllib.loads((Path(__file__).resolve().parents[2] / "pyproject.toml").read_text())
+    floors = dict(
+        requirement.split(">=", 1)
+        for requirement in pyproject["project"]["optional-dependencies"]["server"]
+        if ">=" in requirement
+    )
+    for package, (needed, why) in used.items():
+        assert Version(floors[package]) >= Version(needed), f"{package}>={floors[package]} lacks {why}"
 
 
 def test_matches_sentence_transformers(stock_model: EmbeddingModel, st_model: Any) -> None:

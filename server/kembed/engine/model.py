@@ -8,6 +8,8 @@ come from the sentence-transformers files in the model folder, so vectors match 
 from __future__ import annotations
 
 import json
+import logging
+from collections import Counter
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
@@ -21,6 +23,8 @@ from kembed.contract import env_name
 from kembed.engine.graphs import ShapeGuard, compile_graphs
 from kembed.engine.pooling import pool
 from kembed.inputs import Tokenizer, tokenizer_fingerprint
+
+log = logging.getLogger(__name__)
 
 BUNDLED_MODEL_ID = "sentence-transformers/all-MiniLM-L6-v2"
 
@@ -106,6 +110,9 @@ class EmbeddingModel:
         excluded = _control_token_ids(hf_tokenizer, settings.control_tokens)
         pooling = _pooling(settings, path)
         model = _load_strict(path, settings.trust_remote_code, dtype, device)
+        loaded_dtype = weights_dtype(model)
+        if loaded_dtype != dtype:
+            log.warning("%s: asked for %s weights, loaded %s; serving %s", path, dtype, loaded_dtype, loaded_dtype)
         vocab_size = _vocab_size(model)
         if len(hf_tokenizer) > vocab_size:
             raise ModelLoadError(f"{path}: the tokenizer has {len(hf_tokenizer)} tokens, the model only {vocab_size}")
@@ -127,7 +134,7 @@ class EmbeddingModel:
             pooling=pooling,
             excluded_token_ids=excluded,
             tokenizer_fingerprint=tokenizer_fingerprint(path),
-            dtype=dtype,
+            dtype=loaded_dtype,
             device=device,
         )
         return cls(model, tokenizer, info)
@@ -177,6 +184,18 @@ def _load_strict(path: Path, trust_remote_code: bool, dtype: torch.dtype, device
     module: torch.nn.Module = model  # PreTrainedModel.to's @wraps signature confuses mypy
     module.to(device).eval()
     return model
+
+
+def weights_dtype(model: torch.nn.Module) -> torch.dtype:
+    """The dtype of most of the loaded floating-point weights: what the model computes in, whatever
+    was asked for (a loader that ignores the request, or modules kept in float32, can differ)."""
+    sizes: Counter[torch.dtype] = Counter()
+    for parameter in model.parameters():
+        if parameter.is_floating_point():
+            sizes[parameter.dtype] += parameter.numel()
+    if not sizes:
+        raise ModelLoadError(f"{type(model).__name__} has no floating-point weights")
+    return sizes.most_common(1)[0][0]
 
 
 def _vocab_size(model: PreTrainedModel) -> int:

@@ -21,7 +21,7 @@ import torch
 from kembed.config import Batching, Settings, Warmup
 from kembed.engine import compile_cache, cpu
 from kembed.engine.buckets import clip_buckets
-from kembed.engine.graphs import ShapeGuard, UnplannedShapeError
+from kembed.engine.graphs import CompileCount, ShapeGuard, UnplannedShapeError
 from kembed.engine.model import EmbeddingModel
 from kembed.engine.work import Batch, Chunk
 from kembed.shapes import BatchShapes, batch_tokens, compiles
@@ -70,6 +70,31 @@ def make_plan(settings: Settings, model: EmbeddingModel) -> Plan:
     return Plan(lengths, shapes, compiled, naive)
 
 
+def warmup_order(shapes: list[tuple[int, int]]) -> list[tuple[int, int]]:
+    """(seq_len, rows) shapes, largest first, one-row shapes last.
+
+    The first call of the dynamic compile (graphs=capture) sets the size hints inductor tunes its
+    kernels for, so it should be the largest batch, not the smallest; dynamo specialises one-row
+    batches into a graph of their own, so a one-row shape first would leave the general graph's hints
+    to whichever shape came second. Captured first, the largest graph also sizes the shared memory pool
+    the smaller ones then reuse.
+    """
+    return sorted(shapes, key=lambda shape: (shape[1] == 1, -shape[0] * shape[1], -shape[0]))
+
+
+def warmup_batch(
+    rows: int, seq_len: int, vocab_size: int, pad_token_id: int, generator: torch.Generator
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Random ids right-padded as served batches are: the first of several rows fills the length,
+    the others (and a lone row) are shorter, so nothing is compiled or captured on "no padding"."""
+    lengths = torch.randint(1, max(seq_len, 2), (rows,), generator=generator)
+    if rows > 1:
+        lengths[0] = seq_len
+    mask = (torch.arange(seq_len)[None, :] < lengths[:, None]).to(torch.int32)
+    ids = torch.randint(0, vocab_size, (rows, seq_len), generator=generator, dtype=torch.int32)
+    return torch.where(mask.bool(), ids, pad_token_id), mask
+
+
 def is_fatal(error: BaseException) -> bool:
     """A CUDA error poisons the context: nothing on this device can be trusted afterwards."""
     accelerator_error = getattr(torch, "AcceleratorError", None)
@@ -90,11 +115,12 @@ class Engine:
         self.warmup_seconds = 0.0
 
     def warmup_shapes(self) -> list[tuple[int, int]]:
+        """(seq_len, rows) in warmup order: see :func:`warmup_order`."""
         plan = self.plan
         # Compiled, every shape needs its graph before serving: sealing refuses shapes not warmed.
         if plan.compiled or self._warmup_mode is Warmup.GRID:
-            return plan.shapes.grid(plan.bucket_lengths)
-        return [(length, plan.shapes.max_rows(length)) for length in plan.bucket_lengths]
+            return warmup_order(plan.shapes.grid(plan.bucket_lengths))
+        return warmup_order([(length, plan.shapes.max_rows(length)) for length in plan.bucket_lengths])
 
     def warm_up(self, beat: Callable[[], None]) -> None:
         """Run every shape (capturing its CUDA graph when compiled); time the largest per bucket."""
@@ -102,8 +128,7 @@ class Engine:
         repeats = WARMUP_REPEATS_COMPILED if plan.compiled else WARMUP_REPEATS_EAGER
         generator = torch.Generator().manual_seed(0)
         for seq_len, rows in self.warmup_shapes():
-            ids = torch.randint(0, info.vocab_size, (rows, seq_len), generator=generator, dtype=torch.int32)
-            mask = torch.ones((rows, seq_len), dtype=torch.int32)
+            ids, mask = warmup_batch(rows, seq_len, info.vocab_size, info.pad_token_id, generator)
             for _ in range(repeats):
                 started = time.perf_counter()
                 self._pooled(ids, mask)
@@ -114,7 +139,13 @@ class Engine:
                 self.warmup_seconds += seconds
         if self.graphs is not None:  # readiness waits on this: every planned shape has its graph
             stance = self.graphs.seal()
-            log.info("%d shapes sealed; a recompile while serving %s", len(self.graphs.shapes), _STANCES[stance])
+            compiled = CompileCount.total(self.graphs.compiles.values())
+            log.info(
+                "%d shapes sealed (warmup compiled %s); a recompile while serving %s",
+                len(self.graphs.shapes),
+                compiled,
+                _STANCES[stance],
+            )
 
     def compute(self, chunks: list[Chunk], seq_len: int) -> list[Outcome]:
         """Compute chunks as one batch; if that fails, each half on its own, so only the
@@ -160,8 +191,8 @@ def start_engine(settings: Settings, load_model: LoadModel, beat: Callable[[], N
     if plan.compiled:
         shapes = engine.warmup_shapes()
         info = model.info
-        ident = compile_cache.identity(info.device, info.path, info.dtype, info.pooling, settings.graphs, shapes)
-        compile_cache.use(settings.compile_cache_dir, ident)
+        ident = compile_cache.identity(info.device, info.path, info.dtype, info.pooling, settings.graphs)
+        compile_cache.use(settings.compile_cache_dir, ident, shapes)
         engine.graphs = model.compile(settings.graphs, len(shapes))
     engine.warm_up(beat)
     log.info(
