@@ -73,7 +73,7 @@ def render(owner: Owner, spec: EmbeddingServiceSpec, config: OperatorConfig) -> 
         Child(_pdb(owner)),
     ]
     if spec.network_policy.enabled:
-        policy = access.network_policy(_metadata(owner), selector_labels(owner.name), spec.network_policy)
+        policy = access.network_policy(_metadata(owner), selector_labels(owner.name), spec, config)
         children.append(Child(policy))
     if spec.autoscaled and spec.autoscaling.provider == "hpa":
         children.append(Child(_hpa(owner, spec, thresholds)))
