@@ -1,4 +1,5 @@
-"""Who may reach the server, and how (pure): the TLS Secret mounts and variables, and the NetworkPolicy.
+"""Who may reach the server, and how (pure): the TLS Secret mounts and variables, the NetworkPolicy,
+and whether it lets Prometheus reach the metrics the autoscaler needs.
 
 The Secrets are mounted whole (never with ``subPath``): only then does the kubelet swap in a renewed
 certificate, which the server picks up for new connections without a restart.
@@ -9,7 +10,9 @@ from __future__ import annotations
 from typing import Any
 
 from kembed.contract import GRPC_PORT, HTTP_PORT
-from kembed_operator.spec import EmbeddingServiceSpec, NetworkPolicySpec
+from kembed_operator.config import OperatorConfig
+from kembed_operator.spec import EmbeddingServiceSpec
+from kembed_operator.status import Verdict
 
 Manifest = dict[str, Any]
 
@@ -55,20 +58,48 @@ def _secret_volume(name: str, secret: str, *keys: str) -> Manifest:
     return {"name": name, "secret": {"secretName": secret, "items": items, "defaultMode": SECRET_MODE}}
 
 
-def network_policy(metadata: Manifest, pod_labels: dict[str, str], policy: NetworkPolicySpec) -> Manifest:
-    """Ingress only: gRPC from this namespace and ``from``, the HTTP port from ``metricsFrom``.
+def metrics_peers(spec: EmbeddingServiceSpec, config: OperatorConfig) -> list[Manifest]:
+    """Who may reach the metrics port: ``metricsFrom``, or when it is empty the operator's default."""
+    return list(spec.network_policy.metrics_from or config.metrics_from)
+
+
+def network_policy(
+    metadata: Manifest, pod_labels: dict[str, str], spec: EmbeddingServiceSpec, config: OperatorConfig
+) -> Manifest:
+    """Ingress only: gRPC from this namespace and ``from``, the HTTP port from :func:`metrics_peers`.
 
     Kubelet probes come from the node, which common CNIs always admit; everything else is refused.
     """
     ingress: list[Manifest] = [
         # An empty podSelector as a peer: every pod in the policy's own namespace.
-        {"from": [{"podSelector": {}}, *policy.from_], "ports": [{"protocol": "TCP", "port": GRPC_PORT}]}
+        {"from": [{"podSelector": {}}, *spec.network_policy.from_], "ports": [{"protocol": "TCP", "port": GRPC_PORT}]}
     ]
-    if policy.metrics_from:
-        ingress.append({"from": list(policy.metrics_from), "ports": [{"protocol": "TCP", "port": HTTP_PORT}]})
+    if peers := metrics_peers(spec, config):
+        ingress.append({"from": peers, "ports": [{"protocol": "TCP", "port": HTTP_PORT}]})
     return {
         "apiVersion": "networking.k8s.io/v1",
         "kind": "NetworkPolicy",
         "metadata": metadata,
         "spec": {"podSelector": {"matchLabels": pod_labels}, "policyTypes": ["Ingress"], "ingress": ingress},
     }
+
+
+def metrics_admitted(spec: EmbeddingServiceSpec, config: OperatorConfig) -> Verdict:
+    """Whether anything may scrape the metrics port: without it an autoscaler starves in silence.
+
+    Only what the policy says: whether Prometheus really sits behind an admitted peer is not known here.
+    """
+    policy = spec.network_policy
+    if not policy.enabled:
+        return Verdict(True, "NoNetworkPolicy", "no NetworkPolicy: the metrics port is open to the cluster")
+    if peers := metrics_peers(spec, config):
+        source = "spec.networkPolicy.metricsFrom" if policy.metrics_from else "the operator's default metricsFrom"
+        return Verdict(True, "PeersAdmitted", f"port {HTTP_PORT} admits {len(peers)} peer(s) from {source}")
+    starved = "the autoscaler gets no metrics and cannot scale" if spec.autoscaled else "nothing can scrape them"
+    return Verdict(
+        False,
+        "NoMetricsPeers",
+        f"the NetworkPolicy admits no peer to the metrics port ({HTTP_PORT}), so {starved}: set "
+        "spec.networkPolicy.metricsFrom to where Prometheus runs (or the operator's default, chart value metricsFrom)",
+        alarming=spec.autoscaled,  # an autoscaler without metrics starves in silence
+    )

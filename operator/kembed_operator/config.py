@@ -3,10 +3,12 @@ and the choices a spec makes among fixed values."""
 
 from __future__ import annotations
 
+import json
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass
 from enum import StrEnum
+from typing import Any
 
 PREFIX = "KEMBED_OPERATOR_"
 
@@ -30,13 +32,37 @@ class OperatorConfig:
     default_image: str = "ghcr.io/kembed/kembed-server:0.1.0"
     keda_server_address: str = ""  # the Prometheus that KEDA queries when a spec names none
     peering_lifetime_s: int = 60  # how long a silent leader holds its lease before a standby takes over
+    # Glob patterns (fnmatch: `*` spans `/` too) a spec's image must match; the default image always may.
+    allowed_images: tuple[str, ...] = ()
+    # NetworkPolicyPeers admitted to the metrics port when a spec's networkPolicy.metricsFrom is empty.
+    metrics_from: tuple[dict[str, Any], ...] = ()
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None) -> OperatorConfig:
+        """The configuration; :class:`ValueError` naming the variable when one is malformed."""
         env = os.environ if environ is None else environ
         defaults = cls()
         return cls(
             default_image=env.get(PREFIX + "DEFAULT_IMAGE", defaults.default_image),
             keda_server_address=env.get(PREFIX + "KEDA_SERVER_ADDRESS", defaults.keda_server_address),
             peering_lifetime_s=int(env.get(PREFIX + "PEERING_LIFETIME_S", defaults.peering_lifetime_s)),
+            allowed_images=_patterns(env.get(PREFIX + "ALLOWED_IMAGES", "")),
+            metrics_from=_peers(PREFIX + "METRICS_FROM", env.get(PREFIX + "METRICS_FROM", "[]")),
         )
+
+
+def _patterns(text: str) -> tuple[str, ...]:
+    """Comma-separated (image references hold no commas or spaces)."""
+    return tuple(part.strip() for part in text.split(",") if part.strip())
+
+
+def _peers(name: str, text: str) -> tuple[dict[str, Any], ...]:
+    """A JSON list of NetworkPolicyPeers, each naming at least one of the peer fields and nothing else."""
+    try:
+        peers = json.loads(text)
+    except ValueError as err:
+        raise ValueError(f"{name}: not JSON ({err})") from None
+    fields = {"podSelector", "namespaceSelector", "ipBlock"}
+    if not isinstance(peers, list) or not all(isinstance(p, dict) and p and set(p) <= fields for p in peers):
+        raise ValueError(f"{name}: must be a list of NetworkPolicyPeers ({', '.join(sorted(fields))})")
+    return tuple(peers)

@@ -1,7 +1,8 @@
 """kopf wiring: one reconcile loop (a kopf daemon) per EmbeddingService, woken by events.
 
-Run with ``kopf run -m kembed_operator.handlers --all-namespaces`` (the chart adds peering for
-leader election and ``--liveness`` for the operator's own probes).
+Run with ``kopf run -m kembed_operator.handlers --all-namespaces``, or ``--namespace=NS`` once for
+each namespace to serve (the chart's namespaced install, with Roles only); the chart adds peering
+for leader election and ``--liveness`` for the operator's own probes.
 
 Why a daemon and not on-create/on-update handlers: kopf keeps a handler's retry state in a PATCH
 of the resource, and when that PATCH fails the retry is lost until another event comes. A daemon
@@ -47,6 +48,9 @@ def configure(settings: kopf.OperatorSettings, **_: Any) -> None:
     # kopf freezes every replica that shares the top priority; a random one elects a single leader.
     settings.peering.priority = random.SystemRandom().randint(1, 2**31)
     settings.peering.lifetime = CONFIG.peering_lifetime_s
+    # Serving listed namespaces, kopf would list namespaces and watch CRDs, which Roles cannot grant:
+    # it takes the listed namespaces as existing and discovers resources once, at start.
+    settings.scanning.disabled = not settings.peering.clusterwide
     kube.connect()
 
 
@@ -153,5 +157,5 @@ async def _wait(wake: asyncio.Event, stopped: kopf.DaemonStopped, seconds: float
 def _post(body: kopf.Body, outcome: Outcome) -> None:
     for change in outcome.changes:
         kopf.info(body, reason=change.split()[0].capitalize(), message=change)
-    if outcome.problem is not None and outcome.problem_is_new:
-        kopf.warn(body, reason=outcome.problem.reason, message=outcome.problem.message)
+    for warning in outcome.warnings:
+        kopf.warn(body, reason=warning.reason, message=warning.message)

@@ -105,7 +105,7 @@ def _call(
 ) -> Manifest:
     resource = f"{res.plural}/{subresource}" if subresource else res.plural
     if not permissions.allows(res.group, resource, verb):
-        raise PermissionError(f"{verb} {res.group}/{resource} is not in kembed_operator.permissions.RULES")
+        raise PermissionError(f"{verb} {res.group}/{resource} is not in kembed_operator.permissions.IN_NAMESPACE")
     api = _client()
     headers = {"Accept": "application/json", "Content-Type": content_type}
     request = api.param_serialize(

@@ -1,7 +1,9 @@
-"""Every API call the operator makes, as RBAC rules: the one list the chart's ClusterRole must match.
+"""Every API call the operator makes, as RBAC rules: the lists the chart's roles must match.
 
-:mod:`kembed_operator.kube` refuses any call not listed here, and a test compares this list with the
-rendered ClusterRole, so the chart grants exactly what the operator uses: no more, no less.
+:mod:`kembed_operator.kube` refuses any call not in :data:`IN_NAMESPACE`, and tests compare these
+lists with the rendered chart, so it grants exactly what the operator uses: no more, no less. The
+chart installs one of two sets: :data:`CLUSTER_WIDE` as a ClusterRole (every namespace), or
+:data:`NAMESPACED` as a Role in each namespace it is told to watch (no ClusterRole at all).
 """
 
 from __future__ import annotations
@@ -26,23 +28,34 @@ def _rule(group: str, resource: str, *verbs: str) -> Rule:
 # no longer asks for, a Service whose type changed).
 _CHILD = ("get", "list", "watch", "create", "patch", "delete")
 _ES = kinds.EMBEDDING_SERVICE
+_PEERING = ("get", "list", "watch", "patch")
 
-RULES: Final = (
+# In every namespace the operator serves.
+IN_NAMESPACE: Final = (
     # The custom resource: kopf lists, watches and patches it (the finalizer its daemon needs).
     _rule(_ES.group, _ES.plural, "list", "watch", "patch"),
     _rule(_ES.group, f"{_ES.plural}/status", "patch"),
     *(_rule(kind.group, kind.plural, *_CHILD) for kind in kinds.CHILDREN),
-    # kopf: events for `kubectl describe`, resource discovery, and leader election (peering).
+    # kopf: events for `kubectl describe`.
     _rule("", "events", "create"),
-    _rule("apiextensions.k8s.io", "customresourcedefinitions", "list", "watch"),
-    _rule("kopf.dev", "clusterkopfpeerings", "get", "list", "watch", "patch"),
 )
+# Watching every namespace (`--all-namespaces`): kopf also watches CRDs (resource discovery) and
+# elects a leader through a cluster-wide ClusterKopfPeering.
+CLUSTER_WIDE: Final = (
+    *IN_NAMESPACE,
+    _rule("apiextensions.k8s.io", "customresourcedefinitions", "list", "watch"),
+    _rule("kopf.dev", "clusterkopfpeerings", *_PEERING),
+)
+# Watching listed namespaces (`--namespace` each): kopf elects a leader through a KopfPeering in each
+# of them, and scanning is off (handlers.configure), so it lists neither namespaces nor CRDs.
+NAMESPACED: Final = (*IN_NAMESPACE, _rule("kopf.dev", "kopfpeerings", *_PEERING))
 
 
 def allows(group: str, resource: str, verb: str) -> bool:
-    return any(r.group == group and r.resource == resource and verb in r.verbs for r in RULES)
+    """Whether the operator's own client may make a call (in the namespace of a resource it serves)."""
+    return any(r.group == group and r.resource == resource and verb in r.verbs for r in IN_NAMESPACE)
 
 
-def triples() -> set[tuple[str, str, str]]:
+def triples(rules: tuple[Rule, ...] = CLUSTER_WIDE) -> set[tuple[str, str, str]]:
     """(apiGroup, resource, verb) for every permission, the form the tests compare."""
-    return {(r.group, r.resource, verb) for r in RULES for verb in r.verbs}
+    return {(r.group, r.resource, verb) for r in rules for verb in r.verbs}

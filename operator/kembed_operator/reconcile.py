@@ -18,7 +18,7 @@ from typing import Any, Protocol
 from kubernetes.client.exceptions import ApiException
 from kubernetes.utils.quantity import parse_quantity
 
-from kembed_operator import access, kinds, kube, render, status
+from kembed_operator import access, kinds, kube, render, status, trust
 from kembed_operator.config import OperatorConfig
 from kembed_operator.kinds import Kind
 from kembed_operator.spec import InvalidSpec, parse_spec
@@ -44,7 +44,7 @@ class Outcome:
 
     changes: list[str] = field(default_factory=list)  # e.g. "created Deployment/emb"
     problem: status.Problem | None = None
-    problem_is_new: bool = False  # not reported by the status before: worth a Warning event
+    warnings: list[status.Problem] = field(default_factory=list)  # not in the status before: Warning events
     error: ApiException | None = None  # a transient API error that stopped the children's sync
 
 
@@ -57,14 +57,17 @@ def reconcile(body: Mapping[str, Any], config: OperatorConfig, client: Client, f
     live: dict[Kind, Manifest | None] = {}
     try:
         spec = parse_spec(dict(body.get("spec") or {}))
+        trust.check_image(spec, config)
         children = render.render(owner, spec, config)
         model = render.model_name(spec)
         transport = access.transport(spec)
+        metrics = access.metrics_admitted(spec, config)
     except InvalidSpec as err:
         # Keep the children as they are: the last good spec goes on serving while a human fixes this one.
-        outcome.problem = status.Problem("InvalidSpec", str(err))
+        outcome.problem = status.Problem(err.reason, str(err))
         model = previous.get("model", "")
         transport = previous.get("transport", "plaintext")
+        metrics = status.NOT_APPLIED
     else:
         live = _sync_all(client, owner, children, outcome)
     if outcome.error is not None and failures > 0 and outcome.problem is None:
@@ -81,21 +84,28 @@ def reconcile(body: Mapping[str, Any], config: OperatorConfig, client: Client, f
         selector=render.selector(owner.name),
         endpoint=render.endpoint(owner),
         model=model,
+        metrics=metrics,
         transport=transport,
     )
-    outcome.problem_is_new = _is_new(outcome.problem, previous)
+    outcome.warnings = _new_warnings(outcome.problem, metrics, previous)
     new = status.compute(observed, previous, datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ"))
     if status.changed(new, previous):
         client.patch_status(kinds.EMBEDDING_SERVICE, owner.namespace, owner.name, new)
     return outcome
 
 
-def _is_new(problem: status.Problem | None, previous: Manifest) -> bool:
-    degraded: Manifest = next((c for c in previous.get("conditions", []) if c.get("type") == "Degraded"), {})
-    return problem is not None and (degraded.get("reason"), degraded.get("message")) != (
-        problem.reason,
-        problem.message,
-    )
+def _new_warnings(problem: status.Problem | None, metrics: status.Verdict, previous: Manifest) -> list[status.Problem]:
+    """What the previous status did not report yet and is worth a Warning event."""
+    candidates = [(problem, "Degraded")]
+    if metrics.alarming:
+        candidates.append((status.Problem(metrics.reason, metrics.message), "MetricsAdmitted"))
+    return [p for p, kind in candidates if p is not None and _is_new(p, previous, kind)]
+
+
+def _is_new(problem: status.Problem, previous: Manifest, kind: str) -> bool:
+    """Whether the previous status's ``kind`` condition did not already report ``problem``."""
+    old: Manifest = next((c for c in previous.get("conditions", []) if c.get("type") == kind), {})
+    return (old.get("reason"), old.get("message")) != (problem.reason, problem.message)
 
 
 def _sync_all(

@@ -13,6 +13,8 @@ import math
 from dataclasses import dataclass, field
 from typing import Any
 
+from kubernetes.utils.quantity import parse_quantity
+
 from kembed.config import ConfigError, Settings
 from kembed.contract import ENV_PREFIX, GRPC_PORT, HTTP_PORT, LIVEZ_PATH, METRICS_PATH, READYZ_PATH, Metric, env_name
 from kembed_operator import access, identity, kinds, startup
@@ -30,6 +32,12 @@ MODEL_DIR = "/models"
 CACHE_DIR = "/cache"
 COMPILE_CACHE_DIR = "/compile-cache"
 GPU_RESOURCE = "nvidia.com/gpu"
+CONTAINER = "server"
+# The server sizes its front ends from the CPU request (no CPU limit: see _resources), in millicores.
+CPU_REQUEST_VAR = env_name("cpu_request_millicores")
+# inductor's compile workers; unset, it starts one per core of the node (up to its own cap of 32).
+COMPILE_THREADS_VAR = "TORCHINDUCTOR_COMPILE_THREADS"
+INDUCTOR_MAX_COMPILE_THREADS = 32
 
 
 @dataclass(frozen=True)
@@ -58,14 +66,14 @@ def render(owner: Owner, spec: EmbeddingServiceSpec, config: OperatorConfig) -> 
     """The children ``spec`` needs, or :class:`InvalidSpec` when they would not work."""
     thresholds = derive(spec)
     env = server_env(spec, thresholds)
-    check_env(env, spec.env)
+    settings = check_env(env, spec.env)
     children = [
-        _deployment(owner, spec, config, env),
+        _deployment(owner, spec, config, env, settings),
         Child(_service(owner, spec)),
         Child(_pdb(owner)),
     ]
     if spec.network_policy.enabled:
-        policy = access.network_policy(_metadata(owner), selector_labels(owner.name), spec.network_policy)
+        policy = access.network_policy(_metadata(owner), selector_labels(owner.name), spec, config)
         children.append(Child(policy))
     if spec.autoscaled and spec.autoscaling.provider == "hpa":
         children.append(Child(_hpa(owner, spec, thresholds)))
@@ -142,7 +150,7 @@ def server_env(spec: EmbeddingServiceSpec, thresholds: Thresholds) -> dict[str, 
         "http_host": "0.0.0.0",
         "grpc_port": GRPC_PORT,
         "http_port": HTTP_PORT,
-        "device": "cuda" if spec.resources.gpu else "cpu",
+        "device": device_type(spec),
         "pooling": model.pooling,
         "control_tokens": ",".join(model.control_tokens),
         "max_input_tokens": model.max_input_tokens,
@@ -166,6 +174,10 @@ def server_env(spec: EmbeddingServiceSpec, thresholds: Thresholds) -> dict[str, 
     return {env_name(key): _text(value) for key, value in settings.items() if value is not None}
 
 
+def device_type(spec: EmbeddingServiceSpec) -> str:
+    return "cuda" if spec.resources.gpu else "cpu"
+
+
 def _model_source(spec: EmbeddingServiceSpec) -> dict[str, str]:
     pvc, hub = spec.model.pvc, spec.model.hub
     if pvc is not None:
@@ -181,29 +193,52 @@ def _text(value: Any) -> str:
     return str(value)
 
 
-def check_env(env: dict[str, str], extra: list[dict[str, Any]]) -> None:
-    """Reject what the server would refuse at start-up, and extra env that fights the spec."""
+def check_env(env: dict[str, str], extra: list[dict[str, Any]]) -> Settings:
+    """The settings the server will start with (``extra``'s literal values included); rejects what
+    the server would refuse at start-up, and extra env that fights the spec."""
     literal = dict(env)
     for index, var in enumerate(extra):
         name = str(var.get("name", ""))
         if not name.startswith(ENV_PREFIX):
             continue
-        if name in env:
+        if name in env or name == CPU_REQUEST_VAR:
             raise InvalidSpec(f"spec.env[{index}]: {name} is rendered from the spec; set it there")
         if name[len(ENV_PREFIX) :].lower() not in Settings.model_fields:
             raise InvalidSpec(f"spec.env[{index}]: {name} is not a kembed server setting")
         if "value" in var:
             literal[name] = str(var["value"])
     try:
-        Settings.from_env(literal)
+        return Settings.from_env(literal)
     except ConfigError as err:
         raise InvalidSpec(f"server settings: {err}") from None
+
+
+def sizing_env(spec: EmbeddingServiceSpec) -> list[Manifest]:
+    """Size from the pod, not the node: the CPU request, passed down by the kubelet (Downward API),
+    and inductor's compile workers bounded by it (each is a process with memory of its own), unless
+    ``spec.env`` sets them."""
+    request = {"containerName": CONTAINER, "resource": "requests.cpu", "divisor": "1m"}
+    entries: list[Manifest] = [{"name": CPU_REQUEST_VAR, "valueFrom": {"resourceFieldRef": request}}]
+    if not any(var.get("name") == COMPILE_THREADS_VAR for var in spec.env):
+        entries.append({"name": COMPILE_THREADS_VAR, "value": str(compile_threads(spec.resources.cpu))})
+    return entries
+
+
+def compile_threads(cpu: str) -> int:
+    """One compile worker per whole requested CPU, at least one, at most inductor's own cap."""
+    try:
+        cpus = parse_quantity(cpu)
+    except ValueError:
+        raise InvalidSpec(f"spec.resources.cpu: {cpu!r} is not a quantity") from None
+    return max(1, min(INDUCTOR_MAX_COMPILE_THREADS, math.floor(cpus)))
 
 
 # --- Deployment -----------------------------------------------------------------------------------
 
 
-def _deployment(owner: Owner, spec: EmbeddingServiceSpec, config: OperatorConfig, env: dict[str, str]) -> Child:
+def _deployment(
+    owner: Owner, spec: EmbeddingServiceSpec, config: OperatorConfig, env: dict[str, str], settings: Settings
+) -> Child:
     deployment_spec: Manifest = {
         "selector": {"matchLabels": selector_labels(owner.name)},
         # Never fewer ready pods than wanted during a rollout: warmup is slow and capacity is scarce.
@@ -211,7 +246,7 @@ def _deployment(owner: Owner, spec: EmbeddingServiceSpec, config: OperatorConfig
         "revisionHistoryLimit": 5,
         "template": {
             "metadata": {"labels": labels(owner.name), "annotations": _pod_annotations(spec)},
-            "spec": _pod_spec(spec, config, env),
+            "spec": _pod_spec(spec, config, env, settings),
         },
     }
     manifest = _object(kinds.DEPLOYMENT, owner, deployment_spec)
@@ -230,7 +265,7 @@ def _pod_annotations(spec: EmbeddingServiceSpec) -> dict[str, str]:
     }
 
 
-def _pod_spec(spec: EmbeddingServiceSpec, config: OperatorConfig, env: dict[str, str]) -> Manifest:
+def _pod_spec(spec: EmbeddingServiceSpec, config: OperatorConfig, env: dict[str, str], settings: Settings) -> Manifest:
     volumes, mounts = _volumes(spec)
     pod: Manifest = {
         "automountServiceAccountToken": False,  # the server never calls the API
@@ -243,7 +278,7 @@ def _pod_spec(spec: EmbeddingServiceSpec, config: OperatorConfig, env: dict[str,
             "fsGroup": RUN_AS,
             "seccompProfile": {"type": "RuntimeDefault"},
         },
-        "containers": [_container(spec, config, env, mounts)],
+        "containers": [_container(spec, config, env, settings, mounts)],
         "volumes": volumes,
     }
     tolerations = _tolerations(spec)
@@ -253,10 +288,14 @@ def _pod_spec(spec: EmbeddingServiceSpec, config: OperatorConfig, env: dict[str,
 
 
 def _container(
-    spec: EmbeddingServiceSpec, config: OperatorConfig, env: dict[str, str], mounts: list[Manifest]
+    spec: EmbeddingServiceSpec,
+    config: OperatorConfig,
+    env: dict[str, str],
+    settings: Settings,
+    mounts: list[Manifest],
 ) -> Manifest:
     return {
-        "name": "server",
+        "name": CONTAINER,
         "image": spec.image or config.default_image,
         "imagePullPolicy": spec.image_pull_policy,
         "ports": [
@@ -266,13 +305,14 @@ def _container(
         "env": [
             # The API server drops `value: ""`, so an empty value is spelt as no value: no false drift.
             *({"name": name, "value": value} if value else {"name": name} for name, value in env.items()),
+            *sizing_env(spec),
             {"name": "HOME", "value": "/tmp"},  # the root filesystem is read-only
             *spec.env,
         ],
         "resources": _resources(spec),
         # Startup waits for /readyz: model load, warmup and CUDA graph capture can take minutes.
         "startupProbe": _probe(
-            READYZ_PATH, period=STARTUP_PERIOD_S, failures=math.ceil(startup_seconds(spec, env) / STARTUP_PERIOD_S)
+            READYZ_PATH, period=STARTUP_PERIOD_S, failures=math.ceil(startup_seconds(spec, settings) / STARTUP_PERIOD_S)
         ),
         "readinessProbe": _probe(READYZ_PATH, period=5, failures=2),
         "livenessProbe": _probe(LIVEZ_PATH, period=10, failures=3),
@@ -299,7 +339,9 @@ def _probe(path: str, *, period: int, failures: int) -> Manifest:
 def _resources(spec: EmbeddingServiceSpec) -> Manifest:
     res = spec.resources
     requests = {"cpu": res.cpu, "memory": res.memory}
-    limits = {"memory": res.memory}  # no CPU limit: throttling a tokenizer thread only adds latency
+    # No CPU limit: CFS throttling stalls every thread of the pod for the rest of a 100 ms period once
+    # the quota is spent, however idle the node (docs/operator.md). The server sizes from the request.
+    limits = {"memory": res.memory}
     if res.gpu:
         limits[GPU_RESOURCE] = str(res.gpu)
     return {"requests": requests, "limits": limits}
@@ -345,11 +387,12 @@ def _compile_cache(spec: EmbeddingServiceSpec) -> tuple[list[Manifest], list[Man
     return [{"name": "compile-cache", **source}], [{"name": "compile-cache", "mountPath": COMPILE_CACHE_DIR}]
 
 
-def startup_seconds(spec: EmbeddingServiceSpec, env: dict[str, str]) -> int:
-    """The spec's startup timeout, or one derived from the shapes the server will warm up."""
+def startup_seconds(spec: EmbeddingServiceSpec, settings: Settings) -> int:
+    """The spec's startup timeout, or one derived from how the server will warm up: its graph mode
+    and shapes, from the settings it will start with."""
     if spec.startup_timeout_seconds is not None:
         return spec.startup_timeout_seconds
-    return startup.startup_budget_seconds(Settings.from_env(env), "cuda" if spec.resources.gpu else "cpu")
+    return startup.startup_budget_seconds(settings, device_type(spec))
 
 
 # --- Service, PDB ---------------------------------------------------------------------------------

@@ -8,7 +8,7 @@ cannot express or what got past it (an older CRD, a client that skipped validati
 
 from __future__ import annotations
 
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, model_validator
 from pydantic.alias_generators import to_camel
@@ -17,7 +17,9 @@ from kembed_operator.config import Dtype, Pooling
 
 
 class InvalidSpec(ValueError):
-    """The spec cannot be rendered; the message says which field and why."""
+    """The spec cannot be rendered; the message says which field and why, ``reason`` is the condition's."""
+
+    reason: ClassVar[str] = "InvalidSpec"
 
 
 # The CRD accepts `cpu: 4` as well as `cpu: "4"` (int-or-string); manifests need the string.

@@ -1,29 +1,59 @@
-"""The startupProbe budget, from measured cold-start figures rather than a guess.
+"""The startupProbe budget, from cold-start figures per warmup mechanism rather than one guess.
 
-Cold start = model load + warmup, and warmup grows with the shapes the server warms. The per-shape
-figure is the one measured for compiled warmup on an H100 with torch 2.11 (``../shared/GPU.md``): all
-35 shapes of the default ladder compiled one by one in 174 s. The faster ``KEMBED_GRAPHS=capture``
-has not been measured yet, so the budget assumes the measured (slower) mechanism. A warm restart
-from the compile cache is faster still; the probe only bounds the slow case.
+Cold start = model load + warmup, and warmup costs something once and something per shape warmed;
+both depend on how the server makes its graphs (``KEMBED_GRAPHS``, see ``kembed.engine.graphs``):
+
+- ``static`` compiles every shape: measured on an H100 with torch 2.11 (``../shared/GPU.md``), all
+  35 shapes of the default ladder compiled one by one in 174 s.
+- ``capture`` (the default) compiles once with dynamic shapes, then captures a CUDA graph per shape.
+  **No GPU has timed it yet**: :data:`ASSUMED_CAPTURE` holds assumed figures, the only ones in this
+  module that are not measured (docs/operator.md states them). Replace them once measured.
+- eager (no compile: CPU, or ``batching: naive``) runs each bucket's largest batch.
+
+A warm restart from the compile cache is faster still; the probe only bounds the slow case, and
+``startupTimeoutSeconds`` overrides it.
 """
 
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 
-from kembed.config import Settings
+from kembed.config import Graphs, Settings
 from kembed.shapes import BatchShapes, batch_tokens, compiles
 
+
+@dataclass(frozen=True)
+class WarmupCost:
+    """Seconds a warmup takes: paid once, and per shape warmed."""
+
+    once_s: float
+    per_shape_s: float
+
+
 # H100, torch 2.11, recompile limit raised: 35 shapes compiled in 174 s (GPU.md).
-COMPILED_SECONDS_PER_SHAPE = 174 / 35
+STATIC = WarmupCost(once_s=0.0, per_shape_s=174 / 35)
+# ASSUMED, not measured. Once: the dynamic-shape compile and its one-row specialization, each taken
+# as a few static compiles (about 5 s each above), with room to spare: 60 s. Per shape: two warm
+# calls and one capture, milliseconds each, plus first-call allocations and autotuning: 1 s.
+ASSUMED_CAPTURE = WarmupCost(once_s=60.0, per_shape_s=1.0)
 # Eager warmup runs the largest batch of each bucket twice, about 0.4 s each on two CPU cores
 # (kembed.shapes.AUTO_MAX_TOKENS' comment): 1 s a bucket, rounded up.
-EAGER_SECONDS_PER_SHAPE = 1.0
+EAGER = WarmupCost(once_s=0.0, per_shape_s=1.0)
 # Model load and everything else before warmup: ready 20 s after a 74 s warmup, and 12 s after a
 # 174 s one (GPU.md); the larger.
 LOAD_SECONDS = 20
 # A slower GPU than an H100, a busy node: the probe must not kill a pod that is merely slow.
 SAFETY_FACTOR = 2.0
+
+
+def warmup_cost(settings: Settings, device_type: str) -> WarmupCost:
+    """The mechanism the server will warm up with, as ``kembed.engine.graphs.compile_graphs`` picks it."""
+    if not compiles(settings, device_type):
+        return EAGER
+    if settings.graphs is Graphs.CAPTURE and device_type == "cuda":
+        return ASSUMED_CAPTURE
+    return STATIC  # static, or capture off CUDA, which compiles per shape instead
 
 
 def warmup_shapes(settings: Settings, device_type: str) -> int:
@@ -40,5 +70,6 @@ def warmup_shapes(settings: Settings, device_type: str) -> int:
 
 def startup_budget_seconds(settings: Settings, device_type: str) -> int:
     """How long a cold start may take before the startup probe gives up on the container."""
-    per_shape = COMPILED_SECONDS_PER_SHAPE if compiles(settings, device_type) else EAGER_SECONDS_PER_SHAPE
-    return math.ceil(SAFETY_FACTOR * (LOAD_SECONDS + per_shape * warmup_shapes(settings, device_type)))
+    cost = warmup_cost(settings, device_type)
+    warmup = cost.once_s + cost.per_shape_s * warmup_shapes(settings, device_type)
+    return math.ceil(SAFETY_FACTOR * (LOAD_SECONDS + warmup))

@@ -1,9 +1,11 @@
 """The children's state in, the EmbeddingService status out (pure; the clock is an argument).
 
 Conditions follow the Kubernetes API conventions: ``Available`` (at least one replica serves),
-``Progressing`` (a rollout or scale is under way), ``Degraded`` (something needs a human) and
-``Ready`` (all of the spec is in effect and serving). ``lastTransitionTime`` moves only when a
-condition's status flips, so watchers can tell how long a state has held.
+``Progressing`` (a rollout or scale is under way), ``Degraded`` (something needs a human),
+``Ready`` (all of the spec is in effect and serving) and ``MetricsAdmitted`` (the NetworkPolicy
+lets something scrape the metrics port, which autoscaling needs; it leaves ``Ready`` alone, since
+the operator cannot see a scraper that the CNI admits anyway). ``lastTransitionTime`` moves only
+when a condition's status flips, so watchers can tell how long a state has held.
 """
 
 from __future__ import annotations
@@ -12,7 +14,7 @@ from dataclasses import dataclass
 from typing import Any
 
 Manifest = dict[str, Any]
-CONDITION_TYPES = ("Ready", "Available", "Progressing", "Degraded")
+CONDITION_TYPES = ("Ready", "Available", "Progressing", "Degraded", "MetricsAdmitted")
 
 
 @dataclass(frozen=True)
@@ -21,6 +23,19 @@ class Problem:
 
     reason: str
     message: str
+
+
+@dataclass(frozen=True)
+class Verdict:
+    """A condition decided from the spec alone; ``holds`` None: unknown (the spec is not in effect)."""
+
+    holds: bool | None
+    reason: str
+    message: str
+    alarming: bool = False  # worth a Warning event when the status first says so
+
+
+NOT_APPLIED = Verdict(None, "SpecNotApplied", "the spec is not in effect: see the Degraded condition")
 
 
 @dataclass(frozen=True)
@@ -33,6 +48,7 @@ class Observed:
     selector: str
     endpoint: str
     model: str
+    metrics: Verdict  # whether anything may scrape the metrics port
     transport: str = "plaintext"  # what a client must speak to the endpoint: plaintext, tls or mtls
 
 
@@ -51,6 +67,7 @@ def compute(observed: Observed, previous: Manifest, now: str) -> Manifest:
         ("Available", available > 0, *_available_reason(available)),
         ("Progressing", rolling is not None, "RolloutInProgress" if rolling else "RolloutComplete", rolling or ""),
         ("Degraded", problem is not None, *((problem.reason, problem.message) if problem else ("AsExpected", ""))),
+        ("MetricsAdmitted", observed.metrics.holds, observed.metrics.reason, observed.metrics.message),
     ]
     old = {c.get("type"): c for c in previous.get("conditions", [])}
     return {
@@ -109,8 +126,8 @@ def _deployment_failure(deployment: Manifest | None) -> Problem | None:
     return None
 
 
-def _condition(kind: str, true: bool, reason: str, message: str, old: Manifest | None, now: str) -> Manifest:
-    status = "True" if true else "False"
+def _condition(kind: str, true: bool | None, reason: str, message: str, old: Manifest | None, now: str) -> Manifest:
+    status = "Unknown" if true is None else "True" if true else "False"
     unchanged = old is not None and old.get("status") == status and old.get("lastTransitionTime")
     return {
         "type": kind,

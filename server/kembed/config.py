@@ -26,11 +26,18 @@ ENGINE_CPUS = 2
 CPUS_PER_FRONTEND = 2
 
 
-def available_cpus() -> float:
-    """CPUs this process may use: its affinity, capped by a cgroup v2 CPU quota (a pod's limit)."""
+CGROUP_CPU_MAX = Path("/sys/fs/cgroup/cpu.max")
+
+
+def available_cpus(request_millicores: int = 0, cpu_max: Path | None = None) -> float:
+    """CPUs this process may use: its affinity, capped by a cgroup v2 CPU quota (a pod's limit) and
+    by the container's CPU request (``request_millicores``, 0 = none): a pod without a CPU limit
+    sees the node's cores, but was scheduled for its request."""
     cpus = float(len(os.sched_getaffinity(0)))
+    if request_millicores:
+        cpus = min(cpus, request_millicores / 1000)
     try:
-        quota, period = Path("/sys/fs/cgroup/cpu.max").read_text().split()
+        quota, period = (cpu_max or CGROUP_CPU_MAX).read_text().split()
     except (OSError, ValueError):
         return cpus
     return cpus if quota == "max" else min(cpus, int(quota) / int(period))
@@ -165,6 +172,11 @@ class Settings(BaseModel):
         "auto",
         description="gRPC front-end processes sharing the port: a number, or auto ((CPUs - 2) / 2, from 1 to 8)",
     )
+    cpu_request_millicores: int = Field(
+        0,
+        ge=0,
+        description="CPU request in millicores (the operator passes the container's down); caps auto's CPUs; 0 = none",
+    )
 
     # --- TLS (the gRPC port only; the HTTP port stays plaintext for kubelet probes) ---
     tls_cert_file: str = Field(
@@ -240,11 +252,15 @@ class Settings(BaseModel):
     def tls(self) -> bool:
         return bool(self.tls_cert_file)
 
+    def cpus(self) -> float:
+        """The CPUs this server may use: what front ends and torch's threads are sized by."""
+        return available_cpus(self.cpu_request_millicores)
+
     def frontend_count(self) -> int:
         """How many front ends: as set, or by the CPUs this process may use (see the README)."""
         if self.frontends != "auto":
             return int(self.frontends)
-        spare = int(available_cpus()) - ENGINE_CPUS
+        spare = int(self.cpus()) - ENGINE_CPUS
         return max(1, min(AUTO_MAX_FRONTENDS, spare // CPUS_PER_FRONTEND))
 
     @classmethod

@@ -14,7 +14,6 @@ from kembed_operator import identity, kinds
 from tests.operator.emulator import TEST_AGENT
 
 NS = "default"
-ES_PATH = kinds.EMBEDDING_SERVICE.path(NS)
 DEPLOYMENTS, SERVICES, HPAS = "apps/v1/deployments", "services", "autoscaling/v2/horizontalpodautoscalers"
 PDBS, SCALED_OBJECTS = "policy/v1/poddisruptionbudgets", "keda.sh/v1alpha1/scaledobjects"
 VERBS = {"LIST": "list", "WATCH": "watch", "FETCH": "get", "CREATE": "create", "UPDATE": "patch", "DELETE": "delete"}
@@ -22,13 +21,24 @@ WRITES = frozenset({"create", "patch", "delete"})
 PEERING = "clusterkopfpeerings"  # kopf's leader-election keepalive writes here on its own clock
 
 
+def operator_requests(requests: Iterable[rendering.Request]) -> list[rendering.Request]:
+    """The API requests the operator (kopf included) made, in order; discovery aside."""
+    return [
+        request
+        for request in requests
+        if request.resource is not None
+        and request.resource.plural is not None
+        and request.action is not None
+        and request.headers.get("User-Agent") != TEST_AGENT
+    ]
+
+
 def operator_calls(requests: Iterable[rendering.Request]) -> list[tuple[str, str, str]]:
     """(apiGroup, resource, verb) of every API request the operator (kopf included) made, in order."""
     calls = []
-    for request in requests:
+    for request in operator_requests(requests):
         res, action = request.resource, request.action
-        if res is None or res.plural is None or action is None or request.headers.get("User-Agent") == TEST_AGENT:
-            continue
+        assert res is not None and res.plural is not None and action is not None
         resource = f"{res.plural}/{request.subresource}" if request.subresource else res.plural
         calls.append((res.group or "", resource, VERBS[action.name]))
     return calls
@@ -38,30 +48,32 @@ class Kube:
     """The official client's APIs, reading and writing plain dicts; ``plural`` as in a path, e.g.
     ``apps/v1/deployments``."""
 
-    def __init__(self, api: client.ApiClient) -> None:
+    def __init__(self, api: client.ApiClient, namespace: str = NS) -> None:
         self.api = api
         self.core = client.CoreV1Api(api)
+        self.namespace = namespace
+        self._es_path = kinds.EMBEDDING_SERVICE.path(namespace)
 
     def create_es(self, name: str, **spec: Any) -> str:
         body = {"apiVersion": identity.API_VERSION, "kind": identity.KIND, "metadata": {"name": name}, "spec": spec}
-        return str(self._call("POST", ES_PATH, body)["metadata"]["uid"])
+        return str(self._call("POST", self._es_path, body)["metadata"]["uid"])
 
     def patch_es(self, name: str, spec: dict[str, Any]) -> None:
-        self._call("PATCH", f"{ES_PATH}/{name}", {"spec": spec}, "application/merge-patch+json")
+        self._call("PATCH", f"{self._es_path}/{name}", {"spec": spec}, "application/merge-patch+json")
 
     def es(self, name: str) -> dict[str, Any]:
-        return dict(self._call("GET", f"{ES_PATH}/{name}"))
+        return dict(self._call("GET", f"{self._es_path}/{name}"))
 
     def delete_es(self, name: str) -> None:
-        self._call("DELETE", f"{ES_PATH}/{name}")
+        self._call("DELETE", f"{self._es_path}/{name}")
 
     def all_es(self) -> list[dict[str, Any]]:
-        return list(self._call("GET", ES_PATH)["items"])
+        return list(self._call("GET", self._es_path)["items"])
 
     def child(self, plural: str, name: str) -> dict[str, Any] | None:
         """A child as a dict, or None."""
         try:
-            return self._call("GET", _path(plural, name))
+            return self._call("GET", self._path(plural, name))
         except client.ApiException as err:
             if err.status == 404:
                 return None
@@ -69,13 +81,13 @@ class Kube:
 
     def children(self, plural: str) -> list[dict[str, Any]]:
         """Every object of a child kind in the namespace, whoever made it."""
-        return list(self._call("GET", _path(plural))["items"])
+        return list(self._call("GET", self._path(plural))["items"])
 
     def patch_child(self, plural: str, name: str, body: dict[str, Any], subresource: str = "") -> None:
-        self._call("PATCH", _path(plural, name, subresource), body, "application/merge-patch+json")
+        self._call("PATCH", self._path(plural, name, subresource), body, "application/merge-patch+json")
 
     def delete_child(self, plural: str, name: str) -> None:
-        self._call("DELETE", _path(plural, name))
+        self._call("DELETE", self._path(plural, name))
 
     def roll_out(self) -> None:
         """Play the Deployment controller: every Deployment's rollout completes at once."""
@@ -89,7 +101,7 @@ class Kube:
             self.patch_child(DEPLOYMENTS, meta["name"], {"status": status}, "status")
 
     def events(self, name: str) -> list[tuple[str, str]]:
-        listed = self.core.list_namespaced_event(NS)
+        listed = self.core.list_namespaced_event(self.namespace)
         return [(str(e.type), str(e.reason)) for e in listed.items if e.involved_object.name == name]
 
     def _call(self, method: str, path: str, body: Any = None, content_type: str = "application/json") -> Any:
@@ -101,11 +113,10 @@ class Kube:
             raise client.ApiException(http_resp=response)
         return json.loads(response.data or b"{}")
 
-
-def _path(plural: str, name: str = "", subresource: str = "") -> str:
-    parts = plural.split("/")
-    root = "/api/v1" if len(parts) == 1 else f"/apis/{parts[0]}/{parts[1]}"
-    return "/".join(p for p in (f"{root}/namespaces/{NS}/{parts[-1]}", name, subresource) if p)
+    def _path(self, plural: str, name: str = "", subresource: str = "") -> str:
+        parts = plural.split("/")
+        root = "/api/v1" if len(parts) == 1 else f"/apis/{parts[0]}/{parts[1]}"
+        return "/".join(p for p in (f"{root}/namespaces/{self.namespace}/{parts[-1]}", name, subresource) if p)
 
 
 def condition(es: dict[str, Any], kind: str) -> dict[str, Any]:

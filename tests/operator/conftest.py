@@ -34,6 +34,11 @@ RESOURCES = {
         "namespaced": False,
         "verbs": {"list", "watch", "get", "create", "patch"},
     },
+    "kopf.dev/v1/kopfpeerings": {  # leader election of a namespaced install
+        "kind": "KopfPeering",
+        "namespaced": True,
+        "verbs": {"list", "watch", "get", "create", "patch"},
+    },
     "keda.sh/v1alpha1/scaledobjects": {
         "kind": "ScaledObject",
         "namespaced": True,
@@ -112,10 +117,15 @@ def render_chart(values: dict[str, Any] | None = None) -> list[dict[str, Any]]:
     return [doc for text in texts for doc in yaml.safe_load_all(text) if doc]
 
 
-def chart_operator_args() -> list[str]:
+def chart_operator(values: dict[str, Any] | None = None) -> dict[str, Any]:
+    """The operator container of the chart's Deployment."""
+    (deployment,) = [d for d in render_chart(values) if d["kind"] == "Deployment"]
+    return dict(deployment["spec"]["template"]["spec"]["containers"][0])
+
+
+def chart_operator_args(values: dict[str, Any] | None = None) -> list[str]:
     """The arguments the chart's operator Deployment passes to the image's `kopf` entrypoint."""
-    (deployment,) = [d for d in render_chart() if d["kind"] == "Deployment"]
-    return list(deployment["spec"]["template"]["spec"]["containers"][0]["args"])
+    return list(chart_operator(values)["args"])
 
 
 def free_port() -> int:
@@ -139,12 +149,19 @@ def peering(api: client.ApiClient) -> str:
 
 
 def start_operator(
-    kubeconfig: Path, log_path: Path, health_url: str = "", env: dict[str, str] | None = None
+    kubeconfig: Path,
+    log_path: Path,
+    health_url: str = "",
+    env: dict[str, str] | None = None,
+    values: dict[str, Any] | None = None,
 ) -> subprocess.Popen[bytes]:
-    """``kopf run`` with the chart's arguments (peering included) against the emulator."""
-    args = [a for a in chart_operator_args() if not a.startswith("--liveness=")]
+    """``kopf run`` with the arguments and environment of the chart rendered with ``values`` (peering
+    included) against the emulator; ``env`` adds to that environment."""
+    container = chart_operator(values)
+    args = [a for a in container["args"] if not a.startswith("--liveness=")]
     args += [f"--liveness={health_url}"] if health_url else []  # two operators cannot share a port
-    full_env = {**os.environ, "KUBECONFIG": str(kubeconfig), **(env or {})}
+    chart_env = {e["name"]: e["value"] for e in container["env"]}
+    full_env = {**os.environ, **chart_env, "KUBECONFIG": str(kubeconfig), **(env or {})}
     with log_path.open("ab") as log:
         return subprocess.Popen(
             [sys.executable, "-m", "kopf", *args, "--verbose"], env=full_env, stdout=log, stderr=subprocess.STDOUT

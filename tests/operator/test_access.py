@@ -12,6 +12,7 @@ import pytest
 from kembed.config import Settings
 from kembed.contract import GRPC_PORT, HTTP_PORT, env_name
 from kembed_operator import access, kinds, render
+from kembed_operator.config import OperatorConfig
 from kembed_operator.spec import InvalidSpec, parse_spec
 from tests.operator.test_crd import apply_defaults, as_json_schema, resource
 from tests.operator.test_render import CONFIG, K8S_VERSION, OWNER, children, container, env
@@ -105,6 +106,45 @@ def test_peers_add_grpc_callers_and_metrics_scrapers() -> None:
     grpc_rule, metrics_rule = children(SPECS["peers"])["NetworkPolicy"]["spec"]["ingress"]
     assert grpc_rule == {"from": [{"podSelector": {}}, WEB, OFFICE], "ports": [{"protocol": "TCP", "port": GRPC_PORT}]}
     assert metrics_rule == {"from": [PROMETHEUS], "ports": [{"protocol": "TCP", "port": HTTP_PORT}]}
+
+
+def test_the_operators_metrics_peers_fill_in_for_an_empty_metrics_from() -> None:
+    config = OperatorConfig(metrics_from=(PROMETHEUS,))
+    policy = access.network_policy({"name": "emb", "namespace": "search"}, {"app": "emb"}, parse_spec({}), config)
+    kubernetes_validate.validate(
+        {**policy, "metadata": {"name": "emb", "namespace": "search"}}, K8S_VERSION, strict=True
+    )
+    assert policy["spec"]["ingress"][1] == {"from": [PROMETHEUS], "ports": [{"protocol": "TCP", "port": HTTP_PORT}]}
+    own = parse_spec({"networkPolicy": {"metricsFrom": [OFFICE]}})
+    assert access.metrics_peers(own, config) == [OFFICE]  # the spec's own peers replace the default
+
+
+METRICS_CASES = {
+    # spec, the operator's default peers: (status, reason, a Warning event)
+    "autoscaled, no peers anywhere": ({"maxReplicas": 3}, (), (False, "NoMetricsPeers", True)),
+    "fixed size, no peers": ({}, (), (False, "NoMetricsPeers", False)),
+    "autoscaling disabled, no peers": (
+        {"maxReplicas": 3, "autoscaling": {"enabled": False}},
+        (),
+        (False, "NoMetricsPeers", False),
+    ),
+    "the spec's peers": (
+        {"maxReplicas": 3, "networkPolicy": {"metricsFrom": [PROMETHEUS]}},
+        (),
+        (True, "PeersAdmitted", False),
+    ),
+    "the operator's peers": ({"maxReplicas": 3}, (PROMETHEUS,), (True, "PeersAdmitted", False)),
+    "no policy": ({"maxReplicas": 3, "networkPolicy": {"enabled": False}}, (), (True, "NoNetworkPolicy", False)),
+}
+
+
+@pytest.mark.parametrize(("spec", "default", "expected"), METRICS_CASES.values(), ids=METRICS_CASES.keys())
+def test_metrics_admitted(spec: dict[str, Any], default: tuple[dict[str, Any], ...], expected: tuple[Any, ...]) -> None:
+    verdict = access.metrics_admitted(parse_spec(spec), OperatorConfig(metrics_from=default))
+    assert (verdict.holds, verdict.reason, verdict.alarming) == expected
+    if not verdict.holds:
+        assert "spec.networkPolicy.metricsFrom" in verdict.message
+        assert ("autoscaler" in verdict.message) == verdict.alarming
 
 
 def test_a_disabled_policy_is_not_rendered() -> None:

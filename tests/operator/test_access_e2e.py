@@ -14,7 +14,7 @@ import kubernetes_validate
 import pytest
 from kubernetes import client
 
-from tests.operator.cluster import DEPLOYMENTS, Kube, operator_calls
+from tests.operator.cluster import DEPLOYMENTS, Kube, condition, operator_calls
 from tests.operator.conftest import wait_for
 from tests.operator.emulator import EmulatorThread
 from tests.operator.test_e2e import env_of
@@ -73,6 +73,17 @@ def test_the_network_policy_is_created_repaired_and_removed(kube: Kube, emulator
     # RBAC grew by what this uses: the verbs every child kind is granted, all called here but `get`,
     # which a reconcile uses only after a failure or on its periodic resync (it reads kopf's index).
     assert _operator_verbs(emulator, "networkpolicies") == {"list", "watch", "create", "patch", "delete"}
+
+
+def test_an_autoscaler_whose_metrics_nothing_may_scrape_is_reported(kube: Kube) -> None:
+    """No metricsFrom, and no default from the operator (the chart's metricsFrom is empty)."""
+    kube.create_es("starved", maxReplicas=3, resources={"gpu": 0})
+    blocked = wait_for("MetricsAdmitted", lambda: condition(kube.es("starved"), "MetricsAdmitted"))
+    assert (blocked["status"], blocked["reason"]) == ("False", "NoMetricsPeers")
+    assert "autoscaler" in blocked["message"] and "metricsFrom" in blocked["message"]
+    wait_for("a Warning event", lambda: ("Warning", "NoMetricsPeers") in kube.events("starved"))
+    kube.patch_es("starved", {"networkPolicy": {"metricsFrom": [{"namespaceSelector": {}}]}})
+    wait_for("admitted", lambda: condition(kube.es("starved"), "MetricsAdmitted").get("status") == "True")
 
 
 def _operator_verbs(emulator: EmulatorThread, plural: str) -> set[str]:

@@ -14,12 +14,30 @@ from kembed_operator.config import PREFIX, OperatorConfig
 from tests.operator.conftest import CHART, CRD_PATH, chart_operator_args, render_chart
 
 K8S_VERSION = "1.34.0"
-CUSTOM_KINDS = {"ClusterKopfPeering", "PodMonitor"}  # CRD kinds: no built-in schema to validate with
+CUSTOM_KINDS = {"ClusterKopfPeering", "KopfPeering", "PodMonitor"}  # CRD kinds: no built-in schema to validate with
 ERROR = 3
+SERVED = ["team-a", "team-b"]
+NAMESPACED = {"watchNamespaces": SERVED}
+PROMETHEUS = {"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "monitoring"}}}
 
 
 def by_kind(docs: list[dict[str, Any]]) -> dict[str, dict[str, Any]]:
     return {doc["kind"]: doc for doc in docs}
+
+
+def every(kind: str, docs: list[dict[str, Any]]) -> dict[str | None, dict[str, Any]]:
+    """The documents of one kind, by namespace."""
+    return {doc["metadata"].get("namespace"): doc for doc in docs if doc["kind"] == kind}
+
+
+def granted(role: dict[str, Any]) -> set[tuple[str, str, str]]:
+    return {
+        (group, res, verb)
+        for r in role["rules"]
+        for group in r["apiGroups"]
+        for res in r["resources"]
+        for verb in r["verbs"]
+    }
 
 
 def test_lint_is_clean() -> None:
@@ -28,16 +46,26 @@ def test_lint_is_clean() -> None:
     assert not result["errors"]
 
 
+CLUSTER_KINDS = {"ServiceAccount", "ClusterRole", "ClusterRoleBinding", "Deployment", "ClusterKopfPeering"}
+NAMESPACED_KINDS = {"ServiceAccount", "Role", "RoleBinding", "Deployment", "KopfPeering"}
+
+
 @pytest.mark.parametrize(
-    "values", [{}, {"podMonitor": {"enabled": True}, "replicaCount": 1}], ids=["default", "podmonitor"]
+    ("values", "kinds"),
+    [
+        ({}, CLUSTER_KINDS),
+        ({"podMonitor": {"enabled": True}, "replicaCount": 1}, CLUSTER_KINDS | {"PodMonitor"}),
+        ({**NAMESPACED, "podMonitor": {"enabled": True}}, NAMESPACED_KINDS | {"PodMonitor"}),
+        ({"allowedImages": ["registry.example/kembed/*"], "metricsFrom": [PROMETHEUS]}, CLUSTER_KINDS),
+    ],
+    ids=["default", "podmonitor", "namespaced", "trust"],
 )
-def test_every_manifest_is_valid_kubernetes(values: dict[str, Any]) -> None:
+def test_every_manifest_is_valid_kubernetes(values: dict[str, Any], kinds: set[str]) -> None:
     docs = render_chart(values)
     for doc in docs:
         if doc["kind"] not in CUSTOM_KINDS:
             kubernetes_validate.validate(doc, K8S_VERSION, strict=True)
-    expected = {"ServiceAccount", "ClusterRole", "ClusterRoleBinding", "Deployment", "ClusterKopfPeering"}
-    assert set(by_kind(docs)) == expected | ({"PodMonitor"} if values else set())
+    assert set(by_kind(docs)) == kinds
 
 
 def test_crds_are_valid_kubernetes() -> None:
@@ -49,17 +77,30 @@ def test_crds_are_valid_kubernetes() -> None:
 
 
 def test_rbac_is_exactly_what_the_operator_calls() -> None:
-    role = by_kind(render_chart())["ClusterRole"]
-    granted = {
-        (group, res, verb)
-        for r in role["rules"]
-        for group in r["apiGroups"]
-        for res in r["resources"]
-        for verb in r["verbs"]
-    }
-    assert granted == permissions.triples()
-    binding = by_kind(render_chart())["ClusterRoleBinding"]
-    assert binding["subjects"][0]["name"] == by_kind(render_chart())["ServiceAccount"]["metadata"]["name"]
+    docs = render_chart()
+    assert granted(by_kind(docs)["ClusterRole"]) == permissions.triples(permissions.CLUSTER_WIDE)
+    binding = by_kind(docs)["ClusterRoleBinding"]
+    assert binding["subjects"][0]["name"] == by_kind(docs)["ServiceAccount"]["metadata"]["name"]
+
+
+def test_a_namespaced_install_grants_roles_in_the_served_namespaces_only() -> None:
+    docs = render_chart(NAMESPACED)
+    assert not {"ClusterRole", "ClusterRoleBinding", "ClusterKopfPeering"} & set(by_kind(docs))
+    roles, bindings = every("Role", docs), every("RoleBinding", docs)
+    assert set(roles) == set(bindings) == set(SERVED)
+    account = by_kind(docs)["ServiceAccount"]["metadata"]
+    for namespace in SERVED:
+        assert granted(roles[namespace]) == permissions.triples(permissions.NAMESPACED)
+        ((subject,), ref) = bindings[namespace]["subjects"], bindings[namespace]["roleRef"]
+        assert (subject["name"], subject["namespace"]) == (account["name"], account["namespace"])
+        assert (ref["kind"], ref["name"]) == ("Role", roles[namespace]["metadata"]["name"])
+    args = chart_operator_args(NAMESPACED)
+    assert [a for a in args if a.startswith("--namespace=")] == [f"--namespace={ns}" for ns in SERVED]
+    assert "--all-namespaces" not in args
+    peering = next(a.split("=", 1)[1] for a in args if a.startswith("--peering="))
+    assert {ns: p["metadata"]["name"] for ns, p in every("KopfPeering", docs).items()} == dict.fromkeys(SERVED, peering)
+    monitor = by_kind(render_chart({**NAMESPACED, "podMonitor": {"enabled": True}}))["PodMonitor"]
+    assert monitor["spec"]["namespaceSelector"] == {"matchNames": SERVED}
 
 
 def test_operator_deployment() -> None:
@@ -82,10 +123,41 @@ def test_operator_deployment() -> None:
     assert set(env) == {PREFIX + f.name.upper() for f in dataclasses.fields(OperatorConfig)}
 
 
+def test_trust_settings_reach_the_operator() -> None:
+    images = ["registry.example/kembed/*", "ghcr.io/x/y:*"]
+    (deployment,) = [
+        d for d in render_chart({"allowedImages": images, "metricsFrom": [PROMETHEUS]}) if d["kind"] == "Deployment"
+    ]
+    env = {e["name"]: e["value"] for e in deployment["spec"]["template"]["spec"]["containers"][0]["env"]}
+    config = OperatorConfig.from_env(env)
+    assert config.allowed_images == tuple(images)
+    assert config.metrics_from == (PROMETHEUS,)
+
+
 @pytest.mark.parametrize(
     "values",
-    [{"replicaCount": 0}, {"image": {"pullPolicy": "Sometimes"}}, {"podMonitor": {"interval": "soon"}}, {"typo": 1}],
-    ids=["zero-replicas", "pull-policy", "interval", "unknown-key"],
+    [
+        {"replicaCount": 0},
+        {"image": {"pullPolicy": "Sometimes"}},
+        {"podMonitor": {"interval": "soon"}},
+        {"typo": 1},
+        {"watchNamespaces": ["Team_A"]},
+        {"watchNamespaces": ["a", "a"]},
+        {"allowedImages": ["a.example/*,b.example/*"]},
+        {"metricsFrom": [{"namespaceSelector": {}, "ports": [8001]}]},
+        {"metricsFrom": [{}]},
+    ],
+    ids=[
+        "zero-replicas",
+        "pull-policy",
+        "interval",
+        "unknown-key",
+        "namespace-name",
+        "namespace-twice",
+        "image-list-in-one",
+        "peer-with-ports",
+        "empty-peer",
+    ],
 )
 def test_values_schema_rejects_bad_values(values: dict[str, Any]) -> None:
     with pytest.raises(Exception, match=r"(?i)schema|validat"):

@@ -17,6 +17,8 @@ import pytest
 from kubernetes import client
 
 from kembed_operator import identity, permissions
+from kembed_operator.config import OperatorConfig
+from kembed_operator.status import CONDITION_TYPES
 from tests.operator.cluster import (
     DEPLOYMENTS,
     HPAS,
@@ -59,7 +61,7 @@ def test_children_appear_with_owner_references(kube: Kube) -> None:
     assert status["selector"] == "app.kubernetes.io/instance=alpha,app.kubernetes.io/name=kembed"
     assert condition(es, "Progressing")["status"] == "True"  # no controller has rolled anything out
     assert condition(es, "Ready")["status"] == "False"
-    assert {c["type"] for c in status["conditions"]} == {"Ready", "Available", "Progressing", "Degraded"}
+    assert [c["type"] for c in status["conditions"]] == list(CONDITION_TYPES)
     wait_for("a Created event", lambda: ("Normal", "Created") in kube.events("alpha"))
 
 
@@ -123,7 +125,7 @@ def test_deleted_children_are_restored(kube: Kube) -> None:
 
 
 def test_hand_edits_are_reverted(kube: Kube) -> None:
-    kube.create_es("edited", image="registry.example/kembed:1", resources={"gpu": 0})
+    kube.create_es("edited", resources={"gpu": 0})  # the operator's image: the chart allows no other
     wait_for("deployment", lambda: kube.child(DEPLOYMENTS, "edited"))
     kube.patch_child(
         DEPLOYMENTS, "edited", {"spec": {"template": {"spec": {"containers": [{"name": "server", "image": "evil:1"}]}}}}
@@ -132,7 +134,7 @@ def test_hand_edits_are_reverted(kube: Kube) -> None:
         "the image restored",
         lambda: (
             (d := kube.child(DEPLOYMENTS, "edited"))
-            and d["spec"]["template"]["spec"]["containers"][0]["image"] == "registry.example/kembed:1"
+            and d["spec"]["template"]["spec"]["containers"][0]["image"] == OperatorConfig().default_image
         ),
     )
     kube.patch_child(SERVICES, "edited", {"spec": {"selector": {identity.LABEL_INSTANCE: "other"}}})

@@ -66,9 +66,11 @@ def body(spec: dict[str, Any], status: dict[str, Any] | None = None) -> dict[str
     return {"metadata": meta, "spec": spec, "status": status or {}}
 
 
-def run(api: FakeClient, spec: dict[str, Any], failures: int = 0) -> reconcile.Outcome:
+def run(
+    api: FakeClient, spec: dict[str, Any], failures: int = 0, config: OperatorConfig | None = None
+) -> reconcile.Outcome:
     """A reconcile of ``spec`` over the status the previous one wrote."""
-    return reconcile.reconcile(body(spec, api.status), OperatorConfig(), api, failures)
+    return reconcile.reconcile(body(spec, api.status), config or OperatorConfig(), api, failures)
 
 
 def conditions(api: FakeClient) -> dict[str, tuple[str, str]]:
@@ -119,10 +121,55 @@ def test_invalid_spec_keeps_the_children_and_reports(api: FakeClient) -> None:
     run(api, {})
     api.calls = []
     outcome = run(api, {"admission": {"p95SoftMs": 9000}})
-    assert outcome.problem is not None and outcome.problem_is_new
+    assert outcome.problem is not None and outcome.warnings == [outcome.problem]
     assert api.writes() == [("patch_status", "embeddingservices")]  # no child touched
     assert conditions(api)["Degraded"] == ("True", "InvalidSpec")
     assert api.status["observedGeneration"] == 2
+
+
+def image_of(api: FakeClient) -> str:
+    return str(api.objects["deployments", "ns", "emb"]["spec"]["template"]["spec"]["containers"][0]["image"])
+
+
+def test_an_image_not_allowed_is_not_reconciled(api: FakeClient) -> None:
+    config = OperatorConfig(allowed_images=("registry.example/kembed/*",))
+    run(api, {}, config=config)
+    assert image_of(api) == config.default_image
+    api.calls = []
+    outcome = run(api, {"image": "evil.example/miner:1", "minReplicas": 3}, config=config)
+    assert api.writes() == [("patch_status", "embeddingservices")]  # no child touched: the old spec serves
+    assert conditions(api)["Degraded"] == ("True", "ImageNotAllowed")
+    assert conditions(api)["Ready"] == ("False", "ImageNotAllowed")
+    assert conditions(api)["MetricsAdmitted"] == ("Unknown", "SpecNotApplied")
+    assert outcome.problem is not None and "spec.image: 'evil.example/miner:1'" in outcome.problem.message
+    assert outcome.warnings == [outcome.problem]  # a Warning event, once
+    assert run(api, {"image": "evil.example/miner:1"}, config=config).warnings == []
+    assert image_of(api) == config.default_image
+    assert api.objects["deployments", "ns", "emb"]["spec"]["replicas"] == 1
+
+    assert run(api, {"image": "registry.example/kembed/server:2"}, config=config).changes == ["updated Deployment/emb"]
+    assert image_of(api) == "registry.example/kembed/server:2"
+    assert conditions(api)["Degraded"] == ("False", "AsExpected")
+
+
+def test_an_autoscaler_without_metrics_is_reported_once(api: FakeClient) -> None:
+    outcome = run(api, {"maxReplicas": 3})
+    assert conditions(api)["MetricsAdmitted"] == ("False", "NoMetricsPeers")
+    assert [w.reason for w in outcome.warnings] == ["NoMetricsPeers"]
+    assert conditions(api)["Degraded"] == ("False", "AsExpected")  # nor does it hold Ready
+    assert conditions(api)["Ready"] == ("False", "RolloutInProgress")
+    assert run(api, {"maxReplicas": 3}).warnings == []
+    peers: dict[str, Any] = {"metricsFrom": [{"namespaceSelector": {}}]}
+    assert run(api, {"maxReplicas": 3, "networkPolicy": peers}).warnings == []
+    assert conditions(api)["MetricsAdmitted"] == ("True", "PeersAdmitted")
+
+
+def test_the_operators_metrics_peers_admit_when_the_spec_names_none(api: FakeClient) -> None:
+    prometheus = {"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "monitoring"}}}
+    outcome = run(api, {"maxReplicas": 3}, config=OperatorConfig(metrics_from=(prometheus,)))
+    assert (outcome.warnings, conditions(api)["MetricsAdmitted"]) == ([], ("True", "PeersAdmitted"))
+    _, metrics_rule = api.objects["networkpolicies", "ns", "emb"]["spec"]["ingress"]
+    assert metrics_rule["from"] == [prometheus]
 
 
 def test_rejected_child_degrades(api: FakeClient) -> None:

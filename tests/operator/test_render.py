@@ -2,10 +2,12 @@
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import kubernetes_validate
 import pytest
+from kubernetes.utils.quantity import parse_quantity
 
 from kembed.config import Settings
 from kembed.contract import GRPC_PORT, HTTP_PORT, LIVEZ_PATH, METRICS_PATH, READYZ_PATH, Metric, env_name
@@ -138,7 +140,8 @@ def test_deployment_defaults() -> None:
     startup = server["startupProbe"]
     assert startup["httpGet"]["path"] == READYZ_PATH
     # derived from the planned shapes (tests/operator/test_startup.py)
-    assert startup["periodSeconds"] * startup["failureThreshold"] >= render.startup_seconds(parse_spec({}), env({}))
+    budget = render.startup_seconds(parse_spec({}), Settings.from_env(env({})))
+    assert startup["periodSeconds"] * startup["failureThreshold"] >= budget
     assert server["lifecycle"]["preStop"]["sleep"]["seconds"] == render.PRESTOP_SLEEP_S
     assert pod["terminationGracePeriodSeconds"] > render.PRESTOP_SLEEP_S + 25  # preStop + drain fit
     assert env({})[env_name("drain_timeout_s")] == "25"
@@ -189,6 +192,32 @@ def test_resources() -> None:
     assert env(FEATURES["cpu only"])[env_name("device")] == "cpu"
     assert "tolerations" not in children(FEATURES["cpu only"])["Deployment"]["spec"]["template"]["spec"]
     assert container(FEATURES["two gpus"])["resources"]["limits"]["nvidia.com/gpu"] == "2"
+
+
+def kubelet_resolves(entry: dict[str, Any], resources: dict[str, Any]) -> str:
+    """What the kubelet puts in a resourceFieldRef variable: the quantity over the divisor, rounded up."""
+    ref = entry["valueFrom"]["resourceFieldRef"]
+    group, name = ref["resource"].split(".")
+    return str(math.ceil(parse_quantity(resources[group][name]) / parse_quantity(ref["divisor"])))
+
+
+@pytest.mark.parametrize(("cpu", "millicores", "compile_threads"), [("4", 4000, 4), ("500m", 500, 1), (2.5, 2500, 2)])
+def test_the_server_sizes_from_the_cpu_request(cpu: Any, millicores: int, compile_threads: int) -> None:
+    """The request reaches the server through the Downward API (no CPU limit to read from the cgroup)."""
+    server = container({"resources": {"gpu": 1, "cpu": cpu}})
+    assert "cpu" not in server["resources"]["limits"]
+    (entry,) = [e for e in server["env"] if e["name"] == render.CPU_REQUEST_VAR]
+    assert entry["valueFrom"]["resourceFieldRef"]["containerName"] == server["name"]
+    variables = {**env({"resources": {"cpu": cpu}}), entry["name"]: kubelet_resolves(entry, server["resources"])}
+    settings = Settings.from_env({k: v for k, v in variables.items() if k.startswith("KEMBED_")})
+    assert settings.cpu_request_millicores == millicores
+    assert variables[render.COMPILE_THREADS_VAR] == str(compile_threads)
+
+
+def test_compile_threads_are_bounded_and_env_may_set_them() -> None:
+    assert env({"resources": {"cpu": 96}})[render.COMPILE_THREADS_VAR] == str(render.INDUCTOR_MAX_COMPILE_THREADS)
+    mine = {"env": [{"name": render.COMPILE_THREADS_VAR, "value": "2"}]}
+    assert [e for e in container(mine)["env"] if e["name"] == render.COMPILE_THREADS_VAR] == mine["env"]
 
 
 def test_batching_and_admission_pass_through() -> None:
@@ -314,6 +343,11 @@ INVALID: dict[str, tuple[dict[str, Any], str]] = {
     "env typo": ({"env": [{"name": "KEMBED_MAX_BATCH", "value": "1"}]}, "not a kembed server setting"),
     "bad env value": ({"env": [{"name": "KEMBED_LATENCY_WINDOW_S", "value": "-1"}]}, "KEMBED_LATENCY_WINDOW_S"),
     "keda without prometheus": ({"maxReplicas": 2, "autoscaling": {"provider": "keda"}}, "serverAddress"),
+    "env fights the cpu request": (
+        {"env": [{"name": "KEMBED_CPU_REQUEST_MILLICORES", "value": "64000"}]},
+        "spec.env[0]: KEMBED_CPU_REQUEST_MILLICORES is rendered",
+    ),
+    "cpu not a quantity": ({"resources": {"cpu": "lots"}}, "spec.resources.cpu"),
 }
 
 

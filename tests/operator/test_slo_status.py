@@ -34,8 +34,15 @@ def deployment(generation: int = 1, **status_fields: int) -> dict[str, Any]:
 ROLLED_OUT = {"observedGeneration": 1, "replicas": 2, "updatedReplicas": 2, "readyReplicas": 2, "availableReplicas": 2}
 
 
-def observed(dep: dict[str, Any] | None, problem: status.Problem | None = None) -> status.Observed:
-    return status.Observed(generation=3, deployment=dep, problem=problem, selector="s", endpoint="e", model="m")
+ADMITTED = status.Verdict(True, "PeersAdmitted", "")
+
+
+def observed(
+    dep: dict[str, Any] | None, problem: status.Problem | None = None, metrics: status.Verdict = ADMITTED
+) -> status.Observed:
+    return status.Observed(
+        generation=3, deployment=dep, problem=problem, selector="s", endpoint="e", model="m", metrics=metrics
+    )
 
 
 def conditions(result: dict[str, Any]) -> dict[str, tuple[str, str]]:
@@ -97,8 +104,24 @@ def test_transition_time_moves_only_on_flips() -> None:
     assert not status.changed(same, first)
     flipped = status.compute(observed(deployment(**ROLLED_OUT)), first, T1)
     times = {c["type"]: c["lastTransitionTime"] for c in flipped["conditions"]}
-    assert times == {"Ready": T1, "Available": T1, "Progressing": T1, "Degraded": T0}
+    assert times == {"Ready": T1, "Available": T1, "Progressing": T1, "Degraded": T0, "MetricsAdmitted": T0}
     assert status.changed(flipped, first)
+
+
+@pytest.mark.parametrize(
+    ("metrics", "expected"),
+    [
+        (ADMITTED, ("True", "PeersAdmitted")),
+        (status.Verdict(False, "NoMetricsPeers", "no peer", alarming=True), ("False", "NoMetricsPeers")),
+        (status.NOT_APPLIED, ("Unknown", "SpecNotApplied")),
+    ],
+    ids=["admitted", "blocked", "spec not applied"],
+)
+def test_metrics_admitted_leaves_ready_alone(metrics: status.Verdict, expected: tuple[str, str]) -> None:
+    result = conditions(status.compute(observed(deployment(**ROLLED_OUT), metrics=metrics), {}, T0))
+    assert result["MetricsAdmitted"] == expected
+    assert result["Ready"] == ("True", "Serving")
+    assert tuple(result) == status.CONDITION_TYPES
 
 
 def test_drift_check_ignores_server_defaults_but_not_changes() -> None:

@@ -1,7 +1,8 @@
-"""The compile-cache volume and the startup probe's budget, derived from measured cold starts."""
+"""The compile-cache volume and the startup probe's budget, per warmup mechanism (measured or assumed)."""
 
 from __future__ import annotations
 
+import math
 from typing import Any
 
 import pytest
@@ -55,16 +56,51 @@ def test_the_shape_count_matches_what_the_server_warmed_on_the_gpu() -> None:
     assert startup.warmup_shapes(settings, "cpu") == len(MINILM_BUCKETS)  # eager: one shape a bucket
 
 
-def test_the_budget_covers_the_measured_cold_start_and_grows_with_the_shapes() -> None:
-    measured = Settings.from_env({}, buckets=MINILM_BUCKETS)
+def test_the_static_budget_covers_the_measured_cold_start_and_grows_with_the_shapes() -> None:
+    measured = Settings.from_env({}, buckets=MINILM_BUCKETS, graphs="static")
     assert startup.startup_budget_seconds(measured, "cuda") >= MEASURED_READY_S
-    fewer = Settings.from_env({}, buckets=MINILM_BUCKETS, max_batch_size=8)
+    fewer = Settings.from_env({}, buckets=MINILM_BUCKETS, graphs="static", max_batch_size=8)
     extra = startup.warmup_shapes(measured, "cuda") - startup.warmup_shapes(fewer, "cuda")
     grown = startup.startup_budget_seconds(measured, "cuda") - startup.startup_budget_seconds(fewer, "cuda")
-    expected = startup.SAFETY_FACTOR * startup.COMPILED_SECONDS_PER_SHAPE * extra
+    expected = startup.SAFETY_FACTOR * startup.STATIC.per_shape_s * extra
     assert extra > 0 and grown == pytest.approx(expected, abs=1)
     naive = Settings.from_env({}, buckets=MINILM_BUCKETS, batching="naive")
     assert startup.startup_budget_seconds(naive, "cuda") < startup.startup_budget_seconds(measured, "cuda")
+
+
+def budget(cost: startup.WarmupCost, shapes: int) -> int:
+    return math.ceil(startup.SAFETY_FACTOR * (startup.LOAD_SECONDS + cost.once_s + cost.per_shape_s * shapes))
+
+
+MECHANISMS = {
+    # (settings, device): the cost the server's warmup pays
+    "capture on a GPU (the default)": ({}, "cuda", startup.ASSUMED_CAPTURE),
+    "static on a GPU": ({"graphs": "static"}, "cuda", startup.STATIC),
+    "capture without CUDA compiles per shape": ({"compile": "on"}, "cpu", startup.STATIC),
+    "eager on a CPU": ({}, "cpu", startup.EAGER),
+    "compile off on a GPU": ({"compile": "off"}, "cuda", startup.EAGER),
+    "naive batching never compiles": ({"batching": "naive"}, "cuda", startup.EAGER),
+}
+
+
+@pytest.mark.parametrize(("overrides", "device", "cost"), MECHANISMS.values(), ids=MECHANISMS.keys())
+def test_the_budget_follows_the_warmup_mechanism(
+    overrides: dict[str, str], device: str, cost: startup.WarmupCost
+) -> None:
+    settings = Settings.from_env({}, **overrides)
+    assert startup.warmup_cost(settings, device) == cost
+    shapes = startup.warmup_shapes(settings, device)
+    assert startup.startup_budget_seconds(settings, device) == budget(cost, shapes)
+
+
+def test_capture_pays_its_compile_once_so_it_is_cheaper_than_static_past_a_few_shapes() -> None:
+    capture = Settings.from_env({})
+    static = Settings.from_env({}, graphs="static")
+    shapes = startup.warmup_shapes(capture, "cuda")
+    assert shapes == startup.warmup_shapes(static, "cuda") == 41  # the default GPU plan
+    assert startup.startup_budget_seconds(capture, "cuda") < startup.startup_budget_seconds(static, "cuda")
+    # The assumed figures, spelt out: 2 x (20 s load + 60 s compile + 41 x 1 s captures).
+    assert startup.startup_budget_seconds(capture, "cuda") == 242
 
 
 def test_the_probe_follows_the_spec_and_its_device() -> None:
@@ -77,4 +113,13 @@ def test_the_probe_follows_the_spec_and_its_device() -> None:
     smaller = {"batching": {"buckets": [16, 32], "maxBatchSize": 8}}
     assert probe_seconds(smaller) < probe_seconds(gpu)
     assert probe_seconds({"startupTimeoutSeconds": 1234}) >= 1234
-    assert render.startup_seconds(parse_spec({"startupTimeoutSeconds": 1234}), env({})) == 1234
+    settings = Settings.from_env(env({}))
+    assert render.startup_seconds(parse_spec({"startupTimeoutSeconds": 1234}), settings) == 1234
+
+
+def test_the_probe_follows_the_graph_mode_set_in_env() -> None:
+    """``KEMBED_GRAPHS`` has no spec field: set through spec.env, it changes the budget as well."""
+    static = {"env": [{"name": "KEMBED_GRAPHS", "value": "static"}]}
+    static_budget = startup.startup_budget_seconds(Settings.from_env(env({}), graphs="static"), "cuda")
+    assert static_budget <= probe_seconds(static) < static_budget + render.STARTUP_PERIOD_S
+    assert probe_seconds({}) < probe_seconds(static)

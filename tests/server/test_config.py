@@ -58,8 +58,52 @@ def test_frontends_auto_follows_the_cpus(monkeypatch: pytest.MonkeyPatch):
     import kembed.config
 
     for cpus, expected in ((1, 1), (2, 1), (4, 1), (6, 2), (16, 7), (64, 8)):
-        monkeypatch.setattr(kembed.config, "available_cpus", lambda cpus=cpus: float(cpus))
+        monkeypatch.setattr(kembed.config, "available_cpus", lambda _request=0, cpus=cpus: float(cpus))
         assert Settings(frontends="auto").frontend_count() == expected
     assert Settings(frontends="3").frontend_count() == 3
     with pytest.raises(ConfigError, match="KEMBED_FRONTENDS"):
         Settings.from_env({"KEMBED_FRONTENDS": "0"})
+
+
+CPU_CASES = {
+    # (affinity, cgroup cpu.max or None for no file, request in millicores): CPUs
+    "affinity only": (64, None, 0, 64.0),
+    "no quota": (64, "max 100000", 0, 64.0),
+    "quota below affinity": (64, "250000 100000", 0, 2.5),
+    "request below affinity, no limit": (64, "max 100000", 4000, 4.0),
+    "request with a fraction": (64, None, 2500, 2.5),
+    "the least of the three": (64, "300000 100000", 6000, 3.0),
+    "affinity below the request": (2, "max 100000", 4000, 2.0),
+    "unreadable cpu.max": (8, "garbage", 0, 8.0),
+}
+
+
+@pytest.mark.parametrize(("affinity", "cpu_max", "millicores", "expected"), CPU_CASES.values(), ids=CPU_CASES.keys())
+def test_available_cpus_is_the_least_of_affinity_quota_and_request(
+    monkeypatch: pytest.MonkeyPatch,
+    tmp_path: Path,
+    affinity: int,
+    cpu_max: str | None,
+    millicores: int,
+    expected: float,
+):
+    import kembed.config
+
+    monkeypatch.setattr(kembed.config.os, "sched_getaffinity", lambda _pid: set(range(affinity)))
+    path = tmp_path / "cpu.max"
+    if cpu_max is not None:
+        path.write_text(cpu_max + "\n")
+    assert kembed.config.available_cpus(millicores, path) == expected
+
+
+def test_frontends_auto_sizes_from_the_pods_cpu_request(monkeypatch: pytest.MonkeyPatch):
+    """A pod that requested 4 CPUs on a 64-core node without a CPU limit: 1 front end, not 8."""
+    import kembed.config
+
+    monkeypatch.setattr(kembed.config.os, "sched_getaffinity", lambda _pid: set(range(64)))
+    monkeypatch.setattr(kembed.config, "CGROUP_CPU_MAX", Path("/nonexistent/cpu.max"))
+    assert Settings.from_env({}).frontend_count() == 8
+    assert Settings.from_env({"KEMBED_CPU_REQUEST_MILLICORES": "4000"}).frontend_count() == 1
+    assert Settings.from_env({"KEMBED_CPU_REQUEST_MILLICORES": "12000"}).frontend_count() == 5
+    with pytest.raises(ConfigError, match="KEMBED_CPU_REQUEST_MILLICORES"):
+        Settings.from_env({"KEMBED_CPU_REQUEST_MILLICORES": "-1"})

@@ -21,3 +21,34 @@ helm.sh/chart: {{ printf "%s-%s" .Chart.Name .Chart.Version }}
 {{- define "kembed-operator.serviceAccountName" -}}
 {{- default (include "kembed-operator.fullname" .) .Values.serviceAccount.name -}}
 {{- end -}}
+
+{{/* What the operator does in every namespace it serves: kembed_operator.permissions.IN_NAMESPACE. */}}
+{{- define "kembed-operator.namespaceRules" -}}
+- apiGroups: [kembed.io]
+  resources: [embeddingservices]
+  verbs: [list, watch, patch]
+- apiGroups: [kembed.io]
+  resources: [embeddingservices/status]
+  verbs: [patch]
+- apiGroups: [apps]
+  resources: [deployments]
+  verbs: [get, list, watch, create, patch, delete]
+- apiGroups: [""]
+  resources: [services]
+  verbs: [get, list, watch, create, patch, delete]
+- apiGroups: [policy]
+  resources: [poddisruptionbudgets]
+  verbs: [get, list, watch, create, patch, delete]
+- apiGroups: [autoscaling]
+  resources: [horizontalpodautoscalers]
+  verbs: [get, list, watch, create, patch, delete]
+- apiGroups: [keda.sh]
+  resources: [scaledobjects]
+  verbs: [get, list, watch, create, patch, delete]
+- apiGroups: [networking.k8s.io]
+  resources: [networkpolicies]
+  verbs: [get, list, watch, create, patch, delete]
+- apiGroups: [""]
+  resources: [events]
+  verbs: [create]
+{{- end -}}

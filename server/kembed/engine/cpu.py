@@ -23,8 +23,6 @@ from pathlib import Path
 
 import torch
 
-from kembed.config import available_cpus
-
 log = logging.getLogger(__name__)
 
 TASKS = Path("/proc/self/task")
@@ -47,16 +45,11 @@ def yield_to_serving(compute_nice: int) -> int:
     return target
 
 
-def size_compute_threads() -> int:
-    """torch's intra-op threads for the CPUs this pod may use (its cgroup quota, not the node's
-    cores: more threads than the quota allows are throttled at every barrier)."""
-    threads = max(1, int(available_cpus()))
+def share_cores(cpus: float, compute_nice: int) -> None:
+    """CPU inference: torch's intra-op threads for the CPUs this pod may use (``Settings.cpus``:
+    its quota or request, not the node's cores, which would be throttled at every barrier), all
+    below serving. Call on the worker thread."""
+    threads = max(1, int(cpus))
     torch.set_num_threads(threads)
-    return threads
-
-
-def share_cores(compute_nice: int) -> None:
-    """CPU inference: size torch's threads and put them below serving. Call on the worker thread."""
-    threads = size_compute_threads()
     nice = yield_to_serving(compute_nice)
     log.info("CPU inference: %d compute threads at niceness %d, below serving", threads, nice)

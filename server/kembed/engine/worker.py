@@ -185,7 +185,7 @@ def start_engine(settings: Settings, load_model: LoadModel, beat: Callable[[], N
     started = time.monotonic()
     model = load_model(settings)
     if model.info.device.type == "cpu":
-        cpu.share_cores(settings.compute_nice)
+        cpu.share_cores(settings.cpus(), settings.compute_nice)
     plan = make_plan(settings, model)
     engine = Engine(model, plan, settings.warmup)
     if plan.compiled:
