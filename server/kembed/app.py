@@ -27,6 +27,7 @@ from pathlib import Path
 from typing import Any
 
 from kembed.config import Settings
+from kembed.contract import Metric
 from kembed.http import HealthServer
 from kembed.ipc import (
     BOARD_FILE,
@@ -60,13 +61,14 @@ class Supervisor:
         self._port_hold = _reserve_port(settings.grpc_host, settings.grpc_port)
         self.grpc_port = int(self._port_hold.getsockname()[1])
         self._children: list[Process] = []
+        self._registry = supervisor_registry(self._runtime / METRICS_DIR, self.board, self.ready)
         self.http = HealthServer(
             settings.http_host,
             settings.http_port,
             live=self.live,
             ready=self.ready,
             health=self.health,
-            registry=supervisor_registry(self._runtime / METRICS_DIR, self.board, self.ready),
+            registry=self._registry,
         )
 
     async def run(self) -> int:
@@ -122,6 +124,10 @@ class Supervisor:
         budget = self.settings.drain_timeout_s + STOP_GRACE_S
         codes = await self._stop_all(frontends, budget)
         codes += await self._stop_all([engine], budget)
+        # The pod is going: no scrape will see this counter now, so the last log line says it.
+        dropped = self._registry.get_sample_value(Metric.STREAM_ANSWERS_DROPPED + "_total")
+        if dropped:
+            log.warning("the drain dropped %d computed stream answers that clients had not read", dropped)
         log.info("stopped")
         return next((code for code in codes if code), 0)
 

@@ -44,3 +44,4 @@ class Metric:
     INFERENCE_SECONDS: Final = "kembed_inference_seconds"
     WORKER_QUEUE_DEPTH: Final = "kembed_worker_queue_depth"
     READY: Final = "kembed_ready"
+    STREAM_ANSWERS_DROPPED: Final = "kembed_stream_answers_dropped"  # exposed as ..._total

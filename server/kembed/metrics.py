@@ -41,6 +41,11 @@ class FrontendMetrics:
         )
         self.requests = Counter(Metric.REQUESTS, "Requests by gRPC status code", ["code"], registry=r)
         self.rejected = _rejected(r)
+        self.stream_answers_dropped = Counter(
+            Metric.STREAM_ANSWERS_DROPPED,
+            "EmbedStream answers computed but never written: the drain ended before the client read them",
+            registry=r,
+        )
 
 
 class EngineMetrics:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -73,6 +74,11 @@ class ServerProcess:
             return error.code, error.read().decode()
         except OSError:
             return 0, ""
+
+    def metric(self, sample: str) -> float:
+        """One sample off ``/metrics`` by its full name and labels (0 when it is not there yet)."""
+        found = re.search(rf"^{re.escape(sample)} (\S+)$", self.http("/metrics")[1], re.M)
+        return float(found.group(1)) if found else 0.0
 
     def health(self) -> dict[str, Any]:
         status, body = self.http("/health")

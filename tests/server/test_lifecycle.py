@@ -135,3 +135,26 @@ def test_missing_model_fails_start_up(tmp_path: Path):
         assert "/nonexistent/model" in server.output()
     finally:
         server.stop()
+
+
+def test_answers_a_stream_left_unread_when_the_drain_ended_are_counted(tmp_path: Path):
+    server = ServerProcess(tmp_path / "server.log", admission="", drain_timeout_s=1).wait_ready()
+    offered = 32
+    # 16 rows an answer (24 KiB): the client's 64 KiB window (no BDP probing) takes a few of them.
+    request = pb.EmbedRequest(texts=["read me if you can"] * 16)
+    silent = grpc.insecure_channel(server.target, options=[("grpc.http2.bdp_probe", 0)])
+    try:
+        # Never read; its requests' deadline is the stream's, so none expires on a slow machine.
+        stream = pb_grpc.EmbedderStub(silent).EmbedStream(iter([request] * offered), timeout=900)
+        ok = 'kembed_requests_total{code="OK"}'
+        wait_until(lambda: server.metric(ok) == offered, 600, "every request to be computed")
+        assert server.terminate() == 0
+        stream.cancel()
+    finally:
+        silent.close()
+        server.stop()
+    output = server.output()
+    in_frontend = re.search(r"drain: dropped (\d+) computed answers", output)
+    in_supervisor = re.search(r"the drain dropped (\d+) computed stream answers", output)
+    assert in_frontend is not None and in_supervisor is not None, output
+    assert 0 < int(in_frontend.group(1)) == int(in_supervisor.group(1)) < offered
