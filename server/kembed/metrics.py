@@ -60,6 +60,11 @@ class EngineMetrics:
         self.inference_seconds = Histogram(
             Metric.INFERENCE_SECONDS, "Worker compute time per batch", registry=r, buckets=LATENCY_BUCKETS
         )
+        self.frontend_stalls = Counter(
+            Metric.FRONTEND_STALLS,
+            "Times the engine stopped reading a front end's work because it had left its answers unread",
+            registry=r,
+        )
         self._real_tokens = self.tokens.labels(kind="real")
         self._padding_tokens = self.tokens.labels(kind="padding")
 

@@ -96,6 +96,11 @@ class ServerProcess:
                 found[f"frontend-{argv[argv.index(b'--index') + 1].decode()}"] = int(pid)
         return found
 
+    def runtime(self) -> Path:
+        """The supervisor's runtime folder (engine socket, board, metrics), from its engine's command line."""
+        argv = Path(f"/proc/{self.children()['engine']}/cmdline").read_bytes().split(b"\0")
+        return Path(argv[argv.index(b"--runtime") + 1].decode())
+
     def terminate(self, timeout: float = 60) -> int:
         self.process.send_signal(signal.SIGTERM)
         return self.process.wait(timeout)
@@ -112,6 +117,14 @@ class ServerProcess:
                 self.process.kill()
                 self.process.wait()
         self._out.close()
+
+
+def rss_bytes(pid: int) -> int:
+    """A process's resident memory."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) * 1024
+    raise AssertionError(f"no VmRSS for {pid}")
 
 
 def _socket_inodes(pid: int) -> set[str]:
