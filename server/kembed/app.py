@@ -58,13 +58,13 @@ class Supervisor:
         self.board = Board(self._runtime / BOARD_FILE, frontends=self.frontends)
         self.started = time.monotonic()
         self._stop = asyncio.Event()
-        self._port_hold = _reserve_port(settings.grpc_host, settings.grpc_port)
+        # The gRPC port is bound, not listened on, so that a port of 0 names one for every front end.
+        self._port_hold = _bind(settings.grpc_host, settings.grpc_port, "gRPC", reuse_port=True)
         self.grpc_port = int(self._port_hold.getsockname()[1])
         self._children: list[Process] = []
         self._registry = supervisor_registry(self._runtime / METRICS_DIR, self.board, self.ready)
         self.http = HealthServer(
-            settings.http_host,
-            settings.http_port,
+            _bind(settings.http_host, settings.http_port, "HTTP"),
             live=self.live,
             ready=self.ready,
             health=self.health,
@@ -77,14 +77,14 @@ class Supervisor:
         finally:
             await self._kill_all()
             self._port_hold.close()
-            self.http.stop()
+            self.http.close()
             shutil.rmtree(self._runtime, ignore_errors=True)
 
     async def _run(self) -> int:
         loop = asyncio.get_running_loop()
         for signum in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(signum, self._stop.set)
-        self.http.start()
+        await self.http.start()
         engine = await self._spawn("kembed.engine", "--model-loader", self._model_loader)
         frontends = [
             await self._spawn("kembed.frontend", "--index", str(i), "--grpc-port", str(self.grpc_port))
@@ -201,11 +201,14 @@ class Supervisor:
         return "degraded" if self.board[Slot.SHED_FRACTION] > 0 else "healthy"
 
 
-def _reserve_port(host: str, port: int) -> socket.socket:
-    """Bind (without listening) the port the front ends will share, so that a port of 0 names one
-    free port for all of them."""
+def _bind(host: str, port: int, purpose: str, *, reuse_port: bool = False) -> socket.socket:
+    """A TCP socket bound to ``host:port``; the error, if any, names the port and what it is for."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    hold = socket.socket(family, socket.SOCK_STREAM)
-    hold.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
-    hold.bind((host, port))
-    return hold
+    bound = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        bound.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT if reuse_port else socket.SO_REUSEADDR, 1)
+        bound.bind((host, port))
+    except OSError as error:
+        bound.close()
+        raise OSError(error.errno, f"{purpose} port {host}:{port}: {error.strerror}") from None
+    return bound

@@ -1,11 +1,12 @@
 """Peers that stop reading, on a real server: a gRPC client that never reads its stream, a front end
-that never reads the engine's answers. What the server holds for each stays bounded, and everyone
-else is still answered."""
+that never reads the engine's answers, HTTP clients that connect and say nothing. What the server
+holds for each stays bounded, and everyone else is still answered."""
 
 from __future__ import annotations
 
 import asyncio
 import itertools
+import socket
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -15,6 +16,7 @@ import pytest
 
 from kembed.contract import Metric
 from kembed.frontend.service import MAX_STREAM_REQUESTS, MAX_STREAM_ROWS
+from kembed.http import MAX_CONNECTIONS
 from kembed.ipc import ENGINE_SOCKET, Kind, encode_json, send
 from kembed.v1 import embedder_pb2 as pb
 from kembed.v1 import embedder_pb2_grpc as pb_grpc
@@ -110,3 +112,16 @@ async def test_a_front_end_that_never_reads_stops_being_read(server: ServerProce
         assert rss_bytes(engine) - baseline < ENGINE_GROWTH_BOUND
     finally:
         flood.cancel()
+
+
+def test_idle_http_connections_are_closed_and_cannot_keep_the_probes_out(server: ServerProcess):
+    idle = [socket.create_connection(("127.0.0.1", server.http_port)) for _ in range(MAX_CONNECTIONS + 1)]
+    try:
+        idle[0].settimeout(60)
+        assert idle[0].recv(1) == b""  # the oldest, closed to make room for the newest
+        assert server.http("/readyz")[0] == 200
+        idle[-1].settimeout(120)
+        assert idle[-1].recv(1) == b""  # closed at its timeout
+    finally:
+        for connection in idle:
+            connection.close()
