@@ -14,16 +14,14 @@ once, so Kubernetes restarts the pod instead of leaving it half-alive.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
-import shutil
 import signal
 import socket
 import sys
-import tempfile
 import time
 from asyncio.subprocess import Process
-from pathlib import Path
 from typing import Any
 
 from kembed.config import Settings
@@ -39,6 +37,7 @@ from kembed.ipc import (
     Slot,
 )
 from kembed.metrics import drain_seconds, supervisor_registry
+from kembed.runtime import RuntimeDir
 
 log = logging.getLogger(__name__)
 
@@ -50,35 +49,38 @@ STOP_GRACE_S = 10.0  # beyond the drain budget, before a child that will not sto
 
 class Supervisor:
     def __init__(self, settings: Settings, model_loader: str = DEFAULT_MODEL_LOADER) -> None:
+        """Bind both ports and make the runtime folder; if any of it fails, none of it is left."""
         self.settings = settings
         self.frontends = settings.frontend_count()
         self._model_loader = model_loader
-        self._runtime = Path(tempfile.mkdtemp(prefix="kembed-"))
-        (self._runtime / METRICS_DIR).mkdir()
-        self.board = Board(self._runtime / BOARD_FILE, frontends=self.frontends)
         self.started = time.monotonic()
         self._stop = asyncio.Event()
-        # The gRPC port is bound, not listened on, so that a port of 0 names one for every front end.
-        self._port_hold = _bind(settings.grpc_host, settings.grpc_port, "gRPC", reuse_port=True)
-        self.grpc_port = int(self._port_hold.getsockname()[1])
         self._children: list[Process] = []
-        self._registry = supervisor_registry(self._runtime / METRICS_DIR, self.board, self.ready)
-        self.http = HealthServer(
-            _bind(settings.http_host, settings.http_port, "HTTP"),
-            live=self.live,
-            ready=self.ready,
-            health=self.health,
-            registry=self._registry,
-        )
+        with contextlib.ExitStack() as held:
+            # The gRPC port is bound, not listened on, so that a port of 0 names one for every front end.
+            self._port_hold = held.enter_context(_bind(settings.grpc_host, settings.grpc_port, "gRPC", reuse_port=True))
+            self.grpc_port = int(self._port_hold.getsockname()[1])
+            self._runtime = held.enter_context(RuntimeDir.create()).path
+            (self._runtime / METRICS_DIR).mkdir()
+            self.board = Board(self._runtime / BOARD_FILE, frontends=self.frontends)
+            self._registry = supervisor_registry(self._runtime / METRICS_DIR, self.board, self.ready)
+            self.http = held.enter_context(
+                HealthServer(
+                    _bind(settings.http_host, settings.http_port, "HTTP"),
+                    live=self.live,
+                    ready=self.ready,
+                    health=self.health,
+                    registry=self._registry,
+                )
+            )
+            self._held = held.pop_all()  # released when run() ends
 
     async def run(self) -> int:
         try:
             return await self._run()
         finally:
             await self._kill_all()
-            self._port_hold.close()
-            self.http.close()
-            shutil.rmtree(self._runtime, ignore_errors=True)
+            self._held.close()
 
     async def _run(self) -> int:
         loop = asyncio.get_running_loop()

@@ -45,7 +45,8 @@ def wait_until(condition: Any, timeout: float, what: str) -> None:
 
 class ServerProcess:
     def __init__(self, log: Path, module: str = "kembed", **settings: Any) -> None:
-        self.grpc_port, self.http_port = free_port(), free_port()
+        self.grpc_port = int(settings.pop("grpc_port", 0)) or free_port()
+        self.http_port = int(settings.pop("http_port", 0)) or free_port()
         values = {**FAST, **settings, "grpc_port": self.grpc_port, "http_port": self.http_port}
         env = {k: v for k, v in os.environ.items() if not k.startswith("KEMBED_")}
         env.update({env_name(k): str(v) for k, v in values.items()})
