@@ -11,6 +11,8 @@ from kembed import tls
 from kembed.app import Supervisor
 from kembed.config import ConfigError, Settings, env_table
 
+STARTUP_FAILED_EXIT_CODE = 1
+
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="kembed", description="kembed embedding server (configured by KEMBED_*)")
@@ -35,7 +37,11 @@ def serve(settings: Settings, model_loader: str | None = None) -> int:
 
 
 async def _supervise(settings: Settings, model_loader: str | None) -> int:
-    supervisor = Supervisor(settings) if model_loader is None else Supervisor(settings, model_loader)
+    try:
+        supervisor = Supervisor(settings) if model_loader is None else Supervisor(settings, model_loader)
+    except OSError as error:  # a port in use, an unwritable temporary directory
+        print(f"kembed: cannot start: {error}", file=sys.stderr)
+        return STARTUP_FAILED_EXIT_CODE
     return await supervisor.run()
 
 

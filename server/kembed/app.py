@@ -14,19 +14,18 @@ once, so Kubernetes restarts the pod instead of leaving it half-alive.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import os
-import shutil
 import signal
 import socket
 import sys
-import tempfile
 import time
 from asyncio.subprocess import Process
-from pathlib import Path
 from typing import Any
 
 from kembed.config import Settings
+from kembed.contract import Metric
 from kembed.http import HealthServer
 from kembed.ipc import (
     BOARD_FILE,
@@ -38,6 +37,7 @@ from kembed.ipc import (
     Slot,
 )
 from kembed.metrics import drain_seconds, supervisor_registry
+from kembed.runtime import RuntimeDir
 
 log = logging.getLogger(__name__)
 
@@ -49,40 +49,44 @@ STOP_GRACE_S = 10.0  # beyond the drain budget, before a child that will not sto
 
 class Supervisor:
     def __init__(self, settings: Settings, model_loader: str = DEFAULT_MODEL_LOADER) -> None:
+        """Bind both ports and make the runtime folder; if any of it fails, none of it is left."""
         self.settings = settings
         self.frontends = settings.frontend_count()
         self._model_loader = model_loader
-        self._runtime = Path(tempfile.mkdtemp(prefix="kembed-"))
-        (self._runtime / METRICS_DIR).mkdir()
-        self.board = Board(self._runtime / BOARD_FILE, frontends=self.frontends)
         self.started = time.monotonic()
         self._stop = asyncio.Event()
-        self._port_hold = _reserve_port(settings.grpc_host, settings.grpc_port)
-        self.grpc_port = int(self._port_hold.getsockname()[1])
         self._children: list[Process] = []
-        self.http = HealthServer(
-            settings.http_host,
-            settings.http_port,
-            live=self.live,
-            ready=self.ready,
-            health=self.health,
-            registry=supervisor_registry(self._runtime / METRICS_DIR, self.board, self.ready),
-        )
+        with contextlib.ExitStack() as held:
+            # The gRPC port is bound, not listened on, so that a port of 0 names one for every front end.
+            self._port_hold = held.enter_context(_bind(settings.grpc_host, settings.grpc_port, "gRPC", reuse_port=True))
+            self.grpc_port = int(self._port_hold.getsockname()[1])
+            self._runtime = held.enter_context(RuntimeDir.create()).path
+            (self._runtime / METRICS_DIR).mkdir()
+            self.board = Board(self._runtime / BOARD_FILE, frontends=self.frontends)
+            self._registry = supervisor_registry(self._runtime / METRICS_DIR, self.board, self.ready)
+            self.http = held.enter_context(
+                HealthServer(
+                    _bind(settings.http_host, settings.http_port, "HTTP"),
+                    live=self.live,
+                    ready=self.ready,
+                    health=self.health,
+                    registry=self._registry,
+                )
+            )
+            self._held = held.pop_all()  # released when run() ends
 
     async def run(self) -> int:
         try:
             return await self._run()
         finally:
             await self._kill_all()
-            self._port_hold.close()
-            self.http.stop()
-            shutil.rmtree(self._runtime, ignore_errors=True)
+            self._held.close()
 
     async def _run(self) -> int:
         loop = asyncio.get_running_loop()
         for signum in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(signum, self._stop.set)
-        self.http.start()
+        await self.http.start()
         engine = await self._spawn("kembed.engine", "--model-loader", self._model_loader)
         frontends = [
             await self._spawn("kembed.frontend", "--index", str(i), "--grpc-port", str(self.grpc_port))
@@ -122,6 +126,10 @@ class Supervisor:
         budget = self.settings.drain_timeout_s + STOP_GRACE_S
         codes = await self._stop_all(frontends, budget)
         codes += await self._stop_all([engine], budget)
+        # The pod is going: no scrape will see this counter now, so the last log line says it.
+        dropped = self._registry.get_sample_value(Metric.STREAM_ANSWERS_DROPPED + "_total")
+        if dropped:
+            log.warning("the drain dropped %d computed stream answers that clients had not read", dropped)
         log.info("stopped")
         return next((code for code in codes if code), 0)
 
@@ -196,11 +204,14 @@ class Supervisor:
         return "degraded" if self.board[Slot.SHED_FRACTION] > 0 else "healthy"
 
 
-def _reserve_port(host: str, port: int) -> socket.socket:
-    """Bind (without listening) the port the front ends will share, so that a port of 0 names one
-    free port for all of them."""
+def _bind(host: str, port: int, purpose: str, *, reuse_port: bool = False) -> socket.socket:
+    """A TCP socket bound to ``host:port``; the error, if any, names the port and what it is for."""
     family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    hold = socket.socket(family, socket.SOCK_STREAM)
-    hold.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
-    hold.bind((host, port))
-    return hold
+    bound = socket.socket(family, socket.SOCK_STREAM)
+    try:
+        bound.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT if reuse_port else socket.SO_REUSEADDR, 1)
+        bound.bind((host, port))
+    except OSError as error:
+        bound.close()
+        raise OSError(error.errno, f"{purpose} port {host}:{port}: {error.strerror}") from None
+    return bound

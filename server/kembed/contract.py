@@ -45,3 +45,5 @@ class Metric:
     INFERENCE_SECONDS: Final = "kembed_inference_seconds"
     WORKER_QUEUE_DEPTH: Final = "kembed_worker_queue_depth"
     READY: Final = "kembed_ready"
+    STREAM_ANSWERS_DROPPED: Final = "kembed_stream_answers_dropped"  # exposed as ..._total
+    FRONTEND_STALLS: Final = "kembed_frontend_stalls"  # exposed as ..._total

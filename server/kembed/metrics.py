@@ -44,6 +44,11 @@ class FrontendMetrics:
         self.pushback_waits = Counter(
             Metric.PUSHBACK_WAITS, "Calls that came within their connection's pushback and waited it out", registry=r
         )
+        self.stream_answers_dropped = Counter(
+            Metric.STREAM_ANSWERS_DROPPED,
+            "EmbedStream answers computed but never written: the drain ended before the client read them",
+            registry=r,
+        )
 
 
 class EngineMetrics:
@@ -57,6 +62,11 @@ class EngineMetrics:
         self.tokens = Counter(Metric.TOKENS, "Tokens computed, real or padding", ["kind"], registry=r)
         self.inference_seconds = Histogram(
             Metric.INFERENCE_SECONDS, "Worker compute time per batch", registry=r, buckets=LATENCY_BUCKETS
+        )
+        self.frontend_stalls = Counter(
+            Metric.FRONTEND_STALLS,
+            "Times the engine stopped reading a front end's work because it had left its answers unread",
+            registry=r,
         )
         self._real_tokens = self.tokens.labels(kind="real")
         self._padding_tokens = self.tokens.labels(kind="padding")

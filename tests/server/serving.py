@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import socket
 import subprocess
@@ -48,7 +49,8 @@ class ServerProcess:
     (the real model computes them once released)."""
 
     def __init__(self, log: Path, module: str = "kembed", held: bool = False, **settings: Any) -> None:
-        self.grpc_port, self.http_port = free_port(), free_port()
+        self.grpc_port = int(settings.pop("grpc_port", 0)) or free_port()
+        self.http_port = int(settings.pop("http_port", 0)) or free_port()
         values = {**FAST, **settings, "grpc_port": self.grpc_port, "http_port": self.http_port}
         env = {k: v for k, v in os.environ.items() if not k.startswith("KEMBED_")}
         env.update({env_name(k): str(v) for k, v in values.items()})
@@ -82,6 +84,11 @@ class ServerProcess:
         except OSError:
             return 0, ""
 
+    def metric(self, sample: str) -> float:
+        """One sample off ``/metrics`` by its full name and labels (0 when it is not there yet)."""
+        found = re.search(rf"^{re.escape(sample)} (\S+)$", self.http("/metrics")[1], re.M)
+        return float(found.group(1)) if found else 0.0
+
     def health(self) -> dict[str, Any]:
         status, body = self.http("/health")
         assert status == 200
@@ -102,6 +109,11 @@ class ServerProcess:
                 found[f"frontend-{argv[argv.index(b'--index') + 1].decode()}"] = int(pid)
         return found
 
+    def runtime(self) -> Path:
+        """The supervisor's runtime folder (engine socket, board, metrics), from its engine's command line."""
+        argv = Path(f"/proc/{self.children()['engine']}/cmdline").read_bytes().split(b"\0")
+        return Path(argv[argv.index(b"--runtime") + 1].decode())
+
     def terminate(self, timeout: float = 60) -> int:
         self.process.send_signal(signal.SIGTERM)
         return self.process.wait(timeout)
@@ -119,6 +131,14 @@ class ServerProcess:
                 self.process.kill()
                 self.process.wait()
         self._out.close()
+
+
+def rss_bytes(pid: int) -> int:
+    """A process's resident memory."""
+    for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+        if line.startswith("VmRSS:"):
+            return int(line.split()[1]) * 1024
+    raise AssertionError(f"no VmRSS for {pid}")
 
 
 def _socket_inodes(pid: int) -> set[str]:

@@ -12,7 +12,7 @@ import pytest
 from kembed.admission import AdmissionController, MeasuredLoad
 from kembed.config import Settings
 from kembed.engine.batcher import Batcher, BatchShapes
-from kembed.engine.buckets import BucketQueue, padded_lengths
+from kembed.engine.buckets import BucketQueue
 from kembed.engine.intake import WORK_PARTS, Intake, Work
 from kembed.engine.jobs import Jobs
 from kembed.engine.responder import Responder
@@ -20,6 +20,7 @@ from kembed.engine.work import Batch, Chunk, Job
 from kembed.engine.worker import Outcome
 from kembed.ipc import Frame, Kind
 from kembed.metrics import EngineMetrics
+from tests.server.queueing import work_parts
 
 LENGTHS = [16, 32]
 DIMS = 4
@@ -47,19 +48,8 @@ class Outbox:
 
 def work_frame(requests: list[list[int]], tags: list[int], deadline: float = 1e9, cancels=(), latencies=()) -> Work:
     """A WORK frame as a front end sends it: each request a list of sequence lengths (ids = position)."""
-    lengths = [n for request in requests for n in request]
-    arrays = [
-        np.asarray(tags, "<u8"),
-        np.full(len(tags), deadline, "<f8"),
-        np.asarray([len(r) for r in requests], "<u4"),
-        np.asarray([padded_lengths(np.asarray(r), LENGTHS).sum() for r in requests], "<u8"),
-        np.asarray(lengths, "<i4"),
-        np.concatenate([np.arange(n, dtype="<i4") + 1 for n in lengths]) if lengths else np.empty(0, "<i4"),
-        np.asarray(cancels, "<u8"),
-        np.asarray(latencies, "<f8"),
-    ]
-    assert [a.dtype.str for a in arrays] == list(WORK_PARTS)
-    return Work.decode(Frame(Kind.WORK, [memoryview(a.tobytes()) for a in arrays]))
+    parts = work_parts(requests, tags, LENGTHS, deadline, cancels, latencies)
+    return Work.decode(Frame(Kind.WORK, [memoryview(part.tobytes()) for part in parts]))
 
 
 @pytest.fixture

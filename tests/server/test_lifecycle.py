@@ -6,6 +6,7 @@ from __future__ import annotations
 import os
 import re
 import signal
+import socket
 import subprocess
 import sys
 from pathlib import Path
@@ -14,6 +15,7 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from kembed.ipc import BOARD_FILE, FRONTEND_HEARTBEAT, Board, Slot
 from kembed.v1 import embedder_pb2 as pb
 from kembed.v1 import embedder_pb2_grpc as pb_grpc
 from tests.server.serving import ServerProcess, channel_per_frontend, wait_until
@@ -136,3 +138,58 @@ def test_missing_model_fails_start_up(tmp_path: Path):
         assert "/nonexistent/model" in server.output()
     finally:
         server.stop()
+
+
+def test_answers_a_stream_left_unread_when_the_drain_ended_are_counted(tmp_path: Path):
+    server = ServerProcess(tmp_path / "server.log", admission="", drain_timeout_s=1).wait_ready()
+    offered = 32
+    # 16 rows an answer (24 KiB): the client's 64 KiB window (no BDP probing) takes a few of them.
+    request = pb.EmbedRequest(texts=["read me if you can"] * 16)
+    silent = grpc.insecure_channel(server.target, options=[("grpc.http2.bdp_probe", 0)])
+    try:
+        # Never read; its requests' deadline is the stream's, so none expires on a slow machine.
+        stream = pb_grpc.EmbedderStub(silent).EmbedStream(iter([request] * offered), timeout=900)
+        ok = 'kembed_requests_total{code="OK"}'
+        wait_until(lambda: server.metric(ok) == offered, 600, "every request to be computed")
+        assert server.terminate() == 0
+        stream.cancel()
+    finally:
+        silent.close()
+        server.stop()
+    output = server.output()
+    in_frontend = re.search(r"drain: dropped (\d+) computed answers", output)
+    in_supervisor = re.search(r"the drain dropped (\d+) computed stream answers", output)
+    assert in_frontend is not None and in_supervisor is not None, output
+    assert 0 < int(in_frontend.group(1)) == int(in_supervisor.group(1)) < offered
+
+
+def test_a_failed_start_leaves_no_runtime_files_and_clears_a_killed_servers(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+):
+    temporary = tmp_path / "tmp"
+    temporary.mkdir()
+    monkeypatch.setenv("TMPDIR", str(temporary))
+    killed = ServerProcess(tmp_path / "killed.log", frontends=1)
+    try:
+        wait_until(lambda: len(killed.children()) == 2, 120, "the engine and the front end to start")
+        children = killed.children()
+        board = Board(killed.runtime() / BOARD_FILE)
+        # Both tick, so both watch for their supervisor's death: a child that has not yet looked up
+        # its parent when the supervisor dies takes the reaper for it, and never exits.
+        ticking = lambda: board[Slot.ENGINE_HEARTBEAT] > 0 and board.frontend(0, FRONTEND_HEARTBEAT) > 0  # noqa: E731
+        wait_until(ticking, 120, "both children to tick")
+        killed.process.kill()  # SIGKILL: no clean-up runs
+        killed.process.wait()
+        wait_until(lambda: all(process_gone(pid) for pid in children.values()), 60, "its children to exit")
+    finally:
+        killed.stop()
+    assert len(list(temporary.glob("kembed-*"))) == 1  # what a SIGKILL leaves behind
+    with socket.create_server(("127.0.0.1", 0)) as taken:
+        port = taken.getsockname()[1]
+        failed = ServerProcess(tmp_path / "failed.log", http_port=port)
+        try:
+            assert failed.process.wait(timeout=120) == 1
+        finally:
+            failed.stop()
+    assert f"cannot start: [Errno 98] HTTP port 127.0.0.1:{port}: Address already in use" in failed.output()
+    assert list(temporary.iterdir()) == []  # the stale folder removed, and none of its own left

@@ -5,7 +5,6 @@ refusal a call. How fast refusals are is measured in ``bench.hostpath``, not her
 
 from __future__ import annotations
 
-import re
 import threading
 from collections.abc import Iterator
 
@@ -38,11 +37,6 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
     running.stop()
 
 
-def metric(server: ServerProcess, pattern: str) -> float:
-    found = re.search(rf"^{pattern} (\S+)$", server.http("/metrics")[1], re.M)
-    return float(found.group(1)) if found else 0.0
-
-
 def all_decided(server: ServerProcess, futures: list[grpc.Future]) -> bool:
     """Every call answered (refused: the engine is held) or admitted into the engine."""
     return sum(f.done() for f in futures) + server.health()["open_requests"] == len(futures)
@@ -64,20 +58,20 @@ def test_refusals_do_not_wait_for_the_engine_and_everything_accepted_is_answered
             assert int(dict(refused[0].trailing_metadata())[RETRY_PUSHBACK_KEY]) > 0
         codes = [f.code() for f in futures]
     assert (codes.count(OK), codes.count(EXHAUSTED)) == (admitted, len(refused))  # nothing lost, nothing else
-    assert metric(server, r'kembed_rejected_total\{reason="drain_time"\}') > 0
+    assert server.metric('kembed_rejected_total{reason="drain_time"}') > 0
     with EmbedClient(server.target) as client:
         assert client.embed(["the server recovers"]).shape == (1, 384)
 
 
 def test_a_connection_that_ignores_its_pushback_waits_it_out(server: ServerProcess):
-    waits = metric(server, "kembed_pushback_waits_total")
+    waits = server.metric("kembed_pushback_waits_total")
     calls = REFUSALS_AT_ONCE + 72
     with grpc.insecure_channel(server.target) as channel:
         stub = pb_grpc.EmbedderStub(channel)
         with server.engine:
             futures = [stub.Embed.future(REQUEST, timeout=120) for _ in range(calls)]
             # Past the refusals a burst may get at once, the connection's calls wait: not refused, not admitted.
-            wait_until(lambda: metric(server, "kembed_pushback_waits_total") > waits, 120, "calls held")
+            wait_until(lambda: server.metric("kembed_pushback_waits_total") > waits, 120, "calls held")
             assert sum(f.done() for f in futures) >= REFUSALS_AT_ONCE
         # Released when the engine has room or their window ends: admitted or refused, none lost.
         codes = {f.code() for f in futures}

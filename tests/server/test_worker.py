@@ -1,7 +1,9 @@
-"""The worker's engine: a failing item fails only its own request; batches match lone runs."""
+"""The worker's engine: a failing item fails only its own request; batches match lone runs; a
+worker thread that dies is fatal."""
 
 from __future__ import annotations
 
+import asyncio
 from collections.abc import Callable
 
 import numpy as np
@@ -14,7 +16,7 @@ from kembed.engine import compile_cache
 from kembed.engine.graphs import ShapeGuard, UnplannedShapeError
 from kembed.engine.model import EmbeddingModel
 from kembed.engine.work import Chunk, Job
-from kembed.engine.worker import Engine, Outcome, make_plan, start_engine, warmup_batch, warmup_order
+from kembed.engine.worker import Engine, Outcome, Worker, make_plan, start_engine, warmup_batch, warmup_order
 from tests.server.queueing import chunks
 
 POISON = 4242  # a real vocabulary id that the injected fault treats as fatal to its batch
@@ -162,3 +164,23 @@ def test_a_compiled_start_compiles_each_shape_whole_and_a_restart_loads_it_from_
     (folder,) = [entry for entry in tmp_path.iterdir() if (entry / compile_cache.MANIFEST).exists()]
     manifest = compile_cache.Manifest.read(folder)
     assert manifest is not None and manifest.shapes == ["1x16", "2x16"]
+
+
+async def test_a_worker_thread_that_dies_outside_compute_is_fatal(
+    stock_model: EmbeddingModel, monkeypatch: pytest.MonkeyPatch
+):
+    loop = asyncio.get_running_loop()
+    fatal: asyncio.Future[BaseException] = loop.create_future()
+    settings = Settings.from_env({}, buckets="16", max_batch_size=2, max_tokens_per_batch=32)
+    worker = Worker(settings, loop, fatal.set_result, lambda _: stock_model)
+    worker.start()
+    await worker.warm
+    assert worker.engine is not None
+
+    def broken() -> None:
+        raise RuntimeError("a bug in the worker's own loop")
+
+    monkeypatch.setattr(worker, "_beat", broken)  # the idle loop beats every second, outside compute
+    worker.serve(lambda *_: None)
+    error = await asyncio.wait_for(fatal, 120)
+    assert str(error) == "a bug in the worker's own loop"

@@ -35,7 +35,6 @@ from kembed.ipc import (
     ENGINE_SOCKET,
     Board,
     Kind,
-    LinkClosed,
     ServingInfo,
     Slot,
     encode_json,
@@ -50,6 +49,10 @@ FATAL_EXIT_CODE = 70
 STARTUP_FAILED_EXIT_CODE = 1
 DRAIN_GRACE_S = 5.0  # past the drain budget, for front ends to close their links
 TICK_S = 0.1  # board refresh (P95, shedding) and heartbeat; idle cost is negligible at 10 Hz
+MIB = 1024 * 1024
+# Answers a front end may leave unread before the engine stops reading its work: about 200 ms of
+# the GPU target's whole output (25,000 embeddings/s), minutes of a CPU's (README, "Choices").
+LINK_HIGH_WATER = 8 * MIB
 
 
 class Links:
@@ -214,6 +217,7 @@ class EngineProcess:
             log.warning("stopping while %d front ends are still connected", len(self._links.ids()))
 
     async def _serve_link(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        writer.transport.set_write_buffer_limits(high=LINK_HIGH_WATER)
         link = self._links.add(writer)
         try:
             hello = await receive(reader)
@@ -221,18 +225,31 @@ class EngineProcess:
             if self._core is not None:
                 self._links.ready(link, self._core.info)
             while True:
+                await self._until_read(link, writer)
                 frame = await receive(reader)
                 core = self._core
                 if frame.kind is Kind.WORK and core is not None:
                     core.intake.accept(link, Work.decode(frame))
                     self._publish(core)
-        except LinkClosed:
+        except ConnectionError:  # LinkClosed, or gone while its answers waited to be read
             pass
         finally:
             self._links.remove(link)
             if self._core is not None:
                 self._core.jobs.drop_link(link)
             writer.close()
+
+    async def _until_read(self, link: int, writer: asyncio.StreamWriter) -> None:
+        """A front end that leaves more than LINK_HIGH_WATER of answers unread is not read from until
+        it has read most of them: what the engine holds for it stays bounded (its queued work's
+        answers at most), and its callers wait, as they would on any stalled process."""
+        unread = writer.transport.get_write_buffer_size()
+        if unread <= LINK_HIGH_WATER:
+            return
+        self._metrics.frontend_stalls.inc()
+        log.warning("link %d: %.0f MiB of answers unread; its new work waits until it reads them", link, unread / MIB)
+        await writer.drain()
+        log.info("link %d: answers read, taking its work again", link)
 
     def _publish(self, core: Core) -> None:
         board = self._board

@@ -211,7 +211,8 @@ def start_engine(settings: Settings, load_model: LoadModel, beat: Callable[[], N
 
 class Worker:
     """The thread around the Engine. It loads and warms up at once (``warm`` resolves when done, or
-    when loading failed: see ``error``); batches flow only after ``serve`` hands it the way back."""
+    when loading failed: see ``error``); batches flow only after ``serve`` hands it the way back.
+    Once warm, a thread that ends other than by ``stop`` tells ``on_fatal`` why, on the loop."""
 
     def __init__(
         self,
@@ -248,9 +249,6 @@ class Worker:
         self._inbox.put(None)
         self._serving.set()
 
-    def alive(self) -> bool:
-        return self._thread.is_alive()
-
     def _beat(self) -> None:
         self.heartbeat = time.monotonic()
 
@@ -264,8 +262,12 @@ class Worker:
             return
         self.engine = engine
         self._loop.call_soon_threadsafe(self._resolve_warm)
-        self._serving.wait()
-        self._serve(engine)
+        try:
+            self._serving.wait()
+            self._serve(engine)
+        except BaseException as error:  # a device error, or a bug: either way no batch is computed again
+            log.critical("worker thread failed, exiting: %r", error, exc_info=True)
+            self._loop.call_soon_threadsafe(self._on_fatal, error)
 
     def _resolve_warm(self) -> None:
         if not self.warm.done():
@@ -284,12 +286,7 @@ class Worker:
             if batch is None:
                 return
             self.heartbeat = started = time.monotonic()
-            try:
-                outcomes = engine.compute(batch.live_chunks(), batch.seq_len)
-            except BaseException as error:
-                log.critical("fatal device error, exiting: %s", error)
-                self._loop.call_soon_threadsafe(self._on_fatal, error)
-                return
+            outcomes = engine.compute(batch.live_chunks(), batch.seq_len)  # raises only what is fatal
             seconds = time.monotonic() - started
             self._beat()
             self._loop.call_soon_threadsafe(self._deliver, batch, outcomes, started, seconds)

@@ -45,7 +45,7 @@ class FrontendProcess:
         self._board = Board(runtime / BOARD_FILE)
         self._metrics = FrontendMetrics()
         self._gate = Gate(lambda: self._board[Slot.DRAINING] == 1.0)
-        self._servicer = EmbedderServicer(self._metrics)
+        self._servicer = EmbedderServicer(self._metrics, self._gate)
         self._health = health_aio.HealthServicer()
         self._executor = ThreadPoolExecutor(TOKENIZER_THREADS, thread_name_prefix="kembed-tokenize")
         self._stop = asyncio.Event()

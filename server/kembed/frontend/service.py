@@ -9,6 +9,7 @@ deadline passed is dropped before compute and answered DEADLINE_EXCEEDED.
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from collections.abc import AsyncIterator, Callable
 from concurrent.futures import Executor
@@ -32,8 +33,13 @@ from kembed.metrics import FrontendMetrics
 from kembed.v1 import embedder_pb2 as pb
 from kembed.v1 import embedder_pb2_grpc as pb_grpc
 
+log = logging.getLogger(__name__)
+
 MAX_REQUEST_ID_CHARS = 256
-MAX_STREAM_IN_FLIGHT = 256  # per stream: beyond this the server stops reading (back-pressure)
+# What one EmbedStream may hold, from reading a request until its answer is written: requests,
+# and answer rows (6 MiB of float32 at 384 dimensions). Past either, the stream stops reading.
+MAX_STREAM_REQUESTS = 256
+MAX_STREAM_ROWS = 4096
 # Inputs up to this many characters or id bytes are tokenized on the event loop: a trip through the
 # executor (two thread switches and a loop wake-up) costs more than tokenizing a sentence. Larger
 # inputs go to the executor, where the Rust tokenizer runs without the GIL.
@@ -50,6 +56,10 @@ def _input_size(request: pb.EmbedRequest) -> int:
     return sum(len(text) for text in request.texts)
 
 
+def _item_count(request: pb.EmbedRequest) -> int:
+    return len(request.tokens.lengths) if request.HasField("tokens") else len(request.texts)
+
+
 class Gate:
     """Whether requests are still taken, and how many are in progress, so a drain knows when
     everything accepted has been answered. Closed when this front end drains, or as soon as the
@@ -64,20 +74,53 @@ class Gate:
 
     def enter(self) -> None:
         self.check_open()
-        self.active += 1
-        self._idle.clear()
+        self.hold()
 
     def check_open(self) -> None:
         if self.draining or self._pod_draining():
             raise EmbedError(grpc.StatusCode.UNAVAILABLE, "server is draining: retry on another replica")
 
-    def leave(self) -> None:
-        self.active -= 1
+    def hold(self) -> None:
+        """Count work in progress whether or not the gate is open: a computed answer still to write."""
+        self.active += 1
+        self._idle.clear()
+
+    def leave(self, count: int = 1) -> None:
+        self.active -= count
         if self.active == 0:
             self._idle.set()
 
     async def wait_idle(self) -> None:
-        await self._idle.wait()
+        while self.active:  # again: a stream may hold an answer before this waiter runs
+            await self._idle.wait()
+
+
+class StreamWindow:
+    """What one EmbedStream holds, from reading a request until its answer is written: at most
+    ``requests`` requests and ``rows`` answer rows (a larger request goes alone). A client that
+    stops reading fills it, and the stream stops reading its requests, so gRPC's flow control
+    stops the client."""
+
+    def __init__(self, requests: int = MAX_STREAM_REQUESTS, rows: int = MAX_STREAM_ROWS) -> None:
+        self._max_requests = requests
+        self._max_rows = rows
+        self._requests = 0
+        self._rows = 0
+        self._room = asyncio.Event()
+
+    async def take(self, rows: int) -> None:
+        """Wait for room for a request of ``rows``, and hold it."""
+        while self._requests and (self._requests >= self._max_requests or self._rows + rows > self._max_rows):
+            self._room.clear()
+            await self._room.wait()
+        self._requests += 1
+        self._rows += rows
+
+    def give_back(self, rows: int) -> None:
+        """A request's answer was written."""
+        self._requests -= 1
+        self._rows -= rows
+        self._room.set()
 
 
 class Service(Protocol):
@@ -304,8 +347,9 @@ class EmbedService:
 class EmbedderServicer(pb_grpc.EmbedderServicer):
     """The RPC shapes around EmbedService; counts every answer by status code."""
 
-    def __init__(self, metrics: FrontendMetrics) -> None:
+    def __init__(self, metrics: FrontendMetrics, gate: Gate) -> None:
         self._metrics = metrics
+        self._gate = gate
         self.service: Service = WarmingUp()  # replaced, once, when the engine is warm
 
     async def Embed(self, request: pb.EmbedRequest, context: grpc.aio.ServicerContext) -> pb.EmbedResponse:
@@ -322,34 +366,50 @@ class EmbedderServicer(pb_grpc.EmbedderServicer):
     async def EmbedStream(
         self, request_iterator: AsyncIterator[pb.EmbedRequest], context: grpc.aio.ServicerContext
     ) -> AsyncIterator[pb.EmbedResponse]:
-        answers: asyncio.Queue[pb.EmbedResponse | None] = asyncio.Queue()
-        slots = asyncio.Semaphore(MAX_STREAM_IN_FLIGHT)
+        window = StreamWindow()
+        answers: asyncio.Queue[tuple[pb.EmbedResponse, int] | None] = asyncio.Queue()
         tasks: set[asyncio.Task[None]] = set()
+        unwritten = 0  # computed answers not yet written: each holds the gate, so a drain waits for it
 
-        async def answer(request: pb.EmbedRequest) -> None:
-            try:
-                await answers.put(await self._stream_one(request, context))
-            finally:
-                slots.release()
+        async def answer(request: pb.EmbedRequest, rows: int) -> None:
+            nonlocal unwritten
+            response = await self._stream_one(request, context)
+            if not response.HasField("error"):
+                unwritten += 1
+                self._gate.hold()
+            answers.put_nowait((response, rows))
 
         async def read() -> None:
-            async for request in request_iterator:
-                await slots.acquire()
-                task = asyncio.create_task(answer(request))
-                tasks.add(task)
-                task.add_done_callback(tasks.discard)
-            await asyncio.gather(*list(tasks))
-            await answers.put(None)
+            try:
+                async for request in request_iterator:
+                    rows = _item_count(request)
+                    await window.take(rows)
+                    task = asyncio.create_task(answer(request, rows))
+                    tasks.add(task)
+                    task.add_done_callback(tasks.discard)
+                await asyncio.gather(*list(tasks))
+            finally:
+                answers.put_nowait(None)  # the writer below stops waiting, whatever ended the reading
 
         reader = asyncio.create_task(read())
         try:
-            while (response := await answers.get()) is not None:
-                yield response
+            while (done := await answers.get()) is not None:
+                response, rows = done
+                yield response  # returns once gRPC has taken the answer, within the client's window
+                window.give_back(rows)
+                if not response.HasField("error"):
+                    unwritten -= 1
+                    self._gate.leave()
             await reader
         finally:
             reader.cancel()
             for task in list(tasks):
                 task.cancel()
+            if unwritten:
+                self._gate.leave(unwritten)
+                if self._gate.draining:
+                    self._metrics.stream_answers_dropped.inc(unwritten)
+                    log.warning("drain: dropped %d computed answers its stream's client had not read", unwritten)
 
     async def _stream_one(self, request: pb.EmbedRequest, context: grpc.aio.ServicerContext) -> pb.EmbedResponse:
         try:

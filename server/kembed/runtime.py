@@ -1,0 +1,82 @@
+"""The supervisor's runtime folder: the engine's socket, the board and the metrics files, in one
+folder under the temporary directory, with a lock file the supervisor holds (``flock``) for as
+long as it lives.
+
+A supervisor that was SIGKILLed leaves its folder behind, and in a pod ``/tmp`` is an emptyDir
+that outlives container restarts, so every start removes the folders whose lock nobody holds.
+A lock rather than a PID: the kernel drops it when its holder dies, however it dies, whereas a PID
+is reused (a restarted container's supervisor may get its predecessor's) and means nothing in
+another PID namespace. A folder without a lock file is not touched (it is not one of ours, or an
+older kembed's, which would not have locked it). Making a folder and looking for stale ones both
+happen under a lock on the parent directory, so a start never sees another's folder unlocked.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import fcntl
+import logging
+import os
+import shutil
+import tempfile
+from collections.abc import Iterator
+from pathlib import Path
+from types import TracebackType
+
+log = logging.getLogger(__name__)
+
+PREFIX = "kembed-"
+LOCK_FILE = "supervisor.lock"
+
+
+class RuntimeDir:
+    """A runtime folder, locked while this object lives; ``remove`` (or leaving ``with``) deletes it."""
+
+    def __init__(self, path: Path, lock: int) -> None:
+        self.path = path
+        self._lock = lock
+
+    @classmethod
+    def create(cls, parent: Path | None = None) -> RuntimeDir:
+        """Remove the folders their supervisors left behind, then make and lock a new one."""
+        parent = parent or Path(tempfile.gettempdir())
+        with _locked(parent, os.O_RDONLY | os.O_DIRECTORY, blocking=True):
+            remove_stale(parent)
+            path = Path(tempfile.mkdtemp(prefix=PREFIX, dir=parent))
+            lock = os.open(path / LOCK_FILE, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)  # not inherited
+            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)  # new and ours: nobody else can hold it
+        return cls(path, lock)
+
+    def remove(self) -> None:
+        shutil.rmtree(self.path, ignore_errors=True)
+        os.close(self._lock)
+
+    def __enter__(self) -> RuntimeDir:
+        return self
+
+    def __exit__(self, kind: type[BaseException] | None, error: BaseException | None, tb: TracebackType | None) -> None:
+        self.remove()
+
+
+def remove_stale(parent: Path) -> list[Path]:
+    """Delete the runtime folders under ``parent`` whose supervisor is gone; the ones removed."""
+    removed = []
+    for path in sorted(parent.glob(f"{PREFIX}*")):
+        # FileNotFoundError: no lock file, not ours; BlockingIOError: its supervisor lives.
+        with contextlib.suppress(OSError), _locked(path / LOCK_FILE, os.O_RDWR, blocking=False):
+            shutil.rmtree(path, ignore_errors=True)
+            removed.append(path)
+    if removed:
+        log.info("removed %d runtime folders left by supervisors that are gone", len(removed))
+    return removed
+
+
+@contextlib.contextmanager
+def _locked(path: Path, flags: int, blocking: bool) -> Iterator[None]:
+    """Hold ``path``'s lock; without ``blocking``, raise BlockingIOError if someone else holds it."""
+    fd = os.open(path, flags)
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX if blocking else fcntl.LOCK_EX | fcntl.LOCK_NB)
+        yield
+    finally:
+        os.close(fd)  # closing drops the lock

@@ -1,0 +1,62 @@
+"""Runtime folders: a supervisor's is removed by the next start once its owner is gone, however it
+died, and never while its owner lives. Owners here are real processes, killed for real."""
+
+from __future__ import annotations
+
+import signal
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from kembed.runtime import LOCK_FILE, PREFIX, RuntimeDir, remove_stale
+
+OWNER = "import sys; from pathlib import Path; from kembed.runtime import RuntimeDir; " + (
+    "print(RuntimeDir.create(Path(sys.argv[1])).path, flush=True); sys.stdin.read()"
+)
+
+
+class Owner:
+    """A process that made a runtime folder under ``parent`` and holds it until it dies."""
+
+    def __init__(self, parent: Path) -> None:
+        self.process = subprocess.Popen(
+            [sys.executable, "-c", OWNER, str(parent)], stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True
+        )
+        assert self.process.stdout is not None
+        self.folder = Path(self.process.stdout.readline().strip())
+
+    def kill(self) -> None:
+        self.process.send_signal(signal.SIGKILL)
+        self.process.wait()
+
+
+@pytest.fixture
+def owners(tmp_path: Path) -> Iterator[list[Owner]]:
+    started: list[Owner] = []
+    yield started
+    for owner in started:
+        owner.kill()
+
+
+def test_only_folders_whose_owner_is_gone_are_removed(tmp_path: Path, owners: list[Owner]):
+    owners += [Owner(tmp_path), Owner(tmp_path)]
+    dead, alive = owners
+    (dead.folder / "board").write_bytes(b"\0" * 8)
+    dead.kill()
+    foreign = tmp_path / f"{PREFIX}not-ours"  # no lock file: not a supervisor's folder
+    foreign.mkdir()
+    assert remove_stale(tmp_path) == [dead.folder]
+    assert not dead.folder.exists()
+    assert (alive.folder / LOCK_FILE).exists() and foreign.exists()
+
+
+def test_a_new_folder_replaces_the_stale_ones_and_goes_with_its_owner(tmp_path: Path, owners: list[Owner]):
+    owners.append(Owner(tmp_path))
+    owners[0].kill()
+    with RuntimeDir.create(tmp_path) as runtime:
+        assert list(tmp_path.iterdir()) == [runtime.path]
+        assert remove_stale(tmp_path) == []  # held by this process
+    assert list(tmp_path.iterdir()) == []
