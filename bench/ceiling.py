@@ -215,7 +215,7 @@ def _plan(batching: str, lengths: list[int], eng: engine.Engine) -> tuple[list[l
 
         def fixed(rows: int, longest: int) -> Shape:
             bucket = bucket_of(longest, eng.buckets)
-            return eng.shapes.rows_for(rows, bucket), bucket
+            return eng.shapes.rows_for(rows), bucket
 
         return pack_buckets(lengths, eng.buckets, eng.shapes), fixed
     order = sorted(range(len(lengths)), key=lengths.__getitem__) if batching == "sorted" else range(len(lengths))

@@ -58,7 +58,7 @@ def start_once(model_dir: str, graphs: str, cache_dir: str) -> dict[str, Any]:
     seconds = time.perf_counter() - started
     if eng.graphs is None:
         raise RuntimeError("compile=on planned no graphs")
-    planned = {(rows, seq_len) for seq_len, rows in eng.warmup_shapes()}
+    planned = {(rows, seq_len) for seq_len, rows in eng.plan.warmup_shapes()}
     compiles = eng.graphs.compiles
     compiled = CompileCount.total(compiles.values())
     return {

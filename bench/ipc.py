@@ -33,21 +33,24 @@ from typing import Any
 import numpy as np
 
 from bench.machine import write_result
-from kembed.ipc import Kind, LinkClosed, receive, send
+from kembed.protocol import LinkClosed, Result, Work, receive, send
 
 DIMENSIONS = 384
 TOKENS = 12
 TRANSPORTS = ("frames", "zmq", "pickle")
 
 
-def _work(requests: int) -> list[np.ndarray]:
-    return [
-        np.arange(requests, dtype="<u8"),
-        np.full(requests, 1e9, dtype="<f8"),
-        np.ones(requests, dtype="<u4"),
-        np.full(requests, TOKENS, dtype="<i4"),
-        np.ones(requests * TOKENS, dtype="<i4"),
-    ]
+def _work(requests: int) -> Work:
+    return Work(
+        tags=np.arange(requests, dtype="<u8"),
+        deadlines=np.full(requests, 1e9, dtype="<f8"),
+        counts=np.ones(requests, dtype="<u4"),
+        costs=np.full(requests, 16, dtype="<u8"),
+        lengths=np.full(requests, TOKENS, dtype="<i4"),
+        ids=np.ones(requests * TOKENS, dtype="<i4"),
+        cancels=np.empty(0, dtype="<u8"),
+        latencies=np.empty(0, dtype="<f8"),
+    )
 
 
 def _rows(requests: int) -> np.ndarray:
@@ -61,11 +64,12 @@ async def _frames_engine(path: str) -> None:
     async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         while True:
             try:
-                frame = await receive(reader)
+                work = await receive(reader)
             except LinkClosed:
                 return
-            requests = len(frame.parts[0]) // 8
-            send(writer, Kind.RESULT, np.zeros(2), frame.array(0, "<u8"), np.zeros(requests, "<u4"), _rows(requests))
+            assert isinstance(work, Work)
+            requests = work.tags.size
+            send(writer, Result(0.0, 0.0, work.tags, np.zeros(requests, "<u4"), _rows(requests)))
 
     await asyncio.start_unix_server(serve, path=path)
     await asyncio.Event().wait()
@@ -107,14 +111,14 @@ async def _frames_front(path: str, requests: int, window: int, seconds: float) -
     reader, writer = await asyncio.open_unix_connection(path)
     work = _work(requests)
     for _ in range(window):
-        send(writer, Kind.WORK, *work)
+        send(writer, work)
     answered, deadline = 0, time.perf_counter() + seconds
     while answered < window or time.perf_counter() < deadline:
-        frame = await receive(reader)
-        frame.array(3, "<f4").reshape(requests, DIMENSIONS)
+        result = await receive(reader)
+        assert isinstance(result, Result) and result.rows.shape == (requests, DIMENSIONS)
         answered += 1
         if time.perf_counter() < deadline:
-            send(writer, Kind.WORK, *work)
+            send(writer, work)
         elif answered % window == 0:
             break
     writer.close()
@@ -127,7 +131,7 @@ async def _zmq_front(address: str, requests: int, window: int, seconds: float) -
 
     socket = zmq.asyncio.Context().socket(zmq.PAIR)
     socket.connect(address)
-    work = _work(requests)
+    work = _work(requests).encode()
     for _ in range(window):
         await socket.send_multipart(work, copy=False)
     answered, in_flight, deadline = 0, window, time.perf_counter() + seconds

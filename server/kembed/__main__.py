@@ -10,8 +10,7 @@ import sys
 from kembed import tls
 from kembed.app import Supervisor
 from kembed.config import ConfigError, Settings, env_table
-
-STARTUP_FAILED_EXIT_CODE = 1
+from kembed.contract import EXIT_CONFIG, EXIT_STARTUP_FAILED
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -26,7 +25,7 @@ def main(argv: list[str] | None = None) -> int:
         tls.check(settings)  # before any child starts: a bad Secret fails the pod with one clear line
     except ConfigError as error:
         print(f"kembed: configuration error: {error}", file=sys.stderr)
-        return 2
+        return EXIT_CONFIG
     logging.basicConfig(level=settings.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     return serve(settings)
 
@@ -38,10 +37,10 @@ def serve(settings: Settings, model_loader: str | None = None) -> int:
 
 async def _supervise(settings: Settings, model_loader: str | None) -> int:
     try:
-        supervisor = Supervisor(settings) if model_loader is None else Supervisor(settings, model_loader)
+        supervisor = Supervisor(settings, model_loader)
     except OSError as error:  # a port in use, an unwritable temporary directory
         print(f"kembed: cannot start: {error}", file=sys.stderr)
-        return STARTUP_FAILED_EXIT_CODE
+        return EXIT_STARTUP_FAILED
     return await supervisor.run()
 
 

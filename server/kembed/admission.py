@@ -29,7 +29,6 @@ from __future__ import annotations
 
 import math
 import random
-import threading
 import time
 from collections import deque
 from collections.abc import Callable
@@ -82,13 +81,10 @@ class ServiceRate:
 
 
 class LatencyWindow:
-    """Server-side latencies of the last ``window_s`` seconds, and their 95th percentile.
-
-    Locked: the event loop adds samples while the metrics thread reads the percentile.
-    """
+    """Server-side latencies of the last ``window_s`` seconds, and their 95th percentile. Only the
+    engine's event loop touches it (the board carries the percentile to everyone else)."""
 
     def __init__(self, window_s: float, clock: Callable[[], float]) -> None:
-        self._lock = threading.Lock()
         self._window = window_s
         self._clock = clock
         self._samples: deque[tuple[float, float]] = deque(maxlen=MAX_LATENCY_SAMPLES)
@@ -98,15 +94,10 @@ class LatencyWindow:
     def add(self, seconds: float) -> None:
         # The cached P95 is not invalidated here: under overload every request adds a sample, and
         # recomputing per request cost more than the request itself.
-        with self._lock:
-            self._samples.append((self._clock(), seconds))
+        self._samples.append((self._clock(), seconds))
 
     def p95(self) -> float | None:
         """None until there are enough recent samples to say anything."""
-        with self._lock:
-            return self._p95_locked()
-
-    def _p95_locked(self) -> float | None:
         now = self._clock()
         if now - self._computed_at < P95_CACHE_S:
             return self._p95

@@ -24,32 +24,24 @@ import time
 from asyncio.subprocess import Process
 from typing import Any
 
+from kembed.board import Board, Cell, FrontendCell
 from kembed.config import Settings
-from kembed.contract import Metric
+from kembed.contract import EXIT_FATAL, Metric
 from kembed.http import HealthServer
-from kembed.ipc import (
-    BOARD_FILE,
-    DEFAULT_MODEL_LOADER,
-    FRONTEND_HEARTBEAT,
-    FRONTEND_SERVING,
-    METRICS_DIR,
-    Board,
-    Slot,
-)
 from kembed.metrics import drain_seconds, supervisor_registry
-from kembed.runtime import RuntimeDir
+from kembed.runtime import BOARD_FILE, METRICS_DIR, RuntimeDir
 
 log = logging.getLogger(__name__)
 
 LIVENESS_STALE_S = 60.0  # a process silent this long is stuck: let Kubernetes restart the pod
 READY_POLL_S = 0.1  # only while starting: how often to look whether everyone is up
-CHILD_FAILED_EXIT_CODE = 70
 STOP_GRACE_S = 10.0  # beyond the drain budget, before a child that will not stop is killed
 
 
 class Supervisor:
-    def __init__(self, settings: Settings, model_loader: str = DEFAULT_MODEL_LOADER) -> None:
-        """Bind both ports and make the runtime folder; if any of it fails, none of it is left."""
+    def __init__(self, settings: Settings, model_loader: str | None = None) -> None:
+        """Bind both ports and make the runtime folder; if any of it fails, none of it is left.
+        ``model_loader`` (``module:callable``) replaces the engine's model loader (benchmarks, tests)."""
         self.settings = settings
         self.frontends = settings.frontend_count()
         self._model_loader = model_loader
@@ -87,7 +79,8 @@ class Supervisor:
         for signum in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(signum, self._stop.set)
         await self.http.start()
-        engine = await self._spawn("kembed.engine", "--model-loader", self._model_loader)
+        loader = () if self._model_loader is None else ("--model-loader", self._model_loader)
+        engine = await self._spawn("kembed.engine", *loader)
         frontends = [
             await self._spawn("kembed.frontend", "--index", str(i), "--grpc-port", str(self.grpc_port))
             for i in range(self.frontends)
@@ -108,7 +101,7 @@ class Supervisor:
             log.info("signal received: draining")
             return await self._drain(engine, frontends)
         child = exits[next(iter(done - {stop}))]
-        code = child.returncode or CHILD_FAILED_EXIT_CODE
+        code = child.returncode or EXIT_FATAL
         log.error("child %d exited with %s: stopping the server", child.pid, child.returncode)
         return code
 
@@ -122,7 +115,7 @@ class Supervisor:
 
     async def _drain(self, engine: Process, frontends: list[Process]) -> int:
         """Front ends answer what they accepted and exit; then the engine stops."""
-        self.board[Slot.DRAINING] = 1.0
+        self.board[Cell.DRAINING] = 1.0
         budget = self.settings.drain_timeout_s + STOP_GRACE_S
         codes = await self._stop_all(frontends, budget)
         codes += await self._stop_all([engine], budget)
@@ -141,7 +134,7 @@ class Supervisor:
             return list(await asyncio.wait_for(asyncio.gather(*(c.wait() for c in children)), budget))
         except TimeoutError:
             log.error("children did not stop within %.0f s", budget)
-            return [CHILD_FAILED_EXIT_CODE]
+            return [EXIT_FATAL]
 
     async def _kill_all(self) -> None:
         for child in self._children:
@@ -162,9 +155,9 @@ class Supervisor:
     def ready(self) -> bool:
         board = self.board
         return (
-            board[Slot.ENGINE_READY] == 1.0
-            and board[Slot.DRAINING] == 0.0
-            and all(board.frontend(i, FRONTEND_SERVING) == 1.0 for i in range(self.frontends))
+            board[Cell.ENGINE_READY] == 1.0
+            and board[Cell.DRAINING] == 0.0
+            and all(board.frontend(i, FrontendCell.SERVING) == 1.0 for i in range(self.frontends))
         )
 
     def live(self) -> bool:
@@ -172,36 +165,36 @@ class Supervisor:
         if any(child.returncode is not None for child in self._children):
             return False
         now = time.monotonic()
-        beats = [self.board[Slot.ENGINE_HEARTBEAT]]
-        beats += [self.board.frontend(i, FRONTEND_HEARTBEAT) for i in range(self.frontends)]
+        beats = [self.board[Cell.ENGINE_HEARTBEAT]]
+        beats += [self.board.frontend(i, FrontendCell.HEARTBEAT) for i in range(self.frontends)]
         return all(beat == 0.0 or now - beat < LIVENESS_STALE_S for beat in beats)
 
     def health(self) -> dict[str, Any]:
         board = self.board
         drain = drain_seconds(board)
-        p95 = board[Slot.P95_SECONDS]
+        p95 = board[Cell.P95_SECONDS]
         return {
             "status": self._status(drain, p95),
             "accepting_requests": self.ready(),
-            "queued_tokens": int(board[Slot.BACKLOG_TOKENS]),
-            "service_rate_tokens_per_sec": round(board[Slot.TOKENS_PER_SECOND], 1),
+            "queued_tokens": int(board[Cell.BACKLOG_TOKENS]),
+            "service_rate_tokens_per_sec": round(board[Cell.TOKENS_PER_SECOND], 1),
             "estimated_drain_time_ms": round(drain * 1000, 1),
             "p95_server_side_latency_ms": round(p95 * 1000, 1),
-            "worker_queue_depth": int(board[Slot.IN_FLIGHT_BATCHES]),
-            "open_requests": int(board[Slot.OPEN_REQUESTS]),
-            "embedding_dimension": int(board[Slot.DIMENSIONS]) or None,
+            "worker_queue_depth": int(board[Cell.IN_FLIGHT_BATCHES]),
+            "open_requests": int(board[Cell.OPEN_REQUESTS]),
+            "embedding_dimension": int(board[Cell.DIMENSIONS]) or None,
             "frontends": self.frontends,
             "uptime_seconds": round(time.monotonic() - self.started, 1),
         }
 
     def _status(self, drain: float, p95: float) -> str:
-        if self.board[Slot.DRAINING]:
+        if self.board[Cell.DRAINING]:
             return "draining"
         if not self.ready():
             return "starting"
         if drain * 1000 > self.settings.max_drain_ms or p95 * 1000 > self.settings.p95_hard_ms:
             return "overloaded"
-        return "degraded" if self.board[Slot.SHED_FRACTION] > 0 else "healthy"
+        return "degraded" if self.board[Cell.SHED_FRACTION] > 0 else "healthy"
 
 
 def _bind(host: str, port: int, purpose: str, *, reuse_port: bool = False) -> socket.socket:

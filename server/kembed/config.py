@@ -63,6 +63,20 @@ class Toggle(StrEnum):
     OFF = "off"
 
 
+class Pooling(StrEnum):
+    AUTO = "auto"  # from the model folder's sentence-transformers config
+    MEAN = "mean"
+    CLS = "cls"
+    LAST = "last"
+
+
+class Dtype(StrEnum):
+    AUTO = "auto"  # bf16 on CUDA, fp32 on CPU
+    FLOAT32 = "float32"
+    FLOAT16 = "float16"
+    BFLOAT16 = "bfloat16"
+
+
 class Warmup(StrEnum):
     AUTO = "auto"  # grid when compiling (always: graphs must be captured), else largest
     GRID = "grid"  # every (bucket, batch size) shape
@@ -88,12 +102,14 @@ class Settings(BaseModel):
     model_revision: str = Field("", description="Hub revision (branch, tag or commit) when `model` is a hub id")
     model_cache_dir: str = Field("", description="Hub cache folder (HF_HUB_CACHE semantics); empty = the hub default")
     trust_remote_code: bool = Field(False, description="Allow model code from the model folder (off: never run it)")
-    pooling: str = Field("auto", description="auto (from the sentence-transformers config), mean, cls or last")
+    pooling: Pooling = Field(
+        Pooling.AUTO, description="auto (from the sentence-transformers config), mean, cls or last"
+    )
     control_tokens: list[str] = Field(
         default_factory=list, description="Comma-separated tokens left out of pooling, e.g. `[query],[title]`"
     )
     max_input_tokens: int = Field(0, ge=0, description="Longest input in tokens; 0 = the model's limit")
-    dtype: str = Field("auto", description="auto (bf16 on CUDA, fp32 on CPU), float32, float16 or bfloat16")
+    dtype: Dtype = Field(Dtype.AUTO, description="auto (bf16 on CUDA, fp32 on CPU), float32, float16 or bfloat16")
     device: str = Field("auto", description="auto, cpu, cuda or cuda:N")
     compile: Toggle = Field(Toggle.AUTO, description="torch.compile with CUDA graphs: auto = on for CUDA")
     graphs: Graphs = Field(
@@ -213,20 +229,6 @@ class Settings(BaseModel):
     def _frontends_known(cls, value: str) -> str:
         if value != "auto" and not (value.isdigit() and 1 <= int(value) <= MAX_FRONTENDS):
             raise ValueError(f"must be auto or a number from 1 to {MAX_FRONTENDS}")
-        return value
-
-    @field_validator("pooling")
-    @classmethod
-    def _pooling_known(cls, value: str) -> str:
-        if value not in ("auto", "mean", "cls", "last"):
-            raise ValueError("must be auto, mean, cls or last")
-        return value
-
-    @field_validator("dtype")
-    @classmethod
-    def _dtype_known(cls, value: str) -> str:
-        if value not in ("auto", "float32", "float16", "bfloat16"):
-            raise ValueError("must be auto, float32, float16 or bfloat16")
         return value
 
     @field_validator("device")

@@ -18,6 +18,11 @@ METRICS_PATH: Final = "/metrics"
 
 ENV_PREFIX: Final = "KEMBED_"
 
+# Exit codes every process of the server uses, so the pod's last state says why it stopped.
+EXIT_STARTUP_FAILED: Final = 1  # the model did not load, a port was taken
+EXIT_CONFIG: Final = 2  # a KEMBED_* setting is invalid (the message names it)
+EXIT_FATAL: Final = 70  # a process died or the device failed: Kubernetes restarts the pod
+
 GRPC_SERVICE: Final = "kembed.v1.Embedder"
 # gRPC trailing metadata key telling a rejected client when to retry (gRFC A6).
 RETRY_PUSHBACK_KEY: Final = "grpc-retry-pushback-ms"

@@ -18,8 +18,8 @@ from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.multiprocess import MultiProcessCollector
 from prometheus_client.registry import Collector
 
+from kembed.board import Board, Cell
 from kembed.contract import Metric
-from kembed.ipc import Board, Slot
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
 BATCH_SIZE_BUCKETS = tuple(float(1 << i) for i in range(13))
@@ -85,14 +85,14 @@ class BoardGauges(Collector):
     def __init__(self, board: Board, ready: Callable[[], bool]) -> None:
         self._gauges: list[tuple[str, str, Callable[[], float]]] = [
             (Metric.QUEUE_DRAIN_SECONDS, "Estimated time to drain the backlog", lambda: drain_seconds(board)),
-            (Metric.LATENCY_P95_SECONDS, "P95 server-side latency, sliding window", lambda: board[Slot.P95_SECONDS]),
-            (Metric.QUEUED_TOKENS, "Padded tokens queued or in flight", lambda: board[Slot.BACKLOG_TOKENS]),
+            (Metric.LATENCY_P95_SECONDS, "P95 server-side latency, sliding window", lambda: board[Cell.P95_SECONDS]),
+            (Metric.QUEUED_TOKENS, "Padded tokens queued or in flight", lambda: board[Cell.BACKLOG_TOKENS]),
             (
                 Metric.SERVICE_RATE,
                 "Measured padded tokens per compute second",
-                lambda: board[Slot.TOKENS_PER_SECOND],
+                lambda: board[Cell.TOKENS_PER_SECOND],
             ),
-            (Metric.WORKER_QUEUE_DEPTH, "Batches handed to the worker", lambda: board[Slot.IN_FLIGHT_BATCHES]),
+            (Metric.WORKER_QUEUE_DEPTH, "Batches handed to the worker", lambda: board[Cell.IN_FLIGHT_BATCHES]),
             (Metric.READY, "1 when warm and accepting requests", lambda: float(ready())),
         ]
 
@@ -111,5 +111,5 @@ def supervisor_registry(metrics_dir: Path, board: Board, ready: Callable[[], boo
 
 def drain_seconds(board: Board) -> float:
     """The backlog over the measured rate (0 before any rate is known)."""
-    rate = board[Slot.TOKENS_PER_SECOND]
-    return board[Slot.BACKLOG_TOKENS] / rate if rate > 0 else 0.0
+    rate = board[Cell.TOKENS_PER_SECOND]
+    return board[Cell.BACKLOG_TOKENS] / rate if rate > 0 else 0.0

@@ -27,6 +27,10 @@ log = logging.getLogger(__name__)
 
 PREFIX = "kembed-"
 LOCK_FILE = "supervisor.lock"
+# What lives in it: the engine's socket front ends connect to, the board, prometheus-client's files.
+ENGINE_SOCKET = "engine.sock"
+BOARD_FILE = "board"
+METRICS_DIR = "metrics"
 
 
 class RuntimeDir:

@@ -1,5 +1,8 @@
-"""Batch shapes and whether they are compiled: pure (no numpy, no torch), so the operator can count
-the shapes a server will warm up when it sizes the startup probe.
+"""Shape math, in one place: the bucket ladder (which bucket an item goes to, what it costs padded
+to it), batch shapes and whether they are compiled. Shared by the front ends (a request's cost),
+the engine (routing, batching) and the operator (which counts the shapes a server will warm up to
+size its startup probe). The operator has no numpy: the functions that work on arrays import it
+where they run.
 """
 
 from __future__ import annotations
@@ -10,12 +13,32 @@ from typing import TYPE_CHECKING
 
 from kembed.config import Batching, Settings, Toggle
 
-if TYPE_CHECKING:  # numpy-backed: the operator imports this module without numpy
-    from kembed.engine.work import Chunk
+if TYPE_CHECKING:
+    import numpy as np
 
 # A batch should take a small share of the drain budget: two are in flight and both count in the
 # backlog. On CPU 2048 tokens (~0.4 s on two cores) is as efficient per token as 8192 (~2 s).
 AUTO_MAX_TOKENS = {"cpu": 2048, "cuda": 16384}
+
+
+def clip_buckets(bucket_lengths: Sequence[int], max_input_tokens: int) -> list[int]:
+    """Bucket lengths below the model's limit, plus the limit itself as the last bucket."""
+    return [length for length in bucket_lengths if length < max_input_tokens] + [max_input_tokens]
+
+
+def bucket_of(lengths: np.ndarray, bucket_lengths: Sequence[int] | np.ndarray) -> np.ndarray:
+    """Each length's bucket: the index of the smallest bucket that holds it (the last for longer)."""
+    import numpy as np
+
+    ladder = np.asarray(bucket_lengths)
+    return np.minimum(np.searchsorted(ladder, lengths, side="left"), len(ladder) - 1)
+
+
+def padded_lengths(lengths: np.ndarray, bucket_lengths: Sequence[int] | np.ndarray) -> np.ndarray:
+    """Each length padded to its bucket: summed per request, the unit admission counts."""
+    import numpy as np
+
+    return np.asarray(bucket_lengths)[bucket_of(lengths, bucket_lengths)]
 
 
 def compiles(settings: Settings, device_type: str) -> bool:
@@ -50,17 +73,15 @@ class BatchShapes:
         fitting = [size for size in self.sizes if size * seq_len <= self.max_tokens]
         return fitting[-1] if fitting else self.sizes[0]
 
-    def rows_for(self, n: int, seq_len: int) -> int:
+    def rows_for(self, n: int) -> int:
         """The batch size for ``n`` items: the smallest fixed size that holds them, when fixed."""
         if not self.fixed:
             return n
         return next(size for size in self.sizes if size >= n)
 
-    def seq_len_for(self, bucket_length: int, chunks: Sequence[Chunk]) -> int:
-        """The batch length: the bucket's when fixed, else the longest item's."""
-        if self.fixed:
-            return bucket_length
-        return max(int(chunk.lengths.max()) for chunk in chunks)
+    def seq_len_for(self, bucket_length: int, longest: int) -> int:
+        """The batch length: the bucket's when fixed, else its longest item's."""
+        return bucket_length if self.fixed else longest
 
     def grid(self, seq_lens: Sequence[int]) -> list[tuple[int, int]]:
         """Every (seq_len, rows) shape a batch can take: what warmup compiles."""

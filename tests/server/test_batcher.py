@@ -2,6 +2,7 @@
 too: each step wakes the loop by an event and lets it run, so no step depends on how fast it runs)."""
 
 import asyncio
+from collections.abc import Callable
 
 import numpy as np
 import pytest
@@ -17,14 +18,14 @@ MAX_WAIT = 0.02
 
 
 def make_job(n: int) -> Job:
-    return Job(link=1, tag=1, count=n, deadline=float("inf"), padded_tokens=0)
+    return Job(link=1, tag=1, count=n, deadline=float("inf"))
 
 
 def add(queue: BucketQueue, length: int, count: int, now: float) -> Job:
     ids = np.ones(length * count, np.int32)
     seqs = Sequences(ids, np.full(count, length, np.int32))
     job = make_job(count)
-    for bucket, chunk in chunks(job, seqs, queue.lengths, now):
+    for bucket, chunk in chunks(job, seqs, queue.bucket_lengths, now):
         queue.add(bucket, chunk)
     return job
 
@@ -50,6 +51,13 @@ async def settle() -> None:
 ONE_ITEM = Sequences(np.ones(5, np.int32), np.array([5], np.int32))
 
 
+def make_batcher(
+    shapes: BatchShapes, dispatch: Callable[[Batch], None], clock: Callable[[], float], expired: list[Job] | None = None
+) -> Batcher:
+    expire = (expired if expired is not None else []).append
+    return Batcher(BucketQueue(LENGTHS), shapes, dispatch, expire=expire, max_wait=MAX_WAIT, naive=False, clock=clock)
+
+
 SHAPES = BatchShapes.build(max_batch_size=8, max_tokens=512, fixed=True)
 
 
@@ -60,9 +68,9 @@ def choose(queue, now, idle=False, naive=False):
 def test_shapes_are_fixed_powers_of_two_capped_by_tokens():
     assert SHAPES.sizes == (1, 2, 4, 8)
     assert [SHAPES.max_rows(n) for n in LENGTHS] == [8, 8, 8, 4]
-    assert [SHAPES.rows_for(n, 16) for n in (1, 2, 3, 5, 8)] == [1, 2, 4, 8, 8]
+    assert [SHAPES.rows_for(n) for n in (1, 2, 3, 5, 8)] == [1, 2, 4, 8, 8]
     assert BatchShapes.build(48, 10_000, True).sizes == (1, 2, 4, 8, 16, 32, 48)
-    assert BatchShapes.build(8, 512, fixed=False).rows_for(3, 16) == 3
+    assert BatchShapes.build(8, 512, fixed=False).rows_for(3) == 3
     assert (128, 4) in SHAPES.grid(LENGTHS) and (128, 8) not in SHAPES.grid(LENGTHS)
 
 
@@ -118,14 +126,14 @@ def test_naive_takes_everything_in_arrival_order_when_idle():
 async def test_loop_dispatches_on_events_and_bounds_in_flight():
     dispatched: list[Batch] = []
     clock = FakeClock()
-    batcher = Batcher(BucketQueue(LENGTHS), SHAPES, dispatched.append, max_wait=MAX_WAIT, naive=False, clock=clock)
+    batcher = make_batcher(SHAPES, dispatched.append, clock)
     task = asyncio.create_task(batcher.run())
     try:
         submit(batcher, 3, Sequences(np.ones(30, np.int32), np.full(3, 10, np.int32)), clock.now)
         await settle()
         assert len(dispatched) == 1  # idle worker: at once, no waiting for staleness
         first = dispatched[0]
-        assert (first.size, first.seq_len, first.items) == (4, 16, 3)  # padded to a fixed shape
+        assert (first.rows, first.seq_len, first.items) == (4, 16, 3)  # padded to a fixed shape
         assert batcher.in_flight == 1 and batcher.backlog_tokens == 64
         submit(batcher, 1, ONE_ITEM, clock.now)
         await settle()
@@ -153,7 +161,7 @@ async def test_loop_does_not_poll_when_idle():
         wakeups += 1
         return asyncio.get_running_loop().time()
 
-    batcher = Batcher(BucketQueue(LENGTHS), SHAPES, lambda batch: None, max_wait=MAX_WAIT, naive=False, clock=clock)
+    batcher = make_batcher(SHAPES, lambda batch: None, clock)
     task = asyncio.create_task(batcher.run())
     await asyncio.sleep(0.3)
     task.cancel()
@@ -163,14 +171,14 @@ async def test_loop_does_not_poll_when_idle():
 async def test_eager_batches_are_trimmed_to_their_items():
     dispatched: list[Batch] = []
     eager = BatchShapes.build(max_batch_size=8, max_tokens=512, fixed=False)
-    batcher = Batcher(BucketQueue(LENGTHS), eager, dispatched.append, max_wait=MAX_WAIT, naive=False, clock=FakeClock())
+    batcher = make_batcher(eager, dispatched.append, FakeClock())
     task = asyncio.create_task(batcher.run())
     try:
         lengths = np.array([20, 27, 18], np.int32)
         seqs = Sequences(np.ones(int(lengths.sum()), np.int32), lengths)
         submit(batcher, 3, seqs, 0.0)
         await settle()
-        assert [(b.size, b.seq_len) for b in dispatched] == [(3, 27)]  # not (4, 32)
+        assert [(b.rows, b.seq_len) for b in dispatched] == [(3, 27)]  # not (4, 32)
     finally:
         task.cancel()
 
@@ -180,7 +188,7 @@ async def test_eager_mode_forms_the_next_batch_only_when_the_worker_is_free():
     dispatched: list[Batch] = []
     clock = FakeClock()
     eager = BatchShapes.build(max_batch_size=8, max_tokens=512, fixed=False)
-    batcher = Batcher(BucketQueue(LENGTHS), eager, dispatched.append, max_wait=MAX_WAIT, naive=False, clock=clock)
+    batcher = make_batcher(eager, dispatched.append, clock)
     task = asyncio.create_task(batcher.run())
     try:
         submit(batcher, 1, ONE_ITEM, clock.now)
@@ -194,5 +202,22 @@ async def test_eager_mode_forms_the_next_batch_only_when_the_worker_is_free():
         batcher.batch_done(dispatched[0])
         await settle()
         assert [b.items for b in dispatched] == [1, 3]
+    finally:
+        task.cancel()
+
+
+async def test_a_job_found_past_its_deadline_goes_to_whoever_closes_jobs():
+    dispatched: list[Batch] = []
+    expired: list[Job] = []
+    clock = FakeClock()
+    batcher = make_batcher(SHAPES, dispatched.append, clock, expired)
+    late = make_job(1)
+    late.deadline = 1.0
+    batcher.submit(chunks(late, ONE_ITEM, LENGTHS, clock.now))
+    clock.now = 2.0
+    task = asyncio.create_task(batcher.run())
+    try:
+        await settle()
+        assert (dispatched, expired) == ([], [late])
     finally:
         task.cancel()

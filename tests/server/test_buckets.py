@@ -3,9 +3,10 @@
 import numpy as np
 import pytest
 
-from kembed.engine.buckets import BucketQueue, clip_buckets, padded_lengths, route
+from kembed.engine.buckets import BucketQueue, route
 from kembed.engine.work import Job
 from kembed.inputs import Sequences
+from kembed.shapes import clip_buckets, padded_lengths
 from tests.server.queueing import chunks
 
 LENGTHS = [16, 32, 64]
@@ -19,11 +20,11 @@ def seqs(*lengths: int) -> Sequences:
 
 
 def job(n: int, deadline: float = 10.0) -> Job:
-    return Job(link=1, tag=1, count=n, deadline=deadline, padded_tokens=0)
+    return Job(link=1, tag=1, count=n, deadline=deadline)
 
 
 def enqueue(queue: BucketQueue, owner: Job, sequences: Sequences, now: float) -> None:
-    for bucket, chunk in chunks(owner, sequences, queue.lengths, now):
+    for bucket, chunk in chunks(owner, sequences, queue.bucket_lengths, now):
         queue.add(bucket, chunk)
 
 
@@ -59,11 +60,11 @@ def test_take_splits_a_chunk_and_keeps_accounting():
     j = job(5)
     enqueue(queue, j, seqs(2, 2, 2, 2, 2), now=1.0)
     assert queue.queued_tokens == 5 * 16 == j.queued_tokens
-    first = queue.take(0, 3, now=1.0)
+    first, _ = queue.take(0, 3, now=1.0)
     assert [c.slots.tolist() for c in first] == [[0, 1, 2]]
     assert queue.items(0) == 2
     assert queue.queued_tokens == 2 * 16
-    rest = queue.take(0, 10, now=1.0)
+    rest, _ = queue.take(0, 10, now=1.0)
     assert [c.slots.tolist() for c in rest] == [[3, 4]]
     assert queue.queued_tokens == 0 == len(queue)
 
@@ -76,19 +77,19 @@ def test_forgotten_jobs_leave_the_backlog_at_once_and_are_skipped():
     dead.closed = True
     queue.forget(dead)
     assert queue.queued_tokens == 16
-    taken = queue.take(0, 8, now=2.0)
-    assert [c.job for c in taken] == [alive]
+    taken, expired = queue.take(0, 8, now=2.0)
+    assert [c.job for c in taken] == [alive] and expired == []  # the dead job was closed already
     assert queue.queued_tokens == 0
 
 
-def test_jobs_past_their_deadline_are_closed_when_taken():
+def test_jobs_past_their_deadline_are_reported_when_taken():
     queue = BucketQueue(LENGTHS)
-    late, on_time = job(1, deadline=5.0), job(1, deadline=50.0)
-    enqueue(queue, late, seqs(4), now=1.0)
+    late, on_time = job(2, deadline=5.0), job(1, deadline=50.0)
+    enqueue(queue, late, seqs(4, 4), now=1.0)
     enqueue(queue, on_time, seqs(4), now=2.0)
-    taken = queue.take(0, 8, now=6.0)
+    taken, expired = queue.take(0, 8, now=6.0)
     assert [c.job for c in taken] == [on_time]
-    assert late.closed and queue.queued_tokens == 0
+    assert expired == [late] and queue.queued_tokens == 0  # reported once, for whoever closes jobs
 
 
 @pytest.mark.parametrize("n", [1, 7, 200])

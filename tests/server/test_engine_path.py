@@ -1,9 +1,8 @@
-"""The engine's own path without a model: a WORK frame through the intake into the buckets, and
+"""The engine's own path without a model: a WORK message through the intake into the buckets, and
 finished batches through the responder back to the front ends, with fake clocks and a fake outbox."""
 
 from __future__ import annotations
 
-import asyncio
 import random
 
 import numpy as np
@@ -13,14 +12,15 @@ from kembed.admission import AdmissionController, MeasuredLoad
 from kembed.config import Settings
 from kembed.engine.batcher import Batcher, BatchShapes
 from kembed.engine.buckets import BucketQueue
-from kembed.engine.intake import WORK_PARTS, Intake, Work
+from kembed.engine.intake import Intake
 from kembed.engine.jobs import Jobs
 from kembed.engine.responder import Responder
 from kembed.engine.work import Batch, Chunk, Job
 from kembed.engine.worker import Outcome
-from kembed.ipc import Frame, Kind
+from kembed.errors import EmbedError, Failure
 from kembed.metrics import EngineMetrics
-from tests.server.queueing import work_parts
+from kembed.protocol import Result, Work
+from tests.server.queueing import work
 
 LENGTHS = [16, 32]
 DIMS = 4
@@ -36,20 +36,20 @@ class FakeClock:
 
 class Outbox:
     def __init__(self) -> None:
-        self.results: list[tuple[int, float, float, np.ndarray, np.ndarray, np.ndarray]] = []
-        self.errors_sent: list[tuple[int, list[tuple[int, str, str, int]]]] = []
+        self.results: list[tuple[int, Result]] = []
+        self.errors_sent: list[tuple[int, list[int], list[EmbedError]]] = []
 
-    def result(self, link, started, seconds, tags, slots, embeddings) -> None:
-        self.results.append((link, started, seconds, tags, slots, embeddings))
+    def result(self, link: int, result: Result) -> None:
+        self.results.append((link, result))
 
-    def errors(self, link, errors) -> None:
-        self.errors_sent.append((link, errors))
+    def errors(self, link: int, tags: list[int], errors: list[EmbedError]) -> None:
+        self.errors_sent.append((link, tags, errors))
 
 
 def work_frame(requests: list[list[int]], tags: list[int], deadline: float = 1e9, cancels=(), latencies=()) -> Work:
-    """A WORK frame as a front end sends it: each request a list of sequence lengths (ids = position)."""
-    parts = work_parts(requests, tags, LENGTHS, deadline, cancels, latencies)
-    return Work.decode(Frame(Kind.WORK, [memoryview(part.tobytes()) for part in parts]))
+    """A WORK message as the engine reads it off the link: each request a list of sequence lengths."""
+    sent = work(requests, tags, LENGTHS, deadline, cancels, latencies)
+    return Work.decode([memoryview(np.ascontiguousarray(part).tobytes()) for part in sent.encode()])
 
 
 @pytest.fixture
@@ -59,10 +59,10 @@ def engine_path():
     load = MeasuredLoad(settings, clock=clock)
     admission = AdmissionController(settings, load, rng=random.Random(1))
     dispatched: list[Batch] = []
-    batcher = Batcher(
-        BucketQueue(LENGTHS), BatchShapes.build(8, 256, fixed=False), dispatched.append, max_wait=0.02, naive=False
-    )
-    jobs = Jobs(batcher)
+    queue = BucketQueue(LENGTHS)
+    jobs = Jobs(queue)
+    shapes = BatchShapes.build(8, 256, fixed=False)
+    batcher = Batcher(queue, shapes, dispatched.append, expire=jobs.expire, max_wait=0.02, naive=False)
     outbox = Outbox()
     metrics = EngineMetrics()
     intake = Intake(admission, batcher, jobs, outbox, metrics, pad_token_id=0, clock=clock)
@@ -71,15 +71,15 @@ def engine_path():
 
 
 def queued(batcher: Batcher, bucket: int) -> list[Chunk]:
-    return batcher.queue.take(bucket, 100, now=0.0)
+    return batcher.queue.take(bucket, 100, now=0.0)[0]
 
 
 def test_a_frame_of_requests_is_admitted_against_one_backlog(engine_path):
     intake, batcher, _, outbox, *_ = engine_path
     # Costs 48, 16, 128 and 16: the third would take the backlog to 192, over the 150-token cap.
     intake.accept(7, work_frame([[3, 20], [5], [30, 30, 30, 30], [1]], tags=[11, 12, 13, 14]))
-    assert [(link, [e[:2] for e in errors]) for link, errors in outbox.errors_sent] == [
-        (7, [(13, "RESOURCE_EXHAUSTED")])
+    assert [(link, tags, [e.failure for e in errors]) for link, tags, errors in outbox.errors_sent] == [
+        (7, [13], [Failure.REJECTED])
     ]
     assert batcher.backlog_tokens == 48 + 16 + 16
     short, long = queued(batcher, 0), queued(batcher, 1)
@@ -110,7 +110,7 @@ def test_responder_sends_each_front_end_its_rows_and_finishes_jobs(engine_path):
     batcher.in_flight, batcher.in_flight_tokens = 1, batch.padded_tokens
     embeddings = np.arange(3 * DIMS, dtype=np.float32).reshape(3, DIMS)
     responder.deliver(batch, [Outcome(chunks, embeddings, None, 12, 9)], started=99.0, seconds=0.5)
-    by_link = {link: (tags.tolist(), slots.tolist(), rows) for link, _, _, tags, slots, rows in outbox.results}
+    by_link = {link: (r.tags.tolist(), r.slots.tolist(), r.rows) for link, r in outbox.results}
     assert by_link[1][:2] == ([21, 21], [0, 1]) and by_link[2][:2] == ([22], [0])
     np.testing.assert_array_equal(by_link[2][2], embeddings[2:])
     assert all(chunk.job.closed for chunk in chunks)  # every item answered: nothing left to route
@@ -120,7 +120,7 @@ def test_service_rate_counts_wall_time_between_completions(engine_path):
     """Compute time alone misses the gaps a busy loop and shared cores put between batches: the rate
     is padded tokens over max(compute, wall time since the batch could start)."""
     _, batcher, _, _, responder, load, clock = engine_path
-    job = Job(link=1, tag=1, count=1, deadline=1e9, padded_tokens=0)
+    job = Job(link=1, tag=1, count=1, deadline=1e9)
     chunk = Chunk(job, np.array([0]), np.ones((1, 16), np.int32), np.array([16], np.int32), 0.0)
 
     def finish(started: float, seconds: float, done: float) -> None:
@@ -142,33 +142,3 @@ def test_a_lost_front_end_takes_its_queued_work_with_it(engine_path):
     jobs.drop_link(1)
     assert batcher.backlog_tokens == 16
     assert [c.job.link for c in queued(batcher, 0)] == [2]
-
-
-def test_inconsistent_frames_are_refused():
-    values: tuple[list[float], ...] = ([1], [1.0], [2], [16], [3], [1, 2, 3], [], [])
-    arrays = [np.asarray(v, d) for v, d in zip(values, WORK_PARTS, strict=True)]
-    with pytest.raises(ValueError, match="disagree"):
-        Work.decode(Frame(Kind.WORK, [memoryview(a.tobytes()) for a in arrays]))
-
-
-async def test_frames_cross_a_socket_intact():
-    from kembed.ipc import receive, send
-
-    received: asyncio.Queue[Frame] = asyncio.Queue()
-
-    async def serve(reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
-        await received.put(await receive(reader))
-        writer.close()
-
-    server = await asyncio.start_server(serve, "127.0.0.1", 0)
-    port = server.sockets[0].getsockname()[1]
-    _, writer = await asyncio.open_connection("127.0.0.1", port)
-    rows = np.random.default_rng(0).standard_normal((5, 3)).astype(np.float32)
-    send(writer, Kind.RESULT, np.array([1.5, 2.5]), rows, '{"a": 1}', b"")
-    frame = await asyncio.wait_for(received.get(), 5)
-    writer.close()
-    server.close()
-    assert frame.kind is Kind.RESULT and len(frame.parts) == 4
-    assert frame.array(0, "<f8").tolist() == [1.5, 2.5]
-    np.testing.assert_array_equal(frame.array(1, "<f4").reshape(5, 3), rows)
-    assert frame.json(2) == {"a": 1} and bytes(frame.parts[3]) == b""

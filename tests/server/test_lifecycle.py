@@ -15,7 +15,10 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from kembed.ipc import BOARD_FILE, FRONTEND_HEARTBEAT, Board, Slot
+from kembed.board import Board, Cell, FrontendCell
+from kembed.contract import EXIT_FATAL
+from kembed.protocol import PROTOCOL_VERSION, Hello, frame
+from kembed.runtime import BOARD_FILE, ENGINE_SOCKET
 from kembed.v1 import embedder_pb2 as pb
 from kembed.v1 import embedder_pb2_grpc as pb_grpc
 from tests.server.serving import ServerProcess, channel_per_frontend, wait_until
@@ -119,6 +122,26 @@ def test_a_killed_child_takes_the_server_down(tmp_path: Path, victim: str):
         server.stop()
 
 
+BROKEN_LINKS = {
+    "garbage": (b"not a frame of the protocol, only bytes " * 4, "bad magic"),
+    "another version": (b"".join(frame(Hello(PROTOCOL_VERSION + 1, 9))), "different kembed installs"),
+}
+
+
+@pytest.mark.parametrize("case", list(BROKEN_LINKS))
+def test_a_link_that_breaks_the_protocol_takes_the_server_down(tmp_path: Path, case: str):
+    data, reason = BROKEN_LINKS[case]
+    server = ServerProcess(tmp_path / "server.log", frontends=1).wait_ready()
+    try:
+        with socket.socket(socket.AF_UNIX) as link:  # a front end that does not speak the protocol
+            link.connect(str(server.runtime() / ENGINE_SOCKET))
+            link.sendall(data)
+            assert server.process.wait(timeout=120) == EXIT_FATAL
+        assert reason in server.output()
+    finally:
+        server.stop()
+
+
 def test_bad_configuration_exits_naming_the_variable():
     result = subprocess.run(
         [sys.executable, "-m", "kembed"],
@@ -176,7 +199,7 @@ def test_a_failed_start_leaves_no_runtime_files_and_clears_a_killed_servers(
         board = Board(killed.runtime() / BOARD_FILE)
         # Both tick, so both watch for their supervisor's death: a child that has not yet looked up
         # its parent when the supervisor dies takes the reaper for it, and never exits.
-        ticking = lambda: board[Slot.ENGINE_HEARTBEAT] > 0 and board.frontend(0, FRONTEND_HEARTBEAT) > 0  # noqa: E731
+        ticking = lambda: board[Cell.ENGINE_HEARTBEAT] > 0 and board.frontend(0, FrontendCell.HEARTBEAT) > 0  # noqa: E731
         wait_until(ticking, 120, "both children to tick")
         killed.process.kill()  # SIGKILL: no clean-up runs
         killed.process.wait()

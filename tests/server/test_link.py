@@ -1,4 +1,8 @@
-"""The front end's link to the engine: how requests are grouped into WORK frames (a real socket)."""
+"""The front end's link to the engine: how requests are grouped into WORK frames (a real socket).
+
+No assertion bounds how soon a frame arrives (a busy machine is slower, not wrong): a frame that
+must not wait is tested with an interval far longer than any test waits, a paced one against the
+least time it must have waited."""
 
 from __future__ import annotations
 
@@ -9,12 +13,12 @@ from pathlib import Path
 
 import numpy as np
 
-from kembed.engine.intake import Work
 from kembed.frontend.link import EngineLink
 from kembed.inputs import Sequences
-from kembed.ipc import Frame, Kind, ServingInfo, receive
+from kembed.protocol import ServingInfo, Work, receive
 
-INTERVAL = 0.2  # long against a loop turn, so the grouping cannot be an accident of timing
+INTERVAL = 0.2
+NEVER = 3600.0  # an interval no test waits for
 
 
 def serving_info() -> ServingInfo:
@@ -29,18 +33,17 @@ class Engine:
     """The far end of one link: every frame it receives, with the loop time it arrived."""
 
     def __init__(self) -> None:
-        self.frames: asyncio.Queue[tuple[float, Frame]] = asyncio.Queue()
+        self.frames: asyncio.Queue[tuple[float, Work]] = asyncio.Queue()
 
     async def serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         loop = asyncio.get_running_loop()
         while True:
-            frame = await receive(reader)
-            await self.frames.put((loop.time(), frame))
+            work = await receive(reader)
+            assert isinstance(work, Work)
+            await self.frames.put((loop.time(), work))
 
     async def next_work(self) -> tuple[float, Work]:
-        arrived, frame = await asyncio.wait_for(self.frames.get(), 5)
-        assert frame.kind is Kind.WORK
-        return arrived, Work.decode(frame)
+        return await asyncio.wait_for(self.frames.get(), 120)
 
 
 @contextlib.asynccontextmanager
@@ -62,12 +65,11 @@ async def test_overlapping_calls_are_grouped_an_interval_at_a_time(tmp_path):
         sent = loop.time()
         link.submit(seqs(1, 2), 32, sent, sent + 30)
         link.submit(seqs(3), 16, sent, sent + 30)  # the same loop turn: the same frame, at once
-        arrived, first = await engine.next_work()
-        assert first.tags.tolist() == [1, 2] and arrived - sent < INTERVAL / 2
+        _, first = await engine.next_work()
+        assert first.tags.tolist() == [1, 2]
 
         for _ in range(3):  # the last frame carried two: these wait for the interval, then go together
             link.submit(seqs(3, 4, 5), 16, loop.time(), loop.time() + 30)
-            await asyncio.sleep(INTERVAL / 10)
         arrived, second = await engine.next_work()
         assert second.tags.tolist() == [3, 4, 5]
         assert second.ids.tolist() == [3, 4, 5] * 3 and second.costs.tolist() == [16] * 3
@@ -76,13 +78,13 @@ async def test_overlapping_calls_are_grouped_an_interval_at_a_time(tmp_path):
 
 
 async def test_a_caller_alone_never_waits_for_the_interval(tmp_path):
-    async with linked(tmp_path / "engine.sock", INTERVAL) as (link, engine):
+    async with linked(tmp_path / "engine.sock", NEVER) as (link, engine):
         loop = asyncio.get_running_loop()
         for tag in (1, 2, 3):  # one request a frame, each well within the interval of the last
             sent = loop.time()
             link.submit(seqs(tag), 16, sent, sent + 30)
-            arrived, work = await engine.next_work()
-            assert work.tags.tolist() == [tag] and arrived - sent < INTERVAL / 2
+            _, work = await engine.next_work()
+            assert work.tags.tolist() == [tag]
 
 
 async def test_with_no_interval_each_loop_turn_sends_its_own_frame(tmp_path):

@@ -15,12 +15,13 @@ import grpc
 import pytest
 
 from kembed.contract import Metric
-from kembed.frontend.service import MAX_STREAM_REQUESTS, MAX_STREAM_ROWS
+from kembed.frontend.grpc_api import MAX_STREAM_REQUESTS, MAX_STREAM_ROWS
 from kembed.http import MAX_CONNECTIONS
-from kembed.ipc import ENGINE_SOCKET, Kind, encode_json, send
+from kembed.protocol import PROTOCOL_VERSION, Hello, send
+from kembed.runtime import ENGINE_SOCKET
 from kembed.v1 import embedder_pb2 as pb
 from kembed.v1 import embedder_pb2_grpc as pb_grpc
-from tests.server.queueing import work_parts
+from tests.server.queueing import work
 from tests.server.serving import FAST, ServerProcess, rss_bytes, wait_until
 
 pytestmark = pytest.mark.slow
@@ -76,12 +77,12 @@ async def unreading_front_end(engine_socket: Path) -> None:
     _, writer = await asyncio.open_unix_connection(str(engine_socket))
     buckets = [int(length) for length in str(FAST["buckets"]).split(",")]
     tags = itertools.count(1)
-    send(writer, Kind.HELLO, encode_json({"index": 99}))
+    send(writer, Hello(PROTOCOL_VERSION, 99))
     try:
         while True:
             frame_tags = list(itertools.islice(tags, 64))
             deadline = time.monotonic() + 2
-            send(writer, Kind.WORK, *work_parts([[14]] * len(frame_tags), frame_tags, buckets, deadline))
+            send(writer, work([[14]] * len(frame_tags), frame_tags, buckets, deadline))
             await writer.drain()  # once the engine stops reading, this waits for good
     finally:
         writer.transport.abort()  # close() would wait to send what the engine no longer reads

@@ -4,6 +4,7 @@ worker thread that dies is fatal."""
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 from collections.abc import Callable
 
 import numpy as np
@@ -26,14 +27,14 @@ POISON = 4242  # a real vocabulary id that the injected fault treats as fatal to
 def engine() -> Engine:
     settings = Settings.from_env({}, buckets="16,32", max_batch_size=8, max_tokens_per_batch=256)
     model = EmbeddingModel.load(settings)
-    return Engine(model, make_plan(settings, model), Warmup.LARGEST)
+    return Engine(model, dataclasses.replace(make_plan(settings, model), warmup=Warmup.LARGEST))
 
 
 def chunks_for(engine: Engine, texts: list[str], poison: bool = False) -> list[Chunk]:
     seqs = engine.model.tokenizer.from_texts(texts, truncate=False)
     if poison:
         seqs.ids[1] = POISON
-    job = Job(link=1, tag=1, count=seqs.count, deadline=float("inf"), padded_tokens=0)
+    job = Job(link=1, tag=1, count=seqs.count, deadline=float("inf"))
     return [chunk for _, chunk in chunks(job, seqs, [16, 32], 0.0)]
 
 
@@ -67,13 +68,13 @@ def rows_of(job: Job, outcomes: list[Outcome]) -> np.ndarray:
         offset = 0
         for chunk in outcome.chunks:
             if chunk.job is job and outcome.embeddings is not None:
-                rows.append(outcome.embeddings[offset : offset + chunk.size])
-            offset += chunk.size
+                rows.append(outcome.embeddings[offset : offset + chunk.items])
+            offset += chunk.items
     return np.concatenate(rows)
 
 
 def test_warmup_times_the_largest_batch_of_each_bucket(engine: Engine):
-    assert engine.warmup_shapes() == [(32, 8), (16, 8), (256, 1)]  # the model's limit is the last bucket
+    assert engine.plan.warmup_shapes() == [(32, 8), (16, 8), (256, 1)]  # the model's limit is the last bucket
     engine.warm_up(lambda: None)
     assert engine.warmup_tokens == 16 * 8 + 32 * 8 + 256
     assert engine.warmup_seconds > 0
@@ -89,17 +90,17 @@ def test_after_warmup_an_unplanned_shape_fails_its_batch_whole(engine: Engine, m
 
     guard = ShapeGuard(prepare)
     monkeypatch.setattr(engine.model, "forward", guard)
-    sealed = Engine(engine.model, engine.plan, Warmup.LARGEST, graphs=guard)
+    sealed = Engine(engine.model, engine.plan, graphs=guard)
     try:
         sealed.warm_up(lambda: None)
     finally:
         torch.compiler.set_stance("default")  # sealing forbids recompiles process-wide
     assert guard.sealed
-    assert prepared == [(rows, seq_len) for seq_len, rows in sealed.warmup_shapes()]
+    assert prepared == [(rows, seq_len) for seq_len, rows in sealed.plan.warmup_shapes()]
     outcomes = sealed.compute(chunks_for(sealed, ["one", "two", "three"]), seq_len=16)  # 3x16: not warmed
     assert len(outcomes) == 1  # not halved into per-item failures: no shape of it would be planned either
     assert isinstance(outcomes[0].error, UnplannedShapeError)
-    assert len(prepared) == len(sealed.warmup_shapes())
+    assert len(prepared) == len(sealed.plan.warmup_shapes())
 
 
 def test_warmup_goes_largest_first_and_one_row_shapes_last():
@@ -132,7 +133,7 @@ def test_warmup_runs_every_shape_largest_first_with_padding(engine: Engine, monk
         return real_forward(ids, mask)
 
     monkeypatch.setattr(engine.model, "forward", recording)
-    Engine(engine.model, engine.plan, Warmup.GRID).warm_up(lambda: None)
+    Engine(engine.model, dataclasses.replace(engine.plan, warmup=Warmup.GRID)).warm_up(lambda: None)
     shapes = list(dict.fromkeys(shape for shape, _, _ in seen))
     assert shapes == [(rows, seq_len) for seq_len, rows in warmup_order(engine.plan.shapes.grid([16, 32, 256]))]
     assert all(real < total for _, real, total in seen)  # no warmup batch is all real tokens
@@ -174,8 +175,7 @@ async def test_a_worker_thread_that_dies_outside_compute_is_fatal(
     settings = Settings.from_env({}, buckets="16", max_batch_size=2, max_tokens_per_batch=32)
     worker = Worker(settings, loop, fatal.set_result, lambda _: stock_model)
     worker.start()
-    await worker.warm
-    assert worker.engine is not None
+    assert isinstance(await worker.warm, Engine)
 
     def broken() -> None:
         raise RuntimeError("a bug in the worker's own loop")

@@ -11,9 +11,11 @@ import sys
 from pathlib import Path
 
 from kembed.config import ConfigError, Settings
+from kembed.contract import EXIT_CONFIG
 from kembed.engine.process import EngineProcess
 from kembed.engine.worker import LoadModel
-from kembed.ipc import DEFAULT_MODEL_LOADER
+
+DEFAULT_MODEL_LOADER = "kembed.engine.model:EmbeddingModel.load"
 
 
 def resolve(spec: str) -> LoadModel:
@@ -38,7 +40,7 @@ def main(argv: list[str] | None = None) -> None:
         settings = Settings.from_env()
     except ConfigError as error:
         print(f"kembed engine: configuration error: {error}", file=sys.stderr)
-        sys.exit(2)
+        sys.exit(EXIT_CONFIG)
     logging.basicConfig(level=settings.log_level, format="%(asctime)s %(levelname)s engine %(name)s: %(message)s")
     code = asyncio.run(EngineProcess(settings, args.runtime, resolve(args.model_loader)).run())
     # The worker thread may still be inside torch (stopped while warming up): exit without waiting.

@@ -42,12 +42,12 @@ def choose_batch(
     queue: BucketQueue, shapes: BatchShapes, now: float, max_wait: float, worker_idle: bool, naive: bool
 ) -> Pick | None:
     """Which bucket drains next, and how many items; None means wait."""
-    waiting = [b for b in range(len(queue.lengths)) if queue.items(b)]
+    waiting = [b for b in range(len(queue.bucket_lengths)) if queue.items(b)]
     if not waiting:
         return None
 
     def pick(bucket: int, reason: str) -> Pick:
-        return Pick(bucket, min(queue.items(bucket), shapes.max_rows(queue.lengths[bucket])), reason)
+        return Pick(bucket, min(queue.items(bucket), shapes.max_rows(queue.bucket_lengths[bucket])), reason)
 
     def age(bucket: int) -> float:
         oldest = queue.oldest(bucket)
@@ -57,17 +57,17 @@ def choose_batch(
         stale = [b for b in waiting if age(b) >= max_wait]
         if stale:
             return pick(max(stale, key=age), "stale")
-    full = [b for b in waiting if queue.items(b) >= shapes.max_rows(queue.lengths[b])]
+    full = [b for b in waiting if queue.items(b) >= shapes.max_rows(queue.bucket_lengths[b])]
     if full:
         return pick(max(full, key=age), "full")
     if worker_idle:
-        return pick(max(waiting, key=lambda b: (queue.items(b) * queue.lengths[b], age(b))), "idle")
+        return pick(max(waiting, key=lambda b: (queue.items(b) * queue.bucket_lengths[b], age(b))), "idle")
     return None
 
 
 def next_stale_time(queue: BucketQueue, max_wait: float) -> float | None:
     """When the next bucket turns stale: the batcher's only timed wake-up."""
-    oldest = [t for b in range(len(queue.lengths)) if (t := queue.oldest(b)) is not None]
+    oldest = [t for b in range(len(queue.bucket_lengths)) if (t := queue.oldest(b)) is not None]
     return min(oldest) + max_wait if oldest else None
 
 
@@ -80,6 +80,7 @@ class Batcher:
         shapes: BatchShapes,
         dispatch: Callable[[Batch], None],
         *,
+        expire: Callable[[Job], None],
         max_wait: float,
         naive: bool,
         clock: Callable[[], float] = time.monotonic,
@@ -87,6 +88,7 @@ class Batcher:
         self.queue = queue
         self.shapes = shapes
         self._dispatch = dispatch
+        self._expire = expire  # a job found past its deadline: closed by whoever owns jobs
         self._max_wait = max_wait
         self._naive = naive
         self._clock = clock
@@ -105,10 +107,6 @@ class Batcher:
         for bucket, chunk in parts:
             self.queue.add(bucket, chunk)
         self._wake.set()
-
-    def forget(self, job: Job) -> None:
-        """The job was closed early (deadline, cancellation): its queued items are dropped."""
-        self.queue.forget(job)
 
     def batch_done(self, batch: Batch) -> None:
         self.in_flight -= 1
@@ -136,12 +134,15 @@ class Batcher:
             pick = choose_batch(self.queue, self.shapes, now, self._max_wait, self.in_flight == 0, self._naive)
             if pick is None:
                 return
-            chunks = self.queue.take(pick.bucket, pick.items, now)
+            chunks, expired = self.queue.take(pick.bucket, pick.items, now)
+            for job in expired:
+                self._expire(job)
             if not chunks:
                 continue  # only abandoned items were there
-            items = sum(chunk.size for chunk in chunks)
-            seq_len = self.shapes.seq_len_for(self.queue.lengths[pick.bucket], chunks)
-            batch = Batch(chunks, seq_len, self.shapes.rows_for(items, seq_len))
+            items = sum(chunk.items for chunk in chunks)
+            longest = max(int(chunk.lengths.max()) for chunk in chunks)
+            seq_len = self.shapes.seq_len_for(self.queue.bucket_lengths[pick.bucket], longest)
+            batch = Batch(chunks, seq_len, self.shapes.rows_for(items))
             self.in_flight += 1
             self.in_flight_tokens += batch.padded_tokens
             self._dispatch(batch)

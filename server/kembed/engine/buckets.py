@@ -12,11 +12,7 @@ import numpy as np
 
 from kembed.engine.work import Chunk, Job
 from kembed.inputs import Sequences
-
-
-def clip_buckets(lengths: Sequence[int], max_input_tokens: int) -> list[int]:
-    """Bucket lengths below the model's limit, plus the limit itself as the last bucket."""
-    return [length for length in lengths if length < max_input_tokens] + [max_input_tokens]
+from kembed.shapes import bucket_of
 
 
 @dataclass(frozen=True)
@@ -35,7 +31,7 @@ def route(seqs: Sequences, bucket_lengths: Sequence[int], pad_id: int) -> list[R
     Vectorised: one pass per bucket in use, none per item. Every length must fit the last bucket.
     """
     lengths = seqs.lengths
-    which = np.searchsorted(np.asarray(bucket_lengths), lengths, side="left")
+    which = bucket_of(lengths, bucket_lengths)
     offsets = seqs.offsets
     routed = []
     for bucket in np.unique(which):
@@ -50,12 +46,6 @@ def route(seqs: Sequences, bucket_lengths: Sequence[int], pad_id: int) -> list[R
     return routed
 
 
-def padded_lengths(lengths: np.ndarray, bucket_lengths: Sequence[int] | np.ndarray) -> np.ndarray:
-    """Each sequence's length once padded to its bucket: summed per request, the unit admission counts."""
-    ladder = np.asarray(bucket_lengths)
-    return ladder[np.minimum(np.searchsorted(ladder, lengths, side="left"), len(ladder) - 1)]
-
-
 class BucketQueue:
     """The queued chunks of every bucket, oldest first, with the counts the batcher decides on.
 
@@ -64,15 +54,15 @@ class BucketQueue:
     """
 
     def __init__(self, bucket_lengths: Sequence[int]) -> None:
-        self.lengths = list(bucket_lengths)
-        self._chunks: list[deque[Chunk]] = [deque() for _ in self.lengths]
-        self._items = [0] * len(self.lengths)
+        self.bucket_lengths = list(bucket_lengths)
+        self._chunks: list[deque[Chunk]] = [deque() for _ in self.bucket_lengths]
+        self._items = [0] * len(self.bucket_lengths)
         self.queued_tokens = 0
 
     def add(self, bucket: int, chunk: Chunk) -> None:
         self._chunks[bucket].append(chunk)
-        self._items[bucket] += chunk.size
-        tokens = chunk.size * self.lengths[bucket]
+        self._items[bucket] += chunk.items
+        tokens = chunk.items * self.bucket_lengths[bucket]
         chunk.job.queued_tokens += tokens
         self.queued_tokens += tokens
 
@@ -89,27 +79,28 @@ class BucketQueue:
         chunks = self._chunks[bucket]
         return chunks[0].enqueued if chunks else None
 
-    def take(self, bucket: int, n: int, now: float) -> list[Chunk]:
-        """Up to ``n`` live items from the front of a bucket, splitting a chunk if needed. Jobs past
-        their deadline are closed here: nobody waits for them any more."""
-        chunks, taken, want = self._chunks[bucket], [], n
+    def take(self, bucket: int, n: int, now: float) -> tuple[list[Chunk], list[Job]]:
+        """Up to ``n`` live items from the front of a bucket, splitting a chunk if needed; and the
+        jobs found past their deadline meanwhile (nobody waits for them: close them)."""
+        chunks, taken, expired, want = self._chunks[bucket], [], [], n
         while want and chunks:
             chunk = chunks.popleft()
-            self._items[bucket] -= chunk.size
-            if chunk.job.deadline <= now:
-                chunk.job.closed = True
-            if not chunk.job.closed and chunk.size > want:
+            self._items[bucket] -= chunk.items
+            live = not chunk.job.closed and chunk.job.deadline > now
+            if live and chunk.items > want:
                 chunk, rest = chunk.split(want)
                 chunks.appendleft(rest)
-                self._items[bucket] += rest.size
+                self._items[bucket] += rest.items
             # A closed job that was forgotten has nothing left to subtract.
-            tokens = min(chunk.size * self.lengths[bucket], chunk.job.queued_tokens)
+            tokens = min(chunk.items * self.bucket_lengths[bucket], chunk.job.queued_tokens)
             chunk.job.queued_tokens -= tokens
             self.queued_tokens -= tokens
-            if not chunk.job.closed:
+            if live:
                 taken.append(chunk)
-                want -= chunk.size
-        return taken
+                want -= chunk.items
+            elif not chunk.job.closed and chunk.job not in expired:
+                expired.append(chunk.job)
+        return taken, expired
 
     def __len__(self) -> int:
         return sum(self._items)

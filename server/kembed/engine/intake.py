@@ -11,7 +11,6 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 
 import numpy as np
 
@@ -21,33 +20,12 @@ from kembed.engine.buckets import route
 from kembed.engine.jobs import Jobs
 from kembed.engine.responder import Outbox
 from kembed.engine.work import Chunk, Job
+from kembed.errors import EmbedError, Failure
 from kembed.inputs import Sequences
-from kembed.ipc import Frame
 from kembed.metrics import EngineMetrics
+from kembed.protocol import Work
+from kembed.shapes import bucket_of
 
-
-@dataclass(frozen=True)
-class Work:
-    """A decoded WORK frame (views of its bytes)."""
-
-    tags: np.ndarray  # uint64 [requests]
-    deadlines: np.ndarray  # float64 [requests], monotonic seconds
-    counts: np.ndarray  # uint32 [requests]: items per request, each >= 1
-    costs: np.ndarray  # uint64 [requests]: padded tokens, as the front end admitted it
-    lengths: np.ndarray  # int32 [items]
-    ids: np.ndarray  # int32 [tokens]
-    cancels: np.ndarray  # uint64: tags nobody waits for any more
-    latencies: np.ndarray  # float64: server-side latency samples for the P95 window
-
-    @classmethod
-    def decode(cls, frame: Frame) -> Work:
-        work = cls(*(frame.array(i, dtype) for i, dtype in enumerate(WORK_PARTS)))
-        if work.counts.sum() != work.lengths.size or work.lengths.sum() != work.ids.size:
-            raise ValueError("WORK frame: counts, lengths and ids disagree")
-        return work
-
-
-WORK_PARTS = ("<u8", "<f8", "<u4", "<u8", "<i4", "<i4", "<u8", "<f8")
 ONE_SLOT = np.zeros(1, dtype=np.int64)  # the only item of a one-item request (never written to)
 
 
@@ -68,8 +46,7 @@ class Intake:
         self._outbox = outbox
         self._metrics = metrics
         self._pad = pad_token_id
-        self._ladder = batcher.queue.lengths
-        self._ladder_array = np.asarray(self._ladder)
+        self._bucket_lengths = batcher.queue.bucket_lengths
         self._clock = clock
 
     def accept(self, link: int, work: Work) -> None:
@@ -82,7 +59,7 @@ class Intake:
 
     def _admit(self, link: int, work: Work) -> None:
         jobs: list[Job | None] = []
-        refused: list[tuple[int, str, str, int]] = []
+        refused, refusals = [], []
         backlog = self._batcher.backlog_tokens
         for tag, deadline, count, cost in zip(
             work.tags.tolist(), work.deadlines.tolist(), work.counts.tolist(), work.costs.tolist(), strict=True
@@ -90,15 +67,16 @@ class Intake:
             rejection = self._admission.admit(cost, backlog)
             if rejection is not None:
                 self._metrics.rejected.labels(reason=rejection.reason).inc()
-                refused.append((tag, "RESOURCE_EXHAUSTED", rejection.message, rejection.retry_after_ms))
+                refused.append(tag)
+                refusals.append(EmbedError(Failure.REJECTED, rejection.message, rejection.retry_after_ms))
                 jobs.append(None)
                 continue
             backlog += cost
-            job = Job(link=link, tag=tag, count=count, deadline=deadline, padded_tokens=cost)
+            job = Job(link=link, tag=tag, count=count, deadline=deadline)
             self._jobs.add(job)
             jobs.append(job)
         if refused:
-            self._outbox.errors(link, refused)
+            self._outbox.errors(link, refused, refusals)
         if len(refused) < len(jobs):
             self._batcher.submit(self._chunks(work, jobs))
 
@@ -109,19 +87,19 @@ class Intake:
         lengths = work.lengths
         offsets = (np.cumsum(lengths, dtype=np.int64) - lengths).tolist()
         starts = (np.cumsum(work.counts, dtype=np.int64) - work.counts).tolist()
-        buckets = np.searchsorted(self._ladder_array, lengths, side="left").tolist()
+        buckets = bucket_of(lengths, self._bucket_lengths).tolist()
         parts = []
         for job, start in zip(jobs, starts, strict=True):
             if job is None:
                 continue
             if job.count == 1:
                 bucket, length, offset = buckets[start], int(lengths[start]), offsets[start]
-                ids = np.full((1, self._ladder[bucket]), self._pad, dtype=np.int32)
+                ids = np.full((1, self._bucket_lengths[bucket]), self._pad, dtype=np.int32)
                 ids[0, :length] = work.ids[offset : offset + length]
                 parts.append((bucket, Chunk(job, ONE_SLOT, ids, lengths[start : start + 1], now)))
                 continue
             end = start + job.count
             seqs = Sequences(work.ids[offsets[start] : offsets[end - 1] + int(lengths[end - 1])], lengths[start:end])
-            for routed in route(seqs, self._ladder, self._pad):
+            for routed in route(seqs, self._bucket_lengths, self._pad):
                 parts.append((routed.bucket, Chunk(job, routed.items, routed.ids, routed.lengths, now)))
         return parts

@@ -1,15 +1,16 @@
 """The engine's table of admitted requests, by front end and tag: what a cancellation, a finished
-batch or a lost front end finds its requests by."""
+batch, an expired deadline or a lost front end finds its requests by. Jobs are closed here and
+nowhere else."""
 
 from __future__ import annotations
 
-from kembed.engine.batcher import Batcher
+from kembed.engine.buckets import BucketQueue
 from kembed.engine.work import Job
 
 
 class Jobs:
-    def __init__(self, batcher: Batcher) -> None:
-        self._batcher = batcher
+    def __init__(self, queue: BucketQueue) -> None:
+        self._queue = queue
         self._open: dict[tuple[int, int], Job] = {}
 
     def __len__(self) -> int:
@@ -35,6 +36,10 @@ class Jobs:
         self._close(job)
         return True
 
+    def expire(self, job: Job) -> None:
+        """Its deadline passed before its items were computed: the front end answers it itself."""
+        self._close(job)
+
     def cancel(self, link: int, tag: int) -> None:
         """The front end stopped waiting (deadline, client gone): queued items are dropped."""
         job = self._open.get((link, tag))
@@ -49,4 +54,4 @@ class Jobs:
     def _close(self, job: Job) -> None:
         job.closed = True
         self._open.pop((job.link, job.tag), None)
-        self._batcher.forget(job)
+        self._queue.forget(job)

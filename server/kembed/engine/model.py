@@ -18,7 +18,7 @@ from typing import Any
 import torch
 from transformers import AutoModel, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
-from kembed.config import Graphs, Settings
+from kembed.config import Dtype, Graphs, Pooling, Settings
 from kembed.contract import env_name
 from kembed.engine.graphs import ShapeGuard, compile_graphs
 from kembed.engine.pooling import pool
@@ -28,7 +28,7 @@ log = logging.getLogger(__name__)
 
 BUNDLED_MODEL_ID = "sentence-transformers/all-MiniLM-L6-v2"
 
-_DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
+_DTYPES = {Dtype.FLOAT32: torch.float32, Dtype.FLOAT16: torch.float16, Dtype.BFLOAT16: torch.bfloat16}
 # sentence-transformers pooling modes we reproduce -> ours; the legacy `pooling_mode_*` keys -> modes.
 _ST_POOLING = {"mean": "mean", "cls": "cls", "lasttoken": "last"}
 _ST_LEGACY_POOLING = {
@@ -216,8 +216,8 @@ def _pooling(settings: Settings, path: Path) -> str:
     unsupported = [m["type"] for m in modules if m["type"].rsplit(".", 1)[-1] not in _ST_SUPPORTED_MODULES]
     if unsupported:
         raise ModelLoadError(f"{path}/modules.json: kembed does not apply {', '.join(unsupported)}")
-    if settings.pooling != "auto":
-        return settings.pooling
+    if settings.pooling is not Pooling.AUTO:
+        return settings.pooling.value
     pooling = next((m for m in modules if m["type"].endswith(".Pooling")), None)
     if pooling is None:
         return "mean"

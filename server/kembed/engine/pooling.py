@@ -9,7 +9,9 @@ from __future__ import annotations
 
 import torch
 
-POOLING_MODES = ("mean", "cls", "last")
+from kembed.config import Pooling
+
+POOLING_MODES = tuple(mode.value for mode in Pooling if mode is not Pooling.AUTO)
 
 
 def pool(

@@ -2,51 +2,55 @@
 
 It listens on a Unix socket at once, so front ends connect while the model loads and warms up.
 When warm it builds the serving path once (:class:`Core`, the composition root), publishes the
-board's first state, and tells every front end READY. It exits when the supervisor says so (SIGTERM,
-once every front end has drained), when its parent dies, or with FATAL_EXIT_CODE when the device
-fails, so the supervisor takes the whole server down and Kubernetes restarts the pod.
+board's first state, and every link tells its front end READY. It exits when the supervisor says so (SIGTERM,
+once every front end has drained), when its parent dies, or with EXIT_FATAL when the device fails
+or a link breaks the protocol, so the supervisor takes the whole server down and Kubernetes restarts
+the pod.
 """
 
 from __future__ import annotations
 
 import asyncio
-import gc
 import logging
 import os
-import signal
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 from pathlib import Path
-from typing import Any
-
-import numpy as np
+from typing import Any, TypeVar
 
 from kembed.admission import AdmissionController, MeasuredLoad
+from kembed.board import Board, Cell
+from kembed.child import Child
 from kembed.config import Settings
+from kembed.contract import EXIT_FATAL, EXIT_STARTUP_FAILED
 from kembed.engine.batcher import Batcher
 from kembed.engine.buckets import BucketQueue
-from kembed.engine.intake import Intake, Work
+from kembed.engine.intake import Intake
 from kembed.engine.jobs import Jobs
+from kembed.engine.model import ModelInfo
 from kembed.engine.responder import Responder
 from kembed.engine.work import Batch
 from kembed.engine.worker import Engine, LoadModel, Outcome, Worker
-from kembed.ipc import (
-    BOARD_FILE,
-    ENGINE_SOCKET,
-    Board,
-    Kind,
+from kembed.errors import EmbedError
+from kembed.metrics import EngineMetrics
+from kembed.protocol import (
+    PROTOCOL_VERSION,
+    Errors,
+    Hello,
+    Message,
+    ProtocolError,
+    Ready,
+    Result,
     ServingInfo,
-    Slot,
-    encode_json,
+    Work,
+    check_version,
     receive,
     send,
 )
-from kembed.metrics import EngineMetrics
+from kembed.runtime import BOARD_FILE, ENGINE_SOCKET
 
 log = logging.getLogger(__name__)
 
-FATAL_EXIT_CODE = 70
-STARTUP_FAILED_EXIT_CODE = 1
 DRAIN_GRACE_S = 5.0  # past the drain budget, for front ends to close their links
 TICK_S = 0.1  # board refresh (P95, shedding) and heartbeat; idle cost is negligible at 10 Hz
 MIB = 1024 * 1024
@@ -64,6 +68,9 @@ class Links:
         self._none = asyncio.Event()
         self._none.set()
 
+    def __len__(self) -> int:
+        return len(self._writers)
+
     def add(self, writer: asyncio.StreamWriter) -> int:
         self._next += 1
         self._writers[self._next] = writer
@@ -79,26 +86,16 @@ class Links:
         """Until every front end has gone (each closes its link once it has drained)."""
         await self._none.wait()
 
-    def ready(self, link: int, info: ServingInfo) -> None:
-        self._send(link, Kind.READY, info.to_json())
-
-    def result(
-        self, link: int, started: float, seconds: float, tags: np.ndarray, slots: np.ndarray, embeddings: np.ndarray
-    ) -> None:
-        timing = np.array([started, seconds], dtype="<f8")
-        rows = embeddings.astype("<f4", copy=False)  # already float32 from the worker: no copy
-        self._send(link, Kind.RESULT, timing, tags.astype("<u8", copy=False), slots.astype("<u4", copy=False), rows)
-
-    def errors(self, link: int, errors: list[tuple[int, str, str, int]]) -> None:
-        self._send(link, Kind.ERRORS, encode_json(errors))
-
-    def ids(self) -> list[int]:
-        return list(self._writers)
-
-    def _send(self, link: int, kind: Kind, *parts: np.ndarray | str) -> None:
+    def send(self, link: int, message: Message) -> None:
         writer = self._writers.get(link)
         if writer is not None and not writer.is_closing():
-            send(writer, kind, *parts)
+            send(writer, message)
+
+    def result(self, link: int, result: Result) -> None:
+        self.send(link, result)
+
+    def errors(self, link: int, tags: list[int], errors: list[EmbedError]) -> None:
+        self.send(link, Errors(tags, errors))
 
 
 @dataclass
@@ -118,30 +115,25 @@ class Core:
         load = MeasuredLoad(settings)
         load.rate.seed(engine.warmup_tokens, engine.warmup_seconds)
         admission = AdmissionController(settings, load)
-        batcher = Batcher(
-            BucketQueue(plan.bucket_lengths),
-            plan.shapes,
-            worker.submit,
-            max_wait=settings.max_wait_ms / 1000,
-            naive=plan.naive,
-        )
-        jobs = Jobs(batcher)
+        queue = BucketQueue(plan.bucket_lengths)
+        jobs = Jobs(queue)
+        max_wait = settings.max_wait_ms / 1000
+        batcher = Batcher(queue, plan.shapes, worker.submit, expire=jobs.expire, max_wait=max_wait, naive=plan.naive)
         intake = Intake(admission, batcher, jobs, links, metrics, model.info.pad_token_id)
         responder = Responder(batcher, load.rate, jobs, links, metrics)
         return cls(_serving_info(engine), load, batcher, jobs, intake, responder)
 
 
+# What front ends learn of the model as it is (the torch-typed dtype and device go as names).
+_MODEL_FIELDS = sorted(
+    {f.name for f in fields(ServingInfo)} & {f.name for f in fields(ModelInfo)} - {"dtype", "device"}
+)
+
+
 def _serving_info(engine: Engine) -> ServingInfo:
     info, plan = engine.model.info, engine.plan
     return ServingInfo(
-        model_id=info.model_id,
-        dimensions=info.dimensions,
-        max_input_tokens=info.max_input_tokens,
-        vocab_size=info.vocab_size,
-        pad_token_id=info.pad_token_id,
-        pooling=info.pooling,
-        excluded_token_ids=list(info.excluded_token_ids),
-        tokenizer_fingerprint=info.tokenizer_fingerprint,
+        **{name: getattr(info, name) for name in _MODEL_FIELDS},
         dtype=str(info.dtype).removeprefix("torch."),
         device=str(info.device),
         bucket_lengths=list(plan.bucket_lengths),
@@ -158,29 +150,35 @@ class EngineProcess:
         self._board = Board(runtime / BOARD_FILE)
         self._links = Links()
         self._metrics = EngineMetrics()
-        self._core: Core | None = None  # the one Optional: None until warm, then set once
-        self._stop = asyncio.Event()
-        self._parent = os.getppid()
+        self._child = Child()
 
     async def run(self) -> int:
+        self._child.handle_signals()
         loop = asyncio.get_running_loop()
-        loop.add_signal_handler(signal.SIGTERM, self._stop.set)
-        signal.signal(signal.SIGINT, signal.SIG_IGN)  # the supervisor decides; a terminal's ^C reaches all
+        serving: asyncio.Future[Core] = loop.create_future()  # front ends that connect early wait on it
         worker = Worker(self._settings, loop, self._fatal, self._load_model)
-        server = await asyncio.start_unix_server(self._serve_link, path=str(self._runtime / ENGINE_SOCKET))
+        server = await asyncio.start_unix_server(
+            lambda reader, writer: self._serve_link(reader, writer, serving), path=str(self._runtime / ENGINE_SOCKET)
+        )
         worker.start()
-        ticker = asyncio.create_task(self._tick(worker))
-        waiting: set[asyncio.Future[Any]] = {worker.warm, asyncio.ensure_future(self._stop.wait())}
+        ticker = asyncio.create_task(self._child.tick(TICK_S, self._beat_while_warming))
+        stopped = asyncio.ensure_future(self._child.stop.wait())
+        waiting: set[asyncio.Future[Any]] = {worker.warm, stopped}
         await asyncio.wait(waiting, return_when=asyncio.FIRST_COMPLETED)
+        ticker.cancel()
         if not worker.warm.done():
             return 0  # stopped while warming up
-        if worker.engine is None:
-            log.error("start-up failed: %s", worker.error)
-            return STARTUP_FAILED_EXIT_CODE
-        core = self._open(worker, worker.engine)
+        try:
+            engine = worker.warm.result()
+        except Exception as error:
+            log.error("start-up failed: %s", error)
+            return EXIT_STARTUP_FAILED
+        core = self._open(worker, engine)
+        serving.set_result(core)
+        ticker = asyncio.create_task(self._child.tick(TICK_S, lambda: self._beat(worker, core)))
         batcher = asyncio.create_task(core.batcher.run())
         batcher.add_done_callback(self._batcher_stopped)
-        await self._stop.wait()
+        await stopped
         await self._finish()
         for task in (batcher, ticker):
             task.cancel()
@@ -189,7 +187,7 @@ class EngineProcess:
         return 0
 
     def _open(self, worker: Worker, engine: Engine) -> Core:
-        """Build the serving path, publish it, and tell every front end."""
+        """Build the serving path and publish it; front ends hear READY from their links."""
         core = Core.build(self._settings, worker, engine, self._links, self._metrics)
 
         def deliver(batch: Batch, outcomes: list[Outcome], started: float, seconds: float) -> None:
@@ -197,15 +195,10 @@ class EngineProcess:
             self._publish(core)  # the backlog just shrank: front ends admit against it at once
 
         worker.serve(deliver)
-        self._core = core
         self._publish(core)
-        self._board[Slot.DIMENSIONS] = core.info.dimensions
-        self._board[Slot.ENGINE_READY] = 1.0
-        for link in self._links.ids():
-            self._links.ready(link, core.info)
-        # Everything loaded so far lives as long as the process: out of the collector's sight.
-        gc.collect()
-        gc.freeze()
+        self._board[Cell.DIMENSIONS] = core.info.dimensions
+        self._board[Cell.ENGINE_READY] = 1.0
+        self._child.freeze_heap()
         return core
 
     async def _finish(self) -> None:
@@ -214,29 +207,32 @@ class EngineProcess:
         try:
             await asyncio.wait_for(self._links.wait_none(), self._settings.drain_timeout_s + DRAIN_GRACE_S)
         except TimeoutError:
-            log.warning("stopping while %d front ends are still connected", len(self._links.ids()))
+            log.warning("stopping while %d front ends are still connected", len(self._links))
 
-    async def _serve_link(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+    async def _serve_link(
+        self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, serving: asyncio.Future[Core]
+    ) -> None:
         writer.transport.set_write_buffer_limits(high=LINK_HIGH_WATER)
         link = self._links.add(writer)
+        core: Core | None = None
         try:
-            hello = await receive(reader)
-            log.debug("front end %s connected as link %d", hello.json(0).get("index"), link)
-            if self._core is not None:
-                self._links.ready(link, self._core.info)
+            hello = _expect(await receive(reader), Hello)
+            check_version(hello.version)
+            log.debug("front end %d connected as link %d", hello.frontend, link)
+            core = await serving
+            self._links.send(link, Ready(PROTOCOL_VERSION, core.info))
             while True:
                 await self._until_read(link, writer)
-                frame = await receive(reader)
-                core = self._core
-                if frame.kind is Kind.WORK and core is not None:
-                    core.intake.accept(link, Work.decode(frame))
-                    self._publish(core)
+                core.intake.accept(link, _expect(await receive(reader), Work))
+                self._publish(core)
         except ConnectionError:  # LinkClosed, or gone while its answers waited to be read
             pass
+        except ProtocolError as error:  # never worked around: the pod restarts rather than compute wrong rows
+            self._fatal(error)
         finally:
             self._links.remove(link)
-            if self._core is not None:
-                self._core.jobs.drop_link(link)
+            if core is not None:
+                core.jobs.drop_link(link)
             writer.close()
 
     async def _until_read(self, link: int, writer: asyncio.StreamWriter) -> None:
@@ -253,26 +249,22 @@ class EngineProcess:
 
     def _publish(self, core: Core) -> None:
         board = self._board
-        board[Slot.BACKLOG_TOKENS] = core.batcher.backlog_tokens
-        board[Slot.TOKENS_PER_SECOND] = core.load.tokens_per_second
-        board[Slot.IN_FLIGHT_BATCHES] = core.batcher.in_flight
-        board[Slot.OPEN_REQUESTS] = len(core.jobs)
+        board[Cell.BACKLOG_TOKENS] = core.batcher.backlog_tokens
+        board[Cell.TOKENS_PER_SECOND] = core.load.tokens_per_second
+        board[Cell.IN_FLIGHT_BATCHES] = core.batcher.in_flight
+        board[Cell.OPEN_REQUESTS] = len(core.jobs)
 
-    async def _tick(self, worker: Worker) -> None:
-        """Heartbeat, P95 and shedding on the board; exit if the supervisor is gone."""
-        while True:
-            core = self._core
-            now = time.monotonic()
-            # Once warm, a worker stuck in a batch stops the heartbeat: the pod is restarted.
-            self._board[Slot.ENGINE_HEARTBEAT] = worker.heartbeat if core else now
-            if core is not None:
-                self._publish(core)
-                self._board[Slot.P95_SECONDS] = core.load.p95_seconds()
-                self._board[Slot.SHED_FRACTION] = core.load.shed_fraction()
-            if os.getppid() != self._parent:
-                log.critical("the supervisor is gone: exiting")
-                os._exit(FATAL_EXIT_CODE)
-            await asyncio.sleep(TICK_S)
+    def _beat_while_warming(self) -> None:
+        """Warmup may compile for minutes between shapes: alive is all the board can say."""
+        self._board[Cell.ENGINE_HEARTBEAT] = time.monotonic()
+
+    def _beat(self, worker: Worker, core: Core) -> None:
+        """The worker's heartbeat (a batch stuck on the device stops it: the pod is restarted), P95
+        and shedding."""
+        self._board[Cell.ENGINE_HEARTBEAT] = worker.heartbeat
+        self._publish(core)
+        self._board[Cell.P95_SECONDS] = core.load.p95_seconds()
+        self._board[Cell.SHED_FRACTION] = core.load.shed_fraction()
 
     def _batcher_stopped(self, task: asyncio.Task[None]) -> None:
         """The batcher only ends by cancellation; anything else is a bug that would hang every request."""
@@ -280,7 +272,16 @@ class EngineProcess:
             self._fatal(task.exception() or RuntimeError("batcher stopped"))
 
     def _fatal(self, error: BaseException) -> None:
-        """The device is poisoned (or the engine is broken): exit so the pod restarts."""
-        log.critical("engine failed: %s; exiting with %d", error, FATAL_EXIT_CODE)
-        self._board[Slot.ENGINE_READY] = 0.0
-        os._exit(FATAL_EXIT_CODE)
+        """The device is poisoned, or the engine is broken: exit so the pod restarts."""
+        log.critical("engine failed: %s; exiting with %d", error, EXIT_FATAL)
+        self._board[Cell.ENGINE_READY] = 0.0
+        os._exit(EXIT_FATAL)
+
+
+M = TypeVar("M", Hello, Work)
+
+
+def _expect(message: Message, kind: type[M]) -> M:
+    if not isinstance(message, kind):
+        raise ProtocolError(f"expected {kind.kind.name}, got {message.kind.name}")
+    return message

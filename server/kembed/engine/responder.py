@@ -15,17 +15,17 @@ from kembed.engine.batcher import Batcher
 from kembed.engine.jobs import Jobs
 from kembed.engine.work import Batch, Chunk
 from kembed.engine.worker import Outcome
+from kembed.errors import EmbedError, Failure
 from kembed.metrics import EngineMetrics
+from kembed.protocol import Result
 
 
 class Outbox(Protocol):
     """The way back to the front ends."""
 
-    def result(
-        self, link: int, started: float, seconds: float, tags: np.ndarray, slots: np.ndarray, embeddings: np.ndarray
-    ) -> None: ...
+    def result(self, link: int, result: Result) -> None: ...
 
-    def errors(self, link: int, errors: list[tuple[int, str, str, int]]) -> None: ...
+    def errors(self, link: int, tags: list[int], errors: list[EmbedError]) -> None: ...
 
 
 class Responder:
@@ -59,7 +59,7 @@ class Responder:
         if padded:
             self._rate.record(padded, max(seconds, wall))
             real = sum(outcome.real_tokens for outcome in outcomes)
-            self._metrics.observe_batch(batch.size, padded, real, seconds)
+            self._metrics.observe_batch(batch.rows, padded, real, seconds)
         for outcome in outcomes:
             if outcome.embeddings is None:
                 self._fail(outcome)
@@ -70,20 +70,21 @@ class Responder:
         by_link: dict[int, list[tuple[Chunk, int]]] = defaultdict(list)
         offset = 0
         for chunk in chunks:
-            if self._jobs.complete(chunk.job, chunk.size):
+            if self._jobs.complete(chunk.job, chunk.items):
                 by_link[chunk.job.link].append((chunk, offset))
-            offset += chunk.size
+            offset += chunk.items
         for link, owned in by_link.items():
-            tags = np.concatenate([np.full(chunk.size, chunk.job.tag, dtype=np.uint64) for chunk, _ in owned])
+            tags = np.concatenate([np.full(chunk.items, chunk.job.tag, dtype=np.uint64) for chunk, _ in owned])
             slots = np.concatenate([chunk.slots for chunk, _ in owned]).astype(np.uint32)
-            rows = np.concatenate([embeddings[start : start + chunk.size] for chunk, start in owned])
-            self._outbox.result(link, started, seconds, tags, slots, rows)
+            rows = np.concatenate([embeddings[start : start + chunk.items] for chunk, start in owned])
+            self._outbox.result(link, Result(started, seconds, tags, slots, rows))
 
     def _fail(self, outcome: Outcome) -> None:
         """The model raised on these chunks alone (their batch-mates were retried without them)."""
-        failed: dict[int, list[tuple[int, str, str, int]]] = defaultdict(list)
+        failed: dict[int, list[int]] = defaultdict(list)
         for chunk in outcome.chunks:
             if self._jobs.fail(chunk.job):
-                failed[chunk.job.link].append((chunk.job.tag, "INTERNAL", f"inference failed: {outcome.error}", 0))
-        for link, errors in failed.items():
-            self._outbox.errors(link, errors)
+                failed[chunk.job.link].append(chunk.job.tag)
+        error = EmbedError(Failure.INTERNAL, f"inference failed: {outcome.error}")
+        for link, tags in failed.items():
+            self._outbox.errors(link, tags, [error] * len(tags))

@@ -3,7 +3,7 @@
 Words used throughout the engine: an *item* is one text or sequence of a request; its *slot* is
 its index within that request; a Chunk is a run of one request's items that share a bucket (kept
 together so nothing downstream loops per item); a Batch is Chunks from one bucket computed as one
-tensor of ``size`` rows (padding rows included) by ``seq_len`` tokens.
+tensor of ``rows`` rows (padding rows included) by ``seq_len`` tokens.
 """
 
 from __future__ import annotations
@@ -16,15 +16,15 @@ import numpy as np
 @dataclass(eq=False)
 class Job:
     """One request's state in the engine, from admission until its last item is computed. Touched
-    only on the event loop, except ``closed``, which the worker thread reads to skip abandoned work."""
+    only on the event loop, except ``closed``, which the worker thread reads to skip abandoned work;
+    only :class:`~kembed.engine.jobs.Jobs` closes it."""
 
     link: int  # the front end it came from
     tag: int  # the front end's id for it
     count: int  # items
     deadline: float  # monotonic seconds (one clock for every process on the host)
-    padded_tokens: int  # what the request costs in its buckets (items x bucket length)
     remaining: int = field(init=False)
-    queued_tokens: int = 0  # of padded_tokens, how many still sit in the buckets
+    queued_tokens: int = 0  # padded tokens of its items still in the buckets
     closed: bool = False  # computed, failed, timed out or cancelled: drop what is left
 
     def __post_init__(self) -> None:
@@ -42,7 +42,7 @@ class Chunk:
     enqueued: float  # monotonic seconds
 
     @property
-    def size(self) -> int:
+    def items(self) -> int:
         return len(self.slots)
 
     def split(self, n: int) -> tuple[Chunk, Chunk]:
@@ -54,15 +54,15 @@ class Chunk:
 
 @dataclass(eq=False)
 class Batch:
-    """Chunks from one bucket, computed together as one [size, seq_len] tensor."""
+    """Chunks from one bucket, computed together as one [rows, seq_len] tensor."""
 
     chunks: list[Chunk]
     seq_len: int  # padded sequence length the model sees
-    size: int  # rows, padding rows included (a fixed shape when graphs are captured)
+    rows: int  # padding rows included (a fixed shape when graphs are captured)
 
     @property
     def items(self) -> int:
-        return sum(chunk.size for chunk in self.chunks)
+        return sum(chunk.items for chunk in self.chunks)
 
     @property
     def real_tokens(self) -> int:
@@ -70,17 +70,17 @@ class Batch:
 
     @property
     def padded_tokens(self) -> int:
-        return self.size * self.seq_len
+        return self.rows * self.seq_len
 
     def assemble(self, pad_id: int) -> tuple[np.ndarray, np.ndarray]:
-        """Token ids and attention mask as [size, seq_len] arrays (one copy per chunk)."""
-        ids = np.full((self.size, self.seq_len), pad_id, dtype=np.int32)
-        lengths = np.zeros(self.size, dtype=np.int32)
+        """Token ids and attention mask as [rows, seq_len] arrays (one copy per chunk)."""
+        ids = np.full((self.rows, self.seq_len), pad_id, dtype=np.int32)
+        lengths = np.zeros(self.rows, dtype=np.int32)
         offset = 0
         for chunk in self.chunks:
-            ids[offset : offset + chunk.size] = chunk.ids[:, : self.seq_len]
-            lengths[offset : offset + chunk.size] = chunk.lengths
-            offset += chunk.size
+            ids[offset : offset + chunk.items] = chunk.ids[:, : self.seq_len]
+            lengths[offset : offset + chunk.items] = chunk.lengths
+            offset += chunk.items
         mask = (np.arange(self.seq_len)[None, :] < lengths[:, None]).astype(np.int32)
         return ids, mask
 

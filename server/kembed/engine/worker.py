@@ -20,11 +20,10 @@ import torch
 
 from kembed.config import Batching, Settings, Warmup
 from kembed.engine import compile_cache, cpu
-from kembed.engine.buckets import clip_buckets
 from kembed.engine.graphs import CompileCount, ShapeGuard, UnplannedShapeError
 from kembed.engine.model import EmbeddingModel
 from kembed.engine.work import Batch, Chunk
-from kembed.shapes import BatchShapes, batch_tokens, compiles
+from kembed.shapes import BatchShapes, batch_tokens, clip_buckets, compiles
 
 log = logging.getLogger(__name__)
 
@@ -37,12 +36,20 @@ _STANCES = {"fail_on_recompile": "raises (that batch fails)", "none": "is possib
 
 @dataclass(frozen=True)
 class Plan:
-    """What the loaded model is served with: bucket lengths and batch shapes."""
+    """What the loaded model is served with: bucket lengths and batch shapes, and the shapes warmed up."""
 
     bucket_lengths: list[int]
     shapes: BatchShapes
     compiled: bool
     naive: bool
+    warmup: Warmup
+
+    def warmup_shapes(self) -> list[tuple[int, int]]:
+        """(seq_len, rows) in warmup order: see :func:`warmup_order`."""
+        # Compiled, every shape needs its graph before serving: sealing refuses shapes not warmed.
+        if self.compiled or self.warmup is Warmup.GRID:
+            return warmup_order(self.shapes.grid(self.bucket_lengths))
+        return warmup_order([(length, self.shapes.max_rows(length)) for length in self.bucket_lengths])
 
 
 @dataclass
@@ -67,7 +74,7 @@ def make_plan(settings: Settings, model: EmbeddingModel) -> Plan:
     max_tokens = model.info.max_input_tokens
     lengths = [max_tokens] if naive else clip_buckets(settings.buckets, max_tokens)
     shapes = BatchShapes.build(settings.max_batch_size, batch_tokens(settings, device.type), fixed=compiled)
-    return Plan(lengths, shapes, compiled, naive)
+    return Plan(lengths, shapes, compiled, naive, settings.warmup)
 
 
 def warmup_order(shapes: list[tuple[int, int]]) -> list[tuple[int, int]]:
@@ -106,28 +113,19 @@ def is_fatal(error: BaseException) -> bool:
 class Engine:
     """The loaded model and its serving plan: warmup and batch compute, on the worker thread."""
 
-    def __init__(self, model: EmbeddingModel, plan: Plan, warmup: Warmup, graphs: ShapeGuard | None = None) -> None:
+    def __init__(self, model: EmbeddingModel, plan: Plan, graphs: ShapeGuard | None = None) -> None:
         self.model = model
         self.plan = plan
         self.graphs = graphs  # when compiled: which shapes have a graph, sealed after warmup
-        self._warmup_mode = warmup
         self.warmup_tokens = 0  # of the largest batch of each bucket: what seeds the service rate
         self.warmup_seconds = 0.0
-
-    def warmup_shapes(self) -> list[tuple[int, int]]:
-        """(seq_len, rows) in warmup order: see :func:`warmup_order`."""
-        plan = self.plan
-        # Compiled, every shape needs its graph before serving: sealing refuses shapes not warmed.
-        if plan.compiled or self._warmup_mode is Warmup.GRID:
-            return warmup_order(plan.shapes.grid(plan.bucket_lengths))
-        return warmup_order([(length, plan.shapes.max_rows(length)) for length in plan.bucket_lengths])
 
     def warm_up(self, beat: Callable[[], None]) -> None:
         """Run every shape (capturing its CUDA graph when compiled); time the largest per bucket."""
         plan, info = self.plan, self.model.info
         repeats = WARMUP_REPEATS_COMPILED if plan.compiled else WARMUP_REPEATS_EAGER
         generator = torch.Generator().manual_seed(0)
-        for seq_len, rows in self.warmup_shapes():
+        for seq_len, rows in plan.warmup_shapes():
             ids, mask = warmup_batch(rows, seq_len, info.vocab_size, info.pad_token_id, generator)
             for _ in range(repeats):
                 started = time.perf_counter()
@@ -152,8 +150,8 @@ class Engine:
         offending request fails. Fatal device errors propagate."""
         if not chunks:
             return []
-        items = sum(chunk.size for chunk in chunks)
-        batch = Batch(chunks, seq_len, self.plan.shapes.rows_for(items, seq_len))
+        items = sum(chunk.items for chunk in chunks)
+        batch = Batch(chunks, seq_len, self.plan.shapes.rows_for(items))
         try:
             ids, mask = batch.assemble(self.model.info.pad_token_id)
             embeddings = self._pooled(torch.from_numpy(ids), torch.from_numpy(mask))[:items]
@@ -187,17 +185,18 @@ def start_engine(settings: Settings, load_model: LoadModel, beat: Callable[[], N
     if model.info.device.type == "cpu":
         cpu.share_cores(settings.cpus(), settings.compute_nice)
     plan = make_plan(settings, model)
-    engine = Engine(model, plan, settings.warmup)
+    shapes = plan.warmup_shapes()
+    graphs = None
     if plan.compiled:
-        shapes = engine.warmup_shapes()
         info = model.info
         ident = compile_cache.identity(info.device, info.path, info.dtype, info.pooling, settings.graphs)
         compile_cache.use(settings.compile_cache_dir, ident, shapes)
-        engine.graphs = model.compile(settings.graphs, len(shapes))
+        graphs = model.compile(settings.graphs, len(shapes))
+    engine = Engine(model, plan, graphs)
     engine.warm_up(beat)
     log.info(
         "warm: %d shapes in %.1f s, %.0f padded tokens/s (%s, %s, compiled=%s, graphs=%s, torch %s)",
-        len(engine.warmup_shapes()),
+        len(shapes),
         time.monotonic() - started,
         engine.warmup_tokens / max(engine.warmup_seconds, 1e-9),
         model.info.device,
@@ -210,9 +209,9 @@ def start_engine(settings: Settings, load_model: LoadModel, beat: Callable[[], N
 
 
 class Worker:
-    """The thread around the Engine. It loads and warms up at once (``warm`` resolves when done, or
-    when loading failed: see ``error``); batches flow only after ``serve`` hands it the way back.
-    Once warm, a thread that ends other than by ``stop`` tells ``on_fatal`` why, on the loop."""
+    """The thread around the Engine. It loads and warms up at once: ``warm`` resolves to the Engine,
+    or to the error that stopped it. Batches flow once ``serve`` hands it the way back. Once warm, a
+    thread that ends other than by ``stop`` tells ``on_fatal`` why, on the loop."""
 
     def __init__(
         self,
@@ -226,12 +225,9 @@ class Worker:
         self._on_fatal = on_fatal
         self._load_model = load_model
         self._inbox: queue.SimpleQueue[Batch | None] = queue.SimpleQueue()
+        self._way_back: queue.SimpleQueue[Deliver | None] = queue.SimpleQueue()  # None: stopped before serving
         self._thread = threading.Thread(target=self._main, name="kembed-worker", daemon=True)
-        self._deliver: Deliver = _not_serving
-        self._serving = threading.Event()
-        self.warm: asyncio.Future[None] = loop.create_future()
-        self.error: BaseException | None = None
-        self.engine: Engine | None = None
+        self.warm: asyncio.Future[Engine] = loop.create_future()
         self.heartbeat = time.monotonic()
 
     def start(self) -> None:
@@ -239,44 +235,43 @@ class Worker:
 
     def serve(self, deliver: Deliver) -> None:
         """Start computing batches; each result goes to ``deliver`` on the event loop."""
-        self._deliver = deliver
-        self._serving.set()
+        self._way_back.put(deliver)
 
     def submit(self, batch: Batch) -> None:
         self._inbox.put(batch)
 
     def stop(self) -> None:
         self._inbox.put(None)
-        self._serving.set()
+        self._way_back.put(None)
 
     def _beat(self) -> None:
         self.heartbeat = time.monotonic()
 
     def _main(self) -> None:
         try:
-            engine = self._load_and_warm_up()
+            engine = start_engine(self._settings, self._load_model, self._beat)
         except BaseException as error:  # reported to the engine process, which exits non-zero
             log.exception("model start-up failed")
-            self.error = error
-            self._loop.call_soon_threadsafe(self._resolve_warm)
+            self._loop.call_soon_threadsafe(self._resolve_warm, None, error)
             return
-        self.engine = engine
-        self._loop.call_soon_threadsafe(self._resolve_warm)
+        self._loop.call_soon_threadsafe(self._resolve_warm, engine, None)
         try:
-            self._serving.wait()
-            self._serve(engine)
+            deliver = self._way_back.get()
+            if deliver is not None:
+                self._serve(engine, deliver)
         except BaseException as error:  # a device error, or a bug: either way no batch is computed again
             log.critical("worker thread failed, exiting: %r", error, exc_info=True)
             self._loop.call_soon_threadsafe(self._on_fatal, error)
 
-    def _resolve_warm(self) -> None:
-        if not self.warm.done():
-            self.warm.set_result(None)
+    def _resolve_warm(self, engine: Engine | None, error: BaseException | None) -> None:
+        if self.warm.done():
+            return
+        if engine is not None:
+            self.warm.set_result(engine)
+        else:
+            self.warm.set_exception(error or RuntimeError("start-up failed"))
 
-    def _load_and_warm_up(self) -> Engine:
-        return start_engine(self._settings, self._load_model, self._beat)
-
-    def _serve(self, engine: Engine) -> None:
+    def _serve(self, engine: Engine, deliver: Deliver) -> None:
         while True:
             try:
                 batch = self._inbox.get(timeout=1.0)  # the timeout only refreshes the heartbeat
@@ -289,20 +284,16 @@ class Worker:
             outcomes = engine.compute(batch.live_chunks(), batch.seq_len)  # raises only what is fatal
             seconds = time.monotonic() - started
             self._beat()
-            self._loop.call_soon_threadsafe(self._deliver, batch, outcomes, started, seconds)
-
-
-def _not_serving(batch: Batch, outcomes: list[Outcome], started: float, seconds: float) -> None:
-    raise RuntimeError("a batch was computed before Worker.serve")
+            self._loop.call_soon_threadsafe(deliver, batch, outcomes, started, seconds)
 
 
 def _halve(chunks: list[Chunk], n: int) -> tuple[list[Chunk], list[Chunk]]:
     """The first ``n`` items of a run of chunks, and the rest."""
     head: list[Chunk] = []
     for index, chunk in enumerate(chunks):
-        if n >= chunk.size:
+        if n >= chunk.items:
             head.append(chunk)
-            n -= chunk.size
+            n -= chunk.items
             continue
         if n == 0:
             return head, chunks[index:]

@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 from kembed.config import ConfigError, Settings
+from kembed.contract import EXIT_CONFIG
 from kembed.frontend.process import FrontendProcess
 
 
@@ -26,7 +27,7 @@ def main(argv: list[str] | None = None) -> int:
         settings = Settings.from_env(grpc_port=args.grpc_port)
     except ConfigError as error:
         print(f"kembed front end: configuration error: {error}", file=sys.stderr)
-        return 2
+        return EXIT_CONFIG
     logging.basicConfig(
         level=settings.log_level, format=f"%(asctime)s %(levelname)s frontend-{args.index} %(name)s: %(message)s"
     )

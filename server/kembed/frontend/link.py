@@ -19,9 +19,22 @@ from typing import Any
 
 import numpy as np
 
-from kembed.frontend.errors import EmbedError
 from kembed.inputs import Sequences
-from kembed.ipc import ENGINE_SOCKET, Frame, Kind, LinkClosed, ServingInfo, encode_json, receive, send
+from kembed.protocol import (
+    PROTOCOL_VERSION,
+    Errors,
+    Hello,
+    LinkClosed,
+    ProtocolError,
+    Ready,
+    Result,
+    ServingInfo,
+    Work,
+    check_version,
+    receive,
+    send,
+)
+from kembed.runtime import ENGINE_SOCKET
 
 log = logging.getLogger(__name__)
 
@@ -81,11 +94,12 @@ class EngineLink:
                 if loop.time() > give_up:
                     raise LinkClosed(f"no engine at {path}") from None
                 await asyncio.sleep(CONNECT_RETRY_S)
-        send(writer, Kind.HELLO, encode_json({"index": index}))
+        send(writer, Hello(PROTOCOL_VERSION, index))
         ready = await receive(reader)
-        if ready.kind is not Kind.READY:
-            raise LinkClosed(f"expected READY from the engine, got {ready.kind.name}")
-        return cls(reader, writer, ServingInfo.from_json(ready.json(0)), frame_interval)
+        if not isinstance(ready, Ready):
+            raise ProtocolError(f"expected READY from the engine, got {ready.kind.name}")
+        check_version(ready.version)
+        return cls(reader, writer, ready.info, frame_interval)
 
     def submit(self, seqs: Sequences, cost: int, arrival: float, deadline: float) -> tuple[int, Pending]:
         """Queue a request admitted at ``cost`` padded tokens (the engine's final word counts the same)."""
@@ -115,13 +129,16 @@ class EngineLink:
             self._flush_at = asyncio.get_running_loop().call_later(SAMPLE_FLUSH_S, self._flush)
 
     async def run(self) -> None:
-        """Route the engine's answers until the link closes (raises :class:`LinkClosed`)."""
+        """Route the engine's answers until the link closes (raises :class:`LinkClosed`), or until
+        something arrives that is not an answer (raises :class:`ProtocolError`)."""
         while True:
-            frame = await receive(self._reader)
-            if frame.kind is Kind.RESULT:
-                self._scatter(frame)
-            elif frame.kind is Kind.ERRORS:
-                self._fail(frame)
+            message = await receive(self._reader)
+            if isinstance(message, Result):
+                self._scatter(message)
+            elif isinstance(message, Errors):
+                self._fail(message)
+            else:
+                raise ProtocolError(f"unexpected {message.kind.name} from the engine")
 
     def close(self) -> None:
         self._writer.close()
@@ -142,19 +159,17 @@ class EngineLink:
         self._last_frame_requests = len(self._out_tags)
         if self._writer.is_closing():
             return
-        counts = np.fromiter(map(len, self._out_lengths), dtype="<u4", count=len(self._out_lengths))
-        send(
-            self._writer,
-            Kind.WORK,
-            np.asarray(self._out_tags, dtype="<u8"),
-            np.asarray(self._out_deadlines, dtype="<f8"),
-            counts,
-            np.asarray(self._out_costs, dtype="<u8"),
-            _concat(self._out_lengths),
-            _concat(self._out_ids),
-            np.asarray(self._out_cancels, dtype="<u8"),
-            np.asarray(self._out_latencies, dtype="<f8"),
+        work = Work(
+            tags=np.asarray(self._out_tags, dtype="<u8"),
+            deadlines=np.asarray(self._out_deadlines, dtype="<f8"),
+            counts=np.fromiter(map(len, self._out_lengths), dtype="<u4", count=len(self._out_lengths)),
+            costs=np.asarray(self._out_costs, dtype="<u8"),
+            lengths=_concat(self._out_lengths),
+            ids=_concat(self._out_ids),
+            cancels=np.asarray(self._out_cancels, dtype="<u8"),
+            latencies=np.asarray(self._out_latencies, dtype="<f8"),
         )
+        send(self._writer, work)
         for buffer in self._outbox():
             buffer.clear()
 
@@ -170,31 +185,32 @@ class EngineLink:
             self._out_latencies,
         )
 
-    def _scatter(self, frame: Frame) -> None:
-        started, seconds = frame.array(0, "<f8").tolist()
-        tags = frame.array(1, "<u8")
-        slots = frame.array(2, "<u4")
-        rows = frame.array(3, "<f4").reshape(len(tags), self.info.dimensions)
+    def _scatter(self, result: Result) -> None:
+        tags, slots, rows = result.tags, result.slots, result.rows
+        if rows.shape[1] != self.info.dimensions:
+            raise ProtocolError(f"RESULT: rows of {rows.shape[1]} dimensions, the model has {self.info.dimensions}")
         # A request's rows in one batch are contiguous: one step per request, none per row.
         bounds = [0, *(np.flatnonzero(np.diff(tags)) + 1).tolist(), len(tags)]
         for begin, end in itertools.pairwise(bounds):
             pending = self._pending.get(int(tags[begin]))
             if pending is None:
                 continue  # timed out or cancelled meanwhile
+            if int(slots[begin:end].max()) >= len(pending.embeddings) or end - begin > pending.remaining:
+                raise ProtocolError(f"RESULT: slots beyond a request of {len(pending.embeddings)} items")
             pending.embeddings[slots[begin:end]] = rows[begin:end]
             pending.remaining -= end - begin
-            pending.inference_s += seconds
-            pending.last_start = max(pending.last_start, started)
+            pending.inference_s += result.seconds
+            pending.last_start = max(pending.last_start, result.started)
             if pending.remaining == 0:
                 del self._pending[int(tags[begin])]
                 if not pending.future.done():  # cancelled by its caller meanwhile
                     pending.future.set_result(None)
 
-    def _fail(self, frame: Frame) -> None:
-        for tag, code, message, retry_after_ms in frame.json(0):
+    def _fail(self, failed: Errors) -> None:
+        for tag, error in zip(failed.tags, failed.errors, strict=True):
             pending = self._pending.pop(tag, None)
             if pending is not None and not pending.future.done():
-                pending.future.set_exception(EmbedError.named(code, message, retry_after_ms))
+                pending.future.set_exception(error)
 
 
 def _concat(arrays: list[np.ndarray]) -> np.ndarray:

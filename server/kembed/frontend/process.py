@@ -2,16 +2,14 @@
 
 It listens at once, answering UNAVAILABLE, while it connects to the engine; when the engine says
 READY it builds the serving path once (the composition root) and turns SERVING. On SIGTERM it stops
-admitting, answers everything it accepted, and exits 0. If the engine goes away it exits non-zero.
+admitting, answers everything it accepted, and exits 0. If the engine goes away, or its link breaks
+the protocol, it exits EXIT_FATAL.
 """
 
 from __future__ import annotations
 
 import asyncio
-import gc
 import logging
-import os
-import signal
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -21,18 +19,21 @@ from grpc_health.v1.health import aio as health_aio  # type: ignore[attr-defined
 from grpc_reflection.v1alpha import reflection
 
 from kembed import tls
+from kembed.board import Board, Cell, FrontendCell
+from kembed.child import Child
 from kembed.config import Settings
-from kembed.contract import GRPC_SERVICE
+from kembed.contract import EXIT_FATAL, GRPC_SERVICE
+from kembed.frontend.grpc_api import EmbedderServicer
 from kembed.frontend.link import EngineLink
 from kembed.frontend.screen import Screen
-from kembed.frontend.service import EmbedderServicer, EmbedService, Gate
-from kembed.ipc import BOARD_FILE, FRONTEND_SERVING, Board, LinkClosed, Slot
+from kembed.frontend.service import EmbedService, Gate
 from kembed.metrics import FrontendMetrics
+from kembed.protocol import LinkClosed, ProtocolError
+from kembed.runtime import BOARD_FILE
 from kembed.v1 import embedder_pb2, embedder_pb2_grpc
 
 log = logging.getLogger(__name__)
 
-ENGINE_LOST_EXIT_CODE = 70
 TICK_S = 1.0
 TOKENIZER_THREADS = 2
 
@@ -44,12 +45,11 @@ class FrontendProcess:
         self._index = index
         self._board = Board(runtime / BOARD_FILE)
         self._metrics = FrontendMetrics()
-        self._gate = Gate(lambda: self._board[Slot.DRAINING] == 1.0)
+        self._gate = Gate(lambda: self._board[Cell.DRAINING] == 1.0)
         self._servicer = EmbedderServicer(self._metrics, self._gate)
         self._health = health_aio.HealthServicer()
         self._executor = ThreadPoolExecutor(TOKENIZER_THREADS, thread_name_prefix="kembed-tokenize")
-        self._stop = asyncio.Event()
-        self._parent = os.getppid()
+        self._child = Child()
         self._grpc = grpc.aio.server(
             maximum_concurrent_rpcs=settings.max_concurrent_rpcs,
             options=[
@@ -62,14 +62,12 @@ class FrontendProcess:
         )
 
     async def run(self) -> int:
-        loop = asyncio.get_running_loop()
-        loop.add_signal_handler(signal.SIGTERM, self._stop.set)
-        signal.signal(signal.SIGINT, signal.SIG_IGN)  # the supervisor decides; a terminal's ^C reaches all
+        self._child.handle_signals()
         await self._listen()
-        ticker = asyncio.create_task(self._tick())
+        ticker = asyncio.create_task(self._child.tick(TICK_S, lambda: self._board.beat_frontend(self._index)))
         frame_interval = self._settings.frame_interval_ms / 1000
         connect = asyncio.create_task(EngineLink.connect(self._runtime, self._index, frame_interval))
-        stopped = asyncio.create_task(self._stop.wait())
+        stopped = asyncio.create_task(self._child.stop.wait())
         await asyncio.wait({connect, stopped}, return_when=asyncio.FIRST_COMPLETED)
         if not connect.done():
             connect.cancel()
@@ -77,15 +75,15 @@ class FrontendProcess:
             return 0
         try:
             link = connect.result()
-        except LinkClosed as error:
+        except (LinkClosed, ProtocolError) as error:
             log.critical("no engine: %s", error)
-            return ENGINE_LOST_EXIT_CODE
+            return EXIT_FATAL
         routing = asyncio.create_task(link.run())
         await self._open(link)
         await asyncio.wait({routing, stopped}, return_when=asyncio.FIRST_COMPLETED)
         if routing.done():
             log.critical("lost the engine: %s", routing.exception())
-            return ENGINE_LOST_EXIT_CODE
+            return EXIT_FATAL
         await self._drain()
         routing.cancel()
         ticker.cancel()
@@ -110,18 +108,15 @@ class FrontendProcess:
         screen = Screen(self._settings, self._board, link)
         self._servicer.service = EmbedService(self._settings, link, screen, self._gate, self._metrics, self._executor)
         await self._set_serving(True)
-        self._board.set_frontend(self._index, FRONTEND_SERVING, 1.0)
-        # What is loaded now lives as long as the process: out of the collector's sight, so full
-        # collections stop walking it between requests.
-        gc.collect()
-        gc.freeze()
+        self._board.set_frontend(self._index, FrontendCell.SERVING, 1.0)
+        self._child.freeze_heap()
 
     async def _drain(self) -> None:
         """Stop taking work, answer everything accepted, then stop listening."""
         self._gate.draining = True
         if isinstance(self._servicer.service, EmbedService):
             self._servicer.service.release_held()
-        self._board.set_frontend(self._index, FRONTEND_SERVING, 0.0)
+        self._board.set_frontend(self._index, FrontendCell.SERVING, 0.0)
         await self._set_serving(False)
         log.info("draining: %d requests in progress", self._gate.active)
         try:
@@ -135,12 +130,3 @@ class FrontendProcess:
         status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
         for service in ("", GRPC_SERVICE):
             await self._health.set(service, status)
-
-    async def _tick(self) -> None:
-        """The event loop's heartbeat for /livez; exit if the supervisor is gone."""
-        while True:
-            self._board.beat_frontend(self._index)
-            if os.getppid() != self._parent:
-                log.critical("the supervisor is gone: exiting")
-                os._exit(ENGINE_LOST_EXIT_CODE)
-            await asyncio.sleep(TICK_S)

@@ -8,9 +8,9 @@ old, and every front end admits against the same backlog.
 from __future__ import annotations
 
 from kembed.admission import AdmissionController, Rejection
+from kembed.board import Board, Cell
 from kembed.config import Settings
 from kembed.frontend.link import EngineLink
-from kembed.ipc import Board, Slot
 
 
 class PublishedLoad:
@@ -22,13 +22,13 @@ class PublishedLoad:
 
     @property
     def tokens_per_second(self) -> float:
-        return self._board[Slot.TOKENS_PER_SECOND]
+        return self._board[Cell.TOKENS_PER_SECOND]
 
     def shed_fraction(self) -> float:
-        return self._board[Slot.SHED_FRACTION]
+        return self._board[Cell.SHED_FRACTION]
 
     def p95_seconds(self) -> float:
-        return self._board[Slot.P95_SECONDS]
+        return self._board[Cell.P95_SECONDS]
 
     def add_latency(self, seconds: float) -> None:
         self._link.add_latency(seconds)
@@ -52,4 +52,4 @@ class Screen:
         return self._admission.admit(padded_tokens, self._backlog())
 
     def _backlog(self) -> int:
-        return int(self._board[Slot.BACKLOG_TOKENS])
+        return int(self._board[Cell.BACKLOG_TOKENS])

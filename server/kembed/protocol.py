@@ -1,0 +1,280 @@
+"""The protocol between the front ends and the engine: typed frames over a Unix socket.
+
+A frame is a header (``magic``, ``kind``, part count, body bytes), the parts' byte lengths, then the
+parts back to back. A part is a raw little-endian array or UTF-8 JSON, so a frame carrying any
+number of requests costs one header and one copy each way, with no per-item pickling (measured
+against pyzmq and pickled dicts in ``bench/ipc.py``: README, "Choices").
+
+Each kind is declared once below, with the one ``encode`` and the one ``decode`` both sides use.
+``decode`` checks what it reads: the part count, each array's size, and that the parts agree (as
+many deadlines as requests, as many ids as the lengths add up to...). Anything else raises
+:class:`ProtocolError`. A frame that does not parse means the two processes no longer agree about
+the stream; it is never worked around: the process that read it exits, and the supervisor takes the
+pod down, as it does for a dead child. Never wrong rows.
+
+Front end → engine: :class:`Hello` once (protocol version, front-end index), then :class:`Work`.
+Engine → front end: :class:`Ready` once the model is warm (version, :class:`ServingInfo`), then a
+:class:`Result` per batch (that front end's rows) and :class:`Errors` (requests refused or failed).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import struct
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+from enum import IntEnum
+from typing import Any, ClassVar
+
+import numpy as np
+
+from kembed.errors import EmbedError, Failure
+
+PROTOCOL_VERSION = 1  # both ends come from one install; a difference is a broken image
+MAGIC = 0x6B65  # "ke": a stream read out of step fails here, not somewhere in the rows
+HEADER = struct.Struct("<HBHI")  # magic, kind, parts, body bytes
+
+Part = np.ndarray | bytes
+
+
+class Kind(IntEnum):
+    HELLO = 1
+    WORK = 2
+    READY = 3
+    RESULT = 4
+    ERRORS = 5
+
+
+class ProtocolError(RuntimeError):
+    """A frame that is not what the protocol says: the link cannot be trusted any more."""
+
+
+class LinkClosed(ConnectionError):
+    """The peer went away: for a front end that means the engine died."""
+
+
+def _json(value: Any) -> bytes:
+    return json.dumps(value, separators=(",", ":")).encode()
+
+
+def _read_json(kind: Kind, parts: Sequence[memoryview]) -> Any:
+    _expect_parts(kind, parts, 1)
+    try:
+        return json.loads(bytes(parts[0]))
+    except ValueError as error:
+        raise ProtocolError(f"{kind.name}: not JSON ({error})") from None
+
+
+def _expect_parts(kind: Kind, parts: Sequence[memoryview], count: int) -> None:
+    if len(parts) != count:
+        raise ProtocolError(f"{kind.name}: {len(parts)} parts, expected {count}")
+
+
+def _read_arrays(kind: Kind, parts: Sequence[memoryview], layout: Sequence[tuple[str, str]]) -> list[np.ndarray]:
+    """Each part as a 1-D array of its declared dtype: views of the frame's bytes, no copy."""
+    _expect_parts(kind, parts, len(layout))
+    arrays = []
+    for part, (name, dtype) in zip(parts, layout, strict=True):
+        if len(part) % np.dtype(dtype).itemsize:
+            raise ProtocolError(f"{kind.name}.{name}: {len(part)} bytes is not a whole number of {dtype}")
+        arrays.append(np.frombuffer(part, dtype=dtype))
+    return arrays
+
+
+def _check(kind: Kind, condition: bool, what: str) -> None:
+    if not condition:
+        raise ProtocolError(f"{kind.name}: {what}")
+
+
+def check_version(peer: int) -> None:
+    if peer != PROTOCOL_VERSION:
+        raise ProtocolError(
+            f"the peer speaks protocol {peer}, this process {PROTOCOL_VERSION}: front ends and engine "
+            "come from different kembed installs"
+        )
+
+
+@dataclass(frozen=True)
+class ServingInfo:
+    """What front ends need from the warm engine: the model's limits, the plan, the tokenizer."""
+
+    model_id: str
+    dimensions: int
+    max_input_tokens: int
+    vocab_size: int
+    pad_token_id: int
+    pooling: str
+    excluded_token_ids: Sequence[int]
+    tokenizer_fingerprint: str
+    dtype: str
+    device: str
+    bucket_lengths: list[int]
+    batch_sizes: list[int]
+    tokenizer_json: str  # the engine's tokenizer, so every process splits text the same way
+
+
+@dataclass(frozen=True)
+class Hello:
+    kind: ClassVar[Kind] = Kind.HELLO
+    version: int
+    frontend: int  # the front end's index
+
+    def encode(self) -> list[Part]:
+        return [_json({"version": self.version, "frontend": self.frontend})]
+
+    @classmethod
+    def decode(cls, parts: Sequence[memoryview]) -> Hello:
+        data = _read_json(cls.kind, parts)
+        try:
+            return cls(version=int(data["version"]), frontend=int(data["frontend"]))
+        except (KeyError, TypeError, ValueError) as error:
+            raise ProtocolError(f"HELLO: {error!r}") from None
+
+
+@dataclass(frozen=True)
+class Ready:
+    kind: ClassVar[Kind] = Kind.READY
+    version: int
+    info: ServingInfo
+
+    def encode(self) -> list[Part]:
+        return [_json({"version": self.version, "info": asdict(self.info)})]
+
+    @classmethod
+    def decode(cls, parts: Sequence[memoryview]) -> Ready:
+        data = _read_json(cls.kind, parts)
+        try:
+            return cls(version=int(data["version"]), info=ServingInfo(**data["info"]))
+        except (KeyError, TypeError, ValueError) as error:
+            raise ProtocolError(f"READY: {error!r}") from None
+
+
+@dataclass(frozen=True)
+class Work:
+    """Every request a front end took since its last frame, with its cancellations and latency samples."""
+
+    kind: ClassVar[Kind] = Kind.WORK
+    tags: np.ndarray  # uint64 [requests]: the front end's ids for them
+    deadlines: np.ndarray  # float64 [requests], monotonic seconds (one clock for every process on the host)
+    counts: np.ndarray  # uint32 [requests]: items per request, each >= 1
+    costs: np.ndarray  # uint64 [requests]: padded tokens, as the front end admitted it
+    lengths: np.ndarray  # int32 [items], each >= 1
+    ids: np.ndarray  # int32 [tokens]
+    cancels: np.ndarray  # uint64: tags nobody waits for any more
+    latencies: np.ndarray  # float64: server-side latency samples for the P95 window
+    LAYOUT: ClassVar = (
+        ("tags", "<u8"),
+        ("deadlines", "<f8"),
+        ("counts", "<u4"),
+        ("costs", "<u8"),
+        ("lengths", "<i4"),
+        ("ids", "<i4"),
+        ("cancels", "<u8"),
+        ("latencies", "<f8"),
+    )
+
+    def encode(self) -> list[Part]:
+        return [np.ascontiguousarray(getattr(self, name), dtype=dtype) for name, dtype in self.LAYOUT]
+
+    @classmethod
+    def decode(cls, parts: Sequence[memoryview]) -> Work:
+        work = cls(*_read_arrays(cls.kind, parts, cls.LAYOUT))
+        requests = work.tags.size
+        _check(cls.kind, work.deadlines.size == work.counts.size == work.costs.size == requests, "per-request parts")
+        _check(cls.kind, bool((work.counts >= 1).all()) and bool((work.lengths >= 1).all()), "an empty request or item")
+        _check(cls.kind, int(work.counts.sum()) == work.lengths.size, "counts do not add up to the lengths")
+        _check(cls.kind, int(work.lengths.sum()) == work.ids.size, "lengths do not add up to the ids")
+        return work
+
+
+@dataclass(frozen=True)
+class Result:
+    """One batch's rows for one front end: row ``i`` is item ``slots[i]`` of request ``tags[i]``."""
+
+    kind: ClassVar[Kind] = Kind.RESULT
+    started: float  # when the batch started (monotonic seconds)
+    seconds: float  # its compute time
+    tags: np.ndarray  # uint64 [rows]
+    slots: np.ndarray  # uint32 [rows]
+    rows: np.ndarray  # float32 [rows, dimensions]
+
+    def encode(self) -> list[Part]:
+        timing = np.array([self.started, self.seconds], dtype="<f8")
+        rows = np.ascontiguousarray(self.rows, dtype="<f4")  # already float32 from the worker: no copy
+        return [timing, np.ascontiguousarray(self.tags, "<u8"), np.ascontiguousarray(self.slots, "<u4"), rows]
+
+    @classmethod
+    def decode(cls, parts: Sequence[memoryview]) -> Result:
+        layout = (("timing", "<f8"), ("tags", "<u8"), ("slots", "<u4"), ("rows", "<f4"))
+        timing, tags, slots, rows = _read_arrays(cls.kind, parts, layout)
+        _check(cls.kind, timing.size == 2 and tags.size == slots.size > 0, "timing, tags and slots")
+        _check(cls.kind, rows.size % tags.size == 0, "rows do not divide among the tags")
+        started, seconds = timing.tolist()
+        return cls(started, seconds, tags, slots, rows.reshape(tags.size, rows.size // tags.size))
+
+
+@dataclass(frozen=True)
+class Errors:
+    """Requests the engine refused or failed, each with its domain failure."""
+
+    kind: ClassVar[Kind] = Kind.ERRORS
+    tags: list[int]
+    errors: list[EmbedError]
+
+    def encode(self) -> list[Part]:
+        return [
+            _json(
+                [[tag, e.failure, e.message, e.retry_after_ms] for tag, e in zip(self.tags, self.errors, strict=True)]
+            )
+        ]
+
+    @classmethod
+    def decode(cls, parts: Sequence[memoryview]) -> Errors:
+        tags, errors = [], []
+        try:
+            for tag, failure, message, retry_after_ms in _read_json(cls.kind, parts):
+                tags.append(int(tag))
+                errors.append(EmbedError(Failure(failure), str(message), int(retry_after_ms)))
+        except (TypeError, ValueError) as error:
+            raise ProtocolError(f"ERRORS: {error!r}") from None
+        return cls(tags, errors)
+
+
+Message = Hello | Ready | Work | Result | Errors
+_MESSAGES: dict[Kind, type[Message]] = {m.kind: m for m in (Hello, Ready, Work, Result, Errors)}
+
+
+def frame(message: Message) -> list[bytes | memoryview]:
+    """The message as one frame's buffers: its header, then its parts (the arrays not copied)."""
+    buffers = [part.data.cast("B") if isinstance(part, np.ndarray) else part for part in message.encode()]
+    sizes = [len(buffer) for buffer in buffers]
+    header = HEADER.pack(MAGIC, message.kind, len(sizes), sum(sizes)) + struct.pack(f"<{len(sizes)}I", *sizes)
+    return [header, *buffers]
+
+
+def send(writer: asyncio.StreamWriter, message: Message) -> None:
+    """Queue one frame on the stream (asyncio writes it when the socket takes it)."""
+    writer.writelines(frame(message))
+
+
+async def receive(reader: asyncio.StreamReader) -> Message:
+    """The next message; :class:`LinkClosed` when the peer has gone, :class:`ProtocolError` when
+    what arrived is not a frame of this protocol."""
+    try:
+        magic, kind, count, body_bytes = HEADER.unpack(await reader.readexactly(HEADER.size))
+        if magic != MAGIC:
+            raise ProtocolError(f"bad magic {magic:#06x}: the stream is out of step")
+        sizes = struct.unpack(f"<{count}I", await reader.readexactly(4 * count))
+        if sum(sizes) != body_bytes:
+            raise ProtocolError(f"parts of {sum(sizes)} bytes in a body of {body_bytes}")
+        body = memoryview(await reader.readexactly(body_bytes))
+    except (asyncio.IncompleteReadError, ConnectionError) as error:
+        raise LinkClosed(str(error) or "connection closed") from None
+    if kind not in _MESSAGES:
+        raise ProtocolError(f"unknown frame kind {kind}")
+    parts, offset = [], 0
+    for size in sizes:
+        parts.append(body[offset : offset + size])
+        offset += size
+    return _MESSAGES[Kind(kind)].decode(parts)

@@ -1,0 +1,54 @@
+"""The layout is the architecture: front ends and the engine talk only through the protocol
+(kembed.protocol, kembed.board), so neither package imports the other, and the modules they share
+import neither. Read from the source, so a new import that crosses shows up here."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+PACKAGE = Path(__file__).parents[2] / "server" / "kembed"
+SIDES = ("frontend", "engine")
+# Entry points start the processes by module name, and the supervisor by path: none imports a side.
+SHARED = sorted(p for p in PACKAGE.glob("*.py"))
+
+
+def imported(path: Path) -> set[str]:
+    """Every module ``path`` imports, resolved to absolute names."""
+    names: set[str] = set()
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            names.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module:
+            names.add(node.module)
+            names.update(f"{node.module}.{alias.name}" for alias in node.names)
+    return names
+
+
+def crossings(path: Path, forbidden: list[str]) -> list[str]:
+    return sorted(name for name in imported(path) for side in forbidden if name.startswith(f"kembed.{side}"))
+
+
+@pytest.mark.parametrize("side", SIDES)
+def test_a_side_never_imports_the_other(side: str) -> None:
+    other = [s for s in SIDES if s != side]
+    found = {str(p.relative_to(PACKAGE)): crossings(p, other) for p in (PACKAGE / side).rglob("*.py")}
+    assert {path: names for path, names in found.items() if names} == {}
+    assert found, f"no modules under {side}/"
+
+
+def test_shared_modules_import_neither_side() -> None:
+    found = {p.name: crossings(p, list(SIDES)) for p in SHARED}
+    assert {name: names for name, names in found.items() if names} == {}
+
+
+def test_the_check_sees_a_crossing(tmp_path: Path) -> None:
+    module = tmp_path / "crossing.py"
+    module.write_text("from kembed.engine.buckets import route\nimport kembed.frontend.link\n")
+    assert crossings(module, list(SIDES)) == [
+        "kembed.engine.buckets",
+        "kembed.engine.buckets.route",
+        "kembed.frontend.link",
+    ]
