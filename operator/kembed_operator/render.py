@@ -19,10 +19,9 @@ from kembed.config import ConfigError, Settings
 from kembed.contract import ENV_PREFIX, GRPC_PORT, HTTP_PORT, LIVEZ_PATH, METRICS_PATH, READYZ_PATH, Metric, env_name
 from kembed_operator import access, identity, kinds, startup
 from kembed_operator.config import OperatorConfig
+from kembed_operator.kinds import Manifest
 from kembed_operator.slo import Thresholds, derive
 from kembed_operator.spec import EmbeddingServiceSpec, InvalidSpec
-
-Manifest = dict[str, Any]
 
 RUN_AS = 10001  # the uid/gid Dockerfile.server creates
 PRESTOP_SLEEP_S = 5  # lets endpoint removal reach every client before the server stops accepting
@@ -73,8 +72,8 @@ def render(owner: Owner, spec: EmbeddingServiceSpec, config: OperatorConfig) -> 
         Child(_pdb(owner)),
     ]
     if spec.network_policy.enabled:
-        policy = access.network_policy(_metadata(owner), selector_labels(owner.name), spec, config)
-        children.append(Child(policy))
+        policy = access.network_policy_spec(selector_labels(owner.name), spec, config)
+        children.append(Child(_object(kinds.NETWORK_POLICY, owner, policy)))
     if spec.autoscaled and spec.autoscaling.provider == "hpa":
         children.append(Child(_hpa(owner, spec, thresholds)))
     elif spec.autoscaled:
@@ -122,8 +121,8 @@ def _object(kind: kinds.Kind, owner: Owner, spec: Manifest, **metadata: Any) -> 
 
 def _metadata(owner: Owner, **extra: Any) -> Manifest:
     reference = {
-        "apiVersion": identity.API_VERSION,
-        "kind": identity.KIND,
+        "apiVersion": kinds.EMBEDDING_SERVICE.api_version,
+        "kind": kinds.EMBEDDING_SERVICE.kind,
         "name": owner.name,
         "uid": owner.uid,
         "controller": True,
@@ -363,12 +362,7 @@ def _volumes(spec: EmbeddingServiceSpec) -> tuple[list[Manifest], list[Manifest]
         volumes.append({"name": "model", "persistentVolumeClaim": {"claimName": pvc.claim_name, "readOnly": True}})
         mounts.append({"name": "model", "mountPath": MODEL_DIR, "readOnly": True})
     if hub is not None:
-        cache: Manifest = (
-            {"persistentVolumeClaim": {"claimName": hub.cache_claim_name}}
-            if hub.cache_claim_name
-            else {"emptyDir": {"sizeLimit": hub.cache_size_limit}}
-        )
-        volumes.append({"name": "model-cache", **cache})
+        volumes.append({"name": "model-cache", **_claim_or_empty_dir(hub.cache_claim_name, hub.cache_size_limit)})
         mounts.append({"name": "model-cache", "mountPath": CACHE_DIR})
     cache_volumes, cache_mounts = _compile_cache(spec)
     tls_volumes, tls_mounts = access.tls_volumes(spec)
@@ -379,12 +373,15 @@ def _compile_cache(spec: EmbeddingServiceSpec) -> tuple[list[Manifest], list[Man
     cache = spec.compile_cache
     if not cache.enabled:
         return [], []
-    source: Manifest = (
-        {"persistentVolumeClaim": {"claimName": cache.claim_name}}
-        if cache.claim_name
-        else {"emptyDir": {"sizeLimit": cache.size_limit}}
-    )
+    source = _claim_or_empty_dir(cache.claim_name, cache.size_limit)
     return [{"name": "compile-cache", **source}], [{"name": "compile-cache", "mountPath": COMPILE_CACHE_DIR}]
+
+
+def _claim_or_empty_dir(claim_name: str, size_limit: str) -> Manifest:
+    """A volume source: the named PVC, or without one an emptyDir, which lives as long as the pod."""
+    if claim_name:
+        return {"persistentVolumeClaim": {"claimName": claim_name}}
+    return {"emptyDir": {"sizeLimit": size_limit}}
 
 
 def startup_seconds(spec: EmbeddingServiceSpec, settings: Settings) -> int:

@@ -8,12 +8,13 @@ cannot express or what got past it (an older CRD, a client that skipped validati
 
 from __future__ import annotations
 
+from enum import StrEnum
 from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, model_validator
 from pydantic.alias_generators import to_camel
 
-from kembed_operator.config import Dtype, Pooling
+from kembed.config import Admission, Batching
 
 
 class InvalidSpec(ValueError):
@@ -28,6 +29,21 @@ Quantity = Annotated[str, BeforeValidator(lambda v: str(v) if isinstance(v, int 
 
 class _Spec(BaseModel):
     model_config = ConfigDict(alias_generator=to_camel, populate_by_name=True, extra="forbid", frozen=True)
+
+
+# The values kembed.config.Settings accepts (it checks them as strings).
+class Pooling(StrEnum):
+    AUTO = "auto"  # from the model folder's sentence-transformers config
+    MEAN = "mean"
+    CLS = "cls"
+    LAST = "last"
+
+
+class Dtype(StrEnum):
+    AUTO = "auto"  # the server's choice: bf16 on CUDA, fp32 on CPU
+    FLOAT32 = "float32"
+    FLOAT16 = "float16"
+    BFLOAT16 = "bfloat16"
 
 
 class PvcSource(_Spec):
@@ -74,24 +90,17 @@ class ResourcesSpec(_Spec):
 class BatchingSpec(_Spec):
     """Unset fields keep the server's defaults (see the README's configuration table)."""
 
-    mode: Literal["token_bucket", "naive"] = "token_bucket"
+    mode: Batching = Batching.TOKEN_BUCKET
     buckets: list[int] | None = None
     max_batch_size: int | None = Field(None, ge=1)
     max_tokens_per_batch: int | None = Field(None, ge=1)
     max_wait_ms: float | None = Field(None, ge=0)
 
 
-Strategy = Literal["throughput", "latency"]
-
-
-def _every_strategy() -> list[Strategy]:
-    return ["throughput", "latency"]
-
-
 class AdmissionSpec(_Spec):
     """Unset thresholds are derived from ``slo.p95LatencyMs`` (see :mod:`kembed_operator.slo`)."""
 
-    strategies: list[Strategy] = Field(default_factory=_every_strategy)
+    strategies: list[Admission] = Field(default_factory=lambda: list(Admission))  # every one the server has
     max_drain_ms: float | None = Field(None, gt=0)
     p95_soft_ms: float | None = Field(None, gt=0)
     p95_hard_ms: float | None = Field(None, gt=0)

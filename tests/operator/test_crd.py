@@ -9,7 +9,7 @@ import jsonschema
 import pytest
 import yaml
 
-from kembed_operator import identity
+from kembed_operator import identity, kinds
 from kembed_operator.spec import parse_spec
 from tests.operator.conftest import CHART, CRD_PATH
 from tests.operator.test_render import FEATURES, INVALID
@@ -75,7 +75,8 @@ def validator(crd_schema: Schema) -> jsonschema.Draft4Validator:
 
 
 def resource(spec: dict[str, Any]) -> dict[str, Any]:
-    return {"apiVersion": identity.API_VERSION, "kind": identity.KIND, "metadata": {"name": "x"}, "spec": spec}
+    es = kinds.EMBEDDING_SERVICE
+    return {"apiVersion": es.api_version, "kind": es.kind, "metadata": {"name": "x"}, "spec": spec}
 
 
 def test_the_chart_ships_the_same_crd() -> None:

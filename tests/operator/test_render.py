@@ -109,7 +109,7 @@ def test_every_manifest_is_valid_kubernetes(spec: dict[str, Any]) -> None:
             kubernetes_validate.validate(manifest, K8S_VERSION, strict=True)
         (ref,) = manifest["metadata"]["ownerReferences"]
         assert ref == {
-            "apiVersion": identity.API_VERSION,
+            "apiVersion": kinds.EMBEDDING_SERVICE.api_version,
             "kind": identity.KIND,
             "name": "emb",
             "uid": "0000-1111",
