@@ -13,6 +13,7 @@ from kembed.config import Settings
 from kembed.contract import GRPC_PORT, HTTP_PORT, LIVEZ_PATH, METRICS_PATH, READYZ_PATH, Metric, env_name
 from kembed_operator import identity, kinds, render
 from kembed_operator.config import OperatorConfig
+from kembed_operator.slo import derive
 from kembed_operator.spec import InvalidSpec, parse_spec
 
 K8S_VERSION = "1.34.0"
@@ -125,6 +126,13 @@ def test_rendered_env_is_accepted_by_the_server(spec: dict[str, Any]) -> None:
     settings = Settings.from_env({k: v for k, v in env(spec).items() if k.startswith("KEMBED_")})
     assert (settings.grpc_host, settings.http_host) == ("0.0.0.0", "0.0.0.0")
     assert (settings.grpc_port, settings.http_port) == (GRPC_PORT, HTTP_PORT)
+
+
+@pytest.mark.parametrize("spec", FEATURES.values(), ids=FEATURES.keys())
+def test_the_env_spells_the_settings_the_operator_plans_with(spec: dict[str, Any]) -> None:
+    """The startup budget reads the typed settings; the server reads their rendering: the same values."""
+    planned = render.server_config(parse_spec(spec), derive(parse_spec(spec))).settings
+    assert Settings.from_env({k: v for k, v in env(spec).items() if k.startswith("KEMBED_")}) == planned
 
 
 def test_deployment_defaults() -> None:
