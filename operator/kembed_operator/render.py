@@ -187,7 +187,7 @@ def _decided_settings(spec: EmbeddingServiceSpec, thresholds: Thresholds) -> dic
         "p95_hard_ms": thresholds.p95_hard_ms,
         "latency_window_s": admission.latency_window_seconds,
         "max_queued_tokens": admission.max_queued_tokens,
-        "drain_timeout_s": spec.drain_seconds,
+        "drain_timeout_s": spec.grace_seconds,
         "compile_cache_dir": COMPILE_CACHE_DIR if spec.compile_cache.enabled else None,
         **_model_source(spec),
         **access.tls_settings(spec),
@@ -293,7 +293,7 @@ def _pod_spec(spec: EmbeddingServiceSpec, config: OperatorConfig, server: Server
     pod: Manifest = {
         "automountServiceAccountToken": False,  # the server never calls the API
         "enableServiceLinks": False,
-        "terminationGracePeriodSeconds": PRESTOP_SLEEP_S + spec.drain_seconds + GRACE_MARGIN_S,
+        "terminationGracePeriodSeconds": PRESTOP_SLEEP_S + spec.grace_seconds + GRACE_MARGIN_S,
         "securityContext": {
             "runAsNonRoot": True,
             "runAsUser": RUN_AS,

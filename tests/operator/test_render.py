@@ -86,7 +86,7 @@ FEATURES: dict[str, dict[str, Any]] = {
     },
     "compile cache on a PVC": {"compileCache": {"claimName": "compile-cache"}},
     "compile cache off": {"compileCache": {"enabled": False}},
-    "image": {"image": "mine/kembed:2", "imagePullPolicy": "Always", "startupTimeoutSeconds": 1800, "drainSeconds": 60},
+    "image": {"image": "mine/kembed:2", "imagePullPolicy": "Always", "startupTimeoutSeconds": 1800},
 }
 
 
@@ -329,9 +329,23 @@ def test_image_and_timing() -> None:
     server = container(spec)
     assert (server["image"], server["imagePullPolicy"]) == ("mine/kembed:2", "Always")
     assert server["startupProbe"]["periodSeconds"] * server["startupProbe"]["failureThreshold"] >= 1800
+
+
+GRACE: dict[str, tuple[dict[str, Any], int]] = {
+    # spec: seconds a terminating pod may go on finishing accepted requests
+    "default": ({}, 25),
+    "terminationGraceSeconds": ({"terminationGraceSeconds": 60}, 60),
+    "drainSeconds, its deprecated name": ({"drainSeconds": 40}, 40),
+    "both: the new name wins": ({"terminationGraceSeconds": 60, "drainSeconds": 40}, 60),
+    "both, the new one zero": ({"terminationGraceSeconds": 0, "drainSeconds": 40}, 0),
+}
+
+
+@pytest.mark.parametrize(("spec", "seconds"), GRACE.values(), ids=GRACE.keys())
+def test_termination_grace(spec: dict[str, Any], seconds: int) -> None:
     grace = children(spec)["Deployment"]["spec"]["template"]["spec"]["terminationGracePeriodSeconds"]
-    assert grace == render.PRESTOP_SLEEP_S + 60 + render.GRACE_MARGIN_S
-    assert env(spec)[env_name("drain_timeout_s")] == "60"
+    assert grace == render.PRESTOP_SLEEP_S + seconds + render.GRACE_MARGIN_S
+    assert env(spec)[env_name("drain_timeout_s")] == str(seconds)
 
 
 def test_render_is_deterministic() -> None:
@@ -356,6 +370,7 @@ INVALID: dict[str, tuple[dict[str, Any], str]] = {
         "spec.env[0]: KEMBED_CPU_REQUEST_MILLICORES is rendered",
     ),
     "cpu not a quantity": ({"resources": {"cpu": "lots"}}, "spec.resources.cpu"),
+    "negative deprecated grace": ({"drainSeconds": -1}, "spec.drainSeconds"),
 }
 
 
