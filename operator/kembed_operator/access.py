@@ -7,14 +7,11 @@ certificate, which the server picks up for new connections without a restart.
 
 from __future__ import annotations
 
-from typing import Any
-
 from kembed.contract import GRPC_PORT, HTTP_PORT
 from kembed_operator.config import OperatorConfig
+from kembed_operator.kinds import Manifest
 from kembed_operator.spec import EmbeddingServiceSpec
 from kembed_operator.status import Verdict
-
-Manifest = dict[str, Any]
 
 TLS_DIR = "/etc/kembed/tls"
 CLIENT_CA_DIR = "/etc/kembed/client-ca"
@@ -63,10 +60,9 @@ def metrics_peers(spec: EmbeddingServiceSpec, config: OperatorConfig) -> list[Ma
     return list(spec.network_policy.metrics_from or config.metrics_from)
 
 
-def network_policy(
-    metadata: Manifest, pod_labels: dict[str, str], spec: EmbeddingServiceSpec, config: OperatorConfig
-) -> Manifest:
-    """Ingress only: gRPC from this namespace and ``from``, the HTTP port from :func:`metrics_peers`.
+def network_policy_spec(pod_labels: dict[str, str], spec: EmbeddingServiceSpec, config: OperatorConfig) -> Manifest:
+    """The NetworkPolicy's spec, ingress only: gRPC from this namespace and ``from``, the HTTP port from
+    :func:`metrics_peers`.
 
     Kubelet probes come from the node, which common CNIs always admit; everything else is refused.
     """
@@ -76,12 +72,7 @@ def network_policy(
     ]
     if peers := metrics_peers(spec, config):
         ingress.append({"from": peers, "ports": [{"protocol": "TCP", "port": HTTP_PORT}]})
-    return {
-        "apiVersion": "networking.k8s.io/v1",
-        "kind": "NetworkPolicy",
-        "metadata": metadata,
-        "spec": {"podSelector": {"matchLabels": pod_labels}, "policyTypes": ["Ingress"], "ingress": ingress},
-    }
+    return {"podSelector": {"matchLabels": pod_labels}, "policyTypes": ["Ingress"], "ingress": ingress}
 
 
 def metrics_admitted(spec: EmbeddingServiceSpec, config: OperatorConfig) -> Verdict:

@@ -1,5 +1,4 @@
-"""The operator's own configuration, from ``KEMBED_OPERATOR_*`` environment variables (set by the chart),
-and the choices a spec makes among fixed values."""
+"""The operator's own configuration, from ``KEMBED_OPERATOR_*`` environment variables (set by the chart)."""
 
 from __future__ import annotations
 
@@ -7,24 +6,9 @@ import json
 import os
 from collections.abc import Mapping
 from dataclasses import dataclass
-from enum import StrEnum
 from typing import Any
 
 PREFIX = "KEMBED_OPERATOR_"
-
-
-class Pooling(StrEnum):
-    AUTO = "auto"  # from the model folder's sentence-transformers config
-    MEAN = "mean"
-    CLS = "cls"
-    LAST = "last"
-
-
-class Dtype(StrEnum):
-    AUTO = "auto"  # the server's choice: bf16 on CUDA, fp32 on CPU
-    FLOAT32 = "float32"
-    FLOAT16 = "float16"
-    BFLOAT16 = "bfloat16"
 
 
 @dataclass(frozen=True)

@@ -25,8 +25,8 @@ import kopf
 
 from kembed_operator import identity, kinds, kube
 from kembed_operator.config import OperatorConfig
-from kembed_operator.kinds import Kind
-from kembed_operator.reconcile import Client, Manifest, Outcome, reconcile
+from kembed_operator.kinds import Kind, Manifest
+from kembed_operator.reconcile import Client, Outcome, reconcile
 
 CONFIG = OperatorConfig.from_env()
 ES = (kinds.EMBEDDING_SERVICE.group, kinds.EMBEDDING_SERVICE.version, kinds.EMBEDDING_SERVICE.plural)
@@ -37,7 +37,7 @@ RESYNC_S = 600.0
 # After a wake-up, let the burst of events behind it (our own writes echoing back) reach the
 # indexes first: one reconcile for the burst, reading an index that has caught up.
 SETTLE_S = 0.5
-CHILDREN = {identity.LABEL_MANAGED_BY: identity.MANAGED_BY}
+OUR_CHILDREN = {identity.LABEL_MANAGED_BY: identity.MANAGED_BY}  # the label every child of ours carries
 API = kube.KubeClient()
 _WAKEUPS: dict[tuple[str, str], asyncio.Event] = {}  # (namespace, name) -> its loop's wake-up call
 
@@ -70,8 +70,8 @@ async def _wake_owner(namespace: str | None, labels: Mapping[str, str], **_: Any
 
 for _kind in kinds.CHILDREN:
     _resource = (_kind.group, _kind.version, _kind.plural)
-    kopf.index(*_resource, labels=CHILDREN, id=index_id(_kind))(_index_child)
-    kopf.on.event(*_resource, labels=CHILDREN, id=f"wake_{_kind.plural}")(_wake_owner)
+    kopf.index(*_resource, labels=OUR_CHILDREN, id=index_id(_kind))(_index_child)
+    kopf.on.event(*_resource, labels=OUR_CHILDREN, id=f"wake_{_kind.plural}")(_wake_owner)
 
 
 @kopf.on.event(*ES)

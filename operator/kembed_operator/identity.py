@@ -6,7 +6,6 @@ GROUP: Final = "kembed.io"
 VERSION: Final = "v1alpha1"
 PLURAL: Final = "embeddingservices"
 KIND: Final = "EmbeddingService"
-API_VERSION: Final = f"{GROUP}/{VERSION}"
 
 FIELD_MANAGER: Final = "kembed-operator"
 MANAGED_BY: Final = "kembed-operator"

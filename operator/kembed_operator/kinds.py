@@ -1,5 +1,5 @@
-"""Every kind the operator reads or writes, declared once: the renderer, the API client, the kopf
-handlers and the RBAC rules all take their child kinds from :data:`CHILDREN`."""
+"""Every kind the operator reads or writes, declared once with its apiVersion: the renderer, the API
+client, the kopf handlers and the RBAC rules all take their kinds from here."""
 
 from __future__ import annotations
 
@@ -7,6 +7,9 @@ from dataclasses import dataclass
 from typing import Any, Final
 
 from kembed_operator import identity
+
+# A Kubernetes object, or a part of one, as the API's JSON.
+Manifest = dict[str, Any]
 
 
 @dataclass(frozen=True)
@@ -36,7 +39,7 @@ CHILDREN: Final = (DEPLOYMENT, SERVICE, PDB, HPA, SCALED_OBJECT, NETWORK_POLICY)
 EMBEDDING_SERVICE: Final = Kind(identity.GROUP, identity.VERSION, identity.PLURAL, identity.KIND)
 
 
-def of(manifest: dict[str, Any]) -> Kind:
+def of(manifest: Manifest) -> Kind:
     """The child kind of a manifest (by apiVersion and kind)."""
     api_version, kind = manifest["apiVersion"], manifest["kind"]
     return next(k for k in CHILDREN if (k.api_version, k.kind) == (api_version, kind))

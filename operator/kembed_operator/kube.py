@@ -11,16 +11,14 @@ from __future__ import annotations
 
 import json
 from functools import cache
-from typing import Any
 
 import urllib3.exceptions
 from kubernetes import client, config
 from kubernetes.client.exceptions import ApiException
 
 from kembed_operator import identity, permissions
-from kembed_operator.kinds import Kind
+from kembed_operator.kinds import Kind, Manifest
 
-Manifest = dict[str, Any]
 _MANAGER = ("fieldManager", identity.FIELD_MANAGER)
 # (connect, read) seconds: a hung request fails and is retried instead of stalling its reconcile loop.
 REQUEST_TIMEOUT_S = (5.0, 30.0)

@@ -20,10 +20,9 @@ from kubernetes.utils.quantity import parse_quantity
 
 from kembed_operator import access, kinds, kube, render, status, trust
 from kembed_operator.config import OperatorConfig
-from kembed_operator.kinds import Kind
+from kembed_operator.kinds import Kind, Manifest
 from kembed_operator.spec import InvalidSpec, parse_spec
 
-Manifest = dict[str, Any]
 # Fields the API server stores as a canonical Quantity (`4000m` comes back as `4`).
 QUANTITY_KEYS = frozenset({"cpu", "memory", "ephemeral-storage", render.GPU_RESOURCE, "sizeLimit", "averageValue"})
 

@@ -3,14 +3,16 @@
 Every child is named after its EmbeddingService, labelled so the operator can watch it, and owned
 through a controller ownerReference so Kubernetes deletes it with its owner. The server's ports,
 probe paths, metric names and variable names come from :mod:`kembed.contract`; the variables the
-operator renders are checked with the server's own :class:`kembed.config.Settings`, so a spec the
-server would refuse to start with is rejected here, as a condition, instead of as a crash loop.
+operator renders come from one value of the server's own :class:`kembed.config.Settings`, built from
+the spec, so a spec the server would refuse to start with is rejected here, as a condition, instead
+of as a crash loop.
 """
 
 from __future__ import annotations
 
 import math
 from dataclasses import dataclass, field
+from enum import Enum
 from typing import Any
 
 from kubernetes.utils.quantity import parse_quantity
@@ -19,10 +21,9 @@ from kembed.config import ConfigError, Settings
 from kembed.contract import ENV_PREFIX, GRPC_PORT, HTTP_PORT, LIVEZ_PATH, METRICS_PATH, READYZ_PATH, Metric, env_name
 from kembed_operator import access, identity, kinds, startup
 from kembed_operator.config import OperatorConfig
+from kembed_operator.kinds import Manifest
 from kembed_operator.slo import Thresholds, derive
 from kembed_operator.spec import EmbeddingServiceSpec, InvalidSpec
-
-Manifest = dict[str, Any]
 
 RUN_AS = 10001  # the uid/gid Dockerfile.server creates
 PRESTOP_SLEEP_S = 5  # lets endpoint removal reach every client before the server stops accepting
@@ -65,16 +66,15 @@ class Child:
 def render(owner: Owner, spec: EmbeddingServiceSpec, config: OperatorConfig) -> list[Child]:
     """The children ``spec`` needs, or :class:`InvalidSpec` when they would not work."""
     thresholds = derive(spec)
-    env = server_env(spec, thresholds)
-    settings = check_env(env, spec.env)
+    server = server_config(spec, thresholds)
     children = [
-        _deployment(owner, spec, config, env, settings),
+        _deployment(owner, spec, config, server),
         Child(_service(owner, spec)),
         Child(_pdb(owner)),
     ]
     if spec.network_policy.enabled:
-        policy = access.network_policy(_metadata(owner), selector_labels(owner.name), spec, config)
-        children.append(Child(policy))
+        policy = access.network_policy_spec(selector_labels(owner.name), spec, config)
+        children.append(Child(_object(kinds.NETWORK_POLICY, owner, policy)))
     if spec.autoscaled and spec.autoscaling.provider == "hpa":
         children.append(Child(_hpa(owner, spec, thresholds)))
     elif spec.autoscaled:
@@ -122,8 +122,8 @@ def _object(kind: kinds.Kind, owner: Owner, spec: Manifest, **metadata: Any) -> 
 
 def _metadata(owner: Owner, **extra: Any) -> Manifest:
     reference = {
-        "apiVersion": identity.API_VERSION,
-        "kind": identity.KIND,
+        "apiVersion": kinds.EMBEDDING_SERVICE.api_version,
+        "kind": kinds.EMBEDDING_SERVICE.kind,
         "name": owner.name,
         "uid": owner.uid,
         "controller": True,
@@ -141,8 +141,29 @@ def _metadata(owner: Owner, **extra: Any) -> Manifest:
 # --- server environment ---------------------------------------------------------------------------
 
 
-def server_env(spec: EmbeddingServiceSpec, thresholds: Thresholds) -> dict[str, str]:
-    """``KEMBED_*`` variables for the server; unset batching fields keep the server's defaults."""
+@dataclass(frozen=True)
+class ServerConfig:
+    """What the server will start with: its ``settings`` (``spec.env``'s literal values included), for
+    whatever needs a typed value, and ``env``, the ``KEMBED_*`` variables the spec decides, rendered
+    from those settings."""
+
+    settings: Settings
+    env: dict[str, str]
+
+
+def server_config(spec: EmbeddingServiceSpec, thresholds: Thresholds) -> ServerConfig:
+    """The server's settings, built once; :class:`InvalidSpec` when the server would refuse them at
+    start-up, or when ``spec.env`` fights the spec."""
+    decided = _decided_settings(spec, thresholds)
+    try:
+        settings = Settings.from_env(_literal_env(spec.env, decided), **decided)
+    except ConfigError as err:
+        raise InvalidSpec(f"server settings: {err}") from None
+    return ServerConfig(settings, {env_name(name): _text(getattr(settings, name)) for name in decided})
+
+
+def _decided_settings(spec: EmbeddingServiceSpec, thresholds: Thresholds) -> dict[str, Any]:
+    """The server settings the spec decides (field name -> value); the rest keep the server's defaults."""
     model, batching, admission = spec.model, spec.batching, spec.admission
     settings: dict[str, Any] = {
         # The server binds loopback by default; in a pod it must listen on the pod's address.
@@ -152,26 +173,44 @@ def server_env(spec: EmbeddingServiceSpec, thresholds: Thresholds) -> dict[str, 
         "http_port": HTTP_PORT,
         "device": device_type(spec),
         "pooling": model.pooling,
-        "control_tokens": ",".join(model.control_tokens),
+        "control_tokens": model.control_tokens,
         "max_input_tokens": model.max_input_tokens,
         "dtype": model.dtype,
         "batching": batching.mode,
-        "buckets": None if batching.buckets is None else ",".join(map(str, batching.buckets)),
+        "buckets": batching.buckets,
         "max_batch_size": batching.max_batch_size,
         "max_tokens_per_batch": batching.max_tokens_per_batch,
         "max_wait_ms": batching.max_wait_ms,
-        "admission": ",".join(admission.strategies),
+        "admission": admission.strategies,
         "max_drain_ms": thresholds.max_drain_ms,
         "p95_soft_ms": thresholds.p95_soft_ms,
         "p95_hard_ms": thresholds.p95_hard_ms,
         "latency_window_s": admission.latency_window_seconds,
         "max_queued_tokens": admission.max_queued_tokens,
-        "drain_timeout_s": spec.drain_seconds,
+        "drain_timeout_s": spec.grace_seconds,
         "compile_cache_dir": COMPILE_CACHE_DIR if spec.compile_cache.enabled else None,
         **_model_source(spec),
         **access.tls_settings(spec),
     }
-    return {env_name(key): _text(value) for key, value in settings.items() if value is not None}
+    return {name: value for name, value in settings.items() if value is not None}
+
+
+def _literal_env(extra: list[Manifest], decided: dict[str, Any]) -> dict[str, str]:
+    """``spec.env``'s literal ``KEMBED_*`` values, which change what the server starts with; refuses
+    variables the spec renders and names that are no server setting."""
+    rendered = {env_name(name) for name in decided} | {CPU_REQUEST_VAR}
+    literal = {}
+    for index, var in enumerate(extra):
+        name = str(var.get("name", ""))
+        if not name.startswith(ENV_PREFIX):
+            continue
+        if name in rendered:
+            raise InvalidSpec(f"spec.env[{index}]: {name} is rendered from the spec; set it there")
+        if name[len(ENV_PREFIX) :].lower() not in Settings.model_fields:
+            raise InvalidSpec(f"spec.env[{index}]: {name} is not a kembed server setting")
+        if "value" in var:
+            literal[name] = str(var["value"])
+    return literal
 
 
 def device_type(spec: EmbeddingServiceSpec) -> str:
@@ -188,29 +227,15 @@ def _model_source(spec: EmbeddingServiceSpec) -> dict[str, str]:
 
 
 def _text(value: Any) -> str:
+    """A value as an environment variable or a manifest string spells it: lists comma-separated, enums
+    by value, whole floats without a fraction."""
+    if isinstance(value, list):
+        return ",".join(_text(item) for item in value)
+    if isinstance(value, Enum):
+        return str(value.value)
     if isinstance(value, float) and value.is_integer():
         return str(int(value))
     return str(value)
-
-
-def check_env(env: dict[str, str], extra: list[dict[str, Any]]) -> Settings:
-    """The settings the server will start with (``extra``'s literal values included); rejects what
-    the server would refuse at start-up, and extra env that fights the spec."""
-    literal = dict(env)
-    for index, var in enumerate(extra):
-        name = str(var.get("name", ""))
-        if not name.startswith(ENV_PREFIX):
-            continue
-        if name in env or name == CPU_REQUEST_VAR:
-            raise InvalidSpec(f"spec.env[{index}]: {name} is rendered from the spec; set it there")
-        if name[len(ENV_PREFIX) :].lower() not in Settings.model_fields:
-            raise InvalidSpec(f"spec.env[{index}]: {name} is not a kembed server setting")
-        if "value" in var:
-            literal[name] = str(var["value"])
-    try:
-        return Settings.from_env(literal)
-    except ConfigError as err:
-        raise InvalidSpec(f"server settings: {err}") from None
 
 
 def sizing_env(spec: EmbeddingServiceSpec) -> list[Manifest]:
@@ -236,9 +261,7 @@ def compile_threads(cpu: str) -> int:
 # --- Deployment -----------------------------------------------------------------------------------
 
 
-def _deployment(
-    owner: Owner, spec: EmbeddingServiceSpec, config: OperatorConfig, env: dict[str, str], settings: Settings
-) -> Child:
+def _deployment(owner: Owner, spec: EmbeddingServiceSpec, config: OperatorConfig, server: ServerConfig) -> Child:
     deployment_spec: Manifest = {
         "selector": {"matchLabels": selector_labels(owner.name)},
         # Never fewer ready pods than wanted during a rollout: warmup is slow and capacity is scarce.
@@ -246,7 +269,7 @@ def _deployment(
         "revisionHistoryLimit": 5,
         "template": {
             "metadata": {"labels": labels(owner.name), "annotations": _pod_annotations(spec)},
-            "spec": _pod_spec(spec, config, env, settings),
+            "spec": _pod_spec(spec, config, server),
         },
     }
     manifest = _object(kinds.DEPLOYMENT, owner, deployment_spec)
@@ -265,12 +288,12 @@ def _pod_annotations(spec: EmbeddingServiceSpec) -> dict[str, str]:
     }
 
 
-def _pod_spec(spec: EmbeddingServiceSpec, config: OperatorConfig, env: dict[str, str], settings: Settings) -> Manifest:
+def _pod_spec(spec: EmbeddingServiceSpec, config: OperatorConfig, server: ServerConfig) -> Manifest:
     volumes, mounts = _volumes(spec)
     pod: Manifest = {
         "automountServiceAccountToken": False,  # the server never calls the API
         "enableServiceLinks": False,
-        "terminationGracePeriodSeconds": PRESTOP_SLEEP_S + spec.drain_seconds + GRACE_MARGIN_S,
+        "terminationGracePeriodSeconds": PRESTOP_SLEEP_S + spec.grace_seconds + GRACE_MARGIN_S,
         "securityContext": {
             "runAsNonRoot": True,
             "runAsUser": RUN_AS,
@@ -278,7 +301,7 @@ def _pod_spec(spec: EmbeddingServiceSpec, config: OperatorConfig, env: dict[str,
             "fsGroup": RUN_AS,
             "seccompProfile": {"type": "RuntimeDefault"},
         },
-        "containers": [_container(spec, config, env, settings, mounts)],
+        "containers": [_container(spec, config, server, mounts)],
         "volumes": volumes,
     }
     tolerations = _tolerations(spec)
@@ -290,10 +313,10 @@ def _pod_spec(spec: EmbeddingServiceSpec, config: OperatorConfig, env: dict[str,
 def _container(
     spec: EmbeddingServiceSpec,
     config: OperatorConfig,
-    env: dict[str, str],
-    settings: Settings,
+    server: ServerConfig,
     mounts: list[Manifest],
 ) -> Manifest:
+    startup_failures = math.ceil(startup_seconds(spec, server.settings) / STARTUP_PERIOD_S)
     return {
         "name": CONTAINER,
         "image": spec.image or config.default_image,
@@ -304,16 +327,14 @@ def _container(
         ],
         "env": [
             # The API server drops `value: ""`, so an empty value is spelt as no value: no false drift.
-            *({"name": name, "value": value} if value else {"name": name} for name, value in env.items()),
+            *({"name": name, "value": value} if value else {"name": name} for name, value in server.env.items()),
             *sizing_env(spec),
             {"name": "HOME", "value": "/tmp"},  # the root filesystem is read-only
             *spec.env,
         ],
         "resources": _resources(spec),
         # Startup waits for /readyz: model load, warmup and CUDA graph capture can take minutes.
-        "startupProbe": _probe(
-            READYZ_PATH, period=STARTUP_PERIOD_S, failures=math.ceil(startup_seconds(spec, settings) / STARTUP_PERIOD_S)
-        ),
+        "startupProbe": _probe(READYZ_PATH, period=STARTUP_PERIOD_S, failures=startup_failures),
         "readinessProbe": _probe(READYZ_PATH, period=5, failures=2),
         "livenessProbe": _probe(LIVEZ_PATH, period=10, failures=3),
         "lifecycle": {"preStop": {"sleep": {"seconds": PRESTOP_SLEEP_S}}},
@@ -363,12 +384,7 @@ def _volumes(spec: EmbeddingServiceSpec) -> tuple[list[Manifest], list[Manifest]
         volumes.append({"name": "model", "persistentVolumeClaim": {"claimName": pvc.claim_name, "readOnly": True}})
         mounts.append({"name": "model", "mountPath": MODEL_DIR, "readOnly": True})
     if hub is not None:
-        cache: Manifest = (
-            {"persistentVolumeClaim": {"claimName": hub.cache_claim_name}}
-            if hub.cache_claim_name
-            else {"emptyDir": {"sizeLimit": hub.cache_size_limit}}
-        )
-        volumes.append({"name": "model-cache", **cache})
+        volumes.append({"name": "model-cache", **_claim_or_empty_dir(hub.cache_claim_name, hub.cache_size_limit)})
         mounts.append({"name": "model-cache", "mountPath": CACHE_DIR})
     cache_volumes, cache_mounts = _compile_cache(spec)
     tls_volumes, tls_mounts = access.tls_volumes(spec)
@@ -379,12 +395,15 @@ def _compile_cache(spec: EmbeddingServiceSpec) -> tuple[list[Manifest], list[Man
     cache = spec.compile_cache
     if not cache.enabled:
         return [], []
-    source: Manifest = (
-        {"persistentVolumeClaim": {"claimName": cache.claim_name}}
-        if cache.claim_name
-        else {"emptyDir": {"sizeLimit": cache.size_limit}}
-    )
+    source = _claim_or_empty_dir(cache.claim_name, cache.size_limit)
     return [{"name": "compile-cache", **source}], [{"name": "compile-cache", "mountPath": COMPILE_CACHE_DIR}]
+
+
+def _claim_or_empty_dir(claim_name: str, size_limit: str) -> Manifest:
+    """A volume source: the named PVC, or without one an emptyDir, which lives as long as the pod."""
+    if claim_name:
+        return {"persistentVolumeClaim": {"claimName": claim_name}}
+    return {"emptyDir": {"sizeLimit": size_limit}}
 
 
 def startup_seconds(spec: EmbeddingServiceSpec, settings: Settings) -> int:

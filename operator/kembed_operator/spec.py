@@ -1,19 +1,21 @@
 """The EmbeddingService spec as typed, checked values (pure).
 
 The CRD's OpenAPI schema is the first line of defence and applies the same defaults as these
-models (a test keeps the two identical). This module is the second line: it rejects what a schema
-cannot express or what got past it (an older CRD, a client that skipped validation), raising
-:class:`InvalidSpec`, which the handlers turn into a ``Degraded`` condition instead of a crash.
+models (a test keeps the two identical), all but :data:`DEFAULT_GRACE_SECONDS`, which only this
+module applies. This module is the second line: it rejects what a schema cannot express or what
+got past it (an older CRD, a client that skipped validation), raising :class:`InvalidSpec`, which
+the handlers turn into a ``Degraded`` condition instead of a crash.
 """
 
 from __future__ import annotations
 
+from enum import StrEnum
 from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, model_validator
 from pydantic.alias_generators import to_camel
 
-from kembed_operator.config import Dtype, Pooling
+from kembed.config import Admission, Batching
 
 
 class InvalidSpec(ValueError):
@@ -22,12 +24,31 @@ class InvalidSpec(ValueError):
     reason: ClassVar[str] = "InvalidSpec"
 
 
+# terminationGraceSeconds when neither it nor drainSeconds is set. The resource's own default, not
+# the CRD's: a schema default would be stored on every resource and so outrank a drainSeconds.
+DEFAULT_GRACE_SECONDS = 25
+
 # The CRD accepts `cpu: 4` as well as `cpu: "4"` (int-or-string); manifests need the string.
 Quantity = Annotated[str, BeforeValidator(lambda v: str(v) if isinstance(v, int | float) else v)]
 
 
 class _Spec(BaseModel):
     model_config = ConfigDict(alias_generator=to_camel, populate_by_name=True, extra="forbid", frozen=True)
+
+
+# The values kembed.config.Settings accepts (it checks them as strings).
+class Pooling(StrEnum):
+    AUTO = "auto"  # from the model folder's sentence-transformers config
+    MEAN = "mean"
+    CLS = "cls"
+    LAST = "last"
+
+
+class Dtype(StrEnum):
+    AUTO = "auto"  # the server's choice: bf16 on CUDA, fp32 on CPU
+    FLOAT32 = "float32"
+    FLOAT16 = "float16"
+    BFLOAT16 = "bfloat16"
 
 
 class PvcSource(_Spec):
@@ -74,24 +95,17 @@ class ResourcesSpec(_Spec):
 class BatchingSpec(_Spec):
     """Unset fields keep the server's defaults (see the README's configuration table)."""
 
-    mode: Literal["token_bucket", "naive"] = "token_bucket"
+    mode: Batching = Batching.TOKEN_BUCKET
     buckets: list[int] | None = None
     max_batch_size: int | None = Field(None, ge=1)
     max_tokens_per_batch: int | None = Field(None, ge=1)
     max_wait_ms: float | None = Field(None, ge=0)
 
 
-Strategy = Literal["throughput", "latency"]
-
-
-def _every_strategy() -> list[Strategy]:
-    return ["throughput", "latency"]
-
-
 class AdmissionSpec(_Spec):
     """Unset thresholds are derived from ``slo.p95LatencyMs`` (see :mod:`kembed_operator.slo`)."""
 
-    strategies: list[Strategy] = Field(default_factory=_every_strategy)
+    strategies: list[Admission] = Field(default_factory=lambda: list(Admission))  # every one the server has
     max_drain_ms: float | None = Field(None, gt=0)
     p95_soft_ms: float | None = Field(None, gt=0)
     p95_hard_ms: float | None = Field(None, gt=0)
@@ -161,7 +175,10 @@ class EmbeddingServiceSpec(_Spec):
     compile_cache: CompileCacheSpec = Field(default_factory=CompileCacheSpec)
     # unset = derived from the shapes warmed up and measured cold starts (kembed_operator.startup)
     startup_timeout_seconds: int | None = Field(None, ge=10)
-    drain_seconds: int = Field(25, ge=0)  # how long a terminating pod may finish accepted work
+    # After SIGTERM, how long a pod may go on finishing the requests it accepted (KEMBED_DRAIN_TIMEOUT_S).
+    termination_grace_seconds: int | None = Field(None, ge=0)
+    # Deprecated: this field's v1alpha1 name, still accepted; terminationGraceSeconds wins over it.
+    drain_seconds: int | None = Field(None, ge=0)
     node_selector: dict[str, str] = Field(default_factory=dict)
     tolerations: list[dict[str, Any]] = Field(default_factory=list)
     affinity: dict[str, Any] | None = None
@@ -173,6 +190,14 @@ class EmbeddingServiceSpec(_Spec):
         if self.max_replicas is not None and self.max_replicas < self.min_replicas:
             raise ValueError(f"maxReplicas ({self.max_replicas}) is below minReplicas ({self.min_replicas})")
         return self
+
+    @property
+    def grace_seconds(self) -> int:
+        """``terminationGraceSeconds``, else the deprecated ``drainSeconds``, else the default."""
+        for seconds in (self.termination_grace_seconds, self.drain_seconds):
+            if seconds is not None:
+                return seconds
+        return DEFAULT_GRACE_SECONDS
 
     @property
     def replica_ceiling(self) -> int:

@@ -1,13 +1,14 @@
 """The startupProbe budget, from cold-start figures per warmup mechanism rather than one guess.
 
 Cold start = model load + warmup, and warmup costs something once and something per shape warmed;
-both depend on how the server makes its graphs (``KEMBED_GRAPHS``, see ``kembed.engine.graphs``):
+both depend on how the server makes its graphs (``KEMBED_GRAPHS``, see ``kembed.engine.graphs``).
+docs/operator.md ("Compile cache and the startup budget") tabulates the figures and their sources:
 
-- ``static`` compiles every shape: measured on an H100 with torch 2.11 (``../shared/GPU.md``), all
-  35 shapes of the default ladder compiled one by one in 174 s.
+- ``static`` compiles every shape: on an H100 with torch 2.11, the 35 shapes of MiniLM's ladder
+  compiled one by one in 174 s.
 - ``capture`` (the default) compiles once with dynamic shapes, then captures a CUDA graph per shape.
-  **No GPU has timed it yet**: :data:`ASSUMED_CAPTURE` holds assumed figures, the only ones in this
-  module that are not measured (docs/operator.md states them). Replace them once measured.
+  :data:`ASSUMED_CAPTURE` holds the only figures here that are assumed, not measured: replace them
+  with a GPU's timings.
 - eager (no compile: CPU, or ``batching: naive``) runs each bucket's largest batch.
 
 A warm restart from the compile cache is faster still; the probe only bounds the slow case, and
@@ -31,7 +32,7 @@ class WarmupCost:
     per_shape_s: float
 
 
-# H100, torch 2.11, recompile limit raised: 35 shapes compiled in 174 s (GPU.md).
+# H100, torch 2.11, recompile limit raised: 35 shapes compiled in 174 s.
 STATIC = WarmupCost(once_s=0.0, per_shape_s=174 / 35)
 # ASSUMED, not measured. Once: the dynamic-shape compile and its one-row specialization, each taken
 # as a few static compiles (about 5 s each above), with room to spare: 60 s. Per shape: two warm
@@ -40,8 +41,8 @@ ASSUMED_CAPTURE = WarmupCost(once_s=60.0, per_shape_s=1.0)
 # Eager warmup runs the largest batch of each bucket twice, about 0.4 s each on two CPU cores
 # (kembed.shapes.AUTO_MAX_TOKENS' comment): 1 s a bucket, rounded up.
 EAGER = WarmupCost(once_s=0.0, per_shape_s=1.0)
-# Model load and everything else before warmup: ready 20 s after a 74 s warmup, and 12 s after a
-# 174 s one (GPU.md); the larger.
+# Model load and everything else before warmup, the larger of two H100 cold starts: ready 20 s
+# after a 74 s warmup, and 12 s after a 174 s one.
 LOAD_SECONDS = 20
 # A slower GPU than an H100, a busy node: the probe must not kill a pod that is merely slow.
 SAFETY_FACTOR = 2.0

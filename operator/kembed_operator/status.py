@@ -11,10 +11,8 @@ when a condition's status flips, so watchers can tell how long a state has held.
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
 
-Manifest = dict[str, Any]
-CONDITION_TYPES = ("Ready", "Available", "Progressing", "Degraded", "MetricsAdmitted")
+from kembed_operator.kinds import Manifest
 
 
 @dataclass(frozen=True)

@@ -10,7 +10,7 @@ from typing import Any
 from kmock._internal import rendering
 from kubernetes import client
 
-from kembed_operator import identity, kinds
+from kembed_operator import kinds
 from tests.operator.emulator import TEST_AGENT
 
 NS = "default"
@@ -55,7 +55,8 @@ class Kube:
         self._es_path = kinds.EMBEDDING_SERVICE.path(namespace)
 
     def create_es(self, name: str, **spec: Any) -> str:
-        body = {"apiVersion": identity.API_VERSION, "kind": identity.KIND, "metadata": {"name": name}, "spec": spec}
+        es = kinds.EMBEDDING_SERVICE
+        body = {"apiVersion": es.api_version, "kind": es.kind, "metadata": {"name": name}, "spec": spec}
         return str(self._call("POST", self._es_path, body)["metadata"]["uid"])
 
     def patch_es(self, name: str, spec: dict[str, Any]) -> None:

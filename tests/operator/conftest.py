@@ -15,7 +15,7 @@ import pytest
 import yaml
 from kubernetes import client, config
 
-from kembed_operator import identity
+from kembed_operator import identity, kinds
 from tests.operator.emulator import TEST_AGENT, EmulatorThread
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -23,7 +23,7 @@ CRD_PATH = ROOT / "crds" / "embeddingservices.kembed.io.yaml"
 CHART = ROOT / "charts" / "kembed-operator"
 
 RESOURCES = {
-    f"{identity.API_VERSION}/{identity.PLURAL}": {
+    f"{kinds.EMBEDDING_SERVICE.api_version}/{identity.PLURAL}": {
         "kind": identity.KIND,
         "namespaced": True,
         "verbs": {"list", "watch", "get", "create", "patch", "delete"},

@@ -110,10 +110,14 @@ def test_peers_add_grpc_callers_and_metrics_scrapers() -> None:
 
 def test_the_operators_metrics_peers_fill_in_for_an_empty_metrics_from() -> None:
     config = OperatorConfig(metrics_from=(PROMETHEUS,))
-    policy = access.network_policy({"name": "emb", "namespace": "search"}, {"app": "emb"}, parse_spec({}), config)
-    kubernetes_validate.validate(
-        {**policy, "metadata": {"name": "emb", "namespace": "search"}}, K8S_VERSION, strict=True
-    )
+    policy_spec = access.network_policy_spec({"app": "emb"}, parse_spec({}), config)
+    policy: dict[str, Any] = {
+        "apiVersion": kinds.NETWORK_POLICY.api_version,
+        "kind": kinds.NETWORK_POLICY.kind,
+        "metadata": {"name": "emb", "namespace": "search"},
+        "spec": policy_spec,
+    }
+    kubernetes_validate.validate(policy, K8S_VERSION, strict=True)
     assert policy["spec"]["ingress"][1] == {"from": [PROMETHEUS], "ports": [{"protocol": "TCP", "port": HTTP_PORT}]}
     own = parse_spec({"networkPolicy": {"metricsFrom": [OFFICE]}})
     assert access.metrics_peers(own, config) == [OFFICE]  # the spec's own peers replace the default

@@ -9,7 +9,7 @@ import jsonschema
 import pytest
 import yaml
 
-from kembed_operator import identity
+from kembed_operator import identity, kinds
 from kembed_operator.spec import parse_spec
 from tests.operator.conftest import CHART, CRD_PATH
 from tests.operator.test_render import FEATURES, INVALID
@@ -75,7 +75,8 @@ def validator(crd_schema: Schema) -> jsonschema.Draft4Validator:
 
 
 def resource(spec: dict[str, Any]) -> dict[str, Any]:
-    return {"apiVersion": identity.API_VERSION, "kind": identity.KIND, "metadata": {"name": "x"}, "spec": spec}
+    es = kinds.EMBEDDING_SERVICE
+    return {"apiVersion": es.api_version, "kind": es.kind, "metadata": {"name": "x"}, "spec": spec}
 
 
 def test_the_chart_ships_the_same_crd() -> None:
@@ -125,6 +126,16 @@ def test_defaults_equal_the_operators(spec_schema: Schema, validator: jsonschema
     compare(defaulted, operator_defaults, "spec")
 
 
+@pytest.mark.parametrize("name", ["terminationGraceSeconds", "drainSeconds"])
+def test_defaulting_keeps_either_grace_field(
+    name: str, spec_schema: Schema, validator: jsonschema.Draft4Validator
+) -> None:
+    """A resource written with v1alpha1's first name for the field keeps its value through defaulting."""
+    defaulted = apply_defaults(spec_schema, {name: 40})
+    validator.validate(resource(defaulted))
+    assert parse_spec(defaulted).grace_seconds == 40
+
+
 def test_defaults_reach_nested_objects(spec_schema: Schema) -> None:
     defaulted = apply_defaults(spec_schema, {"model": {"hub": {"id": "x"}}, "autoscaling": {"provider": "keda"}})
     assert defaulted["model"]["hub"]["cacheSizeLimit"] == "20Gi"
@@ -162,6 +173,8 @@ BAD: dict[str, dict[str, Any]] = {
     "huge batch": {"batching": {"maxBatchSize": 10000}},
     "env without name": {"env": [{"value": "1"}]},
     "short startup": {"startupTimeoutSeconds": 1},
+    "negative grace": {"terminationGraceSeconds": -1},
+    "negative deprecated grace": {"drainSeconds": -1},
 }
 
 

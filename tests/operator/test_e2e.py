@@ -18,7 +18,6 @@ from kubernetes import client
 
 from kembed_operator import identity, permissions
 from kembed_operator.config import OperatorConfig
-from kembed_operator.status import CONDITION_TYPES
 from tests.operator.cluster import (
     DEPLOYMENTS,
     HPAS,
@@ -33,6 +32,7 @@ from tests.operator.cluster import (
 )
 from tests.operator.conftest import wait_for
 from tests.operator.emulator import EmulatorThread
+from tests.operator.test_slo_status import CONDITION_TYPES
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(120)]
 

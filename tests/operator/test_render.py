@@ -13,6 +13,7 @@ from kembed.config import Settings
 from kembed.contract import GRPC_PORT, HTTP_PORT, LIVEZ_PATH, METRICS_PATH, READYZ_PATH, Metric, env_name
 from kembed_operator import identity, kinds, render
 from kembed_operator.config import OperatorConfig
+from kembed_operator.slo import derive
 from kembed_operator.spec import InvalidSpec, parse_spec
 
 K8S_VERSION = "1.34.0"
@@ -85,7 +86,7 @@ FEATURES: dict[str, dict[str, Any]] = {
     },
     "compile cache on a PVC": {"compileCache": {"claimName": "compile-cache"}},
     "compile cache off": {"compileCache": {"enabled": False}},
-    "image": {"image": "mine/kembed:2", "imagePullPolicy": "Always", "startupTimeoutSeconds": 1800, "drainSeconds": 60},
+    "image": {"image": "mine/kembed:2", "imagePullPolicy": "Always", "startupTimeoutSeconds": 1800},
 }
 
 
@@ -109,7 +110,7 @@ def test_every_manifest_is_valid_kubernetes(spec: dict[str, Any]) -> None:
             kubernetes_validate.validate(manifest, K8S_VERSION, strict=True)
         (ref,) = manifest["metadata"]["ownerReferences"]
         assert ref == {
-            "apiVersion": identity.API_VERSION,
+            "apiVersion": kinds.EMBEDDING_SERVICE.api_version,
             "kind": identity.KIND,
             "name": "emb",
             "uid": "0000-1111",
@@ -125,6 +126,13 @@ def test_rendered_env_is_accepted_by_the_server(spec: dict[str, Any]) -> None:
     settings = Settings.from_env({k: v for k, v in env(spec).items() if k.startswith("KEMBED_")})
     assert (settings.grpc_host, settings.http_host) == ("0.0.0.0", "0.0.0.0")
     assert (settings.grpc_port, settings.http_port) == (GRPC_PORT, HTTP_PORT)
+
+
+@pytest.mark.parametrize("spec", FEATURES.values(), ids=FEATURES.keys())
+def test_the_env_spells_the_settings_the_operator_plans_with(spec: dict[str, Any]) -> None:
+    """The startup budget reads the typed settings; the server reads their rendering: the same values."""
+    planned = render.server_config(parse_spec(spec), derive(parse_spec(spec))).settings
+    assert Settings.from_env({k: v for k, v in env(spec).items() if k.startswith("KEMBED_")}) == planned
 
 
 def test_deployment_defaults() -> None:
@@ -321,9 +329,23 @@ def test_image_and_timing() -> None:
     server = container(spec)
     assert (server["image"], server["imagePullPolicy"]) == ("mine/kembed:2", "Always")
     assert server["startupProbe"]["periodSeconds"] * server["startupProbe"]["failureThreshold"] >= 1800
+
+
+GRACE: dict[str, tuple[dict[str, Any], int]] = {
+    # spec: seconds a terminating pod may go on finishing accepted requests
+    "default": ({}, 25),
+    "terminationGraceSeconds": ({"terminationGraceSeconds": 60}, 60),
+    "drainSeconds, its deprecated name": ({"drainSeconds": 40}, 40),
+    "both: the new name wins": ({"terminationGraceSeconds": 60, "drainSeconds": 40}, 60),
+    "both, the new one zero": ({"terminationGraceSeconds": 0, "drainSeconds": 40}, 0),
+}
+
+
+@pytest.mark.parametrize(("spec", "seconds"), GRACE.values(), ids=GRACE.keys())
+def test_termination_grace(spec: dict[str, Any], seconds: int) -> None:
     grace = children(spec)["Deployment"]["spec"]["template"]["spec"]["terminationGracePeriodSeconds"]
-    assert grace == render.PRESTOP_SLEEP_S + 60 + render.GRACE_MARGIN_S
-    assert env(spec)[env_name("drain_timeout_s")] == "60"
+    assert grace == render.PRESTOP_SLEEP_S + seconds + render.GRACE_MARGIN_S
+    assert env(spec)[env_name("drain_timeout_s")] == str(seconds)
 
 
 def test_render_is_deterministic() -> None:
@@ -348,6 +370,7 @@ INVALID: dict[str, tuple[dict[str, Any], str]] = {
         "spec.env[0]: KEMBED_CPU_REQUEST_MILLICORES is rendered",
     ),
     "cpu not a quantity": ({"resources": {"cpu": "lots"}}, "spec.resources.cpu"),
+    "negative deprecated grace": ({"drainSeconds": -1}, "spec.drainSeconds"),
 }
 
 

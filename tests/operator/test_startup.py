@@ -13,7 +13,7 @@ from kembed_operator import render, startup
 from kembed_operator.spec import parse_spec
 from tests.operator.test_render import children, container, env
 
-# GPU.md, H100, torch 2.11: MiniLM (256 input tokens) warmed 35 shapes and was ready 186 s after start.
+# Measured on an H100, torch 2.11: MiniLM (256 input tokens) warmed 35 shapes, ready 186 s after start.
 MEASURED_SHAPES = 35
 MEASURED_READY_S = 186
 MINILM_BUCKETS = [16, 32, 64, 128, 256]  # the default ladder clipped to MiniLM's 256 tokens
