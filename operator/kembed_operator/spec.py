@@ -9,13 +9,12 @@ the handlers turn into a ``Degraded`` condition instead of a crash.
 
 from __future__ import annotations
 
-from enum import StrEnum
 from typing import Annotated, Any, ClassVar, Literal
 
 from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, model_validator
 from pydantic.alias_generators import to_camel
 
-from kembed.config import Admission, Batching
+from kembed.config import Admission, Batching, Dtype, Pooling
 
 
 class InvalidSpec(ValueError):
@@ -34,21 +33,6 @@ Quantity = Annotated[str, BeforeValidator(lambda v: str(v) if isinstance(v, int 
 
 class _Spec(BaseModel):
     model_config = ConfigDict(alias_generator=to_camel, populate_by_name=True, extra="forbid", frozen=True)
-
-
-# The values kembed.config.Settings accepts (it checks them as strings).
-class Pooling(StrEnum):
-    AUTO = "auto"  # from the model folder's sentence-transformers config
-    MEAN = "mean"
-    CLS = "cls"
-    LAST = "last"
-
-
-class Dtype(StrEnum):
-    AUTO = "auto"  # the server's choice: bf16 on CUDA, fp32 on CPU
-    FLOAT32 = "float32"
-    FLOAT16 = "float16"
-    BFLOAT16 = "bfloat16"
 
 
 class PvcSource(_Spec):
