@@ -148,9 +148,10 @@ TOO_LARGE = error_body("request body too large", None)
 
 
 async def start_starlette(sock: socket.socket, limits: Limits) -> Stop:
-    """Starlette under uvicorn (httptools parser), its body limit an ASGI middleware."""
+    """Starlette under uvicorn (httptools parser), with Starlette's own body limit middleware."""
     from starlette.applications import Starlette
     from starlette.middleware import Middleware
+    from starlette.middleware.body_limit import RequestBodyLimitMiddleware
     from starlette.requests import Request
     from starlette.responses import Response
     from starlette.routing import Route
@@ -163,13 +164,15 @@ async def start_starlette(sock: socket.socket, limits: Limits) -> Stop:
         return Response(MODELS_BODY, media_type=JSON)
 
     routes = [Route(EMBEDDINGS_PATH, embeddings, methods=["POST"]), Route(MODELS_PATH, models, methods=["GET"])]
-    app = Starlette(routes=routes, middleware=[Middleware(BodyLimit, limit=limits.max_body_bytes)])
+    app = Starlette(
+        routes=routes, middleware=[Middleware(RequestBodyLimitMiddleware, max_body_size=limits.max_body_bytes)]
+    )
     return await _uvicorn(app, sock, limits)
 
 
 def _start_fastapi(docs: bool) -> Callable[[socket.socket, Limits], Awaitable[Stop]]:
     async def start(sock: socket.socket, limits: Limits) -> Stop:
-        """FastAPI as it is meant to be used: a pydantic model of the body, under uvicorn."""
+        """FastAPI as it is meant to be used: a pydantic model of the body, its own body limit, under uvicorn."""
         from typing import Literal
 
         from fastapi import FastAPI
@@ -183,8 +186,7 @@ def _start_fastapi(docs: bool) -> Callable[[socket.socket, Limits], Awaitable[St
             delay_s: float = Field(0.0, ge=0, le=60)
 
         off: dict[str, Any] = {} if docs else {"openapi_url": None, "docs_url": None, "redoc_url": None}
-        app = FastAPI(**off)
-        app.add_middleware(BodyLimit, limit=limits.max_body_bytes)
+        app = FastAPI(max_body_size=limits.max_body_bytes, **off)
 
         async def embeddings(body: EmbeddingsBody) -> Response:
             texts = 1 if isinstance(body.input, str) else len(body.input)
@@ -193,55 +195,15 @@ def _start_fastapi(docs: bool) -> Callable[[socket.socket, Limits], Awaitable[St
 
         # This module's annotations are strings, and FastAPI cannot resolve a function-local model by name.
         embeddings.__annotations__["body"] = EmbeddingsBody
-        app.post(EMBEDDINGS_PATH)(embeddings)
+        app.post(EMBEDDINGS_PATH, response_model=None)(embeddings)
 
-        @app.get(MODELS_PATH)
+        @app.get(MODELS_PATH, response_model=None)
         async def models() -> Response:
             return Response(MODELS_BODY, media_type=JSON)
 
         return await _uvicorn(app, sock, limits)
 
     return start
-
-
-class BodyLimit:
-    """ASGI middleware: 413 for a body over ``limit``, by its Content-Length or as it streams in
-    (uvicorn and Starlette have no limit of their own)."""
-
-    def __init__(self, app: Any, limit: int) -> None:
-        self.app = app
-        self.limit = limit
-
-    async def __call__(self, scope: dict[str, Any], receive: Any, send: Any) -> None:
-        if scope["type"] != "http":
-            return await self.app(scope, receive, send)
-        declared = dict(scope["headers"]).get(b"content-length")
-        if declared is not None and declared.isdigit() and int(declared) > self.limit:
-            return await _asgi_too_large(send)
-        received = 0
-
-        async def limited() -> dict[str, Any]:
-            nonlocal received
-            message: dict[str, Any] = await receive()
-            received += len(message.get("body", b""))
-            if received > self.limit:
-                raise _TooLarge
-            return message
-
-        try:
-            await self.app(scope, limited, send)
-        except _TooLarge:
-            await _asgi_too_large(send)
-
-
-class _TooLarge(Exception):
-    pass
-
-
-async def _asgi_too_large(send: Any) -> None:
-    headers = [(b"content-type", JSON.encode()), (b"connection", b"close")]
-    await send({"type": "http.response.start", "status": 413, "headers": headers})
-    await send({"type": "http.response.body", "body": TOO_LARGE})
 
 
 async def _uvicorn(app: Any, sock: socket.socket, limits: Limits) -> Stop:
@@ -368,8 +330,11 @@ async def _until_accepting(port: int, task: asyncio.Task[None]) -> None:
 
 Handler = Callable[[bytes], Awaitable[tuple[int, bytes]]]
 REASONS = {200: b"OK", 400: b"Bad Request", 404: b"Not Found", 405: b"Method Not Allowed", 408: b"Request Timeout",
-           413: b"Content Too Large", 500: b"Internal Server Error"}  # fmt: skip
+           413: b"Content Too Large", 431: b"Request Header Fields Too Large",
+           500: b"Internal Server Error"}  # fmt: skip
 SWEEP_S = 0.5  # how often deadlines are checked: one timer for every connection, none per request
+MAX_HEAD_BYTES = 64 * 1024  # request line and headers
+LINGER_S = 2.0  # after an early answer (413, 431, 400, 408), input is drained this long before closing
 
 
 class HttpServer:
@@ -449,6 +414,9 @@ class HttpConnection(asyncio.Protocol):
         self.body: list[bytes] = []
         self.body_bytes = 0
         self.expect_continue = False
+        self.head_bytes = 0
+        self.head_done = False
+        self.completed = 0  # requests read whole on this connection
         self.ignoring = False  # answered early (413) or broken: the rest of the input is dropped
         self.pending: collections.deque[tuple[bytes, bytes, bytes, bool]] = collections.deque()
         self.in_flight: asyncio.Task[None] | None = None
@@ -469,14 +437,23 @@ class HttpConnection(asyncio.Protocol):
     def data_received(self, data: bytes) -> None:
         if self.ignoring:
             return
+        completed = self.completed
         try:
             self.parser.feed_data(data)
         except self.parse_error:
             self._fail(400, "malformed HTTP request")
+            return
+        # httptools holds a header until it ends: bound the head, one chunk (256 KiB at most) late.
+        # A chunk that also ended an earlier request is not counted: how much of it is head is unknown.
+        if self.in_request and not self.head_done and self.completed == completed:
+            self.head_bytes += len(data)
+            if self.head_bytes > MAX_HEAD_BYTES:
+                self._fail(431, "request head too large")
 
     # httptools callbacks
     def on_message_begin(self) -> None:
         self.in_request = True
+        self.head_done, self.head_bytes = False, 0
         self.url = b""
         self.body = []
         self.body_bytes = 0
@@ -494,6 +471,7 @@ class HttpConnection(asyncio.Protocol):
             self.expect_continue = True
 
     def on_headers_complete(self) -> None:
+        self.head_done = True
         if self.expect_continue and not self.ignoring and self.transport is not None:
             self.transport.write(b"HTTP/1.1 100 Continue\r\n\r\n")  # the body is welcome: send it
 
@@ -510,6 +488,7 @@ class HttpConnection(asyncio.Protocol):
         if self.ignoring:
             return
         self.in_request = False
+        self.completed += 1
         request = (self.parser.get_method(), self.url.split(b"?", 1)[0], b"".join(self.body),
                    self.parser.should_keep_alive())  # fmt: skip
         self.pending.append(request)
@@ -539,6 +518,7 @@ class HttpConnection(asyncio.Protocol):
         self._after_response()
 
     def _respond(self, status: int, body: bytes, keep_alive: bool) -> None:
+        """Write the reply; without keep-alive, close once it is sent."""
         if self.transport is None or self.transport.is_closing():
             return
         keep_alive = keep_alive and not self.server.draining
@@ -561,20 +541,31 @@ class HttpConnection(asyncio.Protocol):
             self.deadline = self.loop.time() + self.server.limits.idle_s
 
     def _fail(self, status: int, message: str) -> None:
-        """Answer at once and close: the rest of this connection's input cannot be trusted."""
+        """Answer at once, then drop the rest of this connection's input: it cannot be trusted.
+
+        Closing at once would reset the connection while the client still sends (a body over the
+        limit), and a reset discards the answer before the client reads it. So: write the answer,
+        half-close, read and drop what still comes for ``LINGER_S``, then close."""
         self.ignoring = True
         self.pending.clear()
-        if self.in_flight is None:
-            self._respond(status, error_body(message, None), keep_alive=False)
-        elif self.transport is not None:
+        if self.transport is None or self.transport.is_closing():
+            return
+        if self.in_flight is not None:  # a pipelined request went wrong behind one in flight
             self.transport.close()
+            return
+        head = b"HTTP/1.1 %d %s\r\ncontent-type: application/json\r\nconnection: close\r\n" % (status, REASONS[status])
+        body = error_body(message, None)
+        self.transport.write(head + b"content-length: %d\r\n\r\n" % len(body) + body)
+        self.transport.write_eof()
+        self.deadline = self.loop.time() + LINGER_S
 
     # deadlines and shutdown
     def expire(self, now: float) -> None:
-        """Called by the server's sweep: close a connection idle too long, or one whose request is late."""
+        """Called by the server's sweep: close a connection idle too long, or lingering long
+        enough; answer 408 to one whose request is late."""
         if self.in_flight is not None or self.pending or now < self.deadline or self.transport is None:
             return
-        if self.in_request:
+        if self.in_request and not self.ignoring:
             self._fail(408, "request not received in time")
         else:
             self.transport.close()

@@ -317,6 +317,21 @@ async def probe_oversized(port: int, limit: int) -> int | None:
         writer.close()
 
 
+async def probe_large_head(port: int) -> int | None:
+    """Status for a request whose one header is 1 MiB long (None: dropped unanswered)."""
+    reader, writer = await _connect(port)
+    head = _head(http_edges.EMBEDDINGS_PATH, 2)
+    writer.write(head[:-2] + b"x-padding: " + b"a" * (1 << 20) + b"\r\n\r\n{}")
+    with contextlib.suppress(ConnectionError):
+        await writer.drain()
+    try:
+        return await asyncio.wait_for(_status(reader), PROBE_WAIT_S)
+    except (TimeoutError, ConnectionError, ValueError):
+        return None
+    finally:
+        writer.close()
+
+
 async def probe_idle(port: int) -> float | None:
     """After one answered call on a keep-alive connection, seconds until the server closes it."""
     reader, writer = await _connect(port)
@@ -369,6 +384,7 @@ def probes(stack: str) -> dict[str, Any]:
     with started(stack, PROBE_LIMITS, RESULTS_DIR / "tmp" / f"http_probe_{stack}.log") as (server, proc):
         figures: dict[str, Any] = {
             "oversized_status": asyncio.run(probe_oversized(server.port, PROBE_LIMITS.max_body_bytes)),
+            "large_head_status": asyncio.run(probe_large_head(server.port)),
             "idle_closed_after_s": asyncio.run(probe_idle(server.port)),
             "slowloris_closed_after_s": asyncio.run(probe_slowloris(server.port)),
         }
@@ -501,13 +517,14 @@ def table(result: dict[str, Any]) -> str:
             f"{limits['request_s']} s, drain {limits['drain_s']} s; 'never' = still open after "
             f"{PROBE_WAIT_S:.0f} s):",
             "",
-            "| Stack | Body 2x limit | Idle keep-alive closed | Slowloris closed | SIGTERM, call in flight: "
-            "status / exit |",
-            "| --- | --- | --- | --- | --- |",
+            "| Stack | Body 2x limit | 1 MiB header | Idle keep-alive closed | Slowloris closed "
+            "| SIGTERM, call in flight: status / exit |",
+            "| --- | --- | --- | --- | --- | --- |",
         ]
         for stack, p in result["probes"].items():
             graceful = p["graceful"]
-            lines.append(f"| {stack} | {p['oversized_status'] or 'dropped'} | {_seconds(p['idle_closed_after_s'])} | "
+            lines.append(f"| {stack} | {p['oversized_status'] or 'dropped'} | {p['large_head_status'] or 'dropped'} | "
+                         f"{_seconds(p['idle_closed_after_s'])} | "
                          f"{_seconds(p['slowloris_closed_after_s'])} | "
                          f"{graceful['in_flight_status'] or 'dropped'} / {graceful['exit_code']} |")  # fmt: skip
     return "\n".join(lines)
