@@ -30,6 +30,7 @@ from pathlib import Path
 from typing import Any
 
 from bench import RESULTS_DIR, http_loadgen, machine
+from bench.report import Spread
 from bench.server import HOST, free_port
 
 REPO = Path(__file__).resolve().parent.parent
@@ -136,15 +137,22 @@ def load(args: argparse.Namespace) -> dict[str, Any]:
     exe = setup(args.venv)
     texts = http_loadgen.short_texts()
     bodies = http_loadgen.embeddings_bodies(texts, args.texts_per_call, MODEL_NAME, args.encoding_format)
+    runs = []
     with infinity_running(exe, RESULTS_DIR / "tmp" / "peer_infinity.log") as base:
-        figures = http_loadgen.run(base + "/embeddings", bodies, args.processes, args.connections, args.duration,
-                                   args.warmup, args.timeout)  # fmt: skip
+        for i in range(args.repeats):
+            figures = http_loadgen.run(base + "/embeddings", bodies, args.processes, args.connections, args.duration,
+                                       args.warmup, args.timeout)  # fmt: skip
+            rate, p99 = figures["calls_per_s"], figures["latency_ms"]["p99"]
+            print(f"infinity, run {i + 1}: {rate['median']:.1f} ({rate['lo']:.1f}-{rate['hi']:.1f}) calls/s, "
+                  f"p99 {p99:.0f} ms, codes {figures['codes']}", flush=True)  # fmt: skip
+            runs.append(figures)
     settings = {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()}
-    result = {"peer": "infinity-emb 0.0.78", "pins": PINS, "settings": settings, **figures}
+    calls = Spread.of([r["calls_per_s"]["median"] for r in runs]).to_dict()
+    p99s = Spread.of([r["latency_ms"]["p99"] for r in runs]).to_dict()
+    result = {"peer": "infinity-emb 0.0.78", "pins": PINS, "settings": settings, "calls_per_s": calls,
+              "p99_ms": p99s, "runs": runs}  # fmt: skip
     machine.write_result(args.name, result)
-    rate, p99 = figures["calls_per_s"], figures["latency_ms"]["p99"]
-    print(f"infinity: {rate['median']:.1f} ({rate['lo']:.1f}-{rate['hi']:.1f}) calls/s, p99 {p99:.0f} ms, "
-          f"codes {figures['codes']}")  # fmt: skip
+    print(f"infinity: {calls['median']:.1f} ({calls['lo']:.1f}-{calls['hi']:.1f}) calls/s over {args.repeats} runs")
     return result
 
 
@@ -165,6 +173,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--duration", type=float, default=60.0, help="load: seconds")
     parser.add_argument("--warmup", type=float, default=10.0, help="load: first seconds left out of the rates")
     parser.add_argument("--timeout", type=float, default=60.0, help="load: seconds a call may take")
+    parser.add_argument("--repeats", type=int, default=3, help="load: runs against one Infinity")
     parser.add_argument("--texts-per-call", type=int, default=1)
     parser.add_argument("--encoding-format", default="float", choices=["float", "base64"])
     parser.add_argument("--name", default="peer_infinity", help="load: write bench/results/NAME.json")
