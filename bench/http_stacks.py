@@ -66,6 +66,7 @@ PROBE_LIMITS = http_edges.Limits(max_body_bytes=1 << 20, idle_s=1.0, request_s=2
 Ratio = Callable[[dict[str, Any], dict[str, Any]], float]  # of a stack's load to gRPC's, in one round
 PROBE_WAIT_S = 8.0  # a probed connection still open this long is "never closed"
 START_TIMEOUT_S = 60.0
+SETTLE_S = 1.0
 
 
 @dataclass(frozen=True)
@@ -253,6 +254,7 @@ def one_round(opts: Options, round_index: int) -> dict[str, Any]:
         log = RESULTS_DIR / "tmp" / f"http_{stack}.log"
         with tempfile.TemporaryDirectory() as tmp, started(stack, http_edges.Limits(), log) as (server, _):
             rss_ready = server.memory_mib("VmRSS")
+            time.sleep(SETTLE_S)  # grpc's threads finish starting after the server says it serves
             idle_cpu = server.run_seconds()
             time.sleep(opts.idle)  # what the server burns with nothing to do (timers, polling)
             idle_cpu = (server.run_seconds() - idle_cpu) * 1000 / opts.idle
@@ -318,10 +320,11 @@ async def probe_oversized(port: int, limit: int) -> int | None:
 
 
 async def probe_large_head(port: int) -> int | None:
-    """Status for a request whose one header is 1 MiB long (None: dropped unanswered)."""
+    """Status for a valid request with one header 1 MiB long (200: taken; None: dropped unanswered)."""
     reader, writer = await _connect(port)
-    head = _head(http_edges.EMBEDDINGS_PATH, 2)
-    writer.write(head[:-2] + b"x-padding: " + b"a" * (1 << 20) + b"\r\n\r\n{}")
+    body = request_body("base64")
+    head = _head(http_edges.EMBEDDINGS_PATH, len(body))
+    writer.write(head[:-2] + b"x-padding: " + b"a" * (1 << 20) + b"\r\n\r\n" + body)
     with contextlib.suppress(ConnectionError):
         await writer.drain()
     try:

@@ -82,10 +82,10 @@ def infinity_argv(exe: Path, model: Path, port: int) -> list[str]:
             "--device", "cpu", "--host", HOST, "--port", str(port), "--url-prefix", "/v1"]  # fmt: skip
 
 
-def offline_env() -> dict[str, str]:
-    """Nothing from a hub, no telemetry."""
+def offline_env(venv: Path) -> dict[str, str]:
+    """Nothing from a hub, no telemetry; Infinity's cache in its venv, not in the working directory."""
     return {**os.environ, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1", "DO_NOT_TRACK": "1",
-            "INFINITY_ANONYMOUS_USAGE_STATS": "0"}  # fmt: skip
+            "INFINITY_ANONYMOUS_USAGE_STATS": "0", "INFINITY_HOME": str(venv)}  # fmt: skip
 
 
 def _answers(url: str) -> bool:
@@ -105,7 +105,8 @@ def infinity_running(exe: Path, log: Path, start_timeout: float = START_TIMEOUT_
     base = f"http://{HOST}:{port}/v1"
     log.parent.mkdir(parents=True, exist_ok=True)
     with log.open("wb") as out:
-        proc = subprocess.Popen(infinity_argv(exe, model_dir(), port), env=offline_env(), stdout=out,
+        venv = exe.parent.parent
+        proc = subprocess.Popen(infinity_argv(exe, model_dir(), port), env=offline_env(venv), stdout=out,
                                 stderr=subprocess.STDOUT, start_new_session=True)  # fmt: skip
         try:
             deadline = time.monotonic() + start_timeout
