@@ -42,7 +42,7 @@ import sys
 import tempfile
 import time
 import urllib.request
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
@@ -301,15 +301,13 @@ async def _status(reader: asyncio.StreamReader) -> int | None:
     return int(line.split()[1]) if line.startswith(b"HTTP/1.1 ") else None
 
 
-async def probe_oversized(port: int, limit: int) -> int | None:
-    """Status for a body twice the limit, sent whole (None: the connection was dropped unanswered)."""
+async def _status_after(port: int, parts: Iterable[bytes]) -> int | None:
+    """Send ``parts`` whole, as most clients do before they read, then the answer's status
+    (None: the connection was dropped unanswered)."""
     reader, writer = await _connect(port)
-    size = 2 * limit
-    writer.write(_head(http_edges.EMBEDDINGS_PATH, size))
     with contextlib.suppress(ConnectionError):
-        chunk = b" " * 65536
-        for _ in range(size // len(chunk)):
-            writer.write(chunk)
+        for part in parts:
+            writer.write(part)
             await writer.drain()
     try:
         return await asyncio.wait_for(_status(reader), PROBE_WAIT_S)
@@ -319,20 +317,19 @@ async def probe_oversized(port: int, limit: int) -> int | None:
         writer.close()
 
 
+async def probe_oversized(port: int, limit: int) -> int | None:
+    """Status for a body twice the limit."""
+    chunk = b" " * 65536
+    return await _status_after(
+        port, [_head(http_edges.EMBEDDINGS_PATH, 2 * limit)] + [chunk] * (2 * limit // len(chunk))
+    )
+
+
 async def probe_large_head(port: int) -> int | None:
-    """Status for a valid request with one header 1 MiB long (200: taken; None: dropped unanswered)."""
-    reader, writer = await _connect(port)
+    """Status for a valid request with one header 1 MiB long (200: taken)."""
     body = request_body("base64")
-    head = _head(http_edges.EMBEDDINGS_PATH, len(body))
-    writer.write(head[:-2] + b"x-padding: " + b"a" * (1 << 20) + b"\r\n\r\n" + body)
-    with contextlib.suppress(ConnectionError):
-        await writer.drain()
-    try:
-        return await asyncio.wait_for(_status(reader), PROBE_WAIT_S)
-    except (TimeoutError, ConnectionError, ValueError):
-        return None
-    finally:
-        writer.close()
+    head = _head(http_edges.EMBEDDINGS_PATH, len(body))[:-2] + b"x-padding: " + b"a" * (1 << 20) + b"\r\n\r\n"
+    return await _status_after(port, [head + body])
 
 
 async def probe_idle(port: int) -> float | None:
