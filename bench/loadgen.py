@@ -93,7 +93,7 @@ class _Caller:
         return Outcome(item, scheduled, sent, self.now(), code), pushback
 
 
-async def _bounded(tasks: Sequence[asyncio.Task[T]], grace: float) -> list[T]:
+async def bounded(tasks: Sequence[asyncio.Task[T]], grace: float) -> list[T]:
     """Results of the tasks that finish within ``grace`` s; the rest are cancelled and dropped."""
     if not tasks:
         return []
@@ -115,7 +115,7 @@ async def _callers(
             for _ in range(channels)
         ]
         await asyncio.wait_for(asyncio.gather(*(c.channel_ready() for c in opened)), deadline)
-        await _all_processes_ready()
+        await all_processes_ready()
         t0 = time.perf_counter()
         yield [_Caller(c, requests, deadline, t0) for c in opened]
 
@@ -155,7 +155,7 @@ async def open_loop(
         for item, at in enumerate(arrivals):
             await asyncio.sleep(at - caller.now())  # a negative delay just yields
             tasks.append(asyncio.create_task(send(item, at)))
-        await _bounded(tasks, deadline + 1)  # retries stop at ``duration``: now
+        await bounded(tasks, deadline + 1)  # retries stop at ``duration``: now
     return sorted(outcomes, key=lambda o: o.scheduled)
 
 
@@ -182,7 +182,7 @@ async def closed_loop(
                 await asyncio.sleep(min(pushback, 1.0))
 
         clients = [asyncio.create_task(client(callers[i % channels])) for i in range(concurrency)]
-        await _bounded(clients, duration + deadline + 1)
+        await bounded(clients, duration + deadline + 1)
     return sorted(outcomes, key=lambda o: o.scheduled)
 
 
@@ -196,10 +196,10 @@ async def burst(
     results: list[list[Outcome]] = []
     async with _callers(target, [request], deadline, channels) as callers:
         for _ in range(rounds):
-            await _all_processes_ready()
+            await all_processes_ready()
             start = callers[0].now()
             tasks = [asyncio.create_task(callers[i % channels].call(i, start)) for i in range(calls)]
-            answered = await _bounded(tasks, deadline + 1)
+            answered = await bounded(tasks, deadline + 1)
             results.append([outcome for outcome, _ in answered])
             await asyncio.sleep(max((pushback for _, pushback in answered), default=0.0))
     return results
@@ -216,7 +216,7 @@ def _join(barrier: Barrier, nice: int) -> None:
     os.nice(nice)
 
 
-async def _all_processes_ready() -> None:
+async def all_processes_ready() -> None:
     """Wait until every client process of ``in_processes`` gets here (at once: no-op)."""
     if _barrier is not None:
         await asyncio.to_thread(_barrier.wait, BARRIER_TIMEOUT_S)
@@ -234,7 +234,7 @@ def in_processes(
 ) -> tuple[list[T], float]:
     """``job(**kwargs[i])`` in ``len(kwargs)`` fresh client processes at niceness ``nice`` (added
     to ours), started together; their results, and the CPU seconds they used in all. Jobs are
-    module-level coroutines of this module (they must pickle); clocks are CLOCK_MONOTONIC, so
+    module-level coroutines (they must pickle); clocks are CLOCK_MONOTONIC, so
     their times compare across processes."""
     context = multiprocessing.get_context("spawn")  # grpc's state must not be forked
     barrier = context.Barrier(len(kwargs))
