@@ -7,7 +7,7 @@ certificate, which the server picks up for new connections without a restart.
 
 from __future__ import annotations
 
-from kembed.contract import GRPC_PORT, HTTP_PORT
+from kembed.contract import GRPC_PORT, HTTP_PORT, REST_PORT
 from kembed_operator.config import OperatorConfig
 from kembed_operator.kinds import Manifest
 from kembed_operator.spec import EmbeddingServiceSpec
@@ -61,14 +61,17 @@ def metrics_peers(spec: EmbeddingServiceSpec, config: OperatorConfig) -> list[Ma
 
 
 def network_policy_spec(pod_labels: dict[str, str], spec: EmbeddingServiceSpec, config: OperatorConfig) -> Manifest:
-    """The NetworkPolicy's spec, ingress only: gRPC from this namespace and ``from``, the HTTP port from
-    :func:`metrics_peers`.
+    """The NetworkPolicy's spec, ingress only: the APIs (gRPC and REST) from this namespace and
+    ``from``, the HTTP port from :func:`metrics_peers`.
 
     Kubelet probes come from the node, which common CNIs always admit; everything else is refused.
     """
     ingress: list[Manifest] = [
         # An empty podSelector as a peer: every pod in the policy's own namespace.
-        {"from": [{"podSelector": {}}, *spec.network_policy.from_], "ports": [{"protocol": "TCP", "port": GRPC_PORT}]}
+        {
+            "from": [{"podSelector": {}}, *spec.network_policy.from_],
+            "ports": [{"protocol": "TCP", "port": GRPC_PORT}, {"protocol": "TCP", "port": REST_PORT}],
+        }
     ]
     if peers := metrics_peers(spec, config):
         ingress.append({"from": peers, "ports": [{"protocol": "TCP", "port": HTTP_PORT}]})

@@ -82,6 +82,7 @@ def reconcile(body: Mapping[str, Any], config: OperatorConfig, client: Client, f
         problem=outcome.problem,
         selector=render.selector(owner.name),
         endpoint=render.endpoint(owner),
+        rest_endpoint=render.rest_endpoint(owner, tls=transport != "plaintext"),
         model=model,
         metrics=metrics,
         transport=transport,

@@ -18,7 +18,17 @@ from typing import Any
 from kubernetes.utils.quantity import parse_quantity
 
 from kembed.config import ConfigError, Settings
-from kembed.contract import ENV_PREFIX, GRPC_PORT, HTTP_PORT, LIVEZ_PATH, METRICS_PATH, READYZ_PATH, Metric, env_name
+from kembed.contract import (
+    ENV_PREFIX,
+    GRPC_PORT,
+    HTTP_PORT,
+    LIVEZ_PATH,
+    METRICS_PATH,
+    READYZ_PATH,
+    REST_PORT,
+    Metric,
+    env_name,
+)
 from kembed_operator import access, identity, kinds, startup
 from kembed_operator.config import OperatorConfig
 from kembed_operator.kinds import Manifest
@@ -103,7 +113,13 @@ def labels(name: str) -> dict[str, str]:
 
 
 def endpoint(owner: Owner) -> str:
+    """Where gRPC clients dial."""
     return f"dns:///{owner.name}.{owner.namespace}.svc.cluster.local:{GRPC_PORT}"
+
+
+def rest_endpoint(owner: Owner, tls: bool) -> str:
+    """The OpenAI API's base URL (what the official client calls ``base_url``)."""
+    return f"{'https' if tls else 'http'}://{owner.name}.{owner.namespace}.svc.cluster.local:{REST_PORT}/v1"
 
 
 def model_name(spec: EmbeddingServiceSpec) -> str:
@@ -171,6 +187,8 @@ def _decided_settings(spec: EmbeddingServiceSpec, thresholds: Thresholds) -> dic
         "http_host": "0.0.0.0",
         "grpc_port": GRPC_PORT,
         "http_port": HTTP_PORT,
+        "rest_port": REST_PORT,
+        "served_model_name": model.served_name,
         "device": device_type(spec),
         "pooling": model.pooling,
         "control_tokens": model.control_tokens,
@@ -323,6 +341,7 @@ def _container(
         "imagePullPolicy": spec.image_pull_policy,
         "ports": [
             {"name": "grpc", "containerPort": GRPC_PORT, "protocol": "TCP"},
+            {"name": "rest", "containerPort": REST_PORT, "protocol": "TCP"},
             {"name": "http", "containerPort": HTTP_PORT, "protocol": "TCP"},
         ],
         "env": [
@@ -423,6 +442,7 @@ def _service(owner: Owner, spec: EmbeddingServiceSpec) -> Manifest:
         "selector": selector_labels(owner.name),
         "ports": [
             {"name": "grpc", "port": GRPC_PORT, "targetPort": "grpc", "protocol": "TCP", "appProtocol": "grpc"},
+            {"name": "rest", "port": REST_PORT, "targetPort": "rest", "protocol": "TCP", "appProtocol": "http"},
             {"name": "http", "port": HTTP_PORT, "targetPort": "http", "protocol": "TCP"},
         ],
     }

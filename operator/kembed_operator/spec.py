@@ -54,6 +54,7 @@ class ModelSpec(_Spec):
     control_tokens: list[str] = Field(default_factory=list)
     max_input_tokens: int = Field(0, ge=0)
     dtype: Dtype = Dtype.AUTO
+    served_name: str = ""  # the REST API's `model` alias; empty = the model id only
 
     @model_validator(mode="after")
     def _one_source(self) -> ModelSpec:

@@ -45,6 +45,7 @@ class Observed:
     problem: Problem | None
     selector: str
     endpoint: str
+    rest_endpoint: str
     model: str
     metrics: Verdict  # whether anything may scrape the metrics port
     transport: str = "plaintext"  # what a client must speak to the endpoint: plaintext, tls or mtls
@@ -74,6 +75,7 @@ def compute(observed: Observed, previous: Manifest, now: str) -> Manifest:
         "readyReplicas": ready,
         "selector": observed.selector,
         "endpoint": observed.endpoint,
+        "restEndpoint": observed.rest_endpoint,
         "model": observed.model,
         "transport": observed.transport,
         "conditions": [_condition(*c, old.get(c[0]), now) for c in conditions],

@@ -52,6 +52,8 @@ class Supervisor:
             # The gRPC port is bound, not listened on, so that a port of 0 names one for every front end.
             self._port_hold = held.enter_context(_bind(settings.grpc_host, settings.grpc_port, "gRPC", reuse_port=True))
             self.grpc_port = int(self._port_hold.getsockname()[1])
+            if settings.rest_port:  # held likewise, so that a port in use stops the start with its name
+                held.enter_context(_bind(settings.grpc_host, settings.rest_port, "REST", reuse_port=True))
             self._runtime = held.enter_context(RuntimeDir.create()).path
             (self._runtime / METRICS_DIR).mkdir()
             self.board = Board(self._runtime / BOARD_FILE, frontends=self.frontends)
@@ -87,8 +89,9 @@ class Supervisor:
         ]
         s = self.settings
         plural = "s" if self.frontends > 1 else ""
+        rest = f"OpenAI REST on {self._rest_url()}/v1, " if s.rest_port else ""
         print(
-            f"kembed: gRPC on {s.grpc_host}:{self.grpc_port} ({self.frontends} front end{plural}), "
+            f"kembed: gRPC on {s.grpc_host}:{self.grpc_port} ({self.frontends} front end{plural}), {rest}"
             f"health and metrics on http://{s.http_host}:{self.http.port} (warming up; /readyz turns 200 when ready)",
             flush=True,
         )
@@ -151,6 +154,16 @@ class Supervisor:
             f"{self.settings.grpc_host}:{self.grpc_port}{tls} 'hello world'",
             flush=True,
         )
+        if self.settings.rest_port:
+            print(
+                f"kembed: or: curl {self._rest_url()}/v1/embeddings -H 'Content-Type: application/json' "
+                """-d '{"input": "hello world"}'""",
+                flush=True,
+            )
+
+    def _rest_url(self) -> str:
+        scheme = "https" if self.settings.tls else "http"
+        return f"{scheme}://{self.settings.grpc_host}:{self.settings.rest_port}"
 
     def ready(self) -> bool:
         board = self.board

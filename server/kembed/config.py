@@ -15,7 +15,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
-from kembed.contract import ENV_PREFIX, GRPC_PORT, HTTP_PORT, env_name
+from kembed.contract import ENV_PREFIX, GRPC_PORT, HTTP_PORT, REST_PORT, env_name
 
 MAX_FRONTENDS = 64
 AUTO_MAX_FRONTENDS = 8
@@ -168,8 +168,14 @@ class Settings(BaseModel):
     default_timeout_ms: float = Field(30_000.0, gt=0, description="Deadline for requests that set none")
 
     # --- serving ---
-    grpc_host: str = Field("127.0.0.1", description="gRPC bind address (containers set 0.0.0.0)")
+    grpc_host: str = Field("127.0.0.1", description="gRPC and REST bind address (containers set 0.0.0.0)")
     grpc_port: int = Field(GRPC_PORT, ge=0, le=65535, description="gRPC port (0 = any free port)")
+    rest_port: int = Field(
+        REST_PORT, ge=0, le=65535, description="OpenAI-compatible REST port (/v1/embeddings, /v1/models); 0 = off"
+    )
+    served_model_name: str = Field(
+        "", description="The `model` name REST clients may use besides the model id (an alias); empty = none"
+    )
     http_host: str = Field("127.0.0.1", description="Health and metrics bind address (containers set 0.0.0.0)")
     http_port: int = Field(HTTP_PORT, ge=0, le=65535, description="Health and metrics port (0 = any free port)")
     max_connection_age_ms: int = Field(

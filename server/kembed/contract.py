@@ -10,6 +10,7 @@ from typing import Final
 
 GRPC_PORT: Final = 50051
 HTTP_PORT: Final = 8001
+REST_PORT: Final = 8080
 
 LIVEZ_PATH: Final = "/livez"
 READYZ_PATH: Final = "/readyz"

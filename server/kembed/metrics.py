@@ -39,7 +39,12 @@ class FrontendMetrics:
             registry=r,
             buckets=LATENCY_BUCKETS,
         )
-        self.requests = Counter(Metric.REQUESTS, "Requests by gRPC status code", ["code"], registry=r)
+        self.requests = Counter(
+            Metric.REQUESTS,
+            "Answers by API (grpc, rest) and its status code (gRPC's name, HTTP's number)",
+            ["api", "code"],
+            registry=r,
+        )
         self.rejected = _rejected(r)
         self.pushback_waits = Counter(
             Metric.PUSHBACK_WAITS, "Calls that came within their connection's pushback and waited it out", registry=r

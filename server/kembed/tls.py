@@ -1,4 +1,4 @@
-"""TLS for the gRPC port: checked once at start-up, re-read on rotation without a restart.
+"""TLS for the gRPC and REST ports: checked once at start-up, re-read on rotation without a restart.
 
 cert-manager (through the kubelet) rewrites a mounted Secret by swapping a symlink, so the files
 change under a running server. gRPC asks :class:`CertificateFetcher` before every new handshake;
@@ -96,7 +96,8 @@ def read(files: TlsFiles) -> Material:
 
 
 class CertificateFetcher:
-    """gRPC's certificate-configuration fetcher: a new configuration when the files changed, else None."""
+    """Watches the files: ``changed()`` gives their new contents once they changed and are usable;
+    called, it is gRPC's certificate-configuration fetcher (a new configuration, else None)."""
 
     def __init__(self, files: TlsFiles) -> None:
         self._files = files
@@ -109,6 +110,10 @@ class CertificateFetcher:
         return tuple((s.st_ino, s.st_size, s.st_mtime_ns) for s in stats)
 
     def __call__(self) -> grpc.ServerCertificateConfiguration | None:
+        material = self.changed()
+        return None if material is None else material.configuration()
+
+    def changed(self) -> Material | None:
         try:
             stamp = self._stamp()
             if stamp == self._seen:
@@ -125,7 +130,25 @@ class CertificateFetcher:
             return None
         self.material = material
         log.info("TLS certificate reloaded from %s", self._files.cert)
-        return material.configuration()
+        return material
+
+
+class ServerContext:
+    """An ``ssl.SSLContext`` for a server socket that follows the files: ``refresh()`` reloads the
+    certificate into it once they changed (new connections get the new one; open ones keep theirs)."""
+
+    def __init__(self, files: TlsFiles) -> None:
+        self._files = files
+        self._fetcher = CertificateFetcher(files)
+        self.context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
+        self.context.load_cert_chain(files.cert, files.key, password=_no_password)
+        if files.client_ca is not None:
+            self.context.verify_mode = ssl.CERT_REQUIRED
+            self.context.load_verify_locations(cafile=files.client_ca)
+
+    def refresh(self) -> None:
+        if self._fetcher.changed() is not None:
+            self.context.load_cert_chain(self._files.cert, self._files.key, password=_no_password)
 
 
 def add_port(server: grpc.aio.Server, address: str, settings: Settings) -> None:

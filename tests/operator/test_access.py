@@ -10,7 +10,7 @@ import kubernetes_validate
 import pytest
 
 from kembed.config import Settings
-from kembed.contract import GRPC_PORT, HTTP_PORT, env_name
+from kembed.contract import GRPC_PORT, HTTP_PORT, REST_PORT, env_name
 from kembed_operator import access, kinds, render
 from kembed_operator.config import OperatorConfig
 from kembed_operator.spec import InvalidSpec, parse_spec
@@ -30,6 +30,8 @@ SPECS: dict[str, dict[str, Any]] = {
     "peers": {"networkPolicy": {"from": [WEB, OFFICE], "metricsFrom": [PROMETHEUS]}},
     "no policy": {"networkPolicy": {"enabled": False}},
 }
+
+API_PORTS = [{"protocol": "TCP", "port": GRPC_PORT}, {"protocol": "TCP", "port": REST_PORT}]  # gRPC and REST alike
 
 
 def pod(spec: dict[str, Any]) -> dict[str, Any]:
@@ -95,16 +97,14 @@ def test_the_default_policy_admits_grpc_from_its_own_namespace_only() -> None:
     assert policy["metadata"] == rendered["Service"]["metadata"]  # named, labelled and owned like every child
     assert policy["spec"]["podSelector"]["matchLabels"] == rendered["Deployment"]["spec"]["selector"]["matchLabels"]
     assert policy["spec"]["policyTypes"] == ["Ingress"]
-    assert policy["spec"]["ingress"] == [
-        {"from": [{"podSelector": {}}], "ports": [{"protocol": "TCP", "port": GRPC_PORT}]}
-    ]
+    assert policy["spec"]["ingress"] == [{"from": [{"podSelector": {}}], "ports": API_PORTS}]
     ports = {p["name"]: p["containerPort"] for p in container({})["ports"]}
-    assert ports == {"grpc": GRPC_PORT, "http": HTTP_PORT}  # the ports the policy names are the pod's
+    assert ports == {"grpc": GRPC_PORT, "rest": REST_PORT, "http": HTTP_PORT}  # the ports the policy names
 
 
 def test_peers_add_grpc_callers_and_metrics_scrapers() -> None:
     grpc_rule, metrics_rule = children(SPECS["peers"])["NetworkPolicy"]["spec"]["ingress"]
-    assert grpc_rule == {"from": [{"podSelector": {}}, WEB, OFFICE], "ports": [{"protocol": "TCP", "port": GRPC_PORT}]}
+    assert grpc_rule == {"from": [{"podSelector": {}}, WEB, OFFICE], "ports": API_PORTS}
     assert metrics_rule == {"from": [PROMETHEUS], "ports": [{"protocol": "TCP", "port": HTTP_PORT}]}
 
 

@@ -101,7 +101,7 @@ def test_names_and_subresources(crd: dict[str, Any], crd_schema: Schema) -> None
             node = node["properties"][part]
         assert node["type"] in ("integer", "string"), path
     columns = [c["name"] for c in version["additionalPrinterColumns"]]
-    assert columns == ["Ready", "Replicas", "Model", "Endpoint", "Transport", "Age"]
+    assert columns == ["Ready", "Replicas", "Model", "Endpoint", "REST", "Transport", "Age"]
     conditions = crd_schema["properties"]["status"]["properties"]["conditions"]
     assert set(conditions["items"]["properties"]) == {"type", "status", "reason", "message", "lastTransitionTime"}
 

@@ -10,7 +10,7 @@ import pytest
 from kubernetes.utils.quantity import parse_quantity
 
 from kembed.config import Settings
-from kembed.contract import GRPC_PORT, HTTP_PORT, LIVEZ_PATH, METRICS_PATH, READYZ_PATH, Metric, env_name
+from kembed.contract import GRPC_PORT, HTTP_PORT, LIVEZ_PATH, METRICS_PATH, READYZ_PATH, REST_PORT, Metric, env_name
 from kembed_operator import identity, kinds, render
 from kembed_operator.config import OperatorConfig
 from kembed_operator.slo import derive
@@ -300,7 +300,7 @@ def test_service_shapes() -> None:
     plain = children({})["Service"]
     assert plain["spec"]["type"] == "ClusterIP" and "clusterIP" not in plain["spec"]
     ports = {p["name"]: (p["port"], p.get("appProtocol")) for p in plain["spec"]["ports"]}
-    assert ports == {"grpc": (GRPC_PORT, "grpc"), "http": (HTTP_PORT, None)}
+    assert ports == {"grpc": (GRPC_PORT, "grpc"), "rest": (REST_PORT, "http"), "http": (HTTP_PORT, None)}
     headless = children(FEATURES["headless"])["Service"]
     assert headless["spec"]["clusterIP"] == "None"
     assert headless["metadata"]["annotations"] == {"team": "search"}
@@ -378,3 +378,9 @@ INVALID: dict[str, tuple[dict[str, Any], str]] = {
 def test_invalid_specs_are_explained(spec: dict[str, Any], needle: str) -> None:
     with pytest.raises(InvalidSpec, match=needle.replace("[", r"\[").replace(".", r"\.")):
         render.render(OWNER, parse_spec(spec), OperatorConfig())
+
+
+def test_the_rest_endpoint_is_the_openai_base_url() -> None:
+    owner = render.Owner("bge", "search", "uid")
+    assert render.rest_endpoint(owner, tls=False) == f"http://bge.search.svc.cluster.local:{REST_PORT}/v1"
+    assert render.rest_endpoint(owner, tls=True).startswith("https://")

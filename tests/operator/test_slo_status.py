@@ -43,7 +43,14 @@ def observed(
     dep: dict[str, Any] | None, problem: status.Problem | None = None, metrics: status.Verdict = ADMITTED
 ) -> status.Observed:
     return status.Observed(
-        generation=3, deployment=dep, problem=problem, selector="s", endpoint="e", model="m", metrics=metrics
+        generation=3,
+        deployment=dep,
+        problem=problem,
+        selector="s",
+        endpoint="e",
+        rest_endpoint="r",
+        model="m",
+        metrics=metrics,
     )
 
 

@@ -51,7 +51,9 @@ class ServerProcess:
     def __init__(self, log: Path, module: str = "kembed", held: bool = False, **settings: Any) -> None:
         self.grpc_port = int(settings.pop("grpc_port", 0)) or free_port()
         self.http_port = int(settings.pop("http_port", 0)) or free_port()
-        values = {**FAST, **settings, "grpc_port": self.grpc_port, "http_port": self.http_port}
+        self.rest_port = int(settings.pop("rest_port", 0)) or free_port()
+        ports = {"grpc_port": self.grpc_port, "http_port": self.http_port, "rest_port": self.rest_port}
+        values = {**FAST, **settings, **ports}
         env = {k: v for k, v in os.environ.items() if not k.startswith("KEMBED_")}
         env.update({env_name(k): str(v) for k, v in values.items()})
         env["HF_HUB_OFFLINE"] = "1"
@@ -74,6 +76,11 @@ class ServerProcess:
     @property
     def target(self) -> str:
         return f"127.0.0.1:{self.grpc_port}"
+
+    @property
+    def rest_url(self) -> str:
+        """The OpenAI API's base URL (what the official client calls ``base_url``)."""
+        return f"http://127.0.0.1:{self.rest_port}/v1"
 
     def http(self, path: str) -> tuple[int, str]:
         try:

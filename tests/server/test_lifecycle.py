@@ -21,6 +21,7 @@ from kembed.protocol import PROTOCOL_VERSION, Hello, frame
 from kembed.runtime import BOARD_FILE, ENGINE_SOCKET
 from kembed.v1 import embedder_pb2 as pb
 from kembed.v1 import embedder_pb2_grpc as pb_grpc
+from tests.server.held import EngineHold
 from tests.server.serving import ServerProcess, channel_per_frontend, wait_until
 
 PARAGRAPH = "Readiness goes false at once, and everything accepted is finished and answered. " * 5
@@ -36,7 +37,9 @@ def process_gone(pid: int) -> bool:
 
 
 def test_unavailable_while_warming_up_then_serving(tmp_path: Path):
-    server = ServerProcess(tmp_path / "server.log", warmup="grid", frontends=2)
+    warming = EngineHold(tmp_path / "server.hold")
+    warming.hold()  # the engine's warmup waits until released, however fast this machine is
+    server = ServerProcess(tmp_path / "server.log", held=True, frontends=2)
     try:
         with grpc.insecure_channel(server.target) as channel:
             health = health_pb2_grpc.HealthStub(channel)
@@ -48,6 +51,7 @@ def test_unavailable_while_warming_up_then_serving(tmp_path: Path):
             assert "warming up" in str(caught.value.details())
             assert server.http("/readyz")[0] == 503
             assert server.http("/livez")[0] == 200
+            warming.release()
             server.wait_ready()
             assert _health_status(health) == health_pb2.HealthCheckResponse.SERVING
             assert pb_grpc.EmbedderStub(channel).Embed(pb.EmbedRequest(texts=["now"])).count == 1

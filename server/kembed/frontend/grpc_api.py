@@ -154,4 +154,4 @@ class EmbedderServicer(pb_grpc.EmbedderServicer):
         return status
 
     def _count(self, code: grpc.StatusCode) -> None:
-        self._metrics.requests.labels(code=code.name).inc()
+        self._metrics.requests.labels(api="grpc", code=code.name).inc()

@@ -25,6 +25,7 @@ from kembed.config import Settings
 from kembed.contract import EXIT_FATAL, GRPC_SERVICE
 from kembed.frontend.grpc_api import EmbedderServicer
 from kembed.frontend.link import EngineLink
+from kembed.frontend.rest import RestEdge
 from kembed.frontend.screen import Screen
 from kembed.frontend.service import EmbedService, Gate
 from kembed.metrics import FrontendMetrics
@@ -47,6 +48,7 @@ class FrontendProcess:
         self._metrics = FrontendMetrics()
         self._gate = Gate(lambda: self._board[Cell.DRAINING] == 1.0)
         self._servicer = EmbedderServicer(self._metrics, self._gate)
+        self._rest = RestEdge(settings, self._metrics, lambda: self._servicer.service) if settings.rest_port else None
         self._health = health_aio.HealthServicer()
         self._executor = ThreadPoolExecutor(TOKENIZER_THREADS, thread_name_prefix="kembed-tokenize")
         self._child = Child()
@@ -64,7 +66,7 @@ class FrontendProcess:
     async def run(self) -> int:
         self._child.handle_signals()
         await self._listen()
-        ticker = asyncio.create_task(self._child.tick(TICK_S, lambda: self._board.beat_frontend(self._index)))
+        ticker = asyncio.create_task(self._child.tick(TICK_S, self._beat))
         frame_interval = self._settings.frame_interval_ms / 1000
         connect = asyncio.create_task(EngineLink.connect(self._runtime, self._index, frame_interval))
         stopped = asyncio.create_task(self._child.stop.wait())
@@ -102,11 +104,15 @@ class FrontendProcess:
         tls.add_port(self._grpc, f"{self._settings.grpc_host}:{self._settings.grpc_port}", self._settings)
         await self._set_serving(False)
         await self._grpc.start()
+        if self._rest is not None:
+            await self._rest.start()
 
     async def _open(self, link: EngineLink) -> None:
         """The engine is warm: build the serving path and start answering."""
         screen = Screen(self._settings, self._board, link)
         self._servicer.service = EmbedService(self._settings, link, screen, self._gate, self._metrics, self._executor)
+        if self._rest is not None:
+            self._rest.serve_model(link.info.model_id)
         await self._set_serving(True)
         self._board.set_frontend(self._index, FrontendCell.SERVING, 1.0)
         self._child.freeze_heap()
@@ -124,7 +130,15 @@ class FrontendProcess:
         except TimeoutError:
             log.warning("drain timed out with %d requests in progress", self._gate.active)
         await self._grpc.stop(1.0)
+        if self._rest is not None:
+            await self._rest.stop()
         self._executor.shutdown(wait=False, cancel_futures=True)
+
+    def _beat(self) -> None:
+        """The event loop's heartbeat for /livez; rotated TLS files reach the REST port."""
+        self._board.beat_frontend(self._index)
+        if self._rest is not None:
+            self._rest.refresh_tls()
 
     async def _set_serving(self, serving: bool) -> None:
         status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING

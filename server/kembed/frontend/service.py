@@ -104,14 +104,18 @@ class Service(Protocol):
     def info(self) -> pb.InfoResponse: ...
 
 
+def warming_up() -> EmbedError:
+    return EmbedError(Failure.UNAVAILABLE, "server is warming up: retry shortly")
+
+
 class WarmingUp:
     """The service until the engine is warm: every call is UNAVAILABLE."""
 
     async def embed(self, request: pb.EmbedRequest, time_remaining: float | None, connection: str) -> pb.EmbedResponse:
-        raise EmbedError(Failure.UNAVAILABLE, "server is warming up: retry shortly")
+        raise warming_up()
 
     def info(self) -> pb.InfoResponse:
-        raise EmbedError(Failure.UNAVAILABLE, "server is warming up: retry shortly")
+        raise warming_up()
 
 
 class EmbedService:

@@ -1,0 +1,238 @@
+"""The OpenAI-compatible REST edge end to end: a real server on loopback, the real model, and the
+official ``openai`` client (plus plain HTTP where the client would not send what is tested)."""
+
+from __future__ import annotations
+
+import base64
+import json
+import signal
+import urllib.error
+import urllib.request
+from collections.abc import Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
+from typing import Any
+
+import grpc
+import numpy as np
+import openai
+import pytest
+
+from kembed.client import decode
+from kembed.v1 import embedder_pb2 as pb
+from kembed.v1 import embedder_pb2_grpc as pb_grpc
+from tests.server.held import EngineHold
+from tests.server.serving import ServerProcess, wait_until
+
+ALIAS = "minilm"
+MODEL_ID = "sentence-transformers/all-MiniLM-L6-v2"
+MAX_ITEMS = 64
+MAX_MESSAGE = 1024 * 1024
+TEXTS = ["hello world", "Kubernetes schedules pods onto nodes.", "naïve café, 東京, emoji 🚀", "A short one."]
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
+    log = tmp_path_factory.mktemp("rest") / "server.log"
+    running = ServerProcess(
+        log,
+        frontends=2,
+        admission="",
+        max_items_per_request=MAX_ITEMS,
+        max_message_bytes=MAX_MESSAGE,
+        served_model_name=ALIAS,
+    )
+    yield running.wait_ready()
+    running.stop()
+
+
+@pytest.fixture(scope="module")
+def client(server: ServerProcess) -> openai.OpenAI:
+    return openai.OpenAI(base_url=server.rest_url, api_key="unused", max_retries=0)
+
+
+@pytest.fixture(scope="module")
+def grpc_stub(server: ServerProcess) -> Iterator[pb_grpc.EmbedderStub]:
+    with grpc.insecure_channel(server.target) as channel:
+        yield pb_grpc.EmbedderStub(channel)
+
+
+Body = bytes | list[int] | dict[str, Any]
+
+
+def post(server: ServerProcess, body: Body, path: str = "/embeddings") -> tuple[int, Any, Any]:
+    """Status, JSON body and headers of one plain POST (status 0: nobody listens yet)."""
+    data = body if isinstance(body, bytes) else json.dumps(body).encode()
+    request = urllib.request.Request(server.rest_url + path, data=data, headers={"Content-Type": "application/json"})
+    try:
+        with urllib.request.urlopen(request, timeout=60) as response:
+            return response.status, json.loads(response.read()), response.headers
+    except urllib.error.HTTPError as error:
+        return error.code, json.loads(error.read()), error.headers
+    except urllib.error.URLError:  # not listening yet
+        return 0, None, None
+
+
+def vectors(response: Any) -> np.ndarray:
+    return np.asarray([item.embedding for item in response.data], dtype=np.float32)
+
+
+def test_vectors_match_the_grpc_path(client: openai.OpenAI, grpc_stub: pb_grpc.EmbedderStub):
+    rest = client.embeddings.create(model=ALIAS, input=TEXTS)  # the client asks for base64 by default
+    expected = decode(grpc_stub.Embed(pb.EmbedRequest(texts=TEXTS)))
+    got = vectors(rest)
+    assert got.shape == expected.shape == (len(TEXTS), 384)
+    assert np.min(np.sum(got * expected, axis=1)) >= 0.9999
+    assert [item.index for item in rest.data] == list(range(len(TEXTS)))
+    assert rest.model == ALIAS and rest.object == "list"
+
+
+def test_float_and_base64_are_the_same_vectors(server: ServerProcess, client: openai.OpenAI):
+    floats = vectors(client.embeddings.create(model=MODEL_ID, input=TEXTS, encoding_format="float"))
+    status, body, _ = post(server, {"model": ALIAS, "input": TEXTS, "encoding_format": "base64"})
+    assert status == 200
+    raw = np.stack([np.frombuffer(base64.b64decode(item["embedding"]), dtype="<f4") for item in body["data"]])
+    np.testing.assert_allclose(raw, floats, atol=1e-6)
+
+
+def test_dimensions_truncate_and_renormalise(client: openai.OpenAI):
+    full = vectors(client.embeddings.create(model=ALIAS, input=TEXTS))
+    short = vectors(client.embeddings.create(model=ALIAS, input=TEXTS, dimensions=128))
+    expected = full[:, :128] / np.linalg.norm(full[:, :128], axis=1, keepdims=True)
+    np.testing.assert_allclose(short, expected, atol=1e-5)
+
+
+def test_token_ids_give_the_same_vectors_and_usage_counts_tokens(
+    client: openai.OpenAI, grpc_stub: pb_grpc.EmbedderStub
+):
+    texts = TEXTS[:2]
+    by_text = client.embeddings.create(model=ALIAS, input=texts)
+    counts = list(grpc_stub.Embed(pb.EmbedRequest(texts=texts)).token_counts)
+    from transformers import AutoTokenizer
+
+    from kembed.config import Settings
+    from kembed.engine.model import resolve_model_path
+
+    tokenizer = AutoTokenizer.from_pretrained(resolve_model_path(Settings())[1])
+    ids = [tokenizer(text)["input_ids"] for text in texts]
+    by_ids = client.embeddings.create(model=ALIAS, input=ids)
+    one = client.embeddings.create(model=ALIAS, input=ids[0])  # a single array of ids
+    np.testing.assert_allclose(vectors(by_ids), vectors(by_text), atol=1e-5)
+    np.testing.assert_allclose(vectors(one)[0], vectors(by_text)[0], atol=1e-5)
+    assert by_text.usage.prompt_tokens == by_text.usage.total_tokens == sum(counts) == sum(map(len, ids))
+
+
+def test_models_lists_the_alias_and_the_id(client: openai.OpenAI):
+    assert [model.id for model in client.models.list().data] == [ALIAS, MODEL_ID]
+
+
+BAD_BODIES: dict[str, tuple[Body, int, str | None]] = {
+    "not JSON": (b"{input: nope", 400, None),
+    "not an object": ([1, 2], 400, None),
+    "no input": ({"model": ALIAS}, 400, "input"),
+    "empty input": ({"input": []}, 400, "input"),
+    "an empty string": ({"input": ["fine", ""]}, 400, "input[1]"),
+    "wrong type": ({"input": {"text": "x"}}, 400, "input"),
+    "mixed array": ({"input": ["text", 5]}, 400, "input"),
+    "a float id": ({"input": [[101, 1.5, 102]]}, 400, "input"),
+    "an id outside int32": ({"input": [101, 2**40, 102]}, 400, "input"),
+    "an id outside the vocabulary": ({"input": [[101, 102], [101, 999999, 102]]}, 400, "input[1][1]"),
+    "an empty sequence": ({"input": [[101, 102], []]}, 400, "input[1]"),
+    "over-long text": ({"input": ["fine", "word " * 400]}, 400, "input[1]"),
+    "too many items": ({"input": ["a"] * (MAX_ITEMS + 1)}, 400, "input"),
+    "unknown encoding": ({"input": "x", "encoding_format": "hex"}, 400, "encoding_format"),
+    "dimensions zero": ({"input": "x", "dimensions": 0}, 400, "dimensions"),
+    "too many dimensions": ({"input": "x", "dimensions": 385}, 400, "dimensions"),
+    "truncate not a flag": ({"input": "x", "truncate": "yes"}, 400, "truncate"),
+    "unknown model": ({"input": "x", "model": "gpt-4"}, 404, "model"),
+    "body over the limit": (json.dumps({"input": "x" * (MAX_MESSAGE + 10)}).encode(), 413, None),
+}
+
+
+@pytest.mark.parametrize("case", BAD_BODIES)
+def test_bad_input_is_refused_alone_in_openai_shape(server: ServerProcess, client: openai.OpenAI, case: str):
+    body, status, param = BAD_BODIES[case]
+    with ThreadPoolExecutor(4) as pool:
+        good = [pool.submit(client.embeddings.create, model=ALIAS, input=[f"good neighbour {i}"] * 4) for i in range(3)]
+        got, answer, _ = post(server, body)
+        assert got == status, answer
+        error = answer["error"]
+        assert set(error) == {"message", "type", "param", "code"} and error["param"] == param, error
+        assert error["message"] and "Traceback" not in error["message"]
+        if param is not None:
+            assert error["message"].startswith(param), error
+        for future in good:
+            assert vectors(future.result(timeout=60)).shape == (4, 384)
+
+
+def test_over_long_input_is_truncated_when_asked(server: ServerProcess):
+    status, body, _ = post(server, {"input": ["word " * 400], "truncate": True})
+    assert status == 200 and body["usage"]["prompt_tokens"] == 256
+
+
+def test_rest_and_grpc_share_a_batch(tmp_path):
+    server = ServerProcess(tmp_path / "server.log", held=True, frontends=1, admission="").wait_ready()
+    try:
+        batches = "kembed_batch_size_count"
+        with grpc.insecure_channel(server.target) as channel, ThreadPoolExecutor(2) as pool:
+            stub = pb_grpc.EmbedderStub(channel)
+            before = server.metric(batches)
+            with server.engine:  # the first request's batch waits in the model: the next two queue behind it
+                first = stub.Embed.future(pb.EmbedRequest(texts=["the first, alone in its batch"]), timeout=120)
+                server.wait_open_requests(1)
+                by_grpc = stub.Embed.future(pb.EmbedRequest(texts=["from gRPC"]), timeout=120)
+                by_rest = pool.submit(post, server, {"input": ["from REST"]})
+                server.wait_open_requests(3)
+            assert first.result().count == 1 and by_grpc.result().count == 1 and by_rest.result()[0] == 200
+        assert server.metric(batches) - before == 2  # the gRPC and the REST call went in one batch
+    finally:
+        server.stop()
+
+
+def test_overload_is_429_with_a_retry_after_the_client_honours(tmp_path):
+    server = ServerProcess(tmp_path / "server.log", held=True, frontends=1, max_drain_ms=1000).wait_ready()
+    try:
+        request = {"input": ["Admission control rejects early instead of queueing into timeouts."] * 8}
+        with ThreadPoolExecutor(40) as pool:
+            client = openai.OpenAI(base_url=server.rest_url, api_key="unused", max_retries=50)
+            refusals = 'kembed_requests_total{api="rest",code="429"}'
+            with server.engine:
+                backlog = [pool.submit(post, server, request) for _ in range(30)]
+                decided = lambda: sum(f.done() for f in backlog) + server.health()["open_requests"] == 30  # noqa: E731
+                wait_until(decided, 120, "every call refused or admitted")
+                status, body, headers = next(f.result() for f in backlog if f.done())
+                assert status == 429 and body["error"]["type"] == "rate_limit_error"
+                assert int(headers["Retry-After"]) >= 1 and int(headers["retry-after-ms"]) > 0
+                before = server.metric(refusals)
+                patient: Future[Any] = pool.submit(client.embeddings.create, model=MODEL_ID, input=request["input"])
+                wait_until(lambda: server.metric(refusals) > before, 120, "the client refused")
+                assert not patient.done()
+            assert vectors(patient.result(timeout=300)).shape == (8, 384)  # retried after the pushback
+            assert {f.result()[0] for f in backlog} <= {200, 429}
+    finally:
+        server.stop()
+
+
+def test_warming_up_and_draining_are_503_and_sigterm_answers_every_accepted_call(tmp_path):
+    warming = EngineHold(tmp_path / "server.hold")
+    warming.hold()  # the engine's warmup waits until released: the REST port answers while it is cold
+    server = ServerProcess(tmp_path / "server.log", held=True, frontends=1, admission="")
+    try:
+        wait_until(lambda: post(server, {"input": "early"})[0] == 503, 120, "the REST port answering 503")
+        warming.release()
+        server.wait_ready()
+        with ThreadPoolExecutor(8) as pool:
+            server.engine.hold()
+            accepted = [pool.submit(post, server, {"input": [f"accepted {i}"] * 4}) for i in range(6)]
+            server.wait_open_requests(6)
+            server.process.send_signal(signal.SIGTERM)
+            wait_until(lambda: server.http("/readyz")[0] != 200, 60, "readiness to drop")
+            status, body, _ = post(server, {"input": "after SIGTERM"})
+            assert status == 503 and body["error"]["code"] == "unavailable"
+            server.engine.release()
+            answers = [future.result(timeout=120) for future in accepted]
+        assert [(status, len(body["data"])) for status, body, _ in answers] == [(200, 4)] * 6
+        assert server.process.wait(timeout=120) == 0
+    finally:
+        server.stop()
