@@ -207,6 +207,6 @@ def test_http_probes_health_and_metrics(server: ServerProcess, stub: pb_grpc.Emb
         Metric.INFERENCE_SECONDS + "_bucket",
     ):
         assert re.search(rf"^{name}[{{ ]", text, re.M), name
-    assert re.search(r'^kembed_requests_total\{code="OK"\} [1-9]', text, re.M)
+    assert re.search(r'^kembed_requests_total\{api="grpc",code="OK"\} [1-9]', text, re.M)
     assert re.search(r'^kembed_tokens_total\{kind="padding"\} ', text, re.M)
     assert server.http("/nope")[0] == 404

@@ -176,7 +176,7 @@ def test_answers_a_stream_left_unread_when_the_drain_ended_are_counted(tmp_path:
     try:
         # Never read; its requests' deadline is the stream's, so none expires on a slow machine.
         stream = pb_grpc.EmbedderStub(silent).EmbedStream(iter([request] * offered), timeout=900)
-        ok = 'kembed_requests_total{code="OK"}'
+        ok = 'kembed_requests_total{api="grpc",code="OK"}'
         wait_until(lambda: server.metric(ok) == offered, 600, "every request to be computed")
         assert server.terminate() == 0
         stream.cancel()
