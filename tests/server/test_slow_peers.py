@@ -27,7 +27,7 @@ from tests.server.serving import FAST, ServerProcess, rss_bytes, wait_until
 pytestmark = pytest.mark.slow
 
 MAX_ITEMS = 64
-OK_ANSWERS = f'{Metric.REQUESTS}_total{{code="OK"}}'
+OK_ANSWERS = f'{Metric.REQUESTS}_total{{api="grpc",code="OK"}}'
 # Without BDP probing a client's HTTP/2 receive window stays at 64 KiB: answers in it have left the
 # server. The stream's and the connection's windows are counted apart, each with a partial answer.
 CLIENT_WINDOW_BYTES = 2 * 65535
