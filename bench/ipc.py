@@ -46,10 +46,12 @@ def _work(requests: int) -> Work:
         deadlines=np.full(requests, 1e9, dtype="<f8"),
         counts=np.ones(requests, dtype="<u4"),
         costs=np.full(requests, 16, dtype="<u8"),
+        priorities=np.zeros(requests, dtype="u1"),
         lengths=np.full(requests, TOKENS, dtype="<i4"),
         ids=np.ones(requests * TOKENS, dtype="<i4"),
         cancels=np.empty(0, dtype="<u8"),
         latencies=np.empty(0, dtype="<f8"),
+        sample_priorities=np.empty(0, dtype="u1"),
     )
 
 

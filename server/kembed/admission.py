@@ -2,20 +2,30 @@
 
 Two strategies, each optional, combined so that either one may reject:
 
-- throughput: the longest wait the request may see behind the backlog (queued + in-flight + this
-  request, in padded tokens, over the measured service rate) must fit ``max_drain_ms``. The
-  rate is an exponentially weighted ratio of tokens to wall seconds, recorded when batches
-  *complete*; before the first batch it is seeded from warmup timings. With length buckets the
-  longest wait is ``BUCKETED_WAIT_SPREAD`` times the drain time (see there); one FIFO queue
-  (naive batching) waits the drain time.
-- latency: the P95 of server-side latency over a sliding window, counting successes, timeouts
-  (at their elapsed time) and rejections (at the wait they were spared, the drain estimate, so
-  the P95 recovers as the backlog drains instead of locking shedding on). Shedding starts when
-  the P95 passes the soft limit and stops only when it falls below ``RECOVER_FRACTION`` of it,
-  so it does not flap; meanwhile the shed fraction rises linearly from that floor (0) to the
-  hard limit (1: every request that would queue is rejected). Shedding is work-conserving: a
-  request whose longest wait is under the recovery floor is never shed, since refusing it
-  cannot bring the P95 down and would only leave the worker idle.
+- throughput: the longest wait the request may see behind the backlog ahead of it (in padded
+  tokens, over the measured service rate) must fit ``max_drain_ms``, unless nothing is ahead of it. The rate is an exponentially
+  weighted ratio of tokens to wall seconds, recorded when batches *complete*; before the first
+  batch it is seeded from warmup timings. With length buckets the longest wait is
+  ``BUCKETED_WAIT_SPREAD`` times the drain time (see there); one FIFO queue (naive batching)
+  waits the drain time.
+- latency: the P95 of interactive requests' server-side latency over a sliding window, counting
+  successes, timeouts (at their elapsed time) and rejections (at the wait they were spared, the
+  drain estimate, so the P95 recovers as the backlog drains instead of locking shedding on).
+  Shedding starts when the P95 passes the soft limit and stops only when it falls below
+  ``RECOVER_FRACTION`` of it, so it does not flap; meanwhile the shed fraction rises linearly from
+  that floor (0) to the hard limit (1). Shedding is work-conserving: a request whose longest wait
+  is under the recovery floor is never shed, since refusing it cannot bring the P95 down and would
+  only leave the worker idle.
+
+Two classes (:class:`~kembed.priority.Priority`). Interactive work is batched first, so what it
+waits behind is the interactive work queued and what is already in the worker's hands: it is
+admitted against that, and batch work against everything (:meth:`Backlog.ahead`). Under pressure
+batch work is therefore refused first, with a pushback of its own; while shedding, every batch
+request that would queue is refused, and an interactive one is never shed while batch work that
+has not started is queued. The queue cap counts everything, but batch work none of whose items
+has started may be displaced (refused after admission) to make room for an interactive request
+(:meth:`AdmissionController.room_to_make`), so an interactive request is never refused while batch
+work it could take the place of is queued.
 
 Rejections carry a pushback: the time until the backlog ahead would have drained, jittered so
 that clients refused together do not come back together (a pushback of just the excess brought
@@ -32,12 +42,13 @@ import random
 import time
 from collections import deque
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from typing import Protocol
 
 import numpy as np
 
 from kembed.config import Admission, Batching, Settings
+from kembed.priority import Priority
 
 RATE_DECAY = 0.9  # weight of the past per completed batch in the service-rate estimate
 RECOVER_FRACTION = 0.8  # shedding stops below this share of the soft P95 limit
@@ -55,9 +66,42 @@ BUCKETED_WAIT_SPREAD = 2.0
 
 @dataclass(frozen=True)
 class Rejection:
-    reason: str  # "drain_time", "latency_shed", "latency_hard" or "queue_full": the metric label
+    reason: str  # "drain_time", "latency_shed", "latency_hard", "queue_full" or "displaced": the metric label
     retry_after_ms: int
     message: str
+
+
+@dataclass(frozen=True)
+class Backlog:
+    """Padded tokens the engine holds, by where they are: what admission weighs a request against."""
+
+    interactive: int = 0  # queued interactive work
+    batch: int = 0  # queued batch work
+    in_flight: int = 0  # in batches handed to the worker
+    displaceable: int = 0  # of ``batch``: requests none of whose items has started
+
+    @property
+    def total(self) -> int:
+        return self.interactive + self.batch + self.in_flight
+
+    def ahead(self, priority: Priority) -> int:
+        """What a new request of this class waits behind: interactive work goes before batch work
+        (a batch in the worker's hands cannot be preempted), batch work waits for everything."""
+        return self.interactive + self.in_flight if priority is Priority.INTERACTIVE else self.total
+
+    def held(self, priority: Priority) -> int:
+        """What counts against the queue cap: an interactive request may displace batch work not started."""
+        return self.total - self.displaceable if priority is Priority.INTERACTIVE else self.total
+
+    def plus(self, tokens: int, priority: Priority) -> Backlog:
+        """With a request admitted (not yet queued, so not displaceable)."""
+        if priority is Priority.INTERACTIVE:
+            return replace(self, interactive=self.interactive + tokens)
+        return replace(self, batch=self.batch + tokens)
+
+    def without_batch(self, tokens: int) -> Backlog:
+        """With this much batch work not started displaced."""
+        return replace(self, batch=self.batch - tokens, displaceable=self.displaceable - tokens)
 
 
 class ServiceRate:
@@ -119,13 +163,16 @@ class Load(Protocol):
 
     def shed_fraction(self) -> float: ...
 
-    def p95_seconds(self) -> float: ...
+    def p95_seconds(self) -> float:
+        """Interactive requests' P95: what shedding acts on."""
+        ...
 
-    def add_latency(self, seconds: float) -> None: ...
+    def add_latency(self, seconds: float, priority: Priority) -> None: ...
 
 
 class MeasuredLoad:
-    """The engine's own measurements: the service rate, the latency window and the shedding hysteresis."""
+    """The engine's own measurements: the service rate, a latency window per class and the shedding
+    hysteresis (on the interactive window: batch work is there to wait)."""
 
     def __init__(self, settings: Settings, clock: Callable[[], float] = time.monotonic) -> None:
         self._strategies = set(settings.admission)
@@ -133,24 +180,24 @@ class MeasuredLoad:
         self._hard = settings.p95_hard_ms / 1000
         self.recover_below = self._soft * RECOVER_FRACTION
         self.rate = ServiceRate()
-        self.latency = LatencyWindow(settings.latency_window_s, clock)
+        self.latency = {priority: LatencyWindow(settings.latency_window_s, clock) for priority in Priority}
         self.shedding = False
 
     @property
     def tokens_per_second(self) -> float:
         return self.rate.tokens_per_second
 
-    def p95_seconds(self) -> float:
-        return self.latency.p95() or 0.0
+    def p95_seconds(self, priority: Priority = Priority.INTERACTIVE) -> float:
+        return self.latency[priority].p95() or 0.0
 
-    def add_latency(self, seconds: float) -> None:
-        self.latency.add(seconds)
+    def add_latency(self, seconds: float, priority: Priority) -> None:
+        self.latency[priority].add(seconds)
 
     def shed_fraction(self) -> float:
         """Which share of requests the latency strategy rejects now (updates the hysteresis)."""
         if Admission.LATENCY not in self._strategies:
             return 0.0
-        p95 = self.latency.p95()
+        p95 = self.latency[Priority.INTERACTIVE].p95()
         if p95 is None:
             self.shedding = False
             return 0.0
@@ -189,53 +236,88 @@ class AdmissionController:
         """The longest a request may wait behind ``tokens_ahead`` padded tokens (0 with no rate yet)."""
         return self._wait_spread * self.drain_seconds(tokens_ahead)
 
-    def screen(self, min_tokens: int, backlog_tokens: int) -> Rejection | None:
-        """Before tokenizing: the latency strategy's draw (it does not depend on the request) and the
-        capacity checks against a lower bound of its cost, so overload is refused without spending
-        CPU on tokenization. Rejections enter the P95 window."""
-        rejection = self._shed(backlog_tokens + min_tokens) or self._capacity(min_tokens, backlog_tokens)
-        return self._record(rejection, backlog_tokens + min_tokens)
+    def screen(self, min_tokens: int, backlog: Backlog, priority: Priority) -> Rejection | None:
+        """Before tokenizing: the latency strategy's draw (it does not depend on the request's size)
+        and the capacity checks against a lower bound of its cost, so overload is refused without
+        spending CPU on tokenization. Rejections enter the class's P95 window."""
+        ahead = backlog.ahead(priority) + min_tokens
+        rejection = self._shed(ahead, backlog, priority) or self._capacity(min_tokens, backlog, priority)
+        return self._record(rejection, ahead, priority)
 
-    def admit(self, request_tokens: int, backlog_tokens: int) -> Rejection | None:
+    def admit(self, request_tokens: int, backlog: Backlog, priority: Priority) -> Rejection | None:
         """After tokenizing: the capacity checks with the request's exact padded cost."""
-        return self._record(self._capacity(request_tokens, backlog_tokens), backlog_tokens + request_tokens)
+        rejection = self._capacity(request_tokens, backlog, priority)
+        return self._record(rejection, backlog.ahead(priority) + request_tokens, priority)
 
-    def fits(self, request_tokens: int, backlog_tokens: int) -> bool:
+    def fits(self, request_tokens: int, backlog: Backlog, priority: Priority) -> bool:
         """Whether the capacity checks would admit the request now; records nothing."""
-        return self._over_capacity(backlog_tokens + request_tokens) is None
+        return self._over_capacity(request_tokens, backlog, priority) is None
 
-    def _record(self, rejection: Rejection | None, tokens_ahead: int) -> Rejection | None:
-        if rejection is not None:
-            self.load.add_latency(self.drain_seconds(tokens_ahead))
+    def room_to_make(self, request_tokens: int, backlog: Backlog, priority: Priority) -> int:
+        """Padded tokens of batch work not started that an admitted request must displace so that
+        the queue stays within its cap (0 for batch work, which is admitted against the cap as is)."""
+        if priority is not Priority.INTERACTIVE:
+            return 0
+        return max(0, backlog.total + request_tokens - self._max_queued)
+
+    def displaced(self, request_tokens: int, backlog: Backlog) -> Rejection:
+        """The refusal of batch work displaced from the queue: as if it arrived now, behind everything."""
+        ahead = backlog.total + request_tokens
+        message = "server queue is full: batch work not started gave its place to interactive work"
+        rejection = Rejection("displaced", self._pushback(ahead), message)
+        self._record(rejection, ahead, Priority.BATCH)
         return rejection
 
-    def _over_capacity(self, tokens_after: int) -> str | None:
-        """Which capacity rule the backlog would break with the request in it, if any."""
-        if tokens_after > self._max_queued:
+    def saturation(self, backlog: Backlog) -> float:
+        """The share of the admission budget the backlog fills, 0 to 1: the larger of the longest
+        wait over the drain budget and the queued tokens over the cap. At 1 batch work is refused."""
+        shares = [backlog.total / self._max_queued]
+        if Admission.THROUGHPUT in self._strategies:
+            shares.append(self.longest_wait(backlog.total) / self._max_drain)
+        return min(1.0, max(shares))
+
+    def _record(self, rejection: Rejection | None, tokens_ahead: int, priority: Priority) -> Rejection | None:
+        if rejection is not None:
+            self.load.add_latency(self.drain_seconds(tokens_ahead), priority)
+        return rejection
+
+    def _over_capacity(self, request_tokens: int, backlog: Backlog, priority: Priority) -> str | None:
+        """Which capacity rule the request would break, if any."""
+        if backlog.held(priority) + request_tokens > self._max_queued:
             return "queue_full"
-        if Admission.THROUGHPUT in self._strategies and self.longest_wait(tokens_after) > self._max_drain:
+        # A request with nothing ahead of it starts at once: refusing it would only idle the worker,
+        # and one larger than the budget would be refused for ever.
+        ahead = backlog.ahead(priority)
+        if (
+            Admission.THROUGHPUT in self._strategies
+            and ahead
+            and self.longest_wait(ahead + request_tokens) > self._max_drain
+        ):
             return "drain_time"
         return None
 
-    def _capacity(self, request_tokens: int, backlog_tokens: int) -> Rejection | None:
-        after = backlog_tokens + request_tokens
-        reason = self._over_capacity(after)
+    def _capacity(self, request_tokens: int, backlog: Backlog, priority: Priority) -> Rejection | None:
+        reason = self._over_capacity(request_tokens, backlog, priority)
         if reason is None:
             return None
+        ahead = backlog.ahead(priority) + request_tokens
         if reason == "queue_full":
-            message = f"server queue is full ({backlog_tokens} of {self._max_queued} padded tokens queued)"
+            held = backlog.held(priority)
+            message = f"server queue is full ({held} of {self._max_queued} padded tokens queued)"
         else:
             message = (
-                f"server is overloaded: estimated queue wait {self.longest_wait(after) * 1000:.0f} ms exceeds the "
+                f"server is overloaded: estimated queue wait {self.longest_wait(ahead) * 1000:.0f} ms exceeds the "
                 f"{self._max_drain * 1000:.0f} ms drain budget"
             )
-        return Rejection(reason, self._pushback(after), message)
+        return Rejection(reason, self._pushback(ahead), message)
 
-    def _shed(self, tokens_ahead: int) -> Rejection | None:
+    def _shed(self, tokens_ahead: int, backlog: Backlog, priority: Priority) -> Rejection | None:
+        """While shedding, every batch request that would queue goes first; an interactive one is
+        shed by the fraction, and only once no batch work it could take the place of is queued."""
         fraction = self.load.shed_fraction()
         if fraction <= 0 or self.longest_wait(tokens_ahead) < self._recover_below:
             return None
-        if self._rng.random() >= fraction:
+        if priority is Priority.INTERACTIVE and (backlog.displaceable > 0 or self._rng.random() >= fraction):
             return None
         p95 = self.load.p95_seconds()
         return Rejection(

@@ -24,11 +24,12 @@ import time
 from asyncio.subprocess import Process
 from typing import Any
 
-from kembed.board import Board, Cell, FrontendCell
+from kembed.board import Board, Cell, ClassCell, FrontendCell
 from kembed.config import Settings
 from kembed.contract import EXIT_FATAL, Metric
 from kembed.http import HealthServer
 from kembed.metrics import drain_seconds, supervisor_registry
+from kembed.priority import Priority
 from kembed.runtime import BOARD_FILE, METRICS_DIR, RuntimeDir
 
 log = logging.getLogger(__name__)
@@ -185,7 +186,7 @@ class Supervisor:
     def health(self) -> dict[str, Any]:
         board = self.board
         drain = drain_seconds(board)
-        p95 = board[Cell.P95_SECONDS]
+        p95 = board.of_class(Priority.INTERACTIVE, ClassCell.P95_SECONDS)
         return {
             "status": self._status(drain, p95),
             "accepting_requests": self.ready(),
@@ -195,6 +196,7 @@ class Supervisor:
             "p95_server_side_latency_ms": round(p95 * 1000, 1),
             "worker_queue_depth": int(board[Cell.IN_FLIGHT_BATCHES]),
             "open_requests": int(board[Cell.OPEN_REQUESTS]),
+            "waiting_requests": {p.label: int(board.of_class(p, ClassCell.WAITING_REQUESTS)) for p in Priority},
             "embedding_dimension": int(board[Cell.DIMENSIONS]) or None,
             "frontends": self.frontends,
             "uptime_seconds": round(time.monotonic() - self.started, 1),

@@ -1,5 +1,6 @@
 """The board: a few float64 cells in a shared file, on which the engine publishes what front ends
-admit against (backlog, service rate, P95, shedding), and every process its sign of life.
+admit against (backlog by class, service rate, P95 by class, shedding), and every process its sign
+of life.
 
 One writer per cell, any number of readers. Aligned 8-byte stores and loads do not tear on the
 platforms torch supports, and every reader tolerates a value one update old, so no lock is needed.
@@ -15,20 +16,32 @@ from pathlib import Path
 
 import numpy as np
 
+from kembed.priority import Priority
+
 
 class Cell(IntEnum):
-    """The pod's cells; then two per front end (:class:`FrontendCell`)."""
+    """The pod's cells; then some per class (:class:`ClassCell`), then two per front end (:class:`FrontendCell`)."""
 
     ENGINE_READY = 0  # 1 once warm
     DRAINING = 1  # set by the supervisor on SIGTERM
-    BACKLOG_TOKENS = 2  # padded tokens queued or in flight
+    BACKLOG_TOKENS = 2  # padded tokens queued or in flight, every class
     TOKENS_PER_SECOND = 3  # measured service rate
-    P95_SECONDS = 4
-    SHED_FRACTION = 5
-    ENGINE_HEARTBEAT = 6  # time.monotonic() of the engine's last sign of life
-    IN_FLIGHT_BATCHES = 7
-    DIMENSIONS = 8  # of the served embeddings, once warm
-    OPEN_REQUESTS = 9  # admitted by the engine and not yet answered
+    SHED_FRACTION = 4
+    ENGINE_HEARTBEAT = 5  # time.monotonic() of the engine's last sign of life
+    IN_FLIGHT_BATCHES = 6
+    DIMENSIONS = 7  # of the served embeddings, once warm
+    OPEN_REQUESTS = 8  # admitted by the engine and not yet answered
+    IN_FLIGHT_TOKENS = 9  # padded tokens in batches handed to the worker
+    DISPLACEABLE_TOKENS = 10  # queued batch tokens of requests none of whose items started
+    SATURATION = 11  # 0 to 1: the share of the admission budget the backlog fills
+
+
+class ClassCell(IntEnum):
+    """The engine's cells for each priority class."""
+
+    QUEUED_TOKENS = 0  # padded tokens queued, not yet in a batch
+    WAITING_REQUESTS = 1  # admitted, none of their items started
+    P95_SECONDS = 2
 
 
 class FrontendCell(IntEnum):
@@ -40,7 +53,7 @@ class Board:
     def __init__(self, path: Path, frontends: int | None = None) -> None:
         """Open the board at ``path``; with ``frontends``, create it first (the supervisor does)."""
         if frontends is not None:
-            path.write_bytes(b"\0" * 8 * (len(Cell) + len(FrontendCell) * frontends))
+            path.write_bytes(b"\0" * 8 * (_FRONTENDS_AT + len(FrontendCell) * frontends))
         with path.open("r+b") as file:
             self._map = mmap.mmap(file.fileno(), 0)
         self._cells = np.frombuffer(self._map, dtype=np.float64)
@@ -50,6 +63,12 @@ class Board:
 
     def __setitem__(self, cell: Cell, value: float) -> None:
         self._cells[cell] = value
+
+    def of_class(self, priority: Priority, cell: ClassCell) -> float:
+        return float(self._cells[_class_at(priority, cell)])
+
+    def set_class(self, priority: Priority, cell: ClassCell, value: float) -> None:
+        self._cells[_class_at(priority, cell)] = value
 
     def frontend(self, index: int, cell: FrontendCell) -> float:
         return float(self._cells[self._at(index, cell)])
@@ -62,4 +81,11 @@ class Board:
 
     @staticmethod
     def _at(index: int, cell: FrontendCell) -> int:
-        return len(Cell) + len(FrontendCell) * index + cell
+        return _FRONTENDS_AT + len(FrontendCell) * index + cell
+
+
+_FRONTENDS_AT = len(Cell) + len(ClassCell) * len(Priority)
+
+
+def _class_at(priority: Priority, cell: ClassCell) -> int:
+    return len(Cell) + len(ClassCell) * priority + cell

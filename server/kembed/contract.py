@@ -34,16 +34,25 @@ def env_name(setting: str) -> str:
     return ENV_PREFIX + setting.upper()
 
 
+# The label that says which priority class a metric counts ("interactive" or "batch").
+PRIORITY_LABEL: Final = "priority"
+
+
 class Metric:
     """Prometheus metric names. The operator's autoscaling queries depend on them: keep them."""
 
-    QUEUE_DRAIN_SECONDS: Final = "kembed_queue_drain_seconds"
-    LATENCY_P95_SECONDS: Final = "kembed_request_latency_p95_seconds"
-    REQUEST_DURATION_SECONDS: Final = "kembed_request_duration_seconds"
-    QUEUED_TOKENS: Final = "kembed_queued_tokens"
+    QUEUE_DRAIN_SECONDS: Final = "kembed_queue_drain_seconds"  # the whole backlog, every class
+    LATENCY_P95_SECONDS: Final = "kembed_request_latency_p95_seconds"  # interactive requests
+    REQUEST_DURATION_SECONDS: Final = "kembed_request_duration_seconds"  # {priority}
+    QUEUED_TOKENS: Final = "kembed_queued_tokens"  # queued or in flight, every class
+    WAITING_TOKENS: Final = "kembed_waiting_tokens"  # {priority}: queued, not yet in a batch
+    WAITING_REQUESTS: Final = "kembed_waiting_requests"  # {priority}: none of their items started
+    RUNNING_REQUESTS: Final = "kembed_running_requests"  # some of their items started, not all answered
+    PRIORITY_LATENCY_P95_SECONDS: Final = "kembed_priority_latency_p95_seconds"  # {priority}
+    SATURATION: Final = "kembed_saturation"  # 0 to 1, of the admission budget
     SERVICE_RATE: Final = "kembed_service_rate_tokens_per_second"
     REQUESTS: Final = "kembed_requests"  # exposed as kembed_requests_total{code}
-    REJECTED: Final = "kembed_rejected"  # exposed as kembed_rejected_total{reason}
+    REJECTED: Final = "kembed_rejected"  # exposed as kembed_rejected_total{reason,priority}
     PUSHBACK_WAITS: Final = "kembed_pushback_waits"  # exposed as kembed_pushback_waits_total
     BATCH_SIZE: Final = "kembed_batch_size"
     BATCH_TOKENS: Final = "kembed_batch_tokens"

@@ -4,8 +4,14 @@ Every process of the server counts what it sees in prometheus-client's multiproc
 supervisor points ``PROMETHEUS_MULTIPROC_DIR`` at a folder of its own before starting them): front
 ends count requests, their latency and their pre-screen rejections; the engine counts its own
 rejections and its batches. The supervisor serves ``/metrics``: those files, merged, plus gauges
-of the present (drain time, P95, backlog, rate) read off the engine's board at scrape time, so
-they are never stale.
+of the present (drain time, P95, backlog, rate, by class where it differs) read off the engine's
+board at scrape time, so they are never stale.
+
+The autoscaling signals keep their names and say which class they count: the drain time is the
+whole backlog's (every class), the P95 the interactive requests'. Per class, under the
+``priority`` label: requests waiting, tokens waiting, the P95, rejections and request durations.
+For an inference gateway's endpoint picker: waiting and running requests, and the saturation, a
+0-1 share of the admission budget (README, "Admission control").
 """
 
 from __future__ import annotations
@@ -18,8 +24,9 @@ from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.multiprocess import MultiProcessCollector
 from prometheus_client.registry import Collector
 
-from kembed.board import Board, Cell
-from kembed.contract import Metric
+from kembed.board import Board, Cell, ClassCell
+from kembed.contract import PRIORITY_LABEL, Metric
+from kembed.priority import Priority
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
 BATCH_SIZE_BUCKETS = tuple(float(1 << i) for i in range(13))
@@ -27,7 +34,9 @@ BATCH_TOKEN_BUCKETS = tuple(float(1 << i) for i in range(4, 20))
 
 
 def _rejected(registry: CollectorRegistry) -> Counter:
-    return Counter(Metric.REJECTED, "Requests rejected by admission control", ["reason"], registry=registry)
+    return Counter(
+        Metric.REJECTED, "Requests rejected by admission control", ["reason", PRIORITY_LABEL], registry=registry
+    )
 
 
 class FrontendMetrics:
@@ -36,6 +45,7 @@ class FrontendMetrics:
         self.request_duration = Histogram(
             Metric.REQUEST_DURATION_SECONDS,
             "Server-side latency of answered requests",
+            [PRIORITY_LABEL],
             registry=r,
             buckets=LATENCY_BUCKETS,
         )
@@ -88,22 +98,51 @@ class BoardGauges(Collector):
     """Gauges of the present, read off the engine's board at scrape time."""
 
     def __init__(self, board: Board, ready: Callable[[], bool]) -> None:
+        self._board = board
         self._gauges: list[tuple[str, str, Callable[[], float]]] = [
-            (Metric.QUEUE_DRAIN_SECONDS, "Estimated time to drain the backlog", lambda: drain_seconds(board)),
-            (Metric.LATENCY_P95_SECONDS, "P95 server-side latency, sliding window", lambda: board[Cell.P95_SECONDS]),
-            (Metric.QUEUED_TOKENS, "Padded tokens queued or in flight", lambda: board[Cell.BACKLOG_TOKENS]),
+            (
+                Metric.QUEUE_DRAIN_SECONDS,
+                "Estimated time to drain the backlog of every class",
+                lambda: drain_seconds(board),
+            ),
+            (
+                Metric.LATENCY_P95_SECONDS,
+                "P95 server-side latency of interactive requests, sliding window",
+                lambda: board.of_class(Priority.INTERACTIVE, ClassCell.P95_SECONDS),
+            ),
+            (
+                Metric.QUEUED_TOKENS,
+                "Padded tokens queued or in flight, every class",
+                lambda: board[Cell.BACKLOG_TOKENS],
+            ),
             (
                 Metric.SERVICE_RATE,
                 "Measured padded tokens per compute second",
                 lambda: board[Cell.TOKENS_PER_SECOND],
             ),
             (Metric.WORKER_QUEUE_DEPTH, "Batches handed to the worker", lambda: board[Cell.IN_FLIGHT_BATCHES]),
+            (Metric.RUNNING_REQUESTS, "Requests some of whose items started, not yet answered", lambda: running(board)),
+            (
+                Metric.SATURATION,
+                "Share of the admission budget the backlog fills (drain time or queue cap), 0 to 1",
+                lambda: board[Cell.SATURATION],
+            ),
             (Metric.READY, "1 when warm and accepting requests", lambda: float(ready())),
+        ]
+        self._by_class = [
+            (Metric.WAITING_REQUESTS, "Requests admitted, none of their items started", ClassCell.WAITING_REQUESTS),
+            (Metric.WAITING_TOKENS, "Padded tokens queued, not yet in a batch", ClassCell.QUEUED_TOKENS),
+            (Metric.PRIORITY_LATENCY_P95_SECONDS, "P95 server-side latency, sliding window", ClassCell.P95_SECONDS),
         ]
 
     def collect(self) -> Iterator[GaugeMetricFamily]:
         for name, documentation, read in self._gauges:
             yield GaugeMetricFamily(name, documentation, value=read())
+        for name, documentation, cell in self._by_class:
+            family = GaugeMetricFamily(name, documentation, labels=[PRIORITY_LABEL])
+            for priority in Priority:  # interactive first: a picker that names no label reads it
+                family.add_metric([priority.label], self._board.of_class(priority, cell))
+            yield family
 
 
 def supervisor_registry(metrics_dir: Path, board: Board, ready: Callable[[], bool]) -> CollectorRegistry:
@@ -112,6 +151,12 @@ def supervisor_registry(metrics_dir: Path, board: Board, ready: Callable[[], boo
     MultiProcessCollector(registry, path=str(metrics_dir))
     registry.register(BoardGauges(board, ready))
     return registry
+
+
+def running(board: Board) -> float:
+    """Requests admitted and not answered, less those none of whose items started."""
+    waiting = sum(board.of_class(priority, ClassCell.WAITING_REQUESTS) for priority in Priority)
+    return max(0.0, board[Cell.OPEN_REQUESTS] - waiting)
 
 
 def drain_seconds(board: Board) -> float:

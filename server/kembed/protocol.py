@@ -30,8 +30,9 @@ from typing import Any, ClassVar
 import numpy as np
 
 from kembed.errors import EmbedError, Failure
+from kembed.priority import Priority
 
-PROTOCOL_VERSION = 1  # both ends come from one install; a difference is a broken image
+PROTOCOL_VERSION = 2  # both ends come from one install; a difference is a broken image
 MAGIC = 0x6B65  # "ke": a stream read out of step fails here, not somewhere in the rows
 HEADER = struct.Struct("<HBHI")  # magic, kind, parts, body bytes
 
@@ -159,19 +160,23 @@ class Work:
     deadlines: np.ndarray  # float64 [requests], monotonic seconds (one clock for every process on the host)
     counts: np.ndarray  # uint32 [requests]: items per request, each >= 1
     costs: np.ndarray  # uint64 [requests]: padded tokens, as the front end admitted it
+    priorities: np.ndarray  # uint8 [requests]: each a Priority
     lengths: np.ndarray  # int32 [items], each >= 1
     ids: np.ndarray  # int32 [tokens]
     cancels: np.ndarray  # uint64: tags nobody waits for any more
-    latencies: np.ndarray  # float64: server-side latency samples for the P95 window
+    latencies: np.ndarray  # float64: server-side latency samples for the P95 windows
+    sample_priorities: np.ndarray  # uint8 [latencies]: whose window each sample goes to
     LAYOUT: ClassVar = (
         ("tags", "<u8"),
         ("deadlines", "<f8"),
         ("counts", "<u4"),
         ("costs", "<u8"),
+        ("priorities", "u1"),
         ("lengths", "<i4"),
         ("ids", "<i4"),
         ("cancels", "<u8"),
         ("latencies", "<f8"),
+        ("sample_priorities", "u1"),
     )
 
     def encode(self) -> list[Part]:
@@ -181,11 +186,18 @@ class Work:
     def decode(cls, parts: Sequence[memoryview]) -> Work:
         work = cls(*_read_arrays(cls.kind, parts, cls.LAYOUT))
         requests = work.tags.size
-        _check(cls.kind, work.deadlines.size == work.counts.size == work.costs.size == requests, "per-request parts")
+        per_request = (work.deadlines, work.counts, work.costs, work.priorities)
+        _check(cls.kind, all(part.size == requests for part in per_request), "per-request parts")
+        _check(cls.kind, work.sample_priorities.size == work.latencies.size, "a priority per latency sample")
+        _check(cls.kind, _known_priorities(work.priorities, work.sample_priorities), "an unknown priority")
         _check(cls.kind, bool((work.counts >= 1).all()) and bool((work.lengths >= 1).all()), "an empty request or item")
         _check(cls.kind, int(work.counts.sum()) == work.lengths.size, "counts do not add up to the lengths")
         _check(cls.kind, int(work.lengths.sum()) == work.ids.size, "lengths do not add up to the ids")
         return work
+
+
+def _known_priorities(*parts: np.ndarray) -> bool:
+    return all(int(part.max(initial=0)) <= max(Priority) for part in parts)
 
 
 @dataclass(frozen=True)

@@ -10,6 +10,7 @@ import numpy as np
 from kembed.engine.buckets import route
 from kembed.engine.work import Chunk, Job
 from kembed.inputs import Sequences
+from kembed.priority import Priority
 from kembed.protocol import Work
 from kembed.shapes import padded_lengths
 
@@ -29,16 +30,20 @@ def work(
     deadline: float = 1e9,
     cancels: Sequence[int] = (),
     latencies: Sequence[float] = (),
+    priorities: Sequence[Priority] = (),
 ) -> Work:
-    """A WORK message: each request a list of sequence lengths (ids = position + 1)."""
+    """A WORK message: each request a list of sequence lengths (ids = position + 1), interactive
+    unless ``priorities`` says otherwise; latency samples of interactive requests."""
     lengths = [n for request in requests for n in request]
     return Work(
         tags=np.asarray(tags, "<u8"),
         deadlines=np.full(len(tags), deadline, "<f8"),
         counts=np.asarray([len(r) for r in requests], "<u4"),
         costs=np.asarray([padded_lengths(np.asarray(r), bucket_lengths).sum() for r in requests], "<u8"),
+        priorities=np.asarray(priorities or [Priority.INTERACTIVE] * len(tags), "u1"),
         lengths=np.asarray(lengths, "<i4"),
         ids=np.concatenate([np.arange(n, dtype="<i4") + 1 for n in lengths]) if lengths else np.empty(0, "<i4"),
         cancels=np.asarray(cancels, "<u8"),
         latencies=np.asarray(latencies, "<f8"),
+        sample_priorities=np.zeros(len(latencies), "u1"),
     )

@@ -1,11 +1,23 @@
-"""Both admission strategies and the queue cap, driven by a fake clock."""
+"""Both admission strategies, the queue cap and the priority classes, driven by a fake clock."""
 
 import random
 
 import pytest
 
-from kembed.admission import MIN_LATENCY_SAMPLES, P95_CACHE_S, AdmissionController, MeasuredLoad
+from kembed.admission import MIN_LATENCY_SAMPLES, P95_CACHE_S, AdmissionController, Backlog, MeasuredLoad, Rejection
 from kembed.config import Settings
+from kembed.priority import Priority
+
+INTERACTIVE, BATCH = Priority
+
+
+def reason(rejection: Rejection | None) -> str | None:
+    return None if rejection is None else rejection.reason
+
+
+def queued(tokens: int) -> Backlog:
+    """A backlog of interactive work alone: what every request met before there were classes."""
+    return Backlog(interactive=tokens)
 
 
 class FakeClock:
@@ -25,16 +37,16 @@ def controller(clock: FakeClock, **settings) -> tuple[AdmissionController, Measu
 
 def test_no_rate_yet_admits_within_the_cap():
     admission, _ = controller(FakeClock(), max_queued_tokens=1000)
-    assert admission.admit(500, backlog_tokens=400) is None
-    rejection = admission.admit(500, backlog_tokens=600)
+    assert admission.admit(500, queued(400), INTERACTIVE) is None
+    rejection = admission.admit(500, queued(600), INTERACTIVE)
     assert rejection is not None and rejection.reason == "queue_full"
 
 
 def test_throughput_rejects_when_the_backlog_would_not_drain_in_budget():
     admission, load = controller(FakeClock(), admission=["throughput"], max_drain_ms=1000, batching="naive")
     load.rate.seed(tokens=10_000, seconds=1.0)  # warmup: 10k tokens/s
-    assert admission.admit(1000, backlog_tokens=8000) is None  # 0.9 s
-    rejection = admission.admit(1000, backlog_tokens=9500)  # 1.05 s
+    assert admission.admit(1000, queued(8000), INTERACTIVE) is None  # 0.9 s
+    rejection = admission.admit(1000, queued(9500), INTERACTIVE)  # 1.05 s
     assert rejection is not None and rejection.reason == "drain_time"
     assert "drain budget" in rejection.message
 
@@ -43,15 +55,15 @@ def test_buckets_budget_the_longest_wait_not_the_average():
     """A request that just missed its bucket's turn waits about twice the drain time."""
     admission, load = controller(FakeClock(), admission=["throughput"], max_drain_ms=1000)
     load.rate.seed(tokens=10_000, seconds=1.0)
-    assert admission.admit(1000, backlog_tokens=3500) is None  # drains in 0.45 s, waits up to 0.9 s
-    assert admission.admit(1000, backlog_tokens=5000) is not None  # drains in 0.6 s, may wait 1.2 s
+    assert admission.admit(1000, queued(3500), INTERACTIVE) is None  # drains in 0.45 s, waits up to 0.9 s
+    assert admission.admit(1000, queued(5000), INTERACTIVE) is not None  # drains in 0.6 s, may wait 1.2 s
 
 
 def test_pushback_is_the_backlog_drain_time_jittered():
     """Not just the excess: clients told to come back in milliseconds all come back at once."""
     admission, load = controller(FakeClock(), admission=["throughput"], max_drain_ms=1000, batching="naive")
     load.rate.seed(tokens=10_000, seconds=1.0)
-    rejections = [admission.admit(1000, backlog_tokens=9500) for _ in range(200)]
+    rejections = [admission.admit(1000, queued(9500), INTERACTIVE) for _ in range(200)]
     pushbacks = [r.retry_after_ms for r in rejections if r is not None]
     assert len(pushbacks) == 200
     assert min(pushbacks) >= 525 and max(pushbacks) <= 1575  # 1.05 s, +-50%
@@ -71,14 +83,16 @@ def test_latency_strategy_needs_a_few_samples_then_sheds_by_fraction():
     clock = FakeClock()
     admission, load = controller(clock, admission=["latency"], p95_soft_ms=100, p95_hard_ms=300)
     for _ in range(MIN_LATENCY_SAMPLES - 1):
-        load.latency.add(0.2)
+        load.latency[INTERACTIVE].add(0.2)
     assert load.shed_fraction() == 0.0
-    load.latency.add(0.2)
+    load.latency[INTERACTIVE].add(0.2)
     clock.now += 1
     expected = (0.2 - 0.08) / (0.3 - 0.08)  # linear from the recovery floor (80% of soft) to hard
     assert load.shed_fraction() == pytest.approx(expected)
     load.rate.seed(tokens=100, seconds=1.0)
-    outcomes = [admission.screen(10, 10) for _ in range(2000)]  # a rejection would have taken 0.2 s
+    outcomes = [
+        admission.screen(10, queued(10), INTERACTIVE) for _ in range(2000)
+    ]  # a rejection would have taken 0.2 s
     shed = sum(o is not None for o in outcomes) / len(outcomes)
     assert expected - 0.07 < shed < expected + 0.07
     assert {o.reason for o in outcomes if o} == {"latency_shed"}
@@ -91,29 +105,29 @@ def test_latency_hard_limit_rejects_everything_that_would_queue():
     admission, load = controller(clock, admission=["latency"], p95_soft_ms=100, p95_hard_ms=300)
     load.rate.seed(tokens=1000, seconds=1.0)
     for _ in range(20):
-        load.latency.add(0.5)
+        load.latency[INTERACTIVE].add(0.5)
     assert load.shed_fraction() == 1.0
-    assert admission.admit(10, 1000) is None  # the latency draw happens once, before tokenizing
-    rejection = admission.screen(10, 1000)
+    assert admission.admit(10, queued(1000), INTERACTIVE) is None  # the latency draw happens once, before tokenizing
+    rejection = admission.screen(10, queued(1000), INTERACTIVE)
     assert rejection is not None and rejection.reason == "latency_hard"
     assert rejection.retry_after_ms >= 10
-    assert admission.screen(10, 0) is None  # waits at most 20 ms, under the 80 ms recovery floor
+    assert admission.screen(10, queued(0), INTERACTIVE) is None  # waits at most 20 ms, under the 80 ms recovery floor
 
 
 def test_shedding_has_hysteresis_and_recovers_as_the_window_slides():
     clock = FakeClock()
     _, load = controller(clock, admission=["latency"], p95_soft_ms=100, p95_hard_ms=300, latency_window_s=5)
     for _ in range(20):
-        load.latency.add(0.15)
+        load.latency[INTERACTIVE].add(0.15)
     assert load.shed_fraction() > 0 and load.shedding
     clock.now += 6  # the slow samples leave the window
     for _ in range(20):
-        load.latency.add(0.09)  # under soft, but above 80% of it: still shedding, a little
+        load.latency[INTERACTIVE].add(0.09)  # under soft, but above 80% of it: still shedding, a little
     clock.now += 0.1
     assert 0 < load.shed_fraction() < 0.1 and load.shedding
     clock.now += 6
     for _ in range(20):
-        load.latency.add(0.05)
+        load.latency[INTERACTIVE].add(0.05)
     clock.now += 0.1
     assert load.shed_fraction() == 0.0 and not load.shedding
 
@@ -123,7 +137,7 @@ def test_rejections_count_in_the_window_at_the_wait_they_were_spared():
     admission, load = controller(clock, admission=["throughput", "latency"], max_drain_ms=1000, p95_soft_ms=500)
     load.rate.seed(tokens=1000, seconds=1.0)
     for _ in range(10):
-        assert admission.admit(500, backlog_tokens=1000) is not None  # would have taken 1.5 s
+        assert admission.admit(500, queued(1000), INTERACTIVE) is not None  # would have taken 1.5 s
     clock.now += 1
     assert load.p95_seconds() == pytest.approx(1.5)
     assert load.shed_fraction() > 0  # the rejections alone push the P95 over the soft limit
@@ -132,8 +146,8 @@ def test_rejections_count_in_the_window_at_the_wait_they_were_spared():
 def test_no_strategies_still_bounds_the_queue():
     admission, load = controller(FakeClock(), admission="", max_queued_tokens=100)
     load.rate.seed(tokens=1, seconds=100.0)
-    assert admission.admit(50, 0) is None
-    rejection = admission.admit(50, 60)
+    assert admission.admit(50, queued(0), INTERACTIVE) is None
+    rejection = admission.admit(50, queued(60), INTERACTIVE)
     assert rejection is not None
     assert rejection.reason == "queue_full"
 
@@ -141,9 +155,9 @@ def test_no_strategies_still_bounds_the_queue():
 def test_screening_refuses_overload_before_the_exact_cost_is_known():
     admission, load = controller(FakeClock(), admission=["throughput"], max_drain_ms=1000)
     load.rate.seed(tokens=1000, seconds=1.0)
-    assert admission.screen(16, backlog_tokens=400) is None  # a lower bound that still fits
-    assert admission.admit(256, backlog_tokens=400) is not None  # the exact cost does not
-    rejection = admission.screen(16, backlog_tokens=500)
+    assert admission.screen(16, queued(400), INTERACTIVE) is None  # a lower bound that still fits
+    assert admission.admit(256, queued(400), INTERACTIVE) is not None  # the exact cost does not
+    rejection = admission.screen(16, queued(500), INTERACTIVE)
     assert rejection is not None
     assert rejection.reason == "drain_time"
 
@@ -153,10 +167,123 @@ def test_p95_is_recomputed_at_most_every_cache_period_however_many_samples_arriv
     clock = FakeClock()
     _, load = controller(clock, admission=["latency"])
     for _ in range(MIN_LATENCY_SAMPLES):
-        load.latency.add(0.1)
+        load.latency[INTERACTIVE].add(0.1)
     assert load.p95_seconds() == pytest.approx(0.1)
     for _ in range(100):
-        load.latency.add(5.0)
+        load.latency[INTERACTIVE].add(5.0)
     assert load.p95_seconds() == pytest.approx(0.1)  # cached
     clock.now += P95_CACHE_S
     assert load.p95_seconds() == pytest.approx(5.0)
+
+
+# --- priority classes ------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("backlog", "priority", "admitted"),
+    [
+        # 10k tokens/s, a 1 s budget bounding twice the drain time: 5,000 tokens may be ahead.
+        (Backlog(interactive=1000, batch=30_000, in_flight=2000), INTERACTIVE, True),  # batch work waits behind it
+        (Backlog(interactive=1000, batch=30_000, in_flight=2000), BATCH, False),  # everything is ahead of it
+        (Backlog(interactive=3000, in_flight=2000), INTERACTIVE, False),  # a running batch is not preempted
+        (Backlog(batch=3000, in_flight=1000), BATCH, True),
+    ],
+)
+def test_each_class_is_admitted_against_the_work_it_waits_behind(backlog: Backlog, priority: Priority, admitted: bool):
+    admission, load = controller(FakeClock(), admission=["throughput"], max_drain_ms=1000)
+    load.rate.seed(tokens=10_000, seconds=1.0)
+    assert (admission.admit(500, backlog, priority) is None) is admitted
+    assert (admission.screen(500, backlog, priority) is None) is admitted  # the pre-screen agrees
+
+
+def test_under_pressure_batch_work_is_refused_first_with_its_own_pushback():
+    admission, load = controller(FakeClock(), admission=["throughput"], max_drain_ms=1000)
+    load.rate.seed(tokens=10_000, seconds=1.0)
+    backlog = Backlog(interactive=500, batch=8000, in_flight=1000)
+    refused = [admission.admit(500, backlog, BATCH) for _ in range(100)]
+    assert all(r is not None and r.reason == "drain_time" for r in refused)
+    pushbacks = [r.retry_after_ms for r in refused if r is not None]
+    assert min(pushbacks) >= 500 and max(pushbacks) <= 1500  # the whole backlog's 1.0 s, +-50%
+    assert admission.admit(500, backlog, INTERACTIVE) is None  # 0.2 s of work ahead of it
+    short = admission.admit(500, Backlog(interactive=4000, batch=8000, in_flight=1000), INTERACTIVE)
+    assert short is not None and short.retry_after_ms <= 825  # its own 0.55 s, not the batch backlog's
+
+
+def test_an_interactive_request_displaces_batch_work_not_started_before_the_queue_cap_refuses_it():
+    admission, _ = controller(FakeClock(), admission="", max_queued_tokens=1000)
+    full = Backlog(interactive=100, batch=800, in_flight=100, displaceable=300)
+    assert reason(admission.admit(200, full, BATCH)) == "queue_full"
+    assert admission.admit(200, full, INTERACTIVE) is None
+    assert admission.room_to_make(200, full, INTERACTIVE) == 200  # of the 300 it may take
+    assert admission.room_to_make(200, full, BATCH) == 0
+    assert admission.room_to_make(50, Backlog(interactive=100), INTERACTIVE) == 0  # it fits as is
+    started = Backlog(interactive=100, batch=800, in_flight=100, displaceable=100)
+    assert reason(admission.admit(200, started, INTERACTIVE)) == "queue_full"  # batch work that started stays
+    displaced = admission.displaced(300, full.without_batch(300))
+    assert displaced.reason == "displaced" and displaced.retry_after_ms >= 10
+
+
+def shedding(clock: FakeClock, **settings) -> tuple[AdmissionController, MeasuredLoad]:
+    """Interactive P95 at 0.2 s against a soft limit of 0.1 s: a shed fraction of about a half."""
+    admission, load = controller(clock, admission=["latency"], p95_soft_ms=100, p95_hard_ms=300, **settings)
+    load.rate.seed(tokens=100, seconds=1.0)
+    for _ in range(20):
+        load.latency[INTERACTIVE].add(0.2)
+    clock.now += 1
+    return admission, load
+
+
+def test_while_shedding_batch_work_goes_first_and_interactive_work_only_once_none_is_waiting():
+    admission, load = shedding(FakeClock())
+    assert 0 < load.shed_fraction() < 1
+    batch = [admission.screen(10, Backlog(batch=10), BATCH) for _ in range(200)]
+    assert all(r is not None for r in batch)  # every batch request that would queue
+    waiting = Backlog(interactive=10, batch=500, displaceable=500)
+    assert all(admission.screen(10, waiting, INTERACTIVE) is None for _ in range(200))
+    alone = [admission.screen(10, queued(10), INTERACTIVE) for _ in range(400)]
+    assert 0.3 < sum(r is not None for r in alone) / len(alone) < 0.7  # by the fraction
+    assert admission.screen(1, Backlog(), BATCH) is None  # work-conserving: it would not queue
+
+
+def test_batch_latency_has_a_window_of_its_own_and_sheds_nothing():
+    clock = FakeClock()
+    admission, load = controller(clock, admission=["latency"], p95_soft_ms=100, p95_hard_ms=300)
+    for _ in range(20):
+        load.add_latency(5.0, BATCH)  # an ingest's calls take seconds, by design
+        load.add_latency(0.02, INTERACTIVE)
+    clock.now += 1
+    assert load.p95_seconds(BATCH) == pytest.approx(5.0)
+    assert load.p95_seconds() == pytest.approx(0.02)
+    assert load.shed_fraction() == 0.0
+    load.rate.seed(tokens=100, seconds=1.0)
+    admission.admit(10_000_000, queued(0), BATCH)  # a refusal enters its class's window
+    clock.now += 1
+    assert load.p95_seconds() == pytest.approx(0.02)
+
+
+@pytest.mark.parametrize(
+    ("backlog", "expected"),
+    [
+        (Backlog(), 0.0),
+        (Backlog(interactive=500, batch=500, in_flight=250), 1.0),  # 2 x 0.25 s: the whole 0.5 s budget
+        (Backlog(batch=500), 0.4),  # 2 x 0.1 s of the budget
+        (Backlog(batch=100_000), 1.0),  # capped
+    ],
+)
+def test_saturation_is_the_share_of_the_admission_budget_the_backlog_fills(backlog: Backlog, expected: float):
+    admission, load = controller(FakeClock(), admission=["throughput"], max_drain_ms=500, max_queued_tokens=50_000)
+    load.rate.seed(tokens=5000, seconds=1.0)
+    assert admission.saturation(backlog) == pytest.approx(expected)
+    bounded, _ = controller(FakeClock(), admission="", max_queued_tokens=4000)
+    assert bounded.saturation(Backlog(interactive=1000, batch=1000)) == pytest.approx(0.5)  # the cap alone
+
+
+def test_a_request_with_nothing_ahead_of_it_is_admitted_however_long_it_takes():
+    """Refusing it would idle the worker; and after a spell of one-text batches, whose rate is low,
+    an ingest call larger than the budget at that rate would be refused for ever."""
+    admission, load = controller(FakeClock(), admission=["throughput"], max_drain_ms=1000)
+    load.rate.seed(tokens=1000, seconds=1.0)  # 500 tokens fit the budget
+    assert admission.admit(5000, Backlog(), BATCH) is None
+    assert admission.admit(5000, Backlog(batch=2000), INTERACTIVE) is None  # batch work is not ahead of it
+    assert reason(admission.admit(5000, Backlog(in_flight=16), BATCH)) == "drain_time"
+    assert reason(admission.screen(5000, Backlog(interactive=16), INTERACTIVE)) == "drain_time"

@@ -2,6 +2,7 @@
 too: each step wakes the loop by an event and lets it run, so no step depends on how fast it runs)."""
 
 import asyncio
+import math
 from collections.abc import Callable
 
 import numpy as np
@@ -11,20 +12,24 @@ from kembed.engine.batcher import Batcher, BatchShapes, choose_batch, next_stale
 from kembed.engine.buckets import BucketQueue
 from kembed.engine.work import Batch, Job
 from kembed.inputs import Sequences
+from kembed.priority import Priority
 from tests.server.queueing import chunks
 
 LENGTHS = [16, 32, 64, 128]
 MAX_WAIT = 0.02
 
 
-def make_job(n: int) -> Job:
-    return Job(link=1, tag=1, count=n, deadline=float("inf"))
+INTERACTIVE, BATCH = Priority
 
 
-def add(queue: BucketQueue, length: int, count: int, now: float) -> Job:
+def make_job(n: int, priority: Priority = INTERACTIVE) -> Job:
+    return Job(link=1, tag=1, count=n, deadline=float("inf"), priority=priority)
+
+
+def add(queue: BucketQueue, length: int, count: int, now: float, priority: Priority = INTERACTIVE) -> Job:
     ids = np.ones(length * count, np.int32)
     seqs = Sequences(ids, np.full(count, length, np.int32))
-    job = make_job(count)
+    job = make_job(count, priority)
     for bucket, chunk in chunks(job, seqs, queue.bucket_lengths, now):
         queue.add(bucket, chunk)
     return job
@@ -61,8 +66,8 @@ def make_batcher(
 SHAPES = BatchShapes.build(max_batch_size=8, max_tokens=512, fixed=True)
 
 
-def choose(queue, now, idle=False, naive=False):
-    return choose_batch(queue, SHAPES, now, MAX_WAIT, idle, naive)
+def choose(queue, now, idle=False, naive=False, shapes=SHAPES, starved_after=math.inf, batch_served_at=-math.inf):
+    return choose_batch(queue, shapes, now, MAX_WAIT, idle, naive, starved_after, batch_served_at)
 
 
 def test_shapes_are_fixed_powers_of_two_capped_by_tokens():
@@ -121,6 +126,62 @@ def test_naive_takes_everything_in_arrival_order_when_idle():
     add(queue, 50, 2, now=0.0)
     pick = choose(queue, now=1.0, naive=True)
     assert (pick.items, pick.reason) == (4, "full")  # 512 tokens / 128 = 4 rows at most
+
+
+def test_interactive_work_leads_and_batch_work_fills_only_the_rows_its_shape_pads():
+    queue = BucketQueue(LENGTHS)
+    add(queue, 60, 9, now=0.0, priority=BATCH)  # a full bucket of batch work, and the oldest
+    add(queue, 10, 5, now=0.0, priority=BATCH)
+    add(queue, 10, 3, now=0.001)  # three queries
+    pick = choose(queue, now=0.002, idle=True)
+    assert (pick.bucket, pick.items) == (0, 4)  # padded to 4 rows: the fourth is a batch item, free
+    eager = BatchShapes.build(max_batch_size=8, max_tokens=512, fixed=False)
+    assert choose(queue, now=0.002, idle=True, shapes=eager).items == 3  # every row is computed: none added
+    taken, _ = queue.take(0, 4, now=0.002)
+    assert [c.job.priority for c in taken] == [INTERACTIVE, BATCH]
+
+
+def test_a_busy_worker_forms_no_batch_work_while_interactive_work_waits_for_its_turn():
+    queue = BucketQueue(LENGTHS)
+    add(queue, 60, 9, now=0.0, priority=BATCH)  # full, and stale
+    add(queue, 10, 1, now=0.03)
+    assert choose(queue, now=0.04) is None  # the query is not stale yet; no batch goes before it
+    assert next_stale_time(queue, MAX_WAIT) == pytest.approx(0.05)  # its turn, not the batch's
+    assert choose(queue, now=0.05).bucket == 0
+    queue.take(0, 1, now=0.05)
+    assert choose(queue, now=0.05).bucket == 2  # then batch work, by the same rules
+
+
+def test_batch_work_left_without_a_batch_for_the_floor_goes_next_whatever_interactive_work_waits():
+    queue = BucketQueue(LENGTHS)
+    add(queue, 60, 2, now=0.0, priority=BATCH)
+    add(queue, 10, 9, now=0.5)  # a full bucket of queries, stale
+    add(queue, 60, 1, now=0.9)  # and a query in the batch work's bucket
+    assert choose(queue, now=0.99, idle=True, starved_after=1.0).bucket == 0
+    assert choose(queue, now=1.5, idle=True, starved_after=1.0, batch_served_at=0.6).bucket == 0  # served lately
+    pick = choose(queue, now=1.0, starved_after=1.0)  # the worker busy: it goes all the same
+    assert (pick.bucket, pick.items, pick.reason, pick.first) == (2, 3, "starved", BATCH)
+    taken, _ = queue.take(pick.bucket, 2, now=1.0, first=pick.first)
+    assert [c.job.priority for c in taken] == [BATCH]  # its own items first, not the query beside them
+
+
+@pytest.mark.parametrize(("floor", "served"), [(1.0, [1.0, 2.0, 3.0]), (math.inf, [])])
+def test_the_floor_bounds_how_long_interactive_traffic_starves_batch_work(floor: float, served: list[float]):
+    """Queries arrive faster than the worker computes them, so interactive work alone would keep it
+    busy for ever: with the floor, batch work gets a batch every ``floor`` seconds; without, never."""
+    queue, now, batch_time = BucketQueue(LENGTHS), 0.0, 0.1
+    for _ in range(3):
+        add(queue, 60, 8, now=now, priority=BATCH)  # three full batches of ingest
+    served_at, last = [], -math.inf
+    while now < 3.5:
+        add(queue, 10, 2, now=now)
+        pick = choose(queue, now, idle=True, starved_after=floor, batch_served_at=last)
+        taken, _ = queue.take(pick.bucket, pick.items, now, pick.first)
+        if any(chunk.job.priority is BATCH for chunk in taken):
+            served_at.append(now)
+            last = now
+        now = round(now + batch_time, 6)
+    assert served_at == served
 
 
 async def test_loop_dispatches_on_events_and_bounds_in_flight():

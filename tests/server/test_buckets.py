@@ -6,6 +6,7 @@ import pytest
 from kembed.engine.buckets import BucketQueue, route
 from kembed.engine.work import Job
 from kembed.inputs import Sequences
+from kembed.priority import Priority
 from kembed.shapes import clip_buckets, padded_lengths
 from tests.server.queueing import chunks
 
@@ -19,8 +20,11 @@ def seqs(*lengths: int) -> Sequences:
     return Sequences(np.concatenate(parts), np.asarray(lengths, dtype=np.int32))
 
 
-def job(n: int, deadline: float = 10.0) -> Job:
-    return Job(link=1, tag=1, count=n, deadline=deadline)
+INTERACTIVE, BATCH = Priority
+
+
+def job(n: int, deadline: float = 10.0, priority: Priority = INTERACTIVE, tag: int = 1) -> Job:
+    return Job(link=1, tag=tag, count=n, deadline=deadline, priority=priority)
 
 
 def enqueue(queue: BucketQueue, owner: Job, sequences: Sequences, now: float) -> None:
@@ -90,6 +94,47 @@ def test_jobs_past_their_deadline_are_reported_when_taken():
     taken, expired = queue.take(0, 8, now=6.0)
     assert [c.job for c in taken] == [on_time]
     assert expired == [late] and queue.queued_tokens == 0  # reported once, for whoever closes jobs
+
+
+def test_a_bucket_gives_its_interactive_items_first_and_counts_each_class():
+    queue = BucketQueue(LENGTHS)
+    ingest, query = job(3, priority=BATCH, tag=1), job(1, tag=2)
+    enqueue(queue, ingest, seqs(4, 4, 40), now=1.0)
+    enqueue(queue, query, seqs(5), now=2.0)
+    assert (queue.items(0), queue.items(0, INTERACTIVE), queue.items(0, BATCH)) == (3, 1, 2)
+    assert (queue.oldest(0), queue.oldest(0, INTERACTIVE), queue.oldest(0, BATCH)) == (1.0, 2.0, 1.0)
+    assert (queue.tokens(INTERACTIVE), queue.tokens(BATCH), queue.queued_tokens) == (16, 2 * 16 + 64, 112)
+    taken, _ = queue.take(0, 2, now=2.0)
+    assert [(c.job, c.items) for c in taken] == [(query, 1), (ingest, 1)]  # the query, then batch fills
+    assert queue.tokens(BATCH) == 16 + 64
+
+
+def test_requests_wait_until_one_of_their_items_is_taken_and_the_youngest_are_found_first():
+    queue = BucketQueue(LENGTHS)
+    old, young, started = job(1, priority=BATCH, tag=1), job(2, priority=BATCH, tag=2), job(1, priority=BATCH, tag=3)
+    enqueue(queue, started, seqs(30), now=0.5)
+    enqueue(queue, old, seqs(4), now=1.0)
+    enqueue(queue, young, seqs(4, 40), now=2.0)
+    queue.take(1, 1, now=2.0)  # the 32 bucket: ``started``'s only item, and nobody else's
+    assert (queue.waiting(BATCH), queue.waiting_tokens(BATCH)) == (2, 16 + 16 + 64)
+    assert queue.youngest_waiting(BATCH, 50) == [young]
+    assert queue.youngest_waiting(BATCH, 81) == [young, old]
+    queue.take(0, 1, now=2.0)  # ``old``'s item: it started
+    assert (queue.waiting(BATCH), queue.waiting_tokens(BATCH)) == (1, 16 + 64)
+    young.closed = True
+    queue.forget(young)
+    assert (queue.waiting(BATCH), queue.waiting_tokens(BATCH), queue.tokens(BATCH)) == (0, 0, 0)
+
+
+def test_an_expired_item_of_a_waiting_request_leaves_its_waiting_tokens():
+    queue = BucketQueue(LENGTHS)
+    late = job(2, deadline=5.0, priority=BATCH)
+    enqueue(queue, late, seqs(4, 40), now=1.0)
+    _, expired = queue.take(0, 8, now=6.0)
+    assert expired == [late] and queue.waiting_tokens(BATCH) == 64  # its 64-token item is still queued
+    late.closed = True
+    queue.forget(late)  # as whoever closes jobs does
+    assert (queue.waiting(BATCH), queue.waiting_tokens(BATCH), queue.queued_tokens) == (0, 0, 0)
 
 
 @pytest.mark.parametrize("n", [1, 7, 200])

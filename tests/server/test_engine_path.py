@@ -3,12 +3,13 @@ finished batches through the responder back to the front ends, with fake clocks 
 
 from __future__ import annotations
 
+import dataclasses
 import random
 
 import numpy as np
 import pytest
 
-from kembed.admission import AdmissionController, MeasuredLoad
+from kembed.admission import AdmissionController, Backlog, MeasuredLoad
 from kembed.config import Settings
 from kembed.engine.batcher import Batcher, BatchShapes
 from kembed.engine.buckets import BucketQueue
@@ -19,11 +20,13 @@ from kembed.engine.work import Batch, Chunk, Job
 from kembed.engine.worker import Outcome
 from kembed.errors import EmbedError, Failure
 from kembed.metrics import EngineMetrics
+from kembed.priority import Priority
 from kembed.protocol import Result, Work
 from tests.server.queueing import work
 
 LENGTHS = [16, 32]
 DIMS = 4
+INTERACTIVE, BATCH = Priority
 
 
 class FakeClock:
@@ -46,9 +49,14 @@ class Outbox:
         self.errors_sent.append((link, tags, errors))
 
 
-def work_frame(requests: list[list[int]], tags: list[int], deadline: float = 1e9, cancels=(), latencies=()) -> Work:
+def work_frame(
+    requests: list[list[int]], tags: list[int], deadline: float = 1e9, cancels=(), latencies=(), priorities=()
+) -> Work:
     """A WORK message as the engine reads it off the link: each request a list of sequence lengths."""
-    sent = work(requests, tags, LENGTHS, deadline, cancels, latencies)
+    return decoded(work(requests, tags, LENGTHS, deadline, cancels, latencies, priorities))
+
+
+def decoded(sent: Work) -> Work:
     return Work.decode([memoryview(np.ascontiguousarray(part).tobytes()) for part in sent.encode()])
 
 
@@ -142,3 +150,39 @@ def test_a_lost_front_end_takes_its_queued_work_with_it(engine_path):
     jobs.drop_link(1)
     assert batcher.backlog_tokens == 16
     assert [c.job.link for c in queued(batcher, 0)] == [2]
+
+
+def test_a_frame_decides_its_interactive_requests_first(engine_path):
+    intake, batcher, _, outbox, *_ = engine_path
+    # 128 tokens of batch work, then a 32-token query: together over the 150-token cap.
+    intake.accept(1, work_frame([[30] * 4, [20]], tags=[1, 2], priorities=[BATCH, INTERACTIVE]))
+    assert [(tags, errors[0].failure) for _, tags, errors in outbox.errors_sent] == [([1], Failure.REJECTED)]
+    assert batcher.backlog == Backlog(interactive=32)
+
+
+def test_an_interactive_request_displaces_the_youngest_batch_work_not_started(engine_path):
+    intake, batcher, jobs, outbox, _, load, _ = engine_path
+    intake.accept(1, work_frame([[4] * 3], tags=[1], priorities=[BATCH]))  # 48 tokens
+    intake.accept(1, work_frame([[4] * 6], tags=[2], priorities=[BATCH]))  # 96 tokens, the youngest
+    intake.accept(2, work_frame([[20]], tags=[3]))  # a 32-token query: 176 > 150
+    [(link, tags, [error])] = outbox.errors_sent
+    assert (link, tags, error.failure) == (1, [2], Failure.REJECTED) and error.retry_after_ms > 0
+    assert batcher.backlog == Backlog(interactive=32, batch=48, displaceable=48)
+    assert len(jobs) == 2 and load.p95_seconds(BATCH) == 0.0  # a refusal's sample: one is not enough
+
+
+def test_batch_work_that_started_is_not_displaced(engine_path):
+    intake, batcher, _, outbox, *_ = engine_path
+    intake.accept(1, work_frame([[4] * 9], tags=[1], priorities=[BATCH]))  # 144 tokens
+    batcher.queue.take(0, 1, now=0.0)  # one of its items is in a batch: the request has started
+    intake.accept(2, work_frame([[20]], tags=[2]))
+    [(link, tags, [error])] = outbox.errors_sent
+    assert (link, tags, error.failure) == (2, [2], Failure.REJECTED) and "queue is full" in error.message
+    assert batcher.backlog == Backlog(batch=128)
+
+
+def test_latency_samples_reach_their_class_window(engine_path):
+    intake, *_, load, _ = engine_path
+    sent = work([], [], LENGTHS, latencies=[2.0] * 6)
+    intake.accept(1, decoded(dataclasses.replace(sent, sample_priorities=np.full(6, BATCH, "u1"))))
+    assert (load.p95_seconds(BATCH), load.p95_seconds()) == (pytest.approx(2.0), 0.0)

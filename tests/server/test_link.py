@@ -15,8 +15,10 @@ import numpy as np
 
 from kembed.frontend.link import EngineLink
 from kembed.inputs import Sequences
+from kembed.priority import Priority
 from kembed.protocol import ServingInfo, Work, receive
 
+INTERACTIVE, BATCH = Priority
 INTERVAL = 0.2
 NEVER = 3600.0  # an interval no test waits for
 
@@ -63,13 +65,15 @@ async def test_overlapping_calls_are_grouped_an_interval_at_a_time(tmp_path):
     async with linked(tmp_path / "engine.sock", INTERVAL) as (link, engine):
         loop = asyncio.get_running_loop()
         sent = loop.time()
-        link.submit(seqs(1, 2), 32, sent, sent + 30)
-        link.submit(seqs(3), 16, sent, sent + 30)  # the same loop turn: the same frame, at once
+        link.submit(seqs(1, 2), 32, sent, sent + 30, INTERACTIVE)
+        link.submit(seqs(3), 16, sent, sent + 30, BATCH)  # the same loop turn: the same frame, at once
+        link.add_latency(0.5, BATCH)
         _, first = await engine.next_work()
-        assert first.tags.tolist() == [1, 2]
+        assert first.tags.tolist() == [1, 2] and first.priorities.tolist() == [INTERACTIVE, BATCH]
+        assert (first.latencies.tolist(), first.sample_priorities.tolist()) == ([0.5], [BATCH])
 
         for _ in range(3):  # the last frame carried two: these wait for the interval, then go together
-            link.submit(seqs(3, 4, 5), 16, loop.time(), loop.time() + 30)
+            link.submit(seqs(3, 4, 5), 16, loop.time(), loop.time() + 30, INTERACTIVE)
         arrived, second = await engine.next_work()
         assert second.tags.tolist() == [3, 4, 5]
         assert second.ids.tolist() == [3, 4, 5] * 3 and second.costs.tolist() == [16] * 3
@@ -82,7 +86,7 @@ async def test_a_caller_alone_never_waits_for_the_interval(tmp_path):
         loop = asyncio.get_running_loop()
         for tag in (1, 2, 3):  # one request a frame, each well within the interval of the last
             sent = loop.time()
-            link.submit(seqs(tag), 16, sent, sent + 30)
+            link.submit(seqs(tag), 16, sent, sent + 30, INTERACTIVE)
             _, work = await engine.next_work()
             assert work.tags.tolist() == [tag]
 
@@ -90,9 +94,9 @@ async def test_a_caller_alone_never_waits_for_the_interval(tmp_path):
 async def test_with_no_interval_each_loop_turn_sends_its_own_frame(tmp_path):
     async with linked(tmp_path / "engine.sock", 0.0) as (link, engine):
         now = asyncio.get_running_loop().time()
-        link.submit(seqs(1), 16, now, now + 30)
-        link.submit(seqs(2), 16, now, now + 30)  # the same loop turn: the same frame
+        link.submit(seqs(1), 16, now, now + 30, INTERACTIVE)
+        link.submit(seqs(2), 16, now, now + 30, INTERACTIVE)  # the same loop turn: the same frame
         await asyncio.sleep(0.01)
-        link.submit(seqs(3), 16, now, now + 30)
+        link.submit(seqs(3), 16, now, now + 30, INTERACTIVE)
         assert (await engine.next_work())[1].tags.tolist() == [1, 2]
         assert (await engine.next_work())[1].tags.tolist() == [3]

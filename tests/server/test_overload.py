@@ -58,7 +58,7 @@ def test_refusals_do_not_wait_for_the_engine_and_everything_accepted_is_answered
             assert int(dict(refused[0].trailing_metadata())[RETRY_PUSHBACK_KEY]) > 0
         codes = [f.code() for f in futures]
     assert (codes.count(OK), codes.count(EXHAUSTED)) == (admitted, len(refused))  # nothing lost, nothing else
-    assert server.metric('kembed_rejected_total{reason="drain_time"}') > 0
+    assert server.metric('kembed_rejected_total{priority="interactive",reason="drain_time"}') > 0
     with EmbedClient(server.target) as client:
         assert client.embed(["the server recovers"]).shape == (1, 384)
 

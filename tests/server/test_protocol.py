@@ -12,6 +12,7 @@ import numpy as np
 import pytest
 
 from kembed.errors import EmbedError, Failure
+from kembed.priority import Priority
 from kembed.protocol import (
     HEADER,
     MAGIC,
@@ -47,11 +48,12 @@ INFO = ServingInfo(
     batch_sizes=[1, 2],
     tokenizer_json="{}",
 )
+INTERACTIVE, BATCH = Priority
 ROWS = np.random.default_rng(0).standard_normal((3, 3)).astype(np.float32)
 MESSAGES: list[Message] = [
     Hello(PROTOCOL_VERSION, 2),
     Ready(PROTOCOL_VERSION, INFO),
-    work([[3, 9], [1]], [7, 8], [8, 16], deadline=12.5, cancels=[4], latencies=[0.25]),
+    work([[3, 9], [1]], [7, 8], [8, 16], deadline=12.5, cancels=[4], latencies=[0.25], priorities=[BATCH, INTERACTIVE]),
     Result(1.5, 0.25, np.array([7, 7, 8], "<u8"), np.array([1, 0, 0], "<u4"), ROWS),
     Errors([7, 9], [EmbedError(Failure.REJECTED, "busy", 120), EmbedError(Failure.INTERNAL, "boom")]),
 ]
@@ -151,6 +153,12 @@ DAMAGE: dict[str, Callable[[], bytes]] = {
     "counts that do not add up": lambda: work_with(counts=np.array([1, 1], "<u4")),
     "an empty item": lambda: work_with(lengths=np.array([0, 12, 1], "<i4")),
     "deadlines that do not match the requests": lambda: work_with(deadlines=np.array([1.0], "<f8")),
+    "priorities that do not match the requests": lambda: work_with(priorities=np.array([0], "u1")),
+    "an unknown priority": lambda: work_with(priorities=np.array([0, 2], "u1")),
+    "a latency sample without a priority": lambda: work_with(latencies=np.array([0.5], "<f8")),
+    "a latency sample of an unknown priority": lambda: work_with(
+        latencies=np.array([0.5], "<f8"), sample_priorities=np.array([7], "u1")
+    ),
     "not JSON": lambda: corrupt(frame_bytes(Hello(1, 0)), HEADER.size + 4, b"?"),
     "an unknown failure": lambda: frame_bytes(Errors([1], [EmbedError(Failure.INTERNAL, "x")])).replace(b",3,", b",9,"),
 }
@@ -170,3 +178,12 @@ def test_versions_must_match() -> None:
 
 def test_kinds_are_declared_once() -> None:
     assert sorted(m.kind for m in MESSAGES) == sorted(Kind)
+
+
+def test_priorities_are_the_protos() -> None:
+    """The classes cross the link as the values clients send: unset (0) is interactive."""
+    from kembed.v1 import embedder_pb2 as pb
+
+    assert {p.name: p.value for p in Priority} == {
+        name.removeprefix("PRIORITY_"): value for name, value in pb.Priority.items()
+    }

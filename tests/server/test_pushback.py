@@ -7,6 +7,9 @@ import asyncio
 import pytest
 
 from kembed.frontend.pushback import ConnectionPushback, HeldCalls
+from kembed.priority import Priority
+
+INTERACTIVE, BATCH = Priority
 
 
 class FakeClock:
@@ -64,11 +67,11 @@ async def test_held_calls_go_in_order_as_the_engine_has_room() -> None:
     pushback = ConnectionPushback(FakeClock(), refusals_at_once=1)
     pushback.refused("a", 60_000)
     room = {"tokens": 0}
-    held = HeldCalls(pushback, lambda tokens: tokens <= room["tokens"], recheck_s=0)
+    held = HeldCalls(pushback, lambda tokens, _: tokens <= room["tokens"], recheck_s=0)
     order: list[str] = []
 
     async def call(name: str, cost: int) -> None:
-        await held.wait("a", cost)
+        await held.wait("a", cost, INTERACTIVE)
         room["tokens"] -= cost  # admitted: the engine's backlog grows by its cost
         order.append(name)
 
@@ -89,9 +92,9 @@ async def test_a_held_call_goes_when_its_window_ends() -> None:
     pushback = ConnectionPushback(clock, refusals_at_once=1)
     pushback.refused("a", 1000)
     pushback.refused("b", 5000)
-    held = HeldCalls(pushback, lambda tokens: False, recheck_s=0)
-    a = asyncio.create_task(held.wait("a", 10))
-    b = asyncio.create_task(held.wait("b", 10))
+    held = HeldCalls(pushback, lambda tokens, priority: False, recheck_s=0)
+    a = asyncio.create_task(held.wait("a", 10, INTERACTIVE))
+    b = asyncio.create_task(held.wait("b", 10, INTERACTIVE))
     await settle()
     clock.now += 1.0
     await settle()
@@ -99,16 +102,37 @@ async def test_a_held_call_goes_when_its_window_ends() -> None:
     held.release_all()  # draining
     await settle()
     assert b.done()
-    await held.wait("b", 10)  # once released, nothing waits any more
+    await held.wait("b", 10, INTERACTIVE)  # once released, nothing waits any more
 
 
 async def test_a_cancelled_held_call_leaves_the_queue() -> None:
     pushback = ConnectionPushback(FakeClock(), refusals_at_once=1)
     pushback.refused("a", 60_000)
-    held = HeldCalls(pushback, lambda tokens: False, recheck_s=0)
-    waiting = asyncio.create_task(held.wait("a", 10))
+    held = HeldCalls(pushback, lambda tokens, priority: False, recheck_s=0)
+    waiting = asyncio.create_task(held.wait("a", 10, INTERACTIVE))
     await settle()
     waiting.cancel()
     with pytest.raises(asyncio.CancelledError):
         await waiting
     assert len(held) == 0
+
+
+async def test_an_interactive_call_the_engine_has_room_for_is_not_held_behind_batch_calls() -> None:
+    pushback = ConnectionPushback(FakeClock(), refusals_at_once=1)
+    pushback.refused("ingest", 60_000)
+    pushback.refused("search", 60_000)
+    held = HeldCalls(pushback, lambda tokens, priority: priority is INTERACTIVE, recheck_s=0)
+    first = asyncio.create_task(held.wait("ingest", 10, BATCH))
+    second = asyncio.create_task(held.wait("ingest", 10, BATCH))
+    query = asyncio.create_task(held.wait("search", 10, INTERACTIVE))
+    await settle()
+    assert (first.done(), second.done(), query.done()) == (False, False, True)
+    held.release_all()
+    await asyncio.gather(first, second)
+
+
+def test_a_window_is_per_connection_and_class() -> None:
+    pushback = ConnectionPushback(FakeClock(), refusals_at_once=1)
+    pushback.refused(("peer", BATCH), 1000)
+    assert pushback.must_wait(("peer", BATCH)) and pushback.must_wait(("peer", 1))  # the proto's value
+    assert not pushback.must_wait(("peer", INTERACTIVE))

@@ -1,5 +1,6 @@
 """Length buckets: every item goes to the smallest bucket that holds it, so short sequences are
-never padded to long ones. Pure and synchronous; the batcher decides when a bucket drains.
+never padded to long ones. Each bucket keeps one queue per priority class. Pure and synchronous;
+the batcher decides when a bucket drains.
 """
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ import numpy as np
 
 from kembed.engine.work import Chunk, Job
 from kembed.inputs import Sequences
+from kembed.priority import Priority
 from kembed.shapes import bucket_of
 
 
@@ -46,61 +48,133 @@ def route(seqs: Sequences, bucket_lengths: Sequence[int], pad_id: int) -> list[R
     return routed
 
 
-class BucketQueue:
-    """The queued chunks of every bucket, oldest first, with the counts the batcher decides on.
+class _ClassQueue:
+    """One class's queued chunks per bucket, and the jobs of it none of whose items has started."""
 
-    Chunks of closed jobs are skipped when taken; ``forget`` drops their tokens from the total at
+    def __init__(self, buckets: int) -> None:
+        self.chunks: list[deque[Chunk]] = [deque() for _ in range(buckets)]
+        self.items = [0] * buckets
+        self.tokens = 0
+        self.waiting: dict[Job, None] = {}  # in admission order: the last is the youngest
+        self.waiting_tokens = 0  # their queued tokens
+
+    def drop(self, job: Job, tokens: int) -> None:
+        """``tokens`` of the job's queued tokens leave the queue (taken or abandoned)."""
+        job.queued_tokens -= tokens
+        self.tokens -= tokens
+        if job in self.waiting:
+            self.waiting_tokens -= tokens
+
+    def start(self, job: Job) -> None:
+        """One of the job's items was taken into a batch: it waits no more."""
+        if job in self.waiting:
+            self.waiting_tokens -= job.queued_tokens
+            del self.waiting[job]
+
+
+class BucketQueue:
+    """The queued chunks of every bucket and class, oldest first, with the counts the batcher and
+    admission decide on: items per bucket and class, queued tokens per class, and the requests
+    waiting (none of their items started) per class, with their tokens.
+
+    Chunks of closed jobs are skipped when taken; ``forget`` drops their tokens from the totals at
     once so admission sees the real backlog.
     """
 
     def __init__(self, bucket_lengths: Sequence[int]) -> None:
         self.bucket_lengths = list(bucket_lengths)
-        self._chunks: list[deque[Chunk]] = [deque() for _ in self.bucket_lengths]
-        self._items = [0] * len(self.bucket_lengths)
-        self.queued_tokens = 0
+        self._classes = {priority: _ClassQueue(len(self.bucket_lengths)) for priority in Priority}
+
+    @property
+    def queued_tokens(self) -> int:
+        return sum(c.tokens for c in self._classes.values())
+
+    def tokens(self, priority: Priority) -> int:
+        return self._classes[priority].tokens
+
+    def waiting(self, priority: Priority) -> int:
+        """Requests of the class none of whose items has started."""
+        return len(self._classes[priority].waiting)
+
+    def waiting_tokens(self, priority: Priority) -> int:
+        return self._classes[priority].waiting_tokens
+
+    def youngest_waiting(self, priority: Priority, tokens: int) -> list[Job]:
+        """The most recently admitted waiting jobs of the class, as many as hold ``tokens``."""
+        found, held = [], 0
+        for job in reversed(self._classes[priority].waiting):
+            if held >= tokens:
+                break
+            found.append(job)
+            held += job.queued_tokens
+        return found
 
     def add(self, bucket: int, chunk: Chunk) -> None:
-        self._chunks[bucket].append(chunk)
-        self._items[bucket] += chunk.items
+        """Queue a chunk of a new job (a job's chunks are all added before any of them is taken)."""
+        queue = self._classes[chunk.job.priority]
+        queue.chunks[bucket].append(chunk)
+        queue.items[bucket] += chunk.items
         tokens = chunk.items * self.bucket_lengths[bucket]
         chunk.job.queued_tokens += tokens
-        self.queued_tokens += tokens
+        queue.tokens += tokens
+        queue.waiting.setdefault(chunk.job)
+        queue.waiting_tokens += tokens
 
     def forget(self, job: Job) -> None:
         """A closed job's chunks no longer count towards the backlog."""
-        self.queued_tokens -= job.queued_tokens
-        job.queued_tokens = 0
+        queue = self._classes[job.priority]
+        queue.drop(job, job.queued_tokens)
+        queue.waiting.pop(job, None)
 
-    def items(self, bucket: int) -> int:
-        return self._items[bucket]
+    def items(self, bucket: int, priority: Priority | None = None) -> int:
+        """Items queued in the bucket: of one class, or of every class."""
+        if priority is None:
+            return sum(c.items[bucket] for c in self._classes.values())
+        return self._classes[priority].items[bucket]
 
-    def oldest(self, bucket: int) -> float | None:
-        """When the bucket's oldest chunk arrived; None if empty."""
-        chunks = self._chunks[bucket]
-        return chunks[0].enqueued if chunks else None
+    def oldest(self, bucket: int, priority: Priority | None = None) -> float | None:
+        """When the bucket's oldest chunk (of one class, or of any) arrived; None if there is none."""
+        arrivals = [
+            chunks[0].enqueued
+            for p, queue in self._classes.items()
+            if (chunks := queue.chunks[bucket]) and priority in (None, p)
+        ]
+        return min(arrivals, default=None)
 
-    def take(self, bucket: int, n: int, now: float) -> tuple[list[Chunk], list[Job]]:
-        """Up to ``n`` live items from the front of a bucket, splitting a chunk if needed; and the
-        jobs found past their deadline meanwhile (nobody waits for them: close them)."""
-        chunks, taken, expired, want = self._chunks[bucket], [], [], n
+    def take(
+        self, bucket: int, n: int, now: float, first: Priority = Priority.INTERACTIVE
+    ) -> tuple[list[Chunk], list[Job]]:
+        """Up to ``n`` live items from the front of a bucket, those of class ``first`` first,
+        splitting a chunk if needed; and the jobs found past their deadline meanwhile (nobody waits
+        for them: close them)."""
+        taken: list[Chunk] = []
+        expired: list[Job] = []
+        want = n
+        for priority in sorted(Priority, key=lambda p: p is not first):
+            want = self._take(self._classes[priority], bucket, want, now, taken, expired)
+        return taken, expired
+
+    def _take(
+        self, queue: _ClassQueue, bucket: int, want: int, now: float, taken: list[Chunk], expired: list[Job]
+    ) -> int:
+        chunks = queue.chunks[bucket]
         while want and chunks:
             chunk = chunks.popleft()
-            self._items[bucket] -= chunk.items
+            queue.items[bucket] -= chunk.items
             live = not chunk.job.closed and chunk.job.deadline > now
             if live and chunk.items > want:
                 chunk, rest = chunk.split(want)
                 chunks.appendleft(rest)
-                self._items[bucket] += rest.items
+                queue.items[bucket] += rest.items
             # A closed job that was forgotten has nothing left to subtract.
-            tokens = min(chunk.items * self.bucket_lengths[bucket], chunk.job.queued_tokens)
-            chunk.job.queued_tokens -= tokens
-            self.queued_tokens -= tokens
+            queue.drop(chunk.job, min(chunk.items * self.bucket_lengths[bucket], chunk.job.queued_tokens))
             if live:
+                queue.start(chunk.job)
                 taken.append(chunk)
                 want -= chunk.items
             elif not chunk.job.closed and chunk.job not in expired:
                 expired.append(chunk.job)
-        return taken, expired
+        return want
 
     def __len__(self) -> int:
-        return sum(self._items)
+        return sum(sum(c.items) for c in self._classes.values())

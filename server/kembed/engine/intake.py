@@ -4,7 +4,9 @@ back, cancellations applied and latency samples counted.
 Front ends pre-screen against the board; this is the final word, against the global backlog that
 every front end's requests share. Each request arrives with the padded cost its front end computed
 (the engine does not compute it again); the decision and the cut into chunks loop per request, a
-one-item request without routing.
+one-item request without routing. A frame's interactive requests are decided first: one that the
+queue cap would refuse displaces the youngest batch requests queued before the frame and not
+started, which are refused in its place.
 """
 
 from __future__ import annotations
@@ -14,7 +16,7 @@ from collections.abc import Callable
 
 import numpy as np
 
-from kembed.admission import AdmissionController
+from kembed.admission import AdmissionController, Backlog
 from kembed.engine.batcher import Batcher
 from kembed.engine.buckets import route
 from kembed.engine.jobs import Jobs
@@ -23,6 +25,7 @@ from kembed.engine.work import Chunk, Job
 from kembed.errors import EmbedError, Failure
 from kembed.inputs import Sequences
 from kembed.metrics import EngineMetrics
+from kembed.priority import Priority
 from kembed.protocol import Work
 from kembed.shapes import bucket_of
 
@@ -50,35 +53,50 @@ class Intake:
         self._clock = clock
 
     def accept(self, link: int, work: Work) -> None:
-        for seconds in work.latencies.tolist():
-            self._admission.load.add_latency(seconds)
+        for seconds, priority in zip(work.latencies.tolist(), work.sample_priorities.tolist(), strict=True):
+            self._admission.load.add_latency(seconds, Priority(priority))
         for tag in work.cancels.tolist():
             self._jobs.cancel(link, tag)
         if work.tags.size:
             self._admit(link, work)
 
     def _admit(self, link: int, work: Work) -> None:
-        jobs: list[Job | None] = []
+        jobs: list[Job | None] = [None] * work.tags.size
         refused, refusals = [], []
-        backlog = self._batcher.backlog_tokens
-        for tag, deadline, count, cost in zip(
-            work.tags.tolist(), work.deadlines.tolist(), work.counts.tolist(), work.costs.tolist(), strict=True
-        ):
-            rejection = self._admission.admit(cost, backlog)
+        backlog = self._batcher.backlog
+        tags, deadlines, counts, costs, priorities = (
+            part.tolist() for part in (work.tags, work.deadlines, work.counts, work.costs, work.priorities)
+        )
+        for i in sorted(range(len(tags)), key=priorities.__getitem__):  # interactive first, in order
+            priority, cost = Priority(priorities[i]), costs[i]
+            rejection = self._admission.admit(cost, backlog, priority)
             if rejection is not None:
-                self._metrics.rejected.labels(reason=rejection.reason).inc()
-                refused.append(tag)
+                self._metrics.rejected.labels(reason=rejection.reason, priority=priority.label).inc()
+                refused.append(tags[i])
                 refusals.append(EmbedError(Failure.REJECTED, rejection.message, rejection.retry_after_ms))
-                jobs.append(None)
                 continue
-            backlog += cost
-            job = Job(link=link, tag=tag, count=count, deadline=deadline)
+            if room := self._admission.room_to_make(cost, backlog, priority):
+                backlog = self._displace(room, backlog)
+            backlog = backlog.plus(cost, priority)
+            job = Job(link=link, tag=tags[i], count=counts[i], deadline=deadlines[i], priority=priority)
             self._jobs.add(job)
-            jobs.append(job)
+            jobs[i] = job
         if refused:
             self._outbox.errors(link, refused, refusals)
         if len(refused) < len(jobs):
             self._batcher.submit(self._chunks(work, jobs))
+
+    def _displace(self, tokens: int, backlog: Backlog) -> Backlog:
+        """Refuse the youngest batch requests not started that hold ``tokens``; the backlog without them."""
+        for job in self._batcher.queue.youngest_waiting(Priority.BATCH, tokens):
+            held = job.queued_tokens
+            self._jobs.displace(job)
+            backlog = backlog.without_batch(held)
+            rejection = self._admission.displaced(held, backlog)
+            self._metrics.rejected.labels(reason=rejection.reason, priority=Priority.BATCH.label).inc()
+            error = EmbedError(Failure.REJECTED, rejection.message, rejection.retry_after_ms)
+            self._outbox.errors(job.link, [job.tag], [error])
+        return backlog
 
     def _chunks(self, work: Work, jobs: list[Job | None]) -> list[tuple[int, Chunk]]:
         """Each admitted request's items as chunks, one per bucket it uses. A one-item request (the

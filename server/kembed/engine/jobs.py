@@ -40,6 +40,11 @@ class Jobs:
         """Its deadline passed before its items were computed: the front end answers it itself."""
         self._close(job)
 
+    def displace(self, job: Job) -> None:
+        """Batch work none of whose items started gave its place to interactive work: the intake
+        tells its front end."""
+        self._close(job)
+
     def cancel(self, link: int, tag: int) -> None:
         """The front end stopped waiting (deadline, client gone): queued items are dropped."""
         job = self._open.get((link, tag))

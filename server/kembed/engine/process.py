@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from kembed.admission import AdmissionController, MeasuredLoad
-from kembed.board import Board, Cell
+from kembed.board import Board, Cell, ClassCell
 from kembed.child import Child
 from kembed.config import Settings
 from kembed.contract import EXIT_FATAL, EXIT_STARTUP_FAILED
@@ -33,6 +33,7 @@ from kembed.engine.work import Batch
 from kembed.engine.worker import Engine, LoadModel, Outcome, Worker
 from kembed.errors import EmbedError
 from kembed.metrics import EngineMetrics
+from kembed.priority import Priority
 from kembed.protocol import (
     PROTOCOL_VERSION,
     Errors,
@@ -104,6 +105,7 @@ class Core:
 
     info: ServingInfo
     load: MeasuredLoad
+    admission: AdmissionController
     batcher: Batcher
     jobs: Jobs
     intake: Intake
@@ -117,11 +119,18 @@ class Core:
         admission = AdmissionController(settings, load)
         queue = BucketQueue(plan.bucket_lengths)
         jobs = Jobs(queue)
-        max_wait = settings.max_wait_ms / 1000
-        batcher = Batcher(queue, plan.shapes, worker.submit, expire=jobs.expire, max_wait=max_wait, naive=plan.naive)
+        batcher = Batcher(
+            queue,
+            plan.shapes,
+            worker.submit,
+            expire=jobs.expire,
+            max_wait=settings.max_wait_ms / 1000,
+            naive=plan.naive,
+            starved_after=settings.max_drain_ms / 1000,
+        )
         intake = Intake(admission, batcher, jobs, links, metrics, model.info.pad_token_id)
         responder = Responder(batcher, load.rate, jobs, links, metrics)
-        return cls(_serving_info(engine), load, batcher, jobs, intake, responder)
+        return cls(_serving_info(engine), load, admission, batcher, jobs, intake, responder)
 
 
 # What front ends learn of the model as it is (the torch-typed dtype and device go as names).
@@ -248,9 +257,15 @@ class EngineProcess:
         log.info("link %d: answers read, taking its work again", link)
 
     def _publish(self, core: Core) -> None:
-        board = self._board
-        board[Cell.BACKLOG_TOKENS] = core.batcher.backlog_tokens
+        board, backlog, queue = self._board, core.batcher.backlog, core.batcher.queue
+        board[Cell.BACKLOG_TOKENS] = backlog.total
+        board[Cell.IN_FLIGHT_TOKENS] = backlog.in_flight
+        board[Cell.DISPLACEABLE_TOKENS] = backlog.displaceable
+        for priority in Priority:
+            board.set_class(priority, ClassCell.QUEUED_TOKENS, queue.tokens(priority))
+            board.set_class(priority, ClassCell.WAITING_REQUESTS, queue.waiting(priority))
         board[Cell.TOKENS_PER_SECOND] = core.load.tokens_per_second
+        board[Cell.SATURATION] = core.admission.saturation(backlog)
         board[Cell.IN_FLIGHT_BATCHES] = core.batcher.in_flight
         board[Cell.OPEN_REQUESTS] = len(core.jobs)
 
@@ -263,7 +278,8 @@ class EngineProcess:
         and shedding."""
         self._board[Cell.ENGINE_HEARTBEAT] = worker.heartbeat
         self._publish(core)
-        self._board[Cell.P95_SECONDS] = core.load.p95_seconds()
+        for priority in Priority:
+            self._board.set_class(priority, ClassCell.P95_SECONDS, core.load.p95_seconds(priority))
         self._board[Cell.SHED_FRACTION] = core.load.shed_fraction()
 
     def _batcher_stopped(self, task: asyncio.Task[None]) -> None:

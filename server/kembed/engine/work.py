@@ -12,6 +12,8 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
+from kembed.priority import Priority
+
 
 @dataclass(eq=False)
 class Job:
@@ -23,6 +25,7 @@ class Job:
     tag: int  # the front end's id for it
     count: int  # items
     deadline: float  # monotonic seconds (one clock for every process on the host)
+    priority: Priority = Priority.INTERACTIVE
     remaining: int = field(init=False)
     queued_tokens: int = 0  # padded tokens of its items still in the buckets
     closed: bool = False  # computed, failed, timed out or cancelled: drop what is left

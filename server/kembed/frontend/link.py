@@ -20,6 +20,7 @@ from typing import Any
 import numpy as np
 
 from kembed.inputs import Sequences
+from kembed.priority import Priority
 from kembed.protocol import (
     PROTOCOL_VERSION,
     Errors,
@@ -46,11 +47,14 @@ SAMPLE_FLUSH_S = 0.01  # well under the P95 cache (50 ms) and the engine's board
 class Pending:
     """One request waiting for its rows."""
 
-    __slots__ = ("arrival", "embeddings", "future", "inference_s", "last_start", "remaining")
+    __slots__ = ("arrival", "embeddings", "future", "inference_s", "last_start", "priority", "remaining")
 
-    def __init__(self, future: asyncio.Future[None], arrival: float, count: int, dimensions: int) -> None:
+    def __init__(
+        self, future: asyncio.Future[None], arrival: float, count: int, dimensions: int, priority: Priority
+    ) -> None:
         self.future = future
         self.arrival = arrival
+        self.priority = priority
         self.embeddings = np.empty((count, dimensions), dtype=np.float32)
         self.remaining = count
         self.inference_s = 0.0  # compute time of the batches its items ran in
@@ -69,10 +73,12 @@ class EngineLink:
         self._out_tags: list[int] = []
         self._out_deadlines: list[float] = []
         self._out_costs: list[int] = []
+        self._out_priorities: list[int] = []
         self._out_lengths: list[np.ndarray] = []
         self._out_ids: list[np.ndarray] = []
         self._out_cancels: list[int] = []
         self._out_latencies: list[float] = []
+        self._out_sample_priorities: list[int] = []
         self._frame_interval = frame_interval
         self._last_flush = 0.0  # loop time; unused until a frame carried several requests
         self._last_frame_requests = 0  # requests the last WORK frame carried
@@ -101,14 +107,18 @@ class EngineLink:
         check_version(ready.version)
         return cls(reader, writer, ready.info, frame_interval)
 
-    def submit(self, seqs: Sequences, cost: int, arrival: float, deadline: float) -> tuple[int, Pending]:
+    def submit(
+        self, seqs: Sequences, cost: int, arrival: float, deadline: float, priority: Priority
+    ) -> tuple[int, Pending]:
         """Queue a request admitted at ``cost`` padded tokens (the engine's final word counts the same)."""
         tag = next(self._tags)
-        pending = Pending(asyncio.get_running_loop().create_future(), arrival, seqs.count, self.info.dimensions)
+        future = asyncio.get_running_loop().create_future()
+        pending = Pending(future, arrival, seqs.count, self.info.dimensions, priority)
         self._pending[tag] = pending
         self._out_tags.append(tag)
         self._out_deadlines.append(deadline)
         self._out_costs.append(cost)
+        self._out_priorities.append(priority)
         self._out_lengths.append(seqs.lengths)
         self._out_ids.append(seqs.ids)
         self._schedule_flush()
@@ -120,11 +130,12 @@ class EngineLink:
             self._out_cancels.append(tag)
             self._schedule_flush()
 
-    def add_latency(self, seconds: float) -> None:
-        """A sample for the engine's P95 window (which every front end shares). Samples alone wait
-        up to SAMPLE_FLUSH_S for a frame: a storm of rejections must not become a storm of frames
-        that wake the engine between batches."""
+    def add_latency(self, seconds: float, priority: Priority) -> None:
+        """A sample for the engine's P95 window of the class (which every front end shares). Samples
+        alone wait up to SAMPLE_FLUSH_S for a frame: a storm of rejections must not become a storm
+        of frames that wake the engine between batches."""
         self._out_latencies.append(seconds)
+        self._out_sample_priorities.append(priority)
         if self._flush_now is None and self._flush_at is None:
             self._flush_at = asyncio.get_running_loop().call_later(SAMPLE_FLUSH_S, self._flush)
 
@@ -164,10 +175,12 @@ class EngineLink:
             deadlines=np.asarray(self._out_deadlines, dtype="<f8"),
             counts=np.fromiter(map(len, self._out_lengths), dtype="<u4", count=len(self._out_lengths)),
             costs=np.asarray(self._out_costs, dtype="<u8"),
+            priorities=np.asarray(self._out_priorities, dtype="u1"),
             lengths=_concat(self._out_lengths),
             ids=_concat(self._out_ids),
             cancels=np.asarray(self._out_cancels, dtype="<u8"),
             latencies=np.asarray(self._out_latencies, dtype="<f8"),
+            sample_priorities=np.asarray(self._out_sample_priorities, dtype="u1"),
         )
         send(self._writer, work)
         for buffer in self._outbox():
@@ -179,10 +192,12 @@ class EngineLink:
             self._out_tags,
             self._out_deadlines,
             self._out_costs,
+            self._out_priorities,
             self._out_lengths,
             self._out_ids,
             self._out_cancels,
             self._out_latencies,
+            self._out_sample_priorities,
         )
 
     def _scatter(self, result: Result) -> None:

@@ -11,6 +11,9 @@ room for it or the window ends, whichever is first, and is then handled as if it
 Held, it costs a timer's share of CPU; the engine gets it as soon as it can take it, so a storm of
 such calls keeps the engine busy instead of starving it.
 
+A window belongs to a connection and a priority class: the pushback a batch call was told is no
+reason to hold an interactive call on the same connection, which the engine has room for sooner.
+
 :class:`ConnectionPushback` is pure (the clock is injected); :class:`HeldCalls` is the small
 asyncio shell around it.
 """
@@ -20,8 +23,10 @@ from __future__ import annotations
 import asyncio
 import time
 from collections import deque
-from collections.abc import Callable
+from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field
+
+from kembed.priority import Priority
 
 # A burst on one connection refused at once: more calls than HTTP/2 peers usually let one
 # connection carry at a time (100 streams is the common default).
@@ -40,7 +45,8 @@ class _Window:
 
 
 class ConnectionPushback:
-    """Each connection's pushback window: how many refusals it may still get at once, and until when."""
+    """Each connection's pushback window: how many refusals it may still get at once, and until when.
+    A connection is whatever key the caller gives (the front end's: the peer and the priority class)."""
 
     def __init__(
         self,
@@ -51,15 +57,15 @@ class ConnectionPushback:
         self._clock = clock
         self._refusals_at_once = refusals_at_once
         self._max_windows = max_windows
-        self._windows: dict[str, _Window] = {}
+        self._windows: dict[Hashable, _Window] = {}
 
-    def must_wait(self, connection: str) -> bool:
+    def must_wait(self, connection: Hashable) -> bool:
         """Whether a call arriving now on ``connection`` comes too soon: its window is open and
         has no refusals at once left."""
         window = self._windows.get(connection)
         return window is not None and window.refusals_left <= 0 and window.ends > self._clock()
 
-    def refused(self, connection: str, retry_after_ms: int) -> None:
+    def refused(self, connection: Hashable, retry_after_ms: int) -> None:
         """A call on ``connection`` was refused with this pushback."""
         now = self._clock()
         window = self._windows.get(connection)
@@ -82,20 +88,25 @@ class ConnectionPushback:
 
 @dataclass(eq=False)
 class _Held:
-    connection: str
+    connection: Hashable
     least_cost: int  # padded tokens, a lower bound: what room in the engine it needs at least
+    priority: Priority
     released: asyncio.Future[None] = field(default_factory=lambda: asyncio.get_running_loop().create_future())
     queued: bool = True
 
 
 class HeldCalls:
-    """Calls that came too soon after their connection's refusal, first come first served."""
+    """Calls that came too soon after their connection's refusal, first come first served within
+    their class (an interactive call the engine has room for is not held behind a batch call)."""
 
     def __init__(
-        self, pushback: ConnectionPushback, has_room: Callable[[int], bool], recheck_s: float = RECHECK_S
+        self,
+        pushback: ConnectionPushback,
+        has_room: Callable[[int, Priority], bool],
+        recheck_s: float = RECHECK_S,
     ) -> None:
         self._pushback = pushback
-        self._has_room = has_room  # whether the engine could take this many more padded tokens
+        self._has_room = has_room  # whether the engine could take this many more padded tokens of a class
         self._recheck_s = recheck_s
         self._queue: deque[_Held] = deque()
         self._timer: asyncio.TimerHandle | None = None
@@ -104,12 +115,12 @@ class HeldCalls:
     def __len__(self) -> int:
         return len(self._queue)
 
-    async def wait(self, connection: str, least_cost: int) -> None:
-        """Wait until the engine has room for ``least_cost`` more padded tokens (in turn), or the
-        connection's window ends, or everything is released."""
+    async def wait(self, connection: Hashable, least_cost: int, priority: Priority) -> None:
+        """Wait until the engine has room for ``least_cost`` more padded tokens of the class (in
+        turn), or the connection's window ends, or everything is released."""
         if self._released_all:
             return
-        held = _Held(connection, least_cost)
+        held = _Held(connection, least_cost, priority)
         self._queue.append(held)
         self._schedule()
         try:
@@ -129,20 +140,22 @@ class HeldCalls:
             self._timer = asyncio.get_running_loop().call_later(self._recheck_s, self._recheck)
 
     def _recheck(self) -> None:
-        """Release the calls whose window ended, then, in order, as many as the engine has room for."""
+        """Release the calls whose window ended, then, in order within each class, as many as the
+        engine has room for."""
         self._timer = None
         waiting = deque[_Held]()
-        for held in self._queue:
-            if self._pushback.must_wait(held.connection):
-                waiting.append(held)
-            else:
-                self._release(held)
-        self._queue = waiting
         taken = 0
-        while self._queue and self._has_room(taken + self._queue[0].least_cost):
-            held = self._queue.popleft()
-            taken += held.least_cost
-            self._release(held)
+        blocked: set[Priority] = set()  # a class's first call without room holds the rest of it
+        for held in self._queue:
+            if not self._pushback.must_wait(held.connection):
+                self._release(held)
+            elif held.priority not in blocked and self._has_room(taken + held.least_cost, held.priority):
+                taken += held.least_cost
+                self._release(held)
+            else:
+                blocked.add(held.priority)
+                waiting.append(held)
+        self._queue = waiting
         if self._queue:
             self._schedule()
 

@@ -7,10 +7,11 @@ old, and every front end admits against the same backlog.
 
 from __future__ import annotations
 
-from kembed.admission import AdmissionController, Rejection
-from kembed.board import Board, Cell
+from kembed.admission import AdmissionController, Backlog, Rejection
+from kembed.board import Board, Cell, ClassCell
 from kembed.config import Settings
 from kembed.frontend.link import EngineLink
+from kembed.priority import Priority
 
 
 class PublishedLoad:
@@ -28,10 +29,10 @@ class PublishedLoad:
         return self._board[Cell.SHED_FRACTION]
 
     def p95_seconds(self) -> float:
-        return self._board[Cell.P95_SECONDS]
+        return self._board.of_class(Priority.INTERACTIVE, ClassCell.P95_SECONDS)
 
-    def add_latency(self, seconds: float) -> None:
-        self._link.add_latency(seconds)
+    def add_latency(self, seconds: float, priority: Priority) -> None:
+        self._link.add_latency(seconds, priority)
 
 
 class Screen:
@@ -39,17 +40,23 @@ class Screen:
         self._board = board
         self._admission = AdmissionController(settings, PublishedLoad(board, link))
 
-    def before_tokenizing(self, least_padded_tokens: int) -> Rejection | None:
+    def before_tokenizing(self, least_padded_tokens: int, priority: Priority) -> Rejection | None:
         """The latency draw and the capacity checks on a lower bound of the request's cost."""
-        return self._admission.screen(least_padded_tokens, self._backlog())
+        return self._admission.screen(least_padded_tokens, self._backlog(), priority)
 
-    def has_room(self, padded_tokens: int) -> bool:
+    def has_room(self, padded_tokens: int, priority: Priority) -> bool:
         """Whether the capacity checks would take this many more padded tokens now (decides nothing)."""
-        return self._admission.fits(padded_tokens, self._backlog())
+        return self._admission.fits(padded_tokens, self._backlog(), priority)
 
-    def after_tokenizing(self, padded_tokens: int) -> Rejection | None:
+    def after_tokenizing(self, padded_tokens: int, priority: Priority) -> Rejection | None:
         """The capacity checks with the request's exact padded cost."""
-        return self._admission.admit(padded_tokens, self._backlog())
+        return self._admission.admit(padded_tokens, self._backlog(), priority)
 
-    def _backlog(self) -> int:
-        return int(self._board[Cell.BACKLOG_TOKENS])
+    def _backlog(self) -> Backlog:
+        board = self._board
+        return Backlog(
+            interactive=int(board.of_class(Priority.INTERACTIVE, ClassCell.QUEUED_TOKENS)),
+            batch=int(board.of_class(Priority.BATCH, ClassCell.QUEUED_TOKENS)),
+            in_flight=int(board[Cell.IN_FLIGHT_TOKENS]),
+            displaceable=int(board[Cell.DISPLACEABLE_TOKENS]),
+        )

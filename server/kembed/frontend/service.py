@@ -30,11 +30,13 @@ from kembed.frontend.pushback import ConnectionPushback, HeldCalls
 from kembed.frontend.screen import Screen
 from kembed.inputs import InputError, Sequences, Tokenizer
 from kembed.metrics import FrontendMetrics
+from kembed.priority import Priority
 from kembed.protocol import ServingInfo
 from kembed.shapes import padded_lengths
 from kembed.v1 import embedder_pb2 as pb
 
 MAX_REQUEST_ID_CHARS = 256
+PRIORITIES = frozenset(Priority)  # a proto3 enum field takes any int32: these are the known ones
 # Inputs up to this many characters or id bytes are tokenized on the event loop: a trip through the
 # executor (two thread switches and a loop wake-up) costs more than tokenizing a sentence. Larger
 # inputs go to the executor, where the Rust tokenizer runs without the GIL.
@@ -161,7 +163,7 @@ class EmbedService:
             return await self._embed(request, arrival, arrival + budget, connection)
         except EmbedError as error:
             if error.retry_after_ms:
-                self._pushback.refused(connection, error.retry_after_ms)
+                self._pushback.refused((connection, request.priority), error.retry_after_ms)
             raise
         finally:
             self._gate.leave()
@@ -174,14 +176,15 @@ class EmbedService:
         self, request: pb.EmbedRequest, arrival: float, deadline: float, connection: str
     ) -> pb.EmbedResponse:
         self._validate(request)
+        priority = Priority(request.priority)
         least_cost = self._least_cost(request)
-        if self._pushback.must_wait(connection):
+        if self._pushback.must_wait((connection, priority)):
             self._metrics.pushback_waits.inc()
-            await self._held.wait(connection, least_cost)
+            await self._held.wait((connection, priority), least_cost, priority)
             # Then handled as if it had just arrived: its wait was its client's own doing.
             self._gate.check_open()
             arrival = self._clock()
-        self._raise_if_rejected(self._screen.before_tokenizing(least_cost))
+        self._raise_if_rejected(self._screen.before_tokenizing(least_cost, priority), priority)
         try:
             if _input_size(request) <= INLINE_PREPARE_LIMIT:
                 seqs = self._tokenize(request)
@@ -191,12 +194,12 @@ class EmbedService:
             raise EmbedError(Failure.INVALID_ARGUMENT, str(error)) from None
         tokenized = self._clock()
         cost = self._padded_tokens(seqs.lengths)
-        self._admit(cost)
-        tag, pending = self._link.submit(seqs, cost, arrival, deadline)
+        self._admit(cost, priority)
+        tag, pending = self._link.submit(seqs, cost, arrival, deadline, priority)
         await self._wait(tag, pending, deadline)
         done = self._clock()
-        self._link.add_latency(done - arrival)
-        self._metrics.request_duration.observe(done - arrival)
+        self._link.add_latency(done - arrival, priority)
+        self._metrics.request_duration.labels(priority=priority.label).observe(done - arrival)
         return self._response(request, seqs, pending, tokenized - arrival, arrival, done)
 
     def _validate(self, request: pb.EmbedRequest) -> None:
@@ -211,6 +214,8 @@ class EmbedService:
             )
         if len(request.request_id) > MAX_REQUEST_ID_CHARS:
             raise EmbedError(Failure.INVALID_ARGUMENT, f"request_id: longer than {MAX_REQUEST_ID_CHARS} characters")
+        if request.priority not in PRIORITIES:
+            raise EmbedError(Failure.INVALID_ARGUMENT, f"priority: {request.priority} is not a priority class")
 
     def _tokenize(self, request: pb.EmbedRequest) -> Sequences:
         if request.HasField("tokens"):
@@ -235,7 +240,7 @@ class EmbedService:
         """What items of these lengths cost once each is padded to its bucket."""
         return int(padded_lengths(lengths, self._bucket_lengths).sum())
 
-    def _admit(self, cost: int) -> None:
+    def _admit(self, cost: int, priority: Priority) -> None:
         limit = self._settings.max_queued_tokens
         if cost > limit:
             raise EmbedError(
@@ -243,11 +248,11 @@ class EmbedService:
                 f"texts, tokens: the request needs {cost} padded tokens, more than the server queues at once "
                 f"({limit}): split it",
             )
-        self._raise_if_rejected(self._screen.after_tokenizing(cost))
+        self._raise_if_rejected(self._screen.after_tokenizing(cost, priority), priority)
 
-    def _raise_if_rejected(self, rejection: Rejection | None) -> None:
+    def _raise_if_rejected(self, rejection: Rejection | None, priority: Priority) -> None:
         if rejection is not None:
-            self._metrics.rejected.labels(reason=rejection.reason).inc()
+            self._metrics.rejected.labels(reason=rejection.reason, priority=priority.label).inc()
             raise EmbedError(Failure.REJECTED, rejection.message, rejection.retry_after_ms)
 
     async def _wait(self, tag: int, pending: Pending, deadline: float) -> None:
@@ -266,7 +271,7 @@ class EmbedService:
         if pending.future.done():
             return
         self._link.cancel(tag)
-        self._link.add_latency(self._clock() - pending.arrival)
+        self._link.add_latency(self._clock() - pending.arrival, pending.priority)
         pending.future.set_exception(EmbedError(Failure.DEADLINE, "deadline passed before the request was computed"))
 
     def _response(
