@@ -318,3 +318,84 @@ def _hostpath_phases(result: dict[str, Any]) -> list[tuple[str, str, str, str, d
 
 def _emb(phase: dict[str, Any]) -> str:
     return f"{_fmt(Spread.from_dict(phase['emb_per_s']))} emb/s"
+
+
+# --- priority classes (bench.priority) ------------------------------------------------------------
+
+QUERY_P95_TARGET = "<= 1.00"  # of the idle p95 plus two batch durations
+QUERY_OVER_BATCH_TARGET = "<= 0.35"
+PRIORITY_GOODPUT_TARGET = ">= 0.90"
+NONE_REJECTED = "<= 0"
+
+
+def priority_ratios(result: dict[str, Any]) -> list[Ratio]:
+    """The figures of a ``priority.json``: the queries beside the ingest against their idle latency,
+    the ingest's latency and saturation; the one-class and starved loads, informative."""
+    loads = result["loads"]
+    saturation = Spread.from_dict(loads["saturation"]["batch"]["emb_per_s"])
+    batch_s = loads["saturation"]["server"]["batch_seconds"]
+    beside, idle = loads["beside"], loads["idle"]["interactive"]
+    query_p95 = beside["interactive"]["latency_ms"]["p95"]
+    allowance = idle["latency_ms"]["p95"] + 2 * batch_s * 1000
+    goodput = Spread.from_dict(beside["total_emb_per_s"])
+    rows = [
+        Ratio("Queries rejected beside the ingest", _exact(_refused(beside["interactive"])), NONE_REJECTED),
+        Ratio(
+            f"Query p95 beside the ingest / (idle p95 + 2 batch durations: {allowance:.0f} ms)",
+            _exact(query_p95 / allowance),
+            QUERY_P95_TARGET,
+        ),
+        Ratio(
+            "Query p95 / ingest p95, beside the ingest",
+            _exact(query_p95 / beside["batch"]["latency_ms"]["p95"]),
+            QUERY_OVER_BATCH_TARGET,
+        ),
+        Ratio(
+            "Goodput beside the ingest (queries + ingest) / saturation (emb/s)",
+            goodput.over(saturation),
+            PRIORITY_GOODPUT_TARGET,
+        ),
+    ]
+    if one_class := loads.get("one_class"):
+        p95 = one_class["interactive"]["latency_ms"]["p95"]
+        rows.append(Ratio("Query p95 with one class for both / with classes", _exact(p95 / query_p95), ""))
+        rows.append(Ratio("Queries rejected with one class for both", _exact(_refused(one_class["interactive"])), ""))
+    if starved := loads.get("starved"):
+        rows.append(
+            Ratio("Ingest p95 under saturating queries (ms)", _exact(starved["batch"]["latency_ms"]["p95"]), "")
+        )
+    return rows
+
+
+def _refused(side: dict[str, Any]) -> float:
+    return float(sum(n for code, n in side["codes"].items() if code != "OK"))
+
+
+def priority_table(result: dict[str, Any]) -> str:
+    """Every load of a ``priority.json``, each side's figures and the server's."""
+    s = result["settings"]
+    columns = ["Load", "Side", "Calls", "emb/s", "p50 / p95 / p99 ms", "Codes", "Batch compute ms", "Rejections"]
+    lines = ["| " + " | ".join(columns) + " |", "| --- " * len(columns) + "|"]
+    describe = {
+        "batch": f"ingest, {s['concurrency']} closed-loop callers x {s['texts']} texts",
+        "interactive": f"queries, 1 short text, {result['loads']['query_rate']:.1f}/s Poisson",
+    }
+    for name, load in result["loads"].items():
+        if not isinstance(load, dict):
+            continue
+        server = load["server"]
+        for side_name, side in ((k, v) for k, v in load.items() if k in describe):
+            label = describe[side_name]
+            if name == "starved":
+                label = "ingest, 1 caller" if side_name == "batch" else f"queries, {s['starve_concurrency']} callers"
+            lat = side["latency_ms"]
+            codes = ", ".join(f"{code} {n}" for code, n in sorted(side["codes"].items()))
+            rejections = ", ".join(
+                f"{reason} {n:.0f}" for reason, n in server["rejections"].get(side_name, {}).items() if n
+            )
+            lines.append(
+                f"| {name} | {label} | {side['calls']} | {_fmt(Spread.from_dict(side['emb_per_s']))} "
+                f"| {_ms(lat['p50'])} / {_ms(lat['p95'])} / {_ms(lat['p99'])} | {codes} "
+                f"| {server['batch_seconds'] * 1000:.0f} | {rejections or '—'} |"
+            )
+    return "\n".join(lines)

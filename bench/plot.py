@@ -117,12 +117,28 @@ def hostpath_text(hostpath: dict[str, Any] | None) -> str:
     )
 
 
+def priority_text(priority: dict[str, Any] | None) -> str:
+    """Queries beside an ingest (``bench.priority``), or why there is none."""
+    if not priority:
+        return "Priority classes: not run (no results/priority.json; `python -m bench.priority`)."
+    m = priority["machine"]
+    return "\n\n".join(
+        [
+            f"Queries beside an ingest, one server, in one run at {m['time_utc']} "
+            f"(load {m['loadavg_1_5_15'][0]}, git {m['git']}):",
+            headline.ratio_table(headline.priority_ratios(priority)),
+            headline.priority_table(priority),
+        ]
+    )
+
+
 def markdown(
     ceiling: dict[str, Any],
     serves: list[dict[str, Any]],
     naive: dict[str, Any] | None,
     gpu: dict[str, Any] | None,
     hostpath: dict[str, Any] | None,
+    priority: dict[str, Any] | None,
 ) -> str:
     m = ceiling["machine"]
     runs = "; ".join(
@@ -140,6 +156,7 @@ def markdown(
             "Server phases:\n\n" + headline.phase_table(serves),
             headline.workload_text(ceiling["workload"]),
             hostpath_text(hostpath),
+            priority_text(priority),
             headline.gpu_table(gpu),
         ]
     )
@@ -166,15 +183,15 @@ def headline_block(ceiling: dict[str, Any], token_bucket: dict[str, Any], naive:
 
 
 def main() -> None:
-    names = ("ceiling", "serve_token_bucket", "serve_naive", "gpu", "hostpath")
-    ceiling, token_bucket, naive, gpu, hostpath = map(read_result, names)
+    names = ("ceiling", "serve_token_bucket", "serve_naive", "gpu", "hostpath", "priority")
+    ceiling, token_bucket, naive, gpu, hostpath, priority = map(read_result, names)
     if ceiling is None or token_bucket is None:
         raise SystemExit("need bench/results/ceiling.json and serve_token_bucket.json: run python -m bench.run_all")
     serves = [token_bucket] + ([naive] if naive else [])
     throughput(ceiling, serves, RESULTS_DIR / "throughput.png")
     latency(serves, RESULTS_DIR / "latency.png")
     padding(ceiling, serves, RESULTS_DIR / "padding.png")
-    block = markdown(ceiling, serves, naive, gpu, hostpath)
+    block = markdown(ceiling, serves, naive, gpu, hostpath, priority)
     (RESULTS_DIR / "summary.md").write_text(block + "\n")
     README.write_text(splice(README.read_text(), block, RESULTS_MARKERS))
     top = TOP_README.read_text()

@@ -6,8 +6,9 @@
 4. the GPU extras (``bench.gpu``), which skip cleanly without CUDA;
 5. the host path against a bare gRPC echo (``bench.hostpath``): zero-cost server, rejection cost,
    and (not with ``--quick``) the retry storm;
-6. the front end → engine transports (``bench.ipc``);
-7. ``bench.plot``.
+6. queries beside an ingest, the priority classes (``bench.priority``);
+7. the front end → engine transports (``bench.ipc``);
+8. ``bench.plot``.
 
 The token-bucket runs (ceiling and server) use a finer bucket ladder than the server's default
 powers of two: on this workload the defaults pad about 27% of computed tokens, the ladder about 13%
@@ -22,7 +23,7 @@ from __future__ import annotations
 import argparse
 from collections.abc import Sequence
 
-from bench import ceiling, gpu, hostpath, ipc, plot, serve_load
+from bench import ceiling, gpu, hostpath, ipc, plot, priority, serve_load
 
 TUNED_BUCKETS = "buckets=16,24,32,48,64,96,128,192,256"
 
@@ -40,6 +41,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         gpu.main(["--quick"] if args.quick else [])
     quick_hostpath = ["--duration", "5", "--warmup", "1", "--windows", "2", "--burst-rounds", "2"]
     hostpath.main(quick_hostpath if args.quick else ["--parts", "host_path,rejection,storm"])
+    priority.main(["--duration", "8", "--warmup", "2", "--windows", "2"] if args.quick else [])
     ipc.main(["--seconds", "1"] if args.quick else [])
     plot.main()
 

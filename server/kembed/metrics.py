@@ -49,6 +49,8 @@ class FrontendMetrics:
             registry=r,
             buckets=LATENCY_BUCKETS,
         )
+        # A labelled child is looked up under a lock: once per class here, not once per request.
+        self.request_durations = {p: self.request_duration.labels(priority=p.label) for p in Priority}
         self.requests = Counter(
             Metric.REQUESTS,
             "Answers by API (grpc, rest) and its status code (gRPC's name, HTTP's number)",

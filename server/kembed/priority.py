@@ -14,3 +14,8 @@ class Priority(IntEnum):
     def label(self) -> str:
         """The value of the ``priority`` label on metrics."""
         return self.name.lower()
+
+
+# Priority(value) looks the member up through the enum machinery; on the per-request path a tuple
+# index is a tenth of that (the values are 0 and 1).
+BY_VALUE: tuple[Priority, ...] = tuple(Priority)

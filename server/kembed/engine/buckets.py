@@ -48,6 +48,9 @@ def route(seqs: Sequences, bucket_lengths: Sequence[int], pad_id: int) -> list[R
     return routed
 
 
+_FIRST = {first: (first, *(p for p in Priority if p is not first)) for first in Priority}  # take orders
+
+
 class _ClassQueue:
     """One class's queued chunks per bucket, and the jobs of it none of whose items has started."""
 
@@ -58,18 +61,17 @@ class _ClassQueue:
         self.waiting: dict[Job, None] = {}  # in admission order: the last is the youngest
         self.waiting_tokens = 0  # their queued tokens
 
-    def drop(self, job: Job, tokens: int) -> None:
-        """``tokens`` of the job's queued tokens leave the queue (taken or abandoned)."""
+    def drop(self, job: Job, tokens: int, stop_waiting: bool) -> None:
+        """``tokens`` of the job's queued tokens leave the queue; with ``stop_waiting`` the job waits
+        no more (one of its items was taken into a batch, or it was closed)."""
+        if job in self.waiting:
+            if stop_waiting:
+                self.waiting_tokens -= job.queued_tokens
+                del self.waiting[job]
+            else:
+                self.waiting_tokens -= tokens
         job.queued_tokens -= tokens
         self.tokens -= tokens
-        if job in self.waiting:
-            self.waiting_tokens -= tokens
-
-    def start(self, job: Job) -> None:
-        """One of the job's items was taken into a batch: it waits no more."""
-        if job in self.waiting:
-            self.waiting_tokens -= job.queued_tokens
-            del self.waiting[job]
 
 
 class BucketQueue:
@@ -122,9 +124,7 @@ class BucketQueue:
 
     def forget(self, job: Job) -> None:
         """A closed job's chunks no longer count towards the backlog."""
-        queue = self._classes[job.priority]
-        queue.drop(job, job.queued_tokens)
-        queue.waiting.pop(job, None)
+        self._classes[job.priority].drop(job, job.queued_tokens, stop_waiting=True)
 
     def items(self, bucket: int, priority: Priority | None = None) -> int:
         """Items queued in the bucket: of one class, or of every class."""
@@ -134,12 +134,11 @@ class BucketQueue:
 
     def oldest(self, bucket: int, priority: Priority | None = None) -> float | None:
         """When the bucket's oldest chunk (of one class, or of any) arrived; None if there is none."""
-        arrivals = [
-            chunks[0].enqueued
-            for p, queue in self._classes.items()
-            if (chunks := queue.chunks[bucket]) and priority in (None, p)
-        ]
-        return min(arrivals, default=None)
+        if priority is not None:
+            chunks = self._classes[priority].chunks[bucket]
+            return chunks[0].enqueued if chunks else None
+        arrivals = [t for p in Priority if (t := self.oldest(bucket, p)) is not None]
+        return min(arrivals) if arrivals else None
 
     def take(
         self, bucket: int, n: int, now: float, first: Priority = Priority.INTERACTIVE
@@ -150,7 +149,7 @@ class BucketQueue:
         taken: list[Chunk] = []
         expired: list[Job] = []
         want = n
-        for priority in sorted(Priority, key=lambda p: p is not first):
+        for priority in _FIRST[first]:
             want = self._take(self._classes[priority], bucket, want, now, taken, expired)
         return taken, expired
 
@@ -167,9 +166,8 @@ class BucketQueue:
                 chunks.appendleft(rest)
                 queue.items[bucket] += rest.items
             # A closed job that was forgotten has nothing left to subtract.
-            queue.drop(chunk.job, min(chunk.items * self.bucket_lengths[bucket], chunk.job.queued_tokens))
+            queue.drop(chunk.job, min(chunk.items * self.bucket_lengths[bucket], chunk.job.queued_tokens), live)
             if live:
-                queue.start(chunk.job)
                 taken.append(chunk)
                 want -= chunk.items
             elif not chunk.job.closed and chunk.job not in expired:

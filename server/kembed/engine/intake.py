@@ -25,7 +25,7 @@ from kembed.engine.work import Chunk, Job
 from kembed.errors import EmbedError, Failure
 from kembed.inputs import Sequences
 from kembed.metrics import EngineMetrics
-from kembed.priority import Priority
+from kembed.priority import BY_VALUE, Priority
 from kembed.protocol import Work
 from kembed.shapes import bucket_of
 
@@ -54,7 +54,7 @@ class Intake:
 
     def accept(self, link: int, work: Work) -> None:
         for seconds, priority in zip(work.latencies.tolist(), work.sample_priorities.tolist(), strict=True):
-            self._admission.load.add_latency(seconds, Priority(priority))
+            self._admission.load.add_latency(seconds, BY_VALUE[priority])
         for tag in work.cancels.tolist():
             self._jobs.cancel(link, tag)
         if work.tags.size:
@@ -68,7 +68,7 @@ class Intake:
             part.tolist() for part in (work.tags, work.deadlines, work.counts, work.costs, work.priorities)
         )
         for i in sorted(range(len(tags)), key=priorities.__getitem__):  # interactive first, in order
-            priority, cost = Priority(priorities[i]), costs[i]
+            priority, cost = BY_VALUE[priorities[i]], costs[i]
             rejection = self._admission.admit(cost, backlog, priority)
             if rejection is not None:
                 self._metrics.rejected.labels(reason=rejection.reason, priority=priority.label).inc()

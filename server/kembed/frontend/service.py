@@ -30,7 +30,7 @@ from kembed.frontend.pushback import ConnectionPushback, HeldCalls
 from kembed.frontend.screen import Screen
 from kembed.inputs import InputError, Sequences, Tokenizer
 from kembed.metrics import FrontendMetrics
-from kembed.priority import Priority
+from kembed.priority import BY_VALUE, Priority
 from kembed.protocol import ServingInfo
 from kembed.shapes import padded_lengths
 from kembed.v1 import embedder_pb2 as pb
@@ -176,7 +176,7 @@ class EmbedService:
         self, request: pb.EmbedRequest, arrival: float, deadline: float, connection: str
     ) -> pb.EmbedResponse:
         self._validate(request)
-        priority = Priority(request.priority)
+        priority = BY_VALUE[request.priority]
         least_cost = self._least_cost(request)
         if self._pushback.must_wait((connection, priority)):
             self._metrics.pushback_waits.inc()
@@ -199,7 +199,7 @@ class EmbedService:
         await self._wait(tag, pending, deadline)
         done = self._clock()
         self._link.add_latency(done - arrival, priority)
-        self._metrics.request_duration.labels(priority=priority.label).observe(done - arrival)
+        self._metrics.request_durations[priority].observe(done - arrival)
         return self._response(request, seqs, pending, tokenized - arrival, arrival, done)
 
     def _validate(self, request: pb.EmbedRequest) -> None:
