@@ -85,7 +85,9 @@ class Board:
 
 
 _FRONTENDS_AT = len(Cell) + len(ClassCell) * len(Priority)
+# Every class cell's index, computed once: the engine writes them after each frame and batch.
+_CLASS_AT = {(p, c): len(Cell) + len(ClassCell) * p + c for p in Priority for c in ClassCell}
 
 
 def _class_at(priority: Priority, cell: ClassCell) -> int:
-    return len(Cell) + len(ClassCell) * priority + cell
+    return _CLASS_AT[priority, cell]
