@@ -446,11 +446,7 @@ def run(opts: Options) -> dict[str, Any]:
         result["retry_storm"] = retry_storm(opts, wl.texts)
     if "serve" in opts.parts:
         result["serve"] = serve(opts, wl.texts)
-    rows = headline.hostpath_ratios(result)
-    result["ratios"] = [{"name": r.name, "value": r.value.to_dict(), "target": r.target, "met": r.met()} for r in rows]
-    result["workload"] = wl.describe()
-    machine.write_result(opts.name, result)
-    print(headline.ratio_table(rows))
+    machine.write_judged(opts.name, result, headline.hostpath_ratios(result), wl.describe())
     return result
 
 

@@ -20,6 +20,7 @@ from typing import Any
 import torch
 
 from bench import RESULTS_DIR
+from bench.headline import Ratio, ratio_table
 
 
 def _cpu_model() -> str:
@@ -109,6 +110,14 @@ def write_result(name: str, result: dict[str, Any]) -> Path:
     path.write_text(json.dumps({"machine": describe(), **result}, indent=2, default=str) + "\n")
     print(f"wrote {path}")
     return path
+
+
+def write_judged(name: str, result: dict[str, Any], rows: list[Ratio], workload: dict[str, Any]) -> None:
+    """A benchmark's result with its judged ratios and its workload, written; the ratios printed."""
+    result["ratios"] = [{"name": r.name, "value": r.value.to_dict(), "target": r.target, "met": r.met()} for r in rows]
+    result["workload"] = workload
+    write_result(name, result)
+    print(ratio_table(rows))
 
 
 def read_result(name: str) -> dict[str, Any] | None:

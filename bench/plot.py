@@ -106,30 +106,23 @@ def hostpath_text(hostpath: dict[str, Any] | None) -> str:
     """The host path against the bare gRPC echo (``bench.hostpath``), or why there is none."""
     if not hostpath:
         return "Host path: not run (no results/hostpath.json; `python -m bench.hostpath`)."
-    m = hostpath["machine"]
-    return "\n\n".join(
-        [
-            f"Host path against a bare gRPC echo, side by side in one run at {m['time_utc']} "
-            f"(load {m['loadavg_1_5_15'][0]}, git {m['git']}):",
-            headline.ratio_table(headline.hostpath_ratios(hostpath)),
-            headline.hostpath_table(hostpath),
-        ]
-    )
+    rows, table = headline.hostpath_ratios(hostpath), headline.hostpath_table(hostpath)
+    return _judged("Host path against a bare gRPC echo, side by side", hostpath, rows, table)
 
 
 def priority_text(priority: dict[str, Any] | None) -> str:
     """Queries beside an ingest (``bench.priority``), or why there is none."""
     if not priority:
         return "Priority classes: not run (no results/priority.json; `python -m bench.priority`)."
-    m = priority["machine"]
-    return "\n\n".join(
-        [
-            f"Queries beside an ingest, one server, in one run at {m['time_utc']} "
-            f"(load {m['loadavg_1_5_15'][0]}, git {m['git']}):",
-            headline.ratio_table(headline.priority_ratios(priority)),
-            headline.priority_table(priority),
-        ]
-    )
+    rows, table = headline.priority_ratios(priority), headline.priority_table(priority)
+    return _judged("Queries beside an ingest, one server,", priority, rows, table)
+
+
+def _judged(what: str, result: dict[str, Any], rows: list[headline.Ratio], table: str) -> str:
+    """A result's heading (when, under what load, which commit), its ratios and its table."""
+    m = result["machine"]
+    heading = f"{what} in one run at {m['time_utc']} (load {m['loadavg_1_5_15'][0]}, git {m['git']}):"
+    return "\n\n".join([heading, headline.ratio_table(rows), table])
 
 
 def markdown(

@@ -190,11 +190,7 @@ def run(opts: Options) -> dict[str, Any]:
     with running({"frontends": "auto"}, RESULTS_DIR / "priority.log", module="kembed") as server:
         result["loads"] = Loads(server, opts, wl.texts, queries).run()
     result["loadavg_at_end"] = [round(x, 2) for x in os.getloadavg()]
-    rows = headline.priority_ratios(result)
-    result["ratios"] = [{"name": r.name, "value": r.value.to_dict(), "target": r.target, "met": r.met()} for r in rows]
-    result["workload"] = wl.describe()
-    machine.write_result(opts.name, result)
-    print(headline.ratio_table(rows))
+    machine.write_judged(opts.name, result, headline.priority_ratios(result), wl.describe())
     return result
 
 
