@@ -196,7 +196,7 @@ def run(opts: Options) -> dict[str, Any]:
 
 def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--concurrency", type=int, default=16, help="closed-loop ingest callers")
+    parser.add_argument("--concurrency", type=int, default=24, help="closed-loop ingest callers")
     parser.add_argument("--texts", type=int, default=16, help="workload texts per ingest call")
     parser.add_argument("--share", type=float, default=0.1, help="query calls/s over saturation's emb/s")
     parser.add_argument("--starve-concurrency", type=int, default=64, help="closed-loop query callers (starved)")
