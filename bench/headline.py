@@ -372,9 +372,12 @@ def _refused(side: dict[str, Any]) -> float:
 
 
 def priority_table(result: dict[str, Any]) -> str:
-    """Every load of a ``priority.json``, each side's figures and the server's."""
+    """Every load of a ``priority.json``, each side's figures, and the server's once per load: its
+    batches' mean compute time and its rejections by class (the class, not the side: in the
+    one-class load both sides are interactive)."""
     s = result["settings"]
-    columns = ["Load", "Side", "Calls", "emb/s", "p50 / p95 / p99 ms", "Codes", "Batch compute ms", "Rejections"]
+    columns = ["Load", "Side", "Calls", "emb/s", "p50 / p95 / p99 ms", "Codes", "Batch compute ms"]
+    columns.append("Server rejections by class")
     lines = ["| " + " | ".join(columns) + " |", "| --- " * len(columns) + "|"]
     describe = {
         "batch": f"ingest, {s['concurrency']} closed-loop callers x {s['texts']} texts",
@@ -383,19 +386,25 @@ def priority_table(result: dict[str, Any]) -> str:
     for name, load in result["loads"].items():
         if not isinstance(load, dict):
             continue
-        server = load["server"]
+        server = f"| {load['server']['batch_seconds'] * 1000:.0f} | {_by_class(load['server']['rejections'])} |"
         for side_name, side in ((k, v) for k, v in load.items() if k in describe):
             label = describe[side_name]
             if name == "starved":
                 label = "ingest, 1 caller" if side_name == "batch" else f"queries, {s['starve_concurrency']} callers"
             lat = side["latency_ms"]
             codes = ", ".join(f"{code} {n}" for code, n in sorted(side["codes"].items()))
-            rejections = ", ".join(
-                f"{reason} {n:.0f}" for reason, n in server["rejections"].get(side_name, {}).items() if n
-            )
             lines.append(
                 f"| {name} | {label} | {side['calls']} | {_fmt(Spread.from_dict(side['emb_per_s']))} "
-                f"| {_ms(lat['p50'])} / {_ms(lat['p95'])} / {_ms(lat['p99'])} | {codes} "
-                f"| {server['batch_seconds'] * 1000:.0f} | {rejections or '—'} |"
+                f"| {_ms(lat['p50'])} / {_ms(lat['p95'])} / {_ms(lat['p99'])} | {codes} {server}"
             )
+            server = "| | |"  # once per load
     return "\n".join(lines)
+
+
+def _by_class(rejections: dict[str, dict[str, float]]) -> str:
+    counted = [
+        f"{priority}: " + ", ".join(f"{reason} {n:.0f}" for reason, n in reasons.items() if n)
+        for priority, reasons in rejections.items()
+        if any(reasons.values())
+    ]
+    return "; ".join(counted) or "—"
