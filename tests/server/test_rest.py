@@ -145,6 +145,7 @@ BAD_BODIES: dict[str, tuple[Body, int, str | None]] = {
     "dimensions zero": ({"input": "x", "dimensions": 0}, 400, "dimensions"),
     "too many dimensions": ({"input": "x", "dimensions": 385}, 400, "dimensions"),
     "truncate not a flag": ({"input": "x", "truncate": "yes"}, 400, "truncate"),
+    "unknown priority": ({"input": "x", "priority": 1}, 400, "priority"),
     "unknown model": ({"input": "x", "model": "gpt-4"}, 404, "model"),
     "body over the limit": (json.dumps({"input": "x" * (MAX_MESSAGE + 10)}).encode(), 413, None),
 }
@@ -164,6 +165,14 @@ def test_bad_input_is_refused_alone_in_openai_shape(server: ServerProcess, clien
             assert error["message"].startswith(param), error
         for future in good:
             assert vectors(future.result(timeout=60)).shape == (4, 384)
+
+
+def test_a_batch_call_is_counted_in_its_class(server: ServerProcess):
+    batch = 'kembed_request_duration_seconds_count{priority="batch"}'
+    before = server.metric(batch)
+    status, body, _ = post(server, {"input": ["an ingest passage"] * 3, "priority": "batch"})
+    assert status == 200 and len(body["data"]) == 3
+    wait_until(lambda: server.metric(batch) == before + 1, 60, "the batch class counted")
 
 
 def test_over_long_input_is_truncated_when_asked(server: ServerProcess):

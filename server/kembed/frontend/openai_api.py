@@ -24,6 +24,7 @@ from kembed.errors import EmbedError, Failure
 from kembed.v1 import embedder_pb2 as pb
 
 ENCODINGS = ("float", "base64")
+PRIORITIES: dict[str, pb.Priority] = {"interactive": pb.PRIORITY_INTERACTIVE, "batch": pb.PRIORITY_BATCH}
 MAX_TOKEN_ID = 2**31 - 1  # ids travel as int32
 INPUT_SHAPES = "a string, an array of strings, an array of token ids, or an array of arrays of token ids"
 _FIELD = re.compile(r"^(texts|tokens\.ids|tokens\.lengths|texts, tokens)(?:\[(\d+)\])?: ")
@@ -79,7 +80,7 @@ def parse(body: bytes, served: tuple[str, ...]) -> Call:
     encoding = data.get("encoding_format") or "float"
     if encoding not in ENCODINGS:
         raise invalid(f"encoding_format: {encoding!r} is not one of {', '.join(ENCODINGS)}", "encoding_format")
-    request = pb.EmbedRequest(truncate=_flag(data, "truncate"))
+    request = pb.EmbedRequest(truncate=_flag(data, "truncate"), priority=_priority(data))
     dimensions = data.get("dimensions")
     if dimensions is not None:
         if not _is_int(dimensions) or dimensions < 1:
@@ -184,6 +185,14 @@ def _put_tokens(request: pb.EmbedRequest, sequences: list[list[Any]]) -> tuple[i
     request.tokens.ids = ids.astype("<i4").tobytes()
     request.tokens.lengths.extend(lengths)
     return lengths
+
+
+def _priority(data: dict[str, Any]) -> pb.Priority:
+    """kembed's extension ``priority``: ``interactive`` (the default: queries) or ``batch`` (ingest)."""
+    value = data.get("priority", "interactive")
+    if not isinstance(value, str) or value not in PRIORITIES:
+        raise invalid(f"priority: {value!r} is not one of {', '.join(PRIORITIES)}", "priority")
+    return PRIORITIES[value]
 
 
 def _flag(data: dict[str, Any], name: str) -> bool:
