@@ -148,6 +148,11 @@ def rss_bytes(pid: int) -> int:
     raise AssertionError(f"no VmRSS for {pid}")
 
 
+def all_decided(server: ServerProcess, futures: list[grpc.Future]) -> bool:
+    """Every call answered (refused: the engine is held) or admitted into the engine."""
+    return sum(f.done() for f in futures) + server.health()["open_requests"] == len(futures)
+
+
 def _socket_inodes(pid: int) -> set[str]:
     inodes = set()
     for fd in Path(f"/proc/{pid}/fd").iterdir():

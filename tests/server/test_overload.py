@@ -16,7 +16,7 @@ from kembed.contract import RETRY_PUSHBACK_KEY
 from kembed.frontend.pushback import REFUSALS_AT_ONCE
 from kembed.v1 import embedder_pb2 as pb
 from kembed.v1 import embedder_pb2_grpc as pb_grpc
-from tests.server.serving import ServerProcess, wait_until
+from tests.server.serving import ServerProcess, all_decided, wait_until
 
 MAX_QUEUED = 16_384
 MAX_DRAIN_MS = 1000  # a few requests fit in the drain budget, whatever this machine's speed
@@ -35,11 +35,6 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
     )
     yield running.wait_ready()
     running.stop()
-
-
-def all_decided(server: ServerProcess, futures: list[grpc.Future]) -> bool:
-    """Every call answered (refused: the engine is held) or admitted into the engine."""
-    return sum(f.done() for f in futures) + server.health()["open_requests"] == len(futures)
 
 
 def test_refusals_do_not_wait_for_the_engine_and_everything_accepted_is_answered(server: ServerProcess):

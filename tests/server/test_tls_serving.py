@@ -18,6 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 import grpc
+import numpy as np
 import pytest
 from cryptography import x509
 
@@ -145,6 +146,20 @@ def test_the_cli_speaks_mtls(mtls_server: ServerProcess, pki: Pki) -> None:
     )
     assert result.returncode == 0, result.stderr
     assert "1 x 384" in result.stdout
+
+
+def test_the_corpus_command_speaks_mtls(mtls_server: ServerProcess, pki: Pki, tmp_path: Path) -> None:
+    cert, key = pki.client_files()
+    corpus, output = tmp_path / "corpus.txt", tmp_path / "vectors.npy"
+    corpus.write_text("one\ntwo over mTLS\nthree\n")
+    tls_args = ["--ca-file", pki.ca_file, "--cert-file", cert, "--key-file", key]
+    flags = ["--input", str(corpus), "--output", str(output), "--no-progress"]
+    command = [sys.executable, "-m", "kembed.client", "embed", "--target", mtls_server.target, *tls_args, *flags]
+    result = subprocess.run(command, capture_output=True, text=True, timeout=120)
+    assert result.returncode == 0, result.stderr
+    with EmbedClient(mtls_server.target, ca_file=pki.ca_file, cert_file=cert, key_file=key) as client:
+        expected = client.embed(["one", "two over mTLS", "three"], truncate=True)
+    np.testing.assert_allclose(np.load(output), expected, atol=1e-5)
 
 
 def test_rotation_switches_the_certificate_while_a_call_completes(server: ServerProcess, pki: Pki) -> None:

@@ -1,0 +1,291 @@
+"""``python -m kembed.client embed`` end to end: the command as a subprocess against real servers
+with the real model. Its rows must be EmbedClient.embed's vectors, in input order, whatever the
+server does meanwhile: refuse (admission, with the engine held), cut the stream (its connection's
+age), or be interrupted and resumed. How many requests a run sent is read off the server's
+``kembed_requests_total``, so a resumed run is shown to embed only what was missing."""
+
+from __future__ import annotations
+
+import json
+import math
+import re
+import signal
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import grpc
+import numpy as np
+import pytest
+
+from kembed.client import EmbedClient
+from kembed.v1 import embedder_pb2 as pb
+from kembed.v1 import embedder_pb2_grpc as pb_grpc
+from tests.server.serving import ServerProcess, all_decided, wait_until
+
+pytestmark = pytest.mark.slow
+
+DIMS = 384
+HEADER = 128  # bytes before the rows in the .npy files the command writes
+NO_DEADLINE_MS = 600_000  # a slow machine must not turn a test's requests into DEADLINE_EXCEEDED retries
+OK_REQUESTS = 'kembed_requests_total{api="grpc",code="OK"}'
+REFUSED_REQUESTS = 'kembed_requests_total{api="grpc",code="RESOURCE_EXHAUSTED"}'
+WORDS = ["pods", "nodes", "queue", "token", "vector", "batch", "model", "drain", "budget", "replica", "shard"]
+
+
+def corpus(lines: int) -> list[str]:
+    """Varied texts: short and long (one past the model's limit: cut by default), empty, non-ASCII."""
+    texts = [f"line {i}: " + " ".join(WORDS[(i * 7 + k) % len(WORDS)] for k in range(1 + i % 11)) for i in range(lines)]
+    texts[3] = ""
+    texts[5] = "naïve café, 東京, emoji 🚀\ttab"
+    texts[11] = "a long document about embeddings " * 60
+    return texts
+
+
+TEXTS = corpus(300)
+
+
+def write_lines(path: Path, texts: list[str]) -> Path:
+    path.write_text("".join(f"{text}\n" for text in texts), encoding="utf-8")
+    return path
+
+
+def embed_command(server: ServerProcess, *flags: str) -> list[str]:
+    return [sys.executable, "-m", "kembed.client", "embed", "--target", server.target, *flags]
+
+
+def run_embed(server: ServerProcess, *flags: str, stdin: Path | None = None) -> subprocess.CompletedProcess[str]:
+    with (stdin or Path("/dev/null")).open("rb") as source:
+        return subprocess.run(embed_command(server, *flags), stdin=source, capture_output=True, text=True, timeout=600)
+
+
+def summary_count(stdout: str, what: str) -> int:
+    found = re.search(rf"(\d+) {what}", stdout)
+    assert found, stdout
+    return int(found.group(1))
+
+
+def assert_same_vectors(rows: np.ndarray, reference: np.ndarray) -> None:
+    assert rows.shape == reference.shape and rows.dtype == np.float32
+    cosines = np.sum(rows * reference, axis=1) / np.linalg.norm(rows, axis=1) / np.linalg.norm(reference, axis=1)
+    assert cosines.min() >= 0.9999, (cosines.argmin(), cosines.min())
+
+
+def read_jsonl(path: Path) -> np.ndarray:
+    records = [json.loads(line) for line in path.read_text().splitlines()]
+    assert [record["index"] for record in records] == list(range(len(records)))  # in input order
+    return np.asarray([record["embedding"] for record in records], dtype=np.float32)
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
+    # No admission: request counts must be exact (the refusing server is below).
+    log = tmp_path_factory.mktemp("bulk") / "server.log"
+    running = ServerProcess(log, admission="", default_timeout_ms=NO_DEADLINE_MS)
+    yield running.wait_ready()
+    running.stop()
+
+
+@pytest.fixture(scope="module")
+def reference(server: ServerProcess) -> np.ndarray:
+    with EmbedClient(server.target, timeout_s=600) as client:
+        return np.concatenate([client.embed(TEXTS[i : i + 50], truncate=True) for i in range(0, len(TEXTS), 50)])
+
+
+def test_a_corpus_file_to_npy_gives_embed_clients_vectors_in_order(
+    server: ServerProcess, reference: np.ndarray, tmp_path: Path
+):
+    source = write_lines(tmp_path / "corpus.txt", TEXTS)
+    output = tmp_path / "vectors.npy"
+    result = run_embed(server, "--input", str(source), "--output", str(output), "--batch-texts", "16")
+    assert result.returncode == 0, result.stderr
+    assert_same_vectors(np.load(output), reference)
+    assert summary_count(result.stdout, "embedded") == len(TEXTS)
+    assert "texts/s" in result.stderr  # the progress bar
+
+
+def test_jsonl_from_stdin_to_jsonl_with_fewer_dimensions(server: ServerProcess, reference: np.ndarray, tmp_path: Path):
+    source = tmp_path / "corpus.jsonl"
+    source.write_text("".join(json.dumps({"id": i, "body": text}) + "\n" for i, text in enumerate(TEXTS)))
+    output = tmp_path / "vectors.jsonl"
+    flags = ["--input", "-", "--jsonl-field", "body", "--output", str(output), "--dimensions", "128", "--no-progress"]
+    result = run_embed(server, *flags, stdin=source)
+    assert result.returncode == 0, result.stderr
+    assert result.stderr == ""  # no bar asked for
+    short = reference[:, :128] / np.linalg.norm(reference[:, :128], axis=1, keepdims=True)  # Matryoshka, renormalised
+    assert_same_vectors(read_jsonl(output), short)
+
+
+def test_a_corpus_to_parquet(server: ServerProcess, reference: np.ndarray, tmp_path: Path):
+    pq = pytest.importorskip("pyarrow.parquet")
+    output = tmp_path / "vectors.parquet"
+    result = run_embed(server, "--input", str(write_lines(tmp_path / "corpus.txt", TEXTS)), "--output", str(output))
+    assert result.returncode == 0, result.stderr
+    column = pq.read_table(output).column("embedding").combine_chunks()
+    assert_same_vectors(column.flatten().to_numpy().reshape(-1, DIMS), reference)
+
+
+def test_a_rerun_with_a_longer_input_embeds_only_the_new_texts(
+    server: ServerProcess, reference: np.ndarray, tmp_path: Path
+):
+    output = tmp_path / "vectors.npy"
+    flags = ["--output", str(output), "--batch-texts", "32", "--no-progress"]
+    first = run_embed(server, "--input", str(write_lines(tmp_path / "half.txt", TEXTS[:150])), *flags)
+    assert first.returncode == 0, first.stderr
+    first_half = output.read_bytes()
+    full = str(write_lines(tmp_path / "full.txt", TEXTS))
+
+    before = server.metric(OK_REQUESTS)
+    second = run_embed(server, "--input", full, *flags)
+    assert second.returncode == 0, second.stderr
+    assert server.metric(OK_REQUESTS) - before == math.ceil(150 / 32)  # only the second half's requests
+    assert (summary_count(second.stdout, "embedded"), summary_count(second.stdout, "already there")) == (150, 150)
+    assert output.read_bytes()[HEADER:].startswith(first_half[HEADER:])  # the first half untouched
+    assert_same_vectors(np.load(output), reference)
+
+    before = server.metric(OK_REQUESTS)
+    again = run_embed(server, "--input", full, *flags)
+    assert again.returncode == 0, again.stderr
+    assert server.metric(OK_REQUESTS) == before  # nothing left to embed
+    assert_same_vectors(np.load(output), reference)
+
+
+@pytest.mark.parametrize("stop", [signal.SIGINT, signal.SIGTERM])
+def test_an_interrupted_run_keeps_its_rows_and_the_same_command_goes_on(
+    server: ServerProcess, reference: np.ndarray, tmp_path: Path, stop: signal.Signals
+):
+    output = tmp_path / "vectors.npy"
+    flags = ["--output", str(output), "--batch-texts", "32", "--no-progress"]
+    # 100 lines down a pipe that stays open: three full batches go, the fourth waits for line 101.
+    command = embed_command(server, "--input", "-", *flags)
+    process = subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    assert process.stdin is not None
+    process.stdin.write("".join(f"{text}\n" for text in TEXTS[:100]).encode())
+    process.stdin.flush()
+    wait_until(lambda: output.exists() and output.stat().st_size >= HEADER + 96 * DIMS * 4, 300, "96 rows written")
+    process.send_signal(stop)
+    assert process.wait(timeout=60) == 130  # with its input still open: nothing waits for the read
+    _, stderr = process.communicate()
+    assert b"interrupted" in stderr
+    assert np.load(output).shape == (96, DIMS)  # committed on the way out
+
+    before = server.metric(OK_REQUESTS)
+    rest = run_embed(server, "--input", str(write_lines(tmp_path / "corpus.txt", TEXTS)), *flags)
+    assert rest.returncode == 0, rest.stderr
+    assert server.metric(OK_REQUESTS) - before == math.ceil((300 - 96) / 32)
+    assert_same_vectors(np.load(output), reference)
+
+
+def test_a_text_the_server_refuses_fails_the_job_naming_its_line(server: ServerProcess, tmp_path: Path):
+    texts = [f"short text {i}" for i in range(64)]
+    texts[39] = "word " * 400  # line 40: too long, and --no-truncate
+    output = tmp_path / "vectors.npy"
+    flags = ["--output", str(output), "--batch-texts", "8", "--in-flight", "1", "--no-truncate", "--no-progress"]
+    result = run_embed(server, "--input", str(write_lines(tmp_path / "corpus.txt", texts)), *flags)
+    assert result.returncode == 1
+    assert result.stderr.startswith("kembed embed: input line 40: INVALID_ARGUMENT: texts[7]"), result.stderr
+    assert np.load(output).shape == (32, DIMS)  # the batches before it, kept
+
+
+def test_bad_arguments_fail_before_writing(server: ServerProcess, tmp_path: Path):
+    source = write_lines(tmp_path / "corpus.txt", TEXTS[:3])
+    output = tmp_path / "vectors.npy"
+    result = run_embed(server, "--input", str(source), "--output", str(output), "--dimensions", "999")
+    assert (result.returncode, result.stderr) == (1, "kembed embed: --dimensions: 999 exceeds the model's 384\n")
+    assert not output.exists()
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"text": "fine"}\n{"text": 3}\n')
+    result = run_embed(server, "--input", str(bad), "--output", str(output), "--no-progress")
+    assert result.returncode == 1
+    assert result.stderr == "kembed embed: input line 2: field 'text' is not a string: 3\n"
+    assert np.load(output).shape == (1, DIMS)  # the line before it
+
+
+def test_the_one_shot_form_is_unchanged(server: ServerProcess):
+    result = subprocess.run(
+        [sys.executable, "-m", "kembed.client", "--target", server.target, "embed", "hello world"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    assert result.returncode == 0, result.stderr
+    lines = result.stdout.splitlines()
+    assert lines[0].startswith("model sentence-transformers/all-MiniLM-L6-v2: 2 x 384 in ")
+    assert lines[1].startswith("'embed'") and lines[2].startswith("'hello world'")
+
+
+# --- a server that refuses, a stream that breaks ------------------------------------------------
+
+REQUEST = pb.EmbedRequest(texts=["Admission control rejects early instead of queueing into timeouts."] * 8)
+
+
+@pytest.fixture(scope="module")
+def refusing_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
+    """Admission on, with a small drain budget (test_overload's), and an engine the test can hold."""
+    log = tmp_path_factory.mktemp("bulk-refusing") / "server.log"
+    running = ServerProcess(
+        log, held=True, max_drain_ms=1000, max_queued_tokens=16_384, default_timeout_ms=NO_DEADLINE_MS
+    )
+    yield running.wait_ready()
+    running.stop()
+
+
+def test_refused_requests_are_retried_after_their_pushback_and_every_row_lands_in_order(
+    refusing_server: ServerProcess, reference: np.ndarray, tmp_path: Path
+):
+    server = refusing_server
+    output = tmp_path / "vectors.jsonl"
+    command = embed_command(server, "--input", "-", "--output", str(output), "--batch-texts", "8", "--in-flight", "4")
+    process = subprocess.Popen(command, stdin=subprocess.PIPE, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    assert process.stdin is not None
+    # Held only from here: the command is connected and waits for its input. (A batch held long
+    # enters the server's service rate as one very slow batch; see the report on admission.)
+    wait_until(lambda: output.exists(), 120, "the command connected")
+    with grpc.insecure_channel(server.target) as channel, server.engine:
+        stub = pb_grpc.EmbedderStub(channel)
+        backlog = [stub.Embed.future(REQUEST, timeout=600) for _ in range(40)]  # more than the budget holds
+        wait_until(lambda: all_decided(server, backlog), 120, "a backlog")
+        refused = server.metric(REFUSED_REQUESTS)
+        process.stdin.write("".join(f"{text}\n" for text in TEXTS[:100]).encode())
+        process.stdin.flush()  # closed by communicate below
+        # The engine computes nothing until the command has been refused.
+        wait_until(lambda: server.metric(REFUSED_REQUESTS) > refused, 120, "the command refused")
+    stdout, stderr = process.communicate(timeout=600)
+    assert process.returncode == 0, stderr.decode()
+    assert summary_count(stdout.decode(), "retries") >= 1
+    assert_same_vectors(read_jsonl(output), reference[:100])
+
+
+@pytest.fixture(scope="module")
+def aging_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
+    """Connections closed a second after their age of a second: every stream longer than that breaks."""
+    log = tmp_path_factory.mktemp("bulk-aging") / "server.log"
+    running = ServerProcess(
+        log,
+        held=True,
+        admission="",
+        max_connection_age_ms=1000,
+        drain_timeout_s=1,  # the connection's grace after its age
+        default_timeout_ms=NO_DEADLINE_MS,
+    )
+    yield running.wait_ready()
+    running.stop()
+
+
+def test_a_broken_stream_is_opened_again_and_its_requests_resent(
+    aging_server: ServerProcess, reference: np.ndarray, tmp_path: Path
+):
+    server = aging_server
+    source = write_lines(tmp_path / "corpus.txt", TEXTS[:40])
+    output = tmp_path / "vectors.npy"
+    errors = tmp_path / "stderr.txt"
+    flags = ["--input", str(source), "--output", str(output), "--batch-texts", "8", "--in-flight", "2", "--no-progress"]
+    with errors.open("w") as stderr, server.engine:
+        process = subprocess.Popen(embed_command(server, *flags), stdout=subprocess.PIPE, stderr=stderr, text=True)
+        # Held, the requests stay on the stream until its connection is closed under them.
+        wait_until(lambda: "stream broke" in errors.read_text(), 120, "the stream broken")
+    stdout, _ = process.communicate(timeout=600)
+    assert process.returncode == 0, errors.read_text()
+    assert summary_count(stdout, "reconnects") >= 1
+    assert_same_vectors(np.load(output), reference[:40])
