@@ -75,7 +75,22 @@ def _sync(file: BinaryIO) -> None:
     os.fsync(file.fileno())
 
 
-class NpyWriter:
+class _AppendedFile:
+    """An output that is final once committed: one file, appended to."""
+
+    _file: BinaryIO
+
+    def commit(self) -> None:
+        raise NotImplementedError
+
+    def finish(self) -> None:
+        self.commit()
+
+    def close(self) -> None:
+        self._file.close()
+
+
+class NpyWriter(_AppendedFile):
     def __init__(self, path: Path, dimensions: int) -> None:
         self._path = path
         self._dimensions = dimensions
@@ -145,14 +160,8 @@ class NpyWriter:
         _sync(self._file)
         self._file.seek(end)
 
-    def finish(self) -> None:
-        self.commit()
 
-    def close(self) -> None:
-        self._file.close()
-
-
-class JsonlWriter:
+class JsonlWriter(_AppendedFile):
     def __init__(self, path: Path, dimensions: int) -> None:
         self._path = path
         self._dimensions = dimensions
@@ -203,12 +212,6 @@ class JsonlWriter:
             _sync(self._file)
             self.rows += self._pending
             self._pending = 0
-
-    def finish(self) -> None:
-        self.commit()
-
-    def close(self) -> None:
-        self._file.close()
 
 
 class ParquetWriter:
