@@ -16,7 +16,8 @@ prints shapes and timings.
 embeds a corpus (the work is in :mod:`kembed.bulk`): one text per line, or JSONL with
 ``--jsonl-field NAME``; rows in input order; ``--batch-texts`` (32) texts a request over one
 EmbedStream, ``--in-flight`` (8) requests' worth of texts outstanding; ``truncate`` on unless
-``--no-truncate`` (a corpus has documents longer than the model's limit); refusals retried after
+``--no-truncate`` (a corpus has documents longer than the model's limit); ``--priority batch``
+unless told ``interactive`` (an ingest makes way for queries); refusals retried after
 their pushback; a progress bar with tqdm (``pip install 'kembed[client]'``). Run the same command
 again to go on after an interruption: the output holds its progress. ``embed`` as the first
 argument picks this form; ``python -m kembed.client -- embed`` embeds the word.
@@ -199,6 +200,7 @@ def embed_main(argv: list[str]) -> int:
     from kembed.bulk import BulkError
     from kembed.bulk.job import Interrupted, Job, run
     from kembed.bulk.outputs import FORMATS
+    from kembed.priority import Priority
 
     parser = argparse.ArgumentParser(
         prog="python -m kembed.client embed",
@@ -221,6 +223,12 @@ def embed_main(argv: list[str]) -> int:
         help="cut texts longer than the model's limit (default); --no-truncate: such a text fails the job",
     )
     parser.add_argument(
+        "--priority",
+        choices=[priority.label for priority in Priority],
+        default=Priority.BATCH.label,
+        help="the requests' class (default batch: an ingest, which queries go ahead of)",
+    )
+    parser.add_argument(
         "--give-up-after",
         type=_at_least(float, 0.0),
         default=300.0,
@@ -241,6 +249,7 @@ def embed_main(argv: list[str]) -> int:
         in_flight=args.in_flight,
         dimensions=args.dimensions,
         truncate=args.truncate,
+        priority=Priority[args.priority.upper()],
         give_up_after_s=args.give_up_after,
         progress=args.progress,
         ca_file=args.ca_file,

@@ -18,6 +18,8 @@ from kembed.bulk.job import Bar
 from kembed.bulk.outputs import ParquetWriter, Writer, format_of, open_writer
 from kembed.bulk.stream import BACKOFF_S, MAX_BACKOFF_S, InOrder, Pacing, Request, RequestSize, embed_request
 from kembed.client import main
+from kembed.priority import Priority
+from kembed.v1 import embedder_pb2 as pb
 
 DIMS = 4
 
@@ -373,6 +375,9 @@ def test_the_request_carries_the_job_settings_and_the_rows_it_is_for():
     request = embed_request(Batch(64, ["a", "b"]), Request(dimensions=128, truncate=True))
     assert list(request.texts) == ["a", "b"]
     assert (request.dimensions, request.truncate, request.request_id) == (128, True, "64")
+    assert request.priority == pb.PRIORITY_BATCH  # an ingest, unless told otherwise
+    asked = embed_request(Batch(0, ["a"]), Request(dimensions=0, truncate=False, priority=Priority.INTERACTIVE))
+    assert asked.priority == pb.PRIORITY_INTERACTIVE
     assert not request.HasField("normalize")  # the server's default: normalised
 
 
@@ -386,6 +391,7 @@ def test_the_request_carries_the_job_settings_and_the_rows_it_is_for():
         (["--in-flight", "x"], "argument --in-flight: invalid int value: 'x'"),
         (["--dimensions", "-1"], "argument --dimensions: must be at least 0, not -1"),
         (["--format", "csv"], "argument --format: invalid choice: 'csv'"),
+        (["--priority", "urgent"], "argument --priority: invalid choice: 'urgent'"),
     ],
 )
 def test_bad_flags_are_usage_errors(flags: list[str], message: str, capsys: pytest.CaptureFixture[str]):

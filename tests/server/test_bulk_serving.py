@@ -31,6 +31,7 @@ HEADER = 128  # bytes before the rows in the .npy files the command writes
 NO_DEADLINE_MS = 600_000  # a slow machine must not turn a test's requests into DEADLINE_EXCEEDED retries
 OK_REQUESTS = 'kembed_requests_total{api="grpc",code="OK"}'
 REFUSED_REQUESTS = 'kembed_requests_total{api="grpc",code="RESOURCE_EXHAUSTED"}'
+BATCH_ANSWERED = 'kembed_request_duration_seconds_count{priority="batch"}'
 WORDS = ["pods", "nodes", "queue", "token", "vector", "batch", "model", "drain", "budget", "replica", "shard"]
 
 
@@ -136,10 +137,11 @@ def test_a_rerun_with_a_longer_input_embeds_only_the_new_texts(
     first_half = output.read_bytes()
     full = str(write_lines(tmp_path / "full.txt", TEXTS))
 
-    before = server.metric(OK_REQUESTS)
+    before, batch_before = server.metric(OK_REQUESTS), server.metric(BATCH_ANSWERED)
     second = run_embed(server, "--input", full, *flags)
     assert second.returncode == 0, second.stderr
     assert server.metric(OK_REQUESTS) - before == math.ceil(150 / 32)  # only the second half's requests
+    assert server.metric(BATCH_ANSWERED) - batch_before == math.ceil(150 / 32)  # sent as batch work
     assert (summary_count(second.stdout, "embedded"), summary_count(second.stdout, "already there")) == (150, 150)
     assert output.read_bytes()[HEADER:].startswith(first_half[HEADER:])  # the first half untouched
     assert_same_vectors(np.load(output), reference)

@@ -17,6 +17,7 @@ from kembed.bulk.inputs import ThreadedBatches, batches, count_lines, texts
 from kembed.bulk.outputs import format_of, open_writer
 from kembed.bulk.stream import RECONNECT, Counts, Pacing, Request, StreamDriver
 from kembed.client import channel_options, tls_credentials
+from kembed.priority import Priority
 from kembed.v1 import embedder_pb2 as pb
 from kembed.v1 import embedder_pb2_grpc as pb_grpc
 
@@ -35,6 +36,7 @@ class Job:
     in_flight: int = 8
     dimensions: int = 0
     truncate: bool = True
+    priority: Priority = Priority.BATCH
     give_up_after_s: float = 300.0
     progress: bool = True
     ca_file: str | None = None
@@ -85,7 +87,7 @@ async def _embed(job: Job) -> Summary:
         skipped = writer.rows
         progress = Bar(total, skipped, job.progress)
         try:
-            request = Request(job.dimensions, job.truncate)
+            request = Request(job.dimensions, job.truncate, job.priority)
             driver = StreamDriver(stub, writer, request, dimensions, job.batch_texts, job.in_flight, pacing, progress)
             counts = await driver.run(ThreadedBatches(batches(texts(job.input, field), job.batch_texts, skipped)))
             writer.finish()

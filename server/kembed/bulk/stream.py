@@ -32,6 +32,7 @@ from kembed.bulk import BulkError
 from kembed.bulk.inputs import Batch, ThreadedBatches
 from kembed.bulk.outputs import Writer
 from kembed.client import decode
+from kembed.priority import Priority
 from kembed.v1 import embedder_pb2 as pb
 from kembed.v1 import embedder_pb2_grpc as pb_grpc
 
@@ -58,6 +59,7 @@ class Request:
 
     dimensions: int
     truncate: bool
+    priority: Priority = Priority.BATCH
 
 
 def embed_request(batch: Batch, request: Request) -> pb.EmbedRequest:
@@ -67,6 +69,7 @@ def embed_request(batch: Batch, request: Request) -> pb.EmbedRequest:
         dimensions=request.dimensions,
         truncate=request.truncate,
         request_id=str(batch.first),
+        priority=f"PRIORITY_{request.priority.name}",  # the proto's enum, by name
     )
 
 
