@@ -182,6 +182,8 @@ def gpu_table(gpu: dict[str, Any] | None) -> str:
 HOST_PATH_TARGET = ">= 0.50"  # one front end against a one-process echo
 REJECTION_TARGET = "<= 2.00"
 STORM_TARGET = ">= 0.90"
+REST_TARGET = ">= 0.80"  # REST's calls/s over gRPC's, one front end
+PEER_TARGET = ">= 2.00"  # kembed's REST calls/s over the peer's, the real model
 # The GPU targets of the serve part, judged only where the server ran on CUDA: texts a call -> target.
 SERVE_EMB_TARGETS = {1: ">= 15000", 16: ">= 25000"}
 SERVE_P95_MS_TARGETS = {1: "<= 100"}
@@ -194,7 +196,7 @@ def hostpath_ratios(result: dict[str, Any]) -> list[Ratio]:
     rows = []
     for pair in result.get("host_path", []):
         n, zero_cost, echo = pair["processes"], pair["zero_cost"], pair["echo"]
-        calls = Spread.from_dict(zero_cost["calls_per_s"]).over(Spread.from_dict(echo["calls_per_s"]))
+        calls = _calls(zero_cost).over(_calls(echo))
         rows.append(
             Ratio(
                 f"Host path, {n} process(es): zero-cost server / echo (calls/s)",
@@ -212,12 +214,33 @@ def hostpath_ratios(result: dict[str, Any]) -> list[Ratio]:
         rows.append(Ratio("Share of the rejected burst answered RESOURCE_EXHAUSTED", share, ">= 1.00"))
         if computing := rejection.get("computing"):
             rows += _burst_ratios("Rejections while the engine computes", computing, echo)
+    if rest := result.get("rest"):
+        rows += rest_ratios(rest)
     if storm := result.get("retry_storm"):
         goodput = Spread.from_dict(storm["storm"]["emb_per_s"]).over(Spread.from_dict(storm["saturation"]["emb_per_s"]))
         rows.append(Ratio(f"Goodput, {storm['multiple']:g}x retry storm / saturation (emb/s)", goodput, STORM_TARGET))
     if serve := result.get("serve"):
         rows += serve_ratios(serve)
     return rows
+
+
+def rest_ratios(rest: dict[str, Any]) -> list[Ratio]:
+    """REST against gRPC on the zero-cost server; kembed against the peer, where it ran."""
+    host, peer = rest["host_path"], rest["peer"]
+    name = "REST / gRPC, zero-cost server, 1 front end"
+    rows = [
+        Ratio(f"{name} (calls/s)", _calls(host["rest"]).over(_calls(host["grpc"])), REST_TARGET),
+        Ratio(f"{name}, server CPU per call", _exact(_cpu_ratio(host["rest"], host["grpc"])), ""),
+    ]
+    if "skipped" not in peer:
+        name = f"REST, real model: kembed / {peer['peer']}"
+        rows.append(Ratio(f"{name} (calls/s)", _calls(peer["kembed"]).over(_calls(peer["infinity"])), PEER_TARGET))
+        rows.append(Ratio(f"{name}, server CPU per call", _exact(_cpu_ratio(peer["kembed"], peer["infinity"])), ""))
+    return rows
+
+
+def _calls(phase: dict[str, Any]) -> Spread:
+    return Spread.from_dict(phase["calls_per_s"])
 
 
 def _burst_ratios(name: str, burst: dict[str, Any], echo: dict[str, Any]) -> list[Ratio]:
@@ -265,10 +288,10 @@ def hostpath_table(result: dict[str, Any]) -> str:
     columns = ["Part", "Server", "Load", "Figure", "Codes", "CPU cores: server / client", "Peak RSS MiB"]
     lines = ["| " + " | ".join(columns) + " |", "| --- " * len(columns) + "|"]
     for part, server, load, figure, p in _hostpath_phases(result):
-        codes = ", ".join(f"{code} {n}" for code, n in sorted(p["codes"].items()))
+        codes = ", ".join(f"{code} {n}" for code, n in sorted(p["codes"].items())) or "—"
         lines.append(
             f"| {part} | {server} | {load} | {figure} | {codes} | {_cores(p.get('cpu_cores'))} "
-            f"| {p['peak_rss_mib']:.0f} |"
+            f"| {_ms(p['peak_rss_mib'])} |"
         )
     return "\n".join(lines)
 
@@ -280,12 +303,9 @@ def _hostpath_phases(result: dict[str, Any]) -> list[tuple[str, str, str, str, d
     for pair in result.get("host_path", []):
         n = pair["processes"]
         for name, label in (("echo", "echo"), ("zero_cost", "zero-cost kembed")):
-            p = pair[name]
-            figure = (
-                f"{_fmt(Spread.from_dict(p['calls_per_s']))} calls/s, p99 {_ms(p['latency_ms']['p99'])} ms, "
-                f"{p['server_cpu_ms_per_call']:.2f} CPU ms/call"
-            )
-            rows.append(("host path", f"{label}, {n} proc", loop, figure, p))
+            rows.append(("host path", f"{label}, {n} proc", loop, _calls_figure(pair[name]), pair[name]))
+    if rest := result.get("rest"):
+        rows += _rest_phases(rest, s)
     if rejection := result.get("rejection"):
         load = f"{s['burst_rounds']} bursts of {s['burst_calls']} x {s['burst_texts']} texts"
         labels = (("echo", "echo, 1 proc"), ("kembed", "kembed, max_drain_ms=1"), ("computing", "kembed, computing"))
@@ -314,6 +334,30 @@ def _hostpath_phases(result: dict[str, Any]) -> list[tuple[str, str, str, str, d
             figure = f"{_emb(p)}, p95 {_ms(p['latency_ms']['p95'])} ms, GPU busy {_ms(busy)}%"
             rows.append(("serving", server, load, figure, p))
     return rows
+
+
+def _rest_phases(rest: dict[str, Any], s: dict[str, Any]) -> list[tuple[str, str, str, str, dict[str, Any]]]:
+    over = f"{s['client_processes']} x {s['concurrency']}"
+    grpc_load = f"gRPC closed loop, {over} callers, 1 text"
+    rest_load = f"REST closed loop, {over} connections, 1 text"
+    host = rest["host_path"]
+    rows = [("REST", "zero-cost kembed, 1 proc", load, _calls_figure(host[name]), host[name])
+            for name, load in (("grpc", grpc_load), ("rest", rest_load))]  # fmt: skip
+    peer = rest["peer"]
+    if "skipped" in peer:
+        figure = f"skipped: {peer['skipped']} (`{peer['setup_command']}`)"
+        return [*rows, ("REST, peer", "Infinity", "—", figure, {"codes": {}, "peak_rss_mib": math.nan})]
+    peer_load = f"{rest_load}, {s['peer_duration']:g} s"
+    for name, label in (("infinity", peer["peer"]), ("kembed", f"kembed, frontends={peer['settings']['frontends']}")):
+        rows.append(("REST, real model", label, peer_load, _calls_figure(peer[name]), peer[name]))
+    return rows
+
+
+def _calls_figure(phase: dict[str, Any]) -> str:
+    return (
+        f"{_fmt(_calls(phase))} calls/s, p99 {_ms(phase['latency_ms']['p99'])} ms, "
+        f"{phase['server_cpu_ms_per_call']:.2f} CPU ms/call"
+    )
 
 
 def _emb(phase: dict[str, Any]) -> str:

@@ -21,6 +21,15 @@
    must: what saturation cannot serve before they give up). Target: >= 0.9. Storm clients run
    ``--client-nice`` below the server: in production they are on other machines.
 
+4. **REST** (part ``rest``). One zero-cost server, ``KEMBED_FRONTENDS=1``: the host-path load over
+   gRPC, then the same over its OpenAI API (``bench.http_loadgen``: as many client processes, each
+   with ``--concurrency`` keep-alive connections, so as many calls in flight; HTTP/1.1 carries one
+   call at a time on a connection, where gRPC multiplexes its callers over ``--channels``): calls/s
+   and server CPU per call of each. Target: REST >= 0.8 of gRPC. Then the peer, where its venv is
+   (``python -m bench.peers setup``; else skipped, with why): Infinity, then kembed with the real
+   model (``KEMBED_FRONTENDS=auto``, default settings), each under that REST load for
+   ``--peer-duration`` s. Target: kembed >= 2x Infinity's calls/s.
+
 ``KEMBED_FRONTENDS`` is always set: N, or 1, where a process count is compared (``auto`` never
 picks it), and ``auto`` for the storm (what a pod runs); a server that does not know the setting
 fails loudly. Writes
@@ -52,11 +61,11 @@ from collections import Counter
 from collections.abc import Callable, Coroutine, Sequence
 from dataclasses import asdict, dataclass
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, NamedTuple, TypeVar
 
 import grpc
 
-from bench import RESULTS_DIR, headline, loadgen, machine, workload
+from bench import RESULTS_DIR, headline, http_loadgen, loadgen, machine, peers, workload
 from bench.loadgen import OK, Outcome
 from bench.report import (
     Samples,
@@ -75,12 +84,24 @@ from kembed.contract import Metric, env_name
 from kembed.v1 import embedder_pb2
 
 ZERO_COST = "bench.zero_cost"
-PARTS = ("host_path", "rejection", "storm", "serve")
+PARTS = ("host_path", "rejection", "rest", "storm", "serve")
+DEFAULT_PARTS = "host_path,rejection,rest"
 SHORT_TOKENS = 16  # "one short text": the workload's shortest class
 BURST_TOKENS = (64, 128)  # a burst call's texts: about 60 words each
 MAX_CALLS = 1_000_000  # closed loops end on time; this only bounds a runaway
 EXHAUSTED = grpc.StatusCode.RESOURCE_EXHAUSTED.name
 T = TypeVar("T")
+
+
+class Codes(NamedTuple):
+    """The outcome codes of an answered call and of a rejected one, per protocol."""
+
+    ok: str
+    rejected: str
+
+
+GRPC_CODES = Codes(OK, EXHAUSTED)
+HTTP_CODES = Codes("200", "429")
 
 
 @dataclass(frozen=True)
@@ -110,6 +131,8 @@ class Options:
     serve_ceiling: str  # bench/results/<name>.json: the in-process ceiling the serve loads are judged against
     serve_start_timeout: float  # seconds for the serve part's server to load, compile and warm up
     py_spy_seconds: float  # > 0: one more 1-text load under py-spy (part serve)
+    peer_venv: Path  # Infinity's venv (part rest); without it the peer comparison is skipped
+    peer_duration: float  # seconds per REST load of the peer comparison (part rest)
 
 
 def frontends_setting(value: int | str) -> dict[str, str]:
@@ -142,10 +165,12 @@ def _span(outcomes: Sequence[Outcome]) -> float:
     return max(o.done for o in outcomes) - min(o.sent for o in outcomes) if outcomes else math.nan
 
 
-def rate_figures(outcomes: Sequence[Outcome], texts_per_call: int, opts: Options, duration: float) -> dict[str, Any]:
+def rate_figures(
+    outcomes: Sequence[Outcome], texts_per_call: int, opts: Options, duration: float, codes: Codes = GRPC_CODES
+) -> dict[str, Any]:
     """Calls/s and embeddings/s of the successful calls over [warmup, duration), median and range
     over ``opts.windows`` windows; latency of the successful calls; every status code counted."""
-    ok = [o.done for o in outcomes if o.code == OK]
+    ok = [o.done for o in outcomes if o.code == codes.ok]
 
     def rate(weight: float) -> dict[str, float]:
         return Spread.of(window_rates(ok, [weight] * len(ok), opts.warmup, duration, opts.windows)).to_dict()
@@ -155,8 +180,8 @@ def rate_figures(outcomes: Sequence[Outcome], texts_per_call: int, opts: Options
         "codes": dict(Counter(o.code for o in outcomes)),
         "calls_per_s": rate(1.0),
         "emb_per_s": rate(float(texts_per_call)),
-        "latency_ms": latency_summary([o.latency for o in outcomes if o.code == OK]),
-        "rejection_latency_ms": latency_summary([o.latency for o in outcomes if o.code == EXHAUSTED]),
+        "latency_ms": latency_summary([o.latency for o in outcomes if o.code == codes.ok]),
+        "rejection_latency_ms": latency_summary([o.latency for o in outcomes if o.code == codes.rejected]),
     }
 
 
@@ -184,12 +209,17 @@ def _cores(server_cpu: float, client_cpu: float, outcomes: Sequence[Outcome]) ->
 
 
 def _phase(
-    server: Server, load: Callable[[], tuple[list[Outcome], float]], texts_per_call: int, opts: Options, duration: float
+    server: Server,
+    load: Callable[[], tuple[list[Outcome], float]],
+    texts_per_call: int,
+    opts: Options,
+    duration: float,
+    codes: Codes = GRPC_CODES,
 ) -> dict[str, Any]:
     """One load's rates and latency, with the CPU cores and peak memory of the server over it."""
     outcomes, server_cpu, client_cpu = _measure(server, load)
     return {
-        **rate_figures(outcomes, texts_per_call, opts, duration),
+        **rate_figures(outcomes, texts_per_call, opts, duration, codes),
         "cpu_cores": _cores(server_cpu, client_cpu, outcomes),
         "server_cpu_ms_per_call": _per_call(server_cpu, len(outcomes)),
         "peak_rss_mib": server.peak_rss_mib(),
@@ -215,6 +245,23 @@ def _closed_loop(server: Server, requests: list[bytes], opts: Options, texts_per
         return [o for part in parts for o in part], cpu
 
     return _phase(server, load, texts_per_call, opts, opts.duration)
+
+
+def _rest_closed_loop(server: Server, bodies: list[bytes], opts: Options, duration: float) -> dict[str, Any]:
+    """The host-path load over the OpenAI API: as many client processes as ``_closed_loop`` and as
+    many calls in flight in each, one per keep-alive connection (HTTP/1.1 carries one at a time)."""
+    url = server.rest_url + http_loadgen.EMBEDDINGS_PATH
+
+    def load() -> tuple[list[Outcome], float]:
+        return http_loadgen.in_processes(url, bodies, opts.client_processes, opts.concurrency, duration, opts.timeout)
+
+    return _phase(server, load, 1, opts, duration, HTTP_CODES)
+
+
+def _one_text_bodies(texts: list[str], server: Server, model: str = "") -> list[bytes]:
+    """1-text ``/v1/embeddings`` bodies naming ``model``, or else the server's own model id; float
+    vectors, as the peer's baseline was measured (the official client asks for base64)."""
+    return http_loadgen.embeddings_bodies(texts, 1, model or server.info()["modelId"], "float")
 
 
 def _bursts(server: Server, request: bytes, opts: Options, code: str | None = None) -> dict[str, Any]:
@@ -247,6 +294,40 @@ def host_path(opts: Options, short_texts: list[str]) -> list[dict[str, Any]]:
         pairs.append({"processes": n, "echo": echo_figures, "zero_cost": server_figures})
         print(f"  host path, {n} process(es): echo {_calls(echo_figures)}, zero-cost {_calls(server_figures)} calls/s")
     return pairs
+
+
+def rest(opts: Options, short_texts: list[str]) -> dict[str, Any]:
+    """gRPC, then REST, against one zero-cost server with one front end; then the peer comparison."""
+    settings = frontends_setting(1)
+    with running(settings, _log("rest_zero_cost"), module=ZERO_COST) as server:
+        grpc_figures = _closed_loop(server, encode(short_texts, 1), opts)
+        rest_figures = _rest_closed_loop(server, _one_text_bodies(short_texts, server), opts, opts.duration)
+    print(f"  REST, zero-cost server, 1 front end: gRPC {_calls(grpc_figures)}, REST {_calls(rest_figures)} calls/s")
+    host = {"settings": settings, "grpc": grpc_figures, "rest": rest_figures}
+    return {"host_path": host, "peer": rest_peer(opts, short_texts)}
+
+
+def rest_peer(opts: Options, short_texts: list[str]) -> dict[str, Any]:
+    """Infinity, then kembed with the real model (what a pod runs), each under the same REST load;
+    without Infinity's venv, why it was skipped and the command that sets it up."""
+    if not peers.installed(opts.peer_venv):
+        command = peers.setup_command(opts.peer_venv)
+        print(f"  REST peer: skipped, no Infinity in {opts.peer_venv}; set it up with: {command}")
+        return {"skipped": f"no Infinity in {opts.peer_venv}", "setup_command": command}
+    exe = peers.setup(opts.peer_venv)  # installs nothing here: it checks the venv's torch is the CPU one
+    with peers.infinity_running(exe, _log("rest_infinity")) as server:
+        infinity = _rest_closed_loop(server, _one_text_bodies(short_texts, server, peers.MODEL_NAME), opts,
+                                     opts.peer_duration)  # fmt: skip
+    settings = frontends_setting("auto")
+    with running(settings, _log("rest_kembed"), module="kembed") as server:
+        before = server.metrics()
+        kembed = _rest_closed_loop(server, _one_text_bodies(short_texts, server), opts, opts.peer_duration)
+        kembed.update(_counters(before, server.metrics(), kembed["span_s"]))
+    worker = kembed["worker"]
+    print(f"  REST, real model: Infinity {_calls(infinity)}, kembed {_calls(kembed)} calls/s (kembed's worker busy "
+          f"{worker['busy_share']:.0%}, padding {kembed['padding_ratio']:.0%}, {worker['rows_per_batch']:.1f} rows "
+          "a batch)")  # fmt: skip
+    return {"peer": peers.PEER, "settings": settings, "infinity": infinity, "kembed": kembed}
 
 
 def rejection(opts: Options, texts: list[str]) -> dict[str, Any]:
@@ -442,6 +523,8 @@ def run(opts: Options) -> dict[str, Any]:
         result["host_path"] = host_path(opts, short)
     if "rejection" in opts.parts:
         result["rejection"] = rejection(opts, about_60_words)
+    if "rest" in opts.parts:
+        result["rest"] = rest(opts, short)
     if "storm" in opts.parts:
         result["retry_storm"] = retry_storm(opts, wl.texts)
     if "serve" in opts.parts:
@@ -450,9 +533,9 @@ def run(opts: Options) -> dict[str, Any]:
     return result
 
 
-def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
+def parse_options(argv: Sequence[str] | None = None) -> Options:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--parts", default="host_path,rejection", help=f"comma-separated, of {', '.join(PARTS)}")
+    parser.add_argument("--parts", default=DEFAULT_PARTS, help=f"comma-separated, of {', '.join(PARTS)}")
     parser.add_argument("--frontends", default="1", help="process counts to compare, e.g. 1,2")
     parser.add_argument("--name", default="hostpath", help="write bench/results/NAME.json")
     parser.add_argument("--client-processes", type=int, default=2)
@@ -477,14 +560,22 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--serve-ceiling", default="", help="serve: judge against bench/results/NAME.json")
     parser.add_argument("--serve-start-timeout", type=float, default=600.0, help="serve: seconds to become ready")
     parser.add_argument("--py-spy-seconds", type=float, default=0.0, help="serve: > 0 adds a load under py-spy")
+    parser.add_argument("--peer-venv", type=Path, default=peers.VENV, help="rest: Infinity's venv (bench.peers)")
+    parser.add_argument("--peer-duration", type=float, default=20.0, help="rest: seconds per peer-comparison load")
     args = parser.parse_args(argv)
     parts = tuple(p for p in args.parts.split(",") if p)
     if unknown := set(parts) - set(PARTS):
         parser.error(f"unknown parts: {', '.join(sorted(unknown))}")
+    if not 0 <= args.warmup < min(args.duration, args.peer_duration):
+        parser.error("--warmup: must be at least 0 and below --duration and --peer-duration")
     frontends = tuple(int(n) for n in args.frontends.split(",") if n)
     serve_texts = tuple(int(n) for n in args.serve_texts.split(",") if n)
     fields = {"frontends": frontends, "parts": parts, "serve_texts": serve_texts, "serve_env": tuple(args.serve_env)}
-    return run(Options(**{**vars(args), **fields}))  # the flags are the fields
+    return Options(**{**vars(args), **fields})  # the flags are the fields
+
+
+def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
+    return run(parse_options(argv))
 
 
 if __name__ == "__main__":

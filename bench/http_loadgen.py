@@ -31,6 +31,7 @@ from bench import loadgen, machine
 from bench.loadgen import Outcome
 from bench.report import Spread, latency_summary, window_rates
 
+EMBEDDINGS_PATH = "/v1/embeddings"  # the OpenAI API's, on every server measured
 MAX_CALLS = 1_000_000  # runs end on time; this only bounds a runaway
 SHORT_TOKENS = 16
 TIMEOUT = "timeout"  # the code of a call not answered within its deadline
@@ -196,14 +197,21 @@ def short_texts() -> list[str]:
     return [t for t, n in zip(wl.texts, wl.tokens, strict=True) if n <= SHORT_TOKENS]
 
 
-def run(url: str, bodies: Sequence[bytes], processes: int, connections: int, duration: float, warmup: float,
-        deadline: float) -> dict[str, Any]:  # fmt: skip
-    """The closed loop from ``processes`` client processes: its summary, with the clients' CPU."""
+def in_processes(url: str, bodies: Sequence[bytes], processes: int, connections: int, duration: float,
+                 deadline: float) -> tuple[list[Outcome], float]:  # fmt: skip
+    """The closed loop from ``processes`` client processes started together: every call's outcome,
+    and the CPU seconds the clients used."""
     requests = [post_request(url, body) for body in bodies]
     kwargs = [{"url": url, "requests": requests, "connections": connections, "duration": duration, "count": n,
                "deadline": deadline} for n in loadgen.split(MAX_CALLS, processes)]  # fmt: skip
     parts, client_cpu = loadgen.in_processes(closed_loop, kwargs)
-    outcomes = [o for part in parts for o in part]
+    return [o for part in parts for o in part], client_cpu
+
+
+def run(url: str, bodies: Sequence[bytes], processes: int, connections: int, duration: float, warmup: float,
+        deadline: float) -> dict[str, Any]:  # fmt: skip
+    """The closed loop from ``processes`` client processes: its summary, with the clients' CPU."""
+    outcomes, client_cpu = in_processes(url, bodies, processes, connections, duration, deadline)
     return {**summarize(outcomes, warmup, duration), "client_cpu_s": client_cpu}
 
 

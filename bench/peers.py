@@ -31,7 +31,7 @@ from typing import Any
 
 from bench import RESULTS_DIR, http_loadgen, machine
 from bench.report import Spread
-from bench.server import HOST, free_port
+from bench.server import HOST, Server, free_port
 
 REPO = Path(__file__).resolve().parent.parent
 VENV = REPO / ".venv-infinity"
@@ -46,14 +46,29 @@ PINS = (
     "typer>=0.12.5,<0.13",
     "click==8.1.8",
 )
+PEER = "infinity-emb 0.0.78"
 MODEL_NAME = "minilm"
 START_TIMEOUT_S = 300.0
 STOP_GRACE_S = 30.0
 
 
+def installed(venv: Path = VENV) -> bool:
+    """Whether ``setup`` has installed Infinity in ``venv`` (it then installs nothing more)."""
+    return _executable(venv).exists()
+
+
+def setup_command(venv: Path = VENV) -> str:
+    """The command that installs Infinity in ``venv``."""
+    return "python -m bench.peers setup" + ("" if venv == VENV else f" --venv {venv}")
+
+
+def _executable(venv: Path) -> Path:
+    return venv / "bin" / "infinity_emb"
+
+
 def setup(venv: Path = VENV) -> Path:
     """The venv's ``infinity_emb``, installing it first where missing; a CUDA torch is an error."""
-    exe = venv / "bin" / "infinity_emb"
+    exe = _executable(venv)
     if not exe.exists():
         python = getattr(sys, "_base_executable", sys.executable)  # not this venv's: a venv of its own
         subprocess.run([python, "-m", "venv", str(venv)], check=True)
@@ -97,12 +112,12 @@ def _answers(url: str) -> bool:
 
 
 @contextlib.contextmanager
-def infinity_running(exe: Path, log: Path, start_timeout: float = START_TIMEOUT_S) -> Iterator[str]:
-    """Infinity serving the bundled model on a free loopback port: its base URL (``.../v1``) once
-    ``/v1/models`` answers. Stopped on the way out: SIGTERM to its process group, SIGKILL after
-    ``STOP_GRACE_S``."""
+def infinity_running(exe: Path, log: Path, start_timeout: float = START_TIMEOUT_S) -> Iterator[Server]:
+    """Infinity serving the bundled model on a free loopback port, once ``/v1/models`` answers (its
+    ``rest_url``; it has no gRPC or health port). Stopped on the way out: SIGTERM to its process
+    group, SIGKILL after ``STOP_GRACE_S``."""
     port = free_port()
-    base = f"http://{HOST}:{port}/v1"
+    rest_url = f"http://{HOST}:{port}"
     log.parent.mkdir(parents=True, exist_ok=True)
     with log.open("wb") as out:
         venv = exe.parent.parent
@@ -110,11 +125,11 @@ def infinity_running(exe: Path, log: Path, start_timeout: float = START_TIMEOUT_
                                 stderr=subprocess.STDOUT, start_new_session=True)  # fmt: skip
         try:
             deadline = time.monotonic() + start_timeout
-            while not _answers(base + "/models"):
+            while not _answers(rest_url + "/v1/models"):
                 if proc.poll() is not None or time.monotonic() > deadline:
                     raise RuntimeError(f"infinity did not become ready (exit {proc.poll()}); see {log}")
                 time.sleep(0.5)  # start-up only: imports and the model load take many seconds
-            yield base
+            yield Server(proc.pid, grpc_target="", http_url="", rest_url=rest_url)
         finally:
             _stop_group(proc)
 
@@ -139,10 +154,11 @@ def load(args: argparse.Namespace) -> dict[str, Any]:
     texts = http_loadgen.short_texts()
     bodies = http_loadgen.embeddings_bodies(texts, args.texts_per_call, MODEL_NAME, args.encoding_format)
     runs = []
-    with infinity_running(exe, RESULTS_DIR / "tmp" / "peer_infinity.log") as base:
+    with infinity_running(exe, RESULTS_DIR / "tmp" / "peer_infinity.log") as server:
         for i in range(args.repeats):
-            figures = http_loadgen.run(base + "/embeddings", bodies, args.processes, args.connections, args.duration,
-                                       args.warmup, args.timeout)  # fmt: skip
+            url = server.rest_url + http_loadgen.EMBEDDINGS_PATH
+            figures = http_loadgen.run(url, bodies, args.processes, args.connections, args.duration, args.warmup,
+                                       args.timeout)  # fmt: skip
             rate, p99 = figures["calls_per_s"], figures["latency_ms"]["p99"]
             print(f"infinity, run {i + 1}: {rate['median']:.1f} ({rate['lo']:.1f}-{rate['hi']:.1f}) calls/s, "
                   f"p99 {p99:.0f} ms, codes {figures['codes']}", flush=True)  # fmt: skip
@@ -150,7 +166,7 @@ def load(args: argparse.Namespace) -> dict[str, Any]:
     settings = {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()}
     calls = Spread.of([r["calls_per_s"]["median"] for r in runs]).to_dict()
     p99s = Spread.of([r["latency_ms"]["p99"] for r in runs]).to_dict()
-    result = {"peer": "infinity-emb 0.0.78", "pins": PINS, "settings": settings, "calls_per_s": calls,
+    result = {"peer": PEER, "pins": PINS, "settings": settings, "calls_per_s": calls,
               "p99_ms": p99s, "runs": runs}  # fmt: skip
     machine.write_result(args.name, result)
     print(f"infinity: {calls['median']:.1f} ({calls['lo']:.1f}-{calls['hi']:.1f}) calls/s over {args.repeats} runs")
@@ -159,8 +175,11 @@ def load(args: argparse.Namespace) -> dict[str, Any]:
 
 def serve(args: argparse.Namespace) -> None:
     exe = setup(args.venv)
-    with infinity_running(exe, RESULTS_DIR / "tmp" / "peer_infinity.log") as base:
-        print(f"infinity: {base}/embeddings (model {MODEL_NAME!r}); Ctrl-C stops it", flush=True)
+    with infinity_running(exe, RESULTS_DIR / "tmp" / "peer_infinity.log") as server:
+        print(
+            f"infinity: {server.rest_url}{http_loadgen.EMBEDDINGS_PATH} (model {MODEL_NAME!r}); Ctrl-C stops it",
+            flush=True,
+        )
         with contextlib.suppress(KeyboardInterrupt):
             signal.pause()
 

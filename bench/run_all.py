@@ -5,7 +5,8 @@
 3. the same server with ``KEMBED_BATCHING=naive``, offered the same absolute loads;
 4. the GPU extras (``bench.gpu``), which skip cleanly without CUDA;
 5. the host path against a bare gRPC echo (``bench.hostpath``): zero-cost server, rejection cost,
-   and (not with ``--quick``) the retry storm;
+   REST against gRPC and against the peer (Infinity, where ``bench.peers setup`` installed it), and
+   (not with ``--quick``) the retry storm;
 6. queries beside an ingest, the priority classes (``bench.priority``);
 7. the front end → engine transports (``bench.ipc``);
 8. ``bench.plot``.
@@ -26,6 +27,8 @@ from collections.abc import Sequence
 from bench import ceiling, gpu, hostpath, ipc, plot, priority, serve_load
 
 TUNED_BUCKETS = "buckets=16,24,32,48,64,96,128,192,256"
+HOSTPATH = ["--parts", f"{hostpath.DEFAULT_PARTS},storm"]
+QUICK_HOSTPATH = ["--duration", "5", "--warmup", "1", "--windows", "2", "--burst-rounds", "2", "--peer-duration", "5"]
 
 
 def main(argv: Sequence[str] | None = None) -> None:
@@ -39,8 +42,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     serve_load.main(["--batching", "naive", "--capacity", str(capacity), *serve])
     if not args.skip_gpu:
         gpu.main(["--quick"] if args.quick else [])
-    quick_hostpath = ["--duration", "5", "--warmup", "1", "--windows", "2", "--burst-rounds", "2"]
-    hostpath.main(quick_hostpath if args.quick else ["--parts", "host_path,rejection,storm"])
+    hostpath.main(QUICK_HOSTPATH if args.quick else HOSTPATH)
     priority.main(["--duration", "8", "--warmup", "2", "--windows", "2"] if args.quick else [])
     ipc.main(["--seconds", "1"] if args.quick else [])
     plot.main()

@@ -36,7 +36,8 @@ HOST = "127.0.0.1"
 class Server:
     pid: int
     grpc_target: str
-    http_url: str
+    http_url: str  # kembed's health and metrics port
+    rest_url: str = ""  # http://host:port of the OpenAI API (``/v1/embeddings``), where it serves one
 
     def info(self) -> dict[str, Any]:
         """The server's own Info (model, device, dtype, plan), as ``MessageToDict`` writes it."""
@@ -139,14 +140,15 @@ def running(
     settings: Mapping[str, str], log: Path, module: str = "kembed", start_timeout: float = 300.0
 ) -> Iterator[Server]:
     """``python -m <module>`` (kembed or a drop-in for it) with ``settings`` (names without the
-    KEMBED_ prefix), ready to serve."""
-    grpc_port, http_port = free_port(), free_port()
-    overrides = {**settings, "grpc_host": HOST, "http_host": HOST, "grpc_port": grpc_port, "http_port": http_port}
+    KEMBED_ prefix), ready to serve; every port a free one (two benchmarks never share one)."""
+    grpc_port, http_port, rest_port = free_port(), free_port(), free_port()
+    ports = {"grpc_port": grpc_port, "http_port": http_port, "rest_port": rest_port}
+    overrides = {**settings, "grpc_host": HOST, "http_host": HOST, **ports}
     env = {k: v for k, v in os.environ.items() if not k.startswith("KEMBED_")}
     env.update({env_name(k): str(v) for k, v in overrides.items()})
     http_url = f"http://{HOST}:{http_port}"
     with _started(["-m", module], env, log, lambda: _ready(http_url), start_timeout) as pid:
-        yield Server(pid, f"{HOST}:{grpc_port}", http_url)
+        yield Server(pid, f"{HOST}:{grpc_port}", http_url, f"http://{HOST}:{rest_port}")
 
 
 @contextlib.contextmanager

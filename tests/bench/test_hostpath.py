@@ -10,7 +10,7 @@ from typing import Any
 import grpc
 import pytest
 
-from bench import echo, headline, hostpath, loadgen, machine
+from bench import echo, headline, hostpath, loadgen, machine, run_all
 from bench.loadgen import OK, Outcome
 from bench.report import Spread
 from bench.server import echo_running, process_tree
@@ -202,3 +202,66 @@ def test_give_ups_against_the_fewest_possible() -> None:
         "gave_up": 1,
         "fewest_possible": 1,
     }
+
+
+def _rest(rest_calls: float, kembed_calls: float | None) -> dict[str, Any]:
+    def loop(calls: float, code: str) -> dict[str, Any]:
+        return {"calls_per_s": _spread(calls), "latency_ms": {"p99": 5.0}, "codes": {code: 10}, "peak_rss_mib": 50,
+                "server_cpu_ms_per_call": 1000 / calls}  # fmt: skip
+
+    host = {"settings": {"frontends": "1"}, "grpc": loop(4000, OK), "rest": loop(rest_calls, "200")}
+    peer: dict[str, Any]
+    if kembed_calls is None:
+        peer = {"skipped": "no Infinity in /nowhere", "setup_command": "python -m bench.peers setup --venv /nowhere"}
+    else:
+        peer = {"peer": "infinity-emb 0.0.78", "settings": {"frontends": "auto"}, "infinity": loop(200, "200"),
+                "kembed": loop(kembed_calls, "200")}  # fmt: skip
+    settings = {**_result(1, 1, 1)["settings"], "peer_duration": 20.0}
+    return {"settings": settings, "rest": {"host_path": host, "peer": peer}}
+
+
+def test_rest_ratios_against_grpc_and_the_peer() -> None:
+    rows = {r.name: r for r in headline.hostpath_ratios(_rest(rest_calls=3400, kembed_calls=450))}
+    grpc = rows["REST / gRPC, zero-cost server, 1 front end (calls/s)"]
+    assert (grpc.value.median, grpc.met()) == (pytest.approx(0.85), True)
+    cpu = rows["REST / gRPC, zero-cost server, 1 front end, server CPU per call"]
+    assert (cpu.value.median, cpu.met()) == (pytest.approx(4000 / 3400), None)
+    peer = rows["REST, real model: kembed / infinity-emb 0.0.78 (calls/s)"]
+    assert (peer.value.median, peer.met()) == (pytest.approx(2.25), True)
+    missed = {r.name: r.met() for r in headline.hostpath_ratios(_rest(rest_calls=3000, kembed_calls=399))}
+    assert missed["REST / gRPC, zero-cost server, 1 front end (calls/s)"] is False
+    assert missed["REST, real model: kembed / infinity-emb 0.0.78 (calls/s)"] is False
+    exactly = {r.name: r.met() for r in headline.hostpath_ratios(_rest(rest_calls=3200, kembed_calls=400))}
+    assert set(exactly.values()) == {True, None}  # 0.8 and 2x are within the targets
+
+
+def test_rest_rows_without_the_peer_say_why_and_how_to_set_it_up() -> None:
+    skipped = _rest(rest_calls=3400, kembed_calls=None)
+    assert [r.name for r in headline.hostpath_ratios(skipped)] == [
+        "REST / gRPC, zero-cost server, 1 front end (calls/s)",
+        "REST / gRPC, zero-cost server, 1 front end, server CPU per call",
+    ]
+    table = headline.hostpath_table(skipped)
+    assert table.count("\n") == 1 + 3  # header rule; gRPC, REST and the skipped peer
+    assert "REST closed loop, 2 x 32 connections, 1 text" in table
+    assert "skipped: no Infinity in /nowhere (`python -m bench.peers setup --venv /nowhere`)" in table
+    ran = headline.hostpath_table(_rest(rest_calls=3400, kembed_calls=450))
+    assert "| REST, real model | infinity-emb 0.0.78 | REST closed loop, 2 x 32 connections, 1 text, 20 s |" in ran
+    assert "| REST, real model | kembed, frontends=auto |" in ran
+
+
+def test_the_peer_is_skipped_without_its_venv(tmp_path: Path) -> None:
+    missing = tmp_path / "no-venv"
+    opts = hostpath.parse_options(["--parts", "rest", "--peer-venv", str(missing)])
+    assert hostpath.rest_peer(opts, ["a short text"]) == {
+        "skipped": f"no Infinity in {missing}",
+        "setup_command": f"python -m bench.peers setup --venv {missing}",
+    }
+    assert not missing.exists()  # nothing installed
+
+
+def test_make_bench_runs_the_rest_part_and_its_flags_parse() -> None:
+    assert "rest" in hostpath.parse_options(run_all.HOSTPATH).parts
+    quick = hostpath.parse_options(run_all.QUICK_HOSTPATH)
+    assert "rest" in quick.parts
+    assert quick.peer_duration > quick.warmup
