@@ -7,7 +7,8 @@ unless it is there already. ``serve`` starts ``infinity_emb v2`` on the bundled 
 loopback port, offline (``HF_HUB_OFFLINE=1``), waits until its ``/v1/models`` answers, and runs
 until Ctrl-C. ``load`` does the same, then runs ``bench.http_loadgen``'s closed loop against its
 ``/v1/embeddings`` (the workload's short texts, one a call), stops it, and writes
-``bench/results/NAME.json``. Never part of ``make bench``: it needs the venv (about 1.4 GiB) first.
+``bench/results/NAME.json``. ``make bench`` (``bench.hostpath``'s part ``rest``) compares against it
+only where the venv (about 1.4 GiB) is; otherwise it records that it skipped the peer.
 
     python -m bench.peers setup
     python -m bench.peers load --connections 32 --duration 60 --warmup 10
