@@ -200,7 +200,10 @@ def test_rest_and_grpc_share_a_batch(tmp_path):
 
 
 def test_overload_is_429_with_a_retry_after_the_client_honours(tmp_path):
-    server = ServerProcess(tmp_path / "server.log", held=True, frontends=1, max_drain_ms=1000).wait_ready()
+    # The queue cap, not the drain budget, bounds the admitted calls: at most 8 of them, whatever this machine's speed.
+    server = ServerProcess(
+        tmp_path / "server.log", held=True, frontends=1, max_drain_ms=1000, max_queued_tokens=1024
+    ).wait_ready()
     try:
         request = {"input": ["Admission control rejects early instead of queueing into timeouts."] * 8}
         with ThreadPoolExecutor(40) as pool:

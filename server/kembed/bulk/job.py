@@ -64,7 +64,10 @@ def run(job: Job) -> Summary:
 async def _run(job: Job) -> Summary:
     main = asyncio.current_task()
     assert main is not None
-    asyncio.get_running_loop().add_signal_handler(signal.SIGTERM, main.cancel)  # as ^C does
+    # Both handled here, not left to asyncio.run's ^C: a command started in the background from a
+    # script inherits SIGINT ignored, and would then run on past a `kill -INT`.
+    for stop in (signal.SIGINT, signal.SIGTERM):
+        asyncio.get_running_loop().add_signal_handler(stop, main.cancel)
     try:
         return await _embed(job)
     except asyncio.CancelledError:
