@@ -308,7 +308,11 @@ def _hostpath_phases(result: dict[str, Any]) -> list[tuple[str, str, str, str, d
         rows += _rest_phases(rest, s)
     if rejection := result.get("rejection"):
         load = f"{s['burst_rounds']} bursts of {s['burst_calls']} x {s['burst_texts']} texts"
-        labels = (("echo", "echo, 1 proc"), ("kembed", "kembed, max_drain_ms=1"), ("computing", "kembed, computing"))
+        labels = (
+            ("echo", "echo, 1 proc"),
+            ("kembed", "kembed, max_queued_tokens=1"),
+            ("computing", "kembed, computing"),
+        )
         for name, label in ((n, text) for n, text in labels if n in rejection):
             p = rejection[name]
             figure = (

@@ -4,14 +4,16 @@
    callers, one short text a call) against ``bench.echo`` with N processes, then against
    ``bench.zero_cost`` (kembed whose model returns zeros at once) with ``KEMBED_FRONTENDS=N``:
    calls/s of each, and their ratio. Target for N=1: >= 0.5.
-2. **Rejection cost.** Bursts of ``--burst-calls`` calls of ``--burst-texts`` texts of 64-128
-   tokens (about 60 words) fired at once, against the echo (1 process), then against two kembeds:
-   *idle*, ``KEMBED_MAX_DRAIN_MS=1`` and ``KEMBED_FRONTENDS=1``, which rejects every call at its
-   admission pre-screen (the host path's cost of a rejection), and *computing*, the real model with
-   default settings and ``KEMBED_FRONTENDS=auto``, which admits what fits its drain budget and
-   rejects the rest while the engine computes what it admitted. Per burst the p99 of the answers
-   (the rejected ones, for *computing*) and the time to the last; their ratios to the echo's.
-   Targets: <= 2x, with every *idle* answer RESOURCE_EXHAUSTED.
+2. **Rejection cost.** Bursts of ``--burst-calls`` calls of ``--burst-texts`` texts of 64-128 tokens
+   (about 60 words) fired at once, against the echo (1 process), then against two kembeds: *idle*,
+   ``KEMBED_MAX_QUEUED_TOKENS=1`` and ``KEMBED_FRONTENDS=1``, which rejects every call at its
+   admission pre-screen (the host path's cost of a rejection; a queue cap below any request, since
+   the drain rule admits a request with nothing ahead of it, whose compute would share the cores
+   with the burst), and *computing*, the real model with default settings and
+   ``KEMBED_FRONTENDS=auto``, which admits what fits its drain budget and rejects the rest while the
+   engine computes what it admitted. Per burst the p99 of the answers (the rejected ones, for
+   *computing*) and the time to the last; their ratios to the echo's. Targets: <= 2x, with every
+   *idle* answer RESOURCE_EXHAUSTED.
 3. **Retry storm** (part ``storm``; the real model, ``KEMBED_FRONTENDS=auto``). ``--storm-texts``
    texts of the workload a call: the server's saturation with ``--storm-concurrency`` closed-loop clients
    that respect its pushback, then ``--storm-multiple`` times those calls/s offered open loop by
@@ -336,7 +338,7 @@ def rejection(opts: Options, texts: list[str]) -> dict[str, Any]:
     request = encode(texts[: opts.burst_texts], opts.burst_texts)[0]
     with echo_running(1, _log("echo_burst")) as echo:
         echo_figures = _bursts(echo, request, opts)
-    idle_settings = {**frontends_setting(1), "max_drain_ms": "1"}
+    idle_settings = {**frontends_setting(1), "max_queued_tokens": "1"}
     with running(idle_settings, _log("rejecting"), module="kembed") as server:
         idle = _rejecting_bursts(server, request, opts)
     computing_settings = frontends_setting("auto")
