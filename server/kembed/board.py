@@ -47,6 +47,7 @@ class ClassCell(IntEnum):
 class FrontendCell(IntEnum):
     HEARTBEAT = 0  # time.monotonic() of the front end's event loop's last turn
     SERVING = 1  # 1 while it answers calls
+    FRAMES_TAKEN = 2  # its WORK frames the engine has admitted and published (written by the engine)
 
 
 class Board:

@@ -100,3 +100,16 @@ async def test_with_no_interval_each_loop_turn_sends_its_own_frame(tmp_path):
         link.submit(seqs(3), 16, now, now + 30, INTERACTIVE)
         assert (await engine.next_work())[1].tags.tolist() == [1, 2]
         assert (await engine.next_work())[1].tags.tolist() == [3]
+
+
+async def test_work_counts_as_unconfirmed_until_the_engine_takes_its_frame(tmp_path):
+    async with linked(tmp_path / "engine.sock", NEVER) as (link, engine):
+        loop = asyncio.get_running_loop()
+        link.submit(seqs(1, 2), 32, loop.time(), loop.time() + 30, INTERACTIVE)
+        link.submit(seqs(3), 16, loop.time(), loop.time() + 30, BATCH)
+        assert link.unconfirmed(frames_taken=0) == [32, 16]  # queued for the first frame
+        await engine.next_work()  # frame 1 went at once; the next waits an interval no test sees end
+        link.submit(seqs(4), 64, loop.time(), loop.time() + 30, INTERACTIVE)
+        assert link.unconfirmed(frames_taken=0) == [96, 16]  # frame 1 sent, not taken; 64 queued
+        assert link.unconfirmed(frames_taken=1) == [64, 0]  # the engine's board counts frame 1 now
+        assert link.unconfirmed(frames_taken=1) == [64, 0]

@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 from kembed.admission import AdmissionController, MeasuredLoad
-from kembed.board import Board, Cell, ClassCell
+from kembed.board import Board, Cell, ClassCell, FrontendCell
 from kembed.child import Child
 from kembed.config import Settings
 from kembed.contract import EXIT_FATAL, EXIT_STARTUP_FAILED
@@ -230,10 +230,13 @@ class EngineProcess:
             log.debug("front end %d connected as link %d", hello.frontend, link)
             core = await serving
             self._links.send(link, Ready(PROTOCOL_VERSION, core.info))
+            taken = 0
             while True:
                 await self._until_read(link, writer)
                 core.intake.accept(link, _expect(await receive(reader), Work))
                 self._publish(core)
+                taken += 1  # after the publish: the front end counts a frame's work until the board does
+                self._board.set_frontend(hello.frontend, FrontendCell.FRAMES_TAKEN, taken)
         except ConnectionError:  # LinkClosed, or gone while its answers waited to be read
             pass
         except ProtocolError as error:  # never worked around: the pod restarts rather than compute wrong rows

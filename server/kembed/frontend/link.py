@@ -14,6 +14,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
+from collections import deque
 from pathlib import Path
 from typing import Any
 
@@ -84,6 +85,10 @@ class EngineLink:
         self._last_frame_requests = 0  # requests the last WORK frame carried
         self._flush_at: asyncio.TimerHandle | None = None  # a later flush, for samples alone
         self._flush_now: asyncio.Handle | None = None  # the flush of queued requests
+        self._frames_sent = 0
+        self._out_tokens = [0] * len(Priority)  # padded tokens queued for the next frame, by class
+        self._sent_tokens: deque[tuple[int, list[int]]] = deque()  # (frame number, tokens by class)
+        self._untaken = [0] * len(Priority)  # padded tokens in frames the engine has not taken, by class
 
     @classmethod
     async def connect(cls, runtime: Path, index: int, frame_interval: float) -> EngineLink:
@@ -121,8 +126,19 @@ class EngineLink:
         self._out_priorities.append(priority)
         self._out_lengths.append(seqs.lengths)
         self._out_ids.append(seqs.ids)
+        self._out_tokens[priority] += cost
         self._schedule_flush()
         return tag, pending
+
+    def unconfirmed(self, frames_taken: int) -> list[int]:
+        """Padded tokens by class of requests submitted here that the engine's published backlog may
+        not count yet: queued for the next frame, or in frames past the ``frames_taken`` it has
+        acknowledged. Admission weighs them too: a burst read in one loop turn would otherwise be
+        admitted, request after request, against a board that has not seen any of it."""
+        while self._sent_tokens and self._sent_tokens[0][0] <= frames_taken:
+            for priority, tokens in enumerate(self._sent_tokens.popleft()[1]):
+                self._untaken[priority] -= tokens
+        return [sent + queued for sent, queued in zip(self._untaken, self._out_tokens, strict=True)]
 
     def cancel(self, tag: int) -> None:
         """Nobody waits for this request any more: the engine drops what is still queued."""
@@ -183,6 +199,11 @@ class EngineLink:
             sample_priorities=np.asarray(self._out_sample_priorities, dtype="u1"),
         )
         send(self._writer, work)
+        self._frames_sent += 1
+        if any(self._out_tokens):
+            self._sent_tokens.append((self._frames_sent, self._out_tokens))
+            self._untaken = [sent + queued for sent, queued in zip(self._untaken, self._out_tokens, strict=True)]
+            self._out_tokens = [0] * len(Priority)
         for buffer in self._outbox():
             buffer.clear()
 

@@ -7,8 +7,11 @@ old, and every front end admits against the same backlog.
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Iterator
+
 from kembed.admission import AdmissionController, Backlog, Rejection
-from kembed.board import Board, Cell, ClassCell
+from kembed.board import Board, Cell, ClassCell, FrontendCell
 from kembed.config import Settings
 from kembed.frontend.link import EngineLink
 from kembed.priority import Priority
@@ -36,13 +39,26 @@ class PublishedLoad:
 
 
 class Screen:
-    def __init__(self, settings: Settings, board: Board, link: EngineLink) -> None:
+    def __init__(self, settings: Settings, board: Board, link: EngineLink, frontend: int) -> None:
         self._board = board
+        self._link = link
+        self._frontend = frontend
+        self._tokenizing = [0] * len(Priority)  # least costs of requests past the pre-screen, being tokenized
         self._admission = AdmissionController(settings, PublishedLoad(board, link))
 
     def before_tokenizing(self, least_padded_tokens: int, priority: Priority) -> Rejection | None:
         """The latency draw and the capacity checks on a lower bound of the request's cost."""
         return self._admission.screen(least_padded_tokens, self._backlog(), priority)
+
+    @contextlib.contextmanager
+    def tokenizing(self, least_padded_tokens: int, priority: Priority) -> Iterator[None]:
+        """While a request that passed the pre-screen is tokenized (off the event loop, for a large
+        one), its least cost counts as backlog: the calls of a burst behind it are screened against it."""
+        self._tokenizing[priority] += least_padded_tokens
+        try:
+            yield
+        finally:
+            self._tokenizing[priority] -= least_padded_tokens
 
     def has_room(self, padded_tokens: int, priority: Priority) -> bool:
         """Whether the capacity checks would take this many more padded tokens now (decides nothing)."""
@@ -53,10 +69,16 @@ class Screen:
         return self._admission.admit(padded_tokens, self._backlog(), priority)
 
     def _backlog(self) -> Backlog:
+        """The engine's published backlog, plus this front end's work the engine has not taken yet:
+        being tokenized, queued for the next frame, or in frames the engine has not acknowledged."""
         board = self._board
+        taken = int(board.frontend(self._frontend, FrontendCell.FRAMES_TAKEN))
+        mine = [
+            sent + tokenizing for sent, tokenizing in zip(self._link.unconfirmed(taken), self._tokenizing, strict=True)
+        ]
         return Backlog(
-            interactive=int(board.of_class(Priority.INTERACTIVE, ClassCell.QUEUED_TOKENS)),
-            batch=int(board.of_class(Priority.BATCH, ClassCell.QUEUED_TOKENS)),
+            interactive=int(board.of_class(Priority.INTERACTIVE, ClassCell.QUEUED_TOKENS)) + mine[Priority.INTERACTIVE],
+            batch=int(board.of_class(Priority.BATCH, ClassCell.QUEUED_TOKENS)) + mine[Priority.BATCH],
             in_flight=int(board[Cell.IN_FLIGHT_TOKENS]),
             displaceable=int(board[Cell.DISPLACEABLE_TOKENS]),
         )

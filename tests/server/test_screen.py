@@ -1,0 +1,53 @@
+"""The front end's pre-screen against the board and its own work in transit (a real socket, a real
+board file): a burst read in one loop turn is refused past the drain budget before the engine
+has published any of it."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+
+from kembed.board import Board, Cell, FrontendCell
+from kembed.config import Settings
+from kembed.frontend.screen import Screen
+from kembed.priority import Priority
+from tests.server.test_link import linked, seqs
+
+FRONTEND = 1
+COST = 128  # padded tokens a request
+RATE = 1000.0  # padded tokens a second: a 1 s drain budget holds a few requests
+
+
+async def test_a_burst_is_screened_against_work_the_engine_has_not_taken(tmp_path):
+    board = Board(tmp_path / "board", frontends=2)
+    board[Cell.TOKENS_PER_SECOND] = RATE
+    settings = Settings.from_env({}, max_drain_ms=1000, admission="throughput")
+    async with linked(tmp_path / "engine.sock", 3600.0) as (link, engine):
+        screen = Screen(settings, board, link, FRONTEND)
+        loop = asyncio.get_running_loop()
+        admitted = 0
+        for _ in range(20):  # one loop turn: the board (all zeros) sees none of these
+            if screen.before_tokenizing(COST, Priority.INTERACTIVE) is None:
+                link.submit(seqs(1), COST, loop.time(), loop.time() + 30, Priority.INTERACTIVE)
+                admitted += 1
+        assert 1 <= admitted < 20
+        refused = screen.before_tokenizing(COST, Priority.INTERACTIVE)
+        assert refused is not None and refused.reason == "drain_time"
+
+        await engine.next_work()  # the frame went; the engine takes it and publishes its backlog
+        board.set_frontend(FRONTEND, FrontendCell.FRAMES_TAKEN, 1)
+        assert screen.before_tokenizing(COST, Priority.INTERACTIVE) is None  # the board holds nothing: all drained
+
+
+async def test_requests_being_tokenized_count_until_they_are_submitted_or_fail(tmp_path):
+    board = Board(tmp_path / "board", frontends=2)
+    board[Cell.TOKENS_PER_SECOND] = RATE
+    settings = Settings.from_env({}, max_drain_ms=1000, admission="throughput")
+    async with linked(tmp_path / "engine.sock", 3600.0) as (link, _):
+        screen = Screen(settings, board, link, FRONTEND)
+        with screen.tokenizing(COST, Priority.INTERACTIVE), screen.tokenizing(4 * COST, Priority.INTERACTIVE):
+            refused = screen.before_tokenizing(COST, Priority.INTERACTIVE)  # behind two still tokenizing
+            assert refused is not None and refused.reason == "drain_time"
+        with contextlib.suppress(ValueError), screen.tokenizing(4 * COST, Priority.INTERACTIVE):
+            raise ValueError("its input was bad")
+        assert screen.before_tokenizing(COST, Priority.INTERACTIVE) is None  # nothing left ahead of it
