@@ -186,10 +186,10 @@ class EmbedService:
             arrival = self._clock()
         self._raise_if_rejected(self._screen.before_tokenizing(least_cost, priority), priority)
         try:
-            with self._screen.tokenizing(least_cost, priority):
-                if _input_size(request) <= INLINE_PREPARE_LIMIT:
-                    seqs = self._tokenize(request)
-                else:
+            if _input_size(request) <= INLINE_PREPARE_LIMIT:
+                seqs = self._tokenize(request)  # on the event loop: no other call is screened meanwhile
+            else:
+                with self._screen.tokenizing(least_cost, priority):
                     seqs = await asyncio.get_running_loop().run_in_executor(self._executor, self._tokenize, request)
         except InputError as error:
             raise EmbedError(Failure.INVALID_ARGUMENT, str(error)) from None
