@@ -18,7 +18,7 @@ $(VENV)/.serve: pyproject.toml | $(BIN)/python
 	touch $@
 
 $(VENV)/.test: pyproject.toml $(VENV)/.serve
-	$(BIN)/pip install -q -e ".[server,client,proto,operator,bench,test]"
+	$(BIN)/pip install -q -e ".[server,client,parquet,proto,operator,bench,test]"
 	touch $@
 
 $(PROTO_OUT): protos/kembed/v1/embedder.proto | $(VENV)/.serve
