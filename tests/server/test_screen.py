@@ -6,24 +6,33 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+from collections.abc import AsyncIterator
+from pathlib import Path
 
 from kembed.board import Board, Cell, FrontendCell
 from kembed.config import Settings
+from kembed.frontend.link import EngineLink
 from kembed.frontend.screen import Screen
 from kembed.priority import Priority
-from tests.server.test_link import linked, seqs
+from tests.server.test_link import Engine, linked, seqs
 
 FRONTEND = 1
 COST = 128  # padded tokens a request
 RATE = 1000.0  # padded tokens a second: a 1 s drain budget holds a few requests
 
 
-async def test_a_burst_is_screened_against_work_the_engine_has_not_taken(tmp_path):
+@contextlib.asynccontextmanager
+async def screening(tmp_path: Path) -> AsyncIterator[tuple[Screen, Board, EngineLink, Engine]]:
+    """A front end's screen over an empty board (the engine has published nothing) and a real link."""
     board = Board(tmp_path / "board", frontends=2)
     board[Cell.TOKENS_PER_SECOND] = RATE
     settings = Settings.from_env({}, max_drain_ms=1000, admission="throughput")
     async with linked(tmp_path / "engine.sock", 3600.0) as (link, engine):
-        screen = Screen(settings, board, link, FRONTEND)
+        yield Screen(settings, board, link, FRONTEND), board, link, engine
+
+
+async def test_a_burst_is_screened_against_work_the_engine_has_not_taken(tmp_path):
+    async with screening(tmp_path) as (screen, board, link, engine):
         loop = asyncio.get_running_loop()
         admitted = 0
         for _ in range(20):  # one loop turn: the board (all zeros) sees none of these
@@ -40,11 +49,7 @@ async def test_a_burst_is_screened_against_work_the_engine_has_not_taken(tmp_pat
 
 
 async def test_requests_being_tokenized_count_until_they_are_submitted_or_fail(tmp_path):
-    board = Board(tmp_path / "board", frontends=2)
-    board[Cell.TOKENS_PER_SECOND] = RATE
-    settings = Settings.from_env({}, max_drain_ms=1000, admission="throughput")
-    async with linked(tmp_path / "engine.sock", 3600.0) as (link, _):
-        screen = Screen(settings, board, link, FRONTEND)
+    async with screening(tmp_path) as (screen, *_):
         with screen.tokenizing(COST, Priority.INTERACTIVE), screen.tokenizing(4 * COST, Priority.INTERACTIVE):
             refused = screen.before_tokenizing(COST, Priority.INTERACTIVE)  # behind two still tokenizing
             assert refused is not None and refused.reason == "drain_time"
