@@ -59,6 +59,11 @@ class Board:
             self._map = mmap.mmap(file.fileno(), 0)
         self._cells = np.frombuffer(self._map, dtype=np.float64)
 
+    @property
+    def frontends(self) -> int:
+        """How many front ends the board has cells for."""
+        return (len(self._cells) - _FRONTENDS_AT) // len(FrontendCell)
+
     def __getitem__(self, cell: Cell) -> float:
         return float(self._cells[cell])
 

@@ -129,6 +129,7 @@ def test_a_killed_child_takes_the_server_down(tmp_path: Path, victim: str):
 BROKEN_LINKS = {
     "garbage": (b"not a frame of the protocol, only bytes " * 4, "bad magic"),
     "another version": (b"".join(frame(Hello(PROTOCOL_VERSION + 1, 9))), "different kembed installs"),
+    "an unknown front end": (b"".join(frame(Hello(PROTOCOL_VERSION, 1))), "HELLO from front end 1, of 1"),
 }
 
 

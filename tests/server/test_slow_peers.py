@@ -77,7 +77,7 @@ async def unreading_front_end(engine_socket: Path) -> None:
     _, writer = await asyncio.open_unix_connection(str(engine_socket))
     buckets = [int(length) for length in str(FAST["buckets"]).split(",")]
     tags = itertools.count(1)
-    send(writer, Hello(PROTOCOL_VERSION, 99))
+    send(writer, Hello(PROTOCOL_VERSION, 0))  # as front end 0, the one the board has cells for (no admission here)
     try:
         while True:
             frame_tags = list(itertools.islice(tags, 64))

@@ -227,6 +227,8 @@ class EngineProcess:
         try:
             hello = _expect(await receive(reader), Hello)
             check_version(hello.version)
+            if not 0 <= hello.frontend < self._board.frontends:  # its acknowledgements would land nowhere
+                raise ProtocolError(f"HELLO from front end {hello.frontend}, of {self._board.frontends}")
             log.debug("front end %d connected as link %d", hello.frontend, link)
             core = await serving
             self._links.send(link, Ready(PROTOCOL_VERSION, core.info))
