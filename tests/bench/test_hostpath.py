@@ -61,7 +61,7 @@ async def test_two_echo_processes_answer_the_multiprocess_load_and_bursts(tmp_pa
     assert figures["calls"] == 160
     assert figures["codes"] == {OK: 160}
     assert figures["rejected_share"] == 0
-    assert 0 < figures["p99_ms"]["median"] <= figures["last_ms"]["median"] < 10_000
+    assert 0 < figures["p99_ms"]["median"] <= figures["last_ms"]["median"]  # an order, not a time bound
 
 
 def _outcome(done: float, code: str = OK) -> Outcome:
