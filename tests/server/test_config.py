@@ -49,9 +49,12 @@ def test_every_setting_has_a_documented_variable():
         assert f"`{env_name(name)}`" in table
 
 
-def test_readme_table_is_current():
-    readme = (Path(__file__).parents[2] / "README.md").read_text()
-    assert env_table() in readme, "README's configuration table is stale: paste `make env-table` into it"
+def test_docs_table_is_current():
+    page = (Path(__file__).parents[2] / "docs" / "configuration.md").read_text()
+    begin, end = "<!-- env-table:start -->\n", "\n<!-- env-table:end -->"
+    assert page.count(begin) == 1 and page.count(end) == 1, "docs/configuration.md lacks the env-table markers"
+    table = page[page.index(begin) + len(begin) : page.index(end)]
+    assert table == env_table(), "docs/configuration.md's settings table is stale: paste `make env-table` there"
 
 
 def test_frontends_auto_follows_the_cpus(monkeypatch: pytest.MonkeyPatch):
