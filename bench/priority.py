@@ -12,7 +12,7 @@ window between them:
    does (kembed before the classes).
 5. **Starved**: interactive calls saturating the server (``--starve-concurrency`` closed-loop
    callers, one short text each) beside one batch caller: how long batch work waits, which the
-   batcher's floor bounds (README, "Admission control").
+   batcher's floor bounds (docs/admission.md, "Priority classes").
 
 A batch duration is the mean compute time of a batch during the load, from the server's own
 ``kembed_inference_seconds``. Targets, judged on the *beside* load: no interactive call rejected;

@@ -78,7 +78,7 @@ class ResourcesSpec(_Spec):
 
 
 class BatchingSpec(_Spec):
-    """Unset fields keep the server's defaults (see the README's configuration table)."""
+    """Unset fields keep the server's defaults (docs/configuration.md)."""
 
     mode: Batching = Batching.TOKEN_BUCKET
     buckets: list[int] | None = None

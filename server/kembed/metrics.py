@@ -11,7 +11,7 @@ The autoscaling signals keep their names and say which class they count: the dra
 whole backlog's (every class), the P95 the interactive requests'. Per class, under the
 ``priority`` label: requests waiting, tokens waiting, the P95, rejections and request durations.
 For an inference gateway's endpoint picker: waiting and running requests, and the saturation, a
-0-1 share of the admission budget (README, "Admission control").
+0-1 share of the admission budget (``docs/gateway.md``).
 """
 
 from __future__ import annotations

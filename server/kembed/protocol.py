@@ -3,7 +3,7 @@
 A frame is a header (``magic``, ``kind``, part count, body bytes), the parts' byte lengths, then the
 parts back to back. A part is a raw little-endian array or UTF-8 JSON, so a frame carrying any
 number of requests costs one header and one copy each way, with no per-item pickling (measured
-against pyzmq and pickled dicts in ``bench/ipc.py``: README, "Choices").
+against pyzmq and pickled dicts in ``bench/ipc.py``: ``docs/decisions/ipc.md``).
 
 Each kind is declared once below, with the one ``encode`` and the one ``decode`` both sides use.
 ``decode`` checks what it reads: the part count, each array's size, and that the parts agree (as

@@ -56,7 +56,7 @@ DRAIN_GRACE_S = 5.0  # past the drain budget, for front ends to close their link
 TICK_S = 0.1  # board refresh (P95, shedding) and heartbeat; idle cost is negligible at 10 Hz
 MIB = 1024 * 1024
 # Answers a front end may leave unread before the engine stops reading its work: about 200 ms of
-# the GPU target's whole output (25,000 embeddings/s), minutes of a CPU's (README, "Choices").
+# the GPU target's whole output (25,000 embeddings/s), minutes of a CPU's (docs/decisions/backpressure.md).
 LINK_HIGH_WATER = 8 * MIB
 
 

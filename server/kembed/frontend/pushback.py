@@ -2,7 +2,7 @@
 
 A refused call tells its client when to come back (``grpc-retry-pushback-ms``). A client that calls
 again sooner costs a refusal each time, and a few such clients, retrying as fast as they are told
-no, spend the cores the engine computes with on saying no (README, "Choices"). So the first refusal
+no, spend the cores the engine computes with on saying no (``docs/decisions/cheap-refusals.md``). So the first refusal
 on a connection opens a window as long as its pushback. Within the window the connection may be
 refused ``refusals_at_once`` times at once: a burst of calls that were in flight before its client
 could hear the first no. A call arriving after that, before the window ends, comes from a client
