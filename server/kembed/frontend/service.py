@@ -25,7 +25,8 @@ from kembed import __version__
 from kembed.admission import Rejection
 from kembed.config import Settings
 from kembed.errors import EmbedError, Failure
-from kembed.frontend.link import EngineLink, Pending
+from kembed.frontend.inbox import Pending
+from kembed.frontend.link import EngineLink
 from kembed.frontend.pushback import ConnectionPushback, HeldCalls
 from kembed.frontend.screen import Screen
 from kembed.inputs import InputError, Sequences, Tokenizer
