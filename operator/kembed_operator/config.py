@@ -8,7 +8,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
 
-PREFIX = "KEMBED_OPERATOR_"
+from kembed.contract import OPERATOR_ENV_PREFIX as PREFIX
 
 
 @dataclass(frozen=True)

@@ -1,4 +1,4 @@
-"""``python -m kembed``: serve until SIGTERM, then drain. ``--env-table`` prints the settings table."""
+"""``python -m kembed``: serve until SIGTERM, then drain. ``--env-table`` prints the settings tables."""
 
 from __future__ import annotations
 
@@ -9,16 +9,16 @@ import sys
 
 from kembed import tls
 from kembed.app import Supervisor
-from kembed.config import ConfigError, Settings, env_table
+from kembed.config import ConfigError, Settings, env_tables
 from kembed.contract import EXIT_CONFIG, EXIT_STARTUP_FAILED
 
 
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="kembed", description="kembed embedding server (configured by KEMBED_*)")
-    parser.add_argument("--env-table", action="store_true", help="print the KEMBED_* settings as a Markdown table")
+    parser.add_argument("--env-table", action="store_true", help="print the KEMBED_* settings tables (Markdown)")
     args = parser.parse_args(argv)
     if args.env_table:
-        print(env_table())
+        print(env_tables())
         return 0
     try:
         settings = Settings.from_env()

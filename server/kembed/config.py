@@ -1,8 +1,9 @@
 """Server settings, read from ``KEMBED_*`` environment variables and validated at start-up.
 
 Every field ``x`` is set by ``KEMBED_X`` (see :func:`kembed.contract.env_name`). A bad value
-stops start-up with :class:`ConfigError`, whose message names the variable. The README's
-configuration table is generated from the field descriptions (``python -m kembed --env-table``).
+stops start-up with :class:`ConfigError`, whose message names the variable. Each field belongs to a
+:class:`Group` (what a user sets, tuning knobs, what the operator sets), and the configuration
+tables are generated per group from the field descriptions (``python -m kembed --env-table``).
 """
 
 from __future__ import annotations
@@ -11,17 +12,18 @@ import os
 from collections.abc import Mapping
 from enum import StrEnum
 from pathlib import Path
-from typing import Any
+from typing import Any, Final
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
+from pydantic.config import JsonDict
 
-from kembed.contract import ENV_PREFIX, GRPC_PORT, HTTP_PORT, REST_PORT, env_name
+from kembed.contract import ENV_PREFIX, GRPC_PORT, HTTP_PORT, OPERATOR_ENV_PREFIX, REST_PORT, env_name
 
 MAX_FRONTENDS = 64
 AUTO_MAX_FRONTENDS = 8
 # auto: two CPUs for the engine (its event loop and the worker thread), then one front end per two
 # CPUs (a busy front end takes about a core on its event loop plus gRPC's poller and tokenizer
-# threads), from 1 to 8. On 2 CPUs one front end measured faster than two (README, "Choices").
+# threads), from 1 to 8. On 2 CPUs one front end measured faster than two (docs/decisions/cpu-sizing.md).
 ENGINE_CPUS = 2
 CPUS_PER_FRONTEND = 2
 
@@ -94,119 +96,237 @@ def _csv(value: Any) -> Any:
     return value
 
 
+class Group(StrEnum):
+    """Who sets a setting, which is how the settings table is split."""
+
+    USER = "user"  # the model, binds and ports, TLS, logging, the latency targets
+    TUNING = "tuning"  # batching, admission and limits: defaults measured to hold, changed with a reason
+    OPERATOR = "operator"  # facts about the pod, which the operator renders from it
+
+
+GROUP_TITLES = {
+    Group.USER: "What you set",
+    Group.TUNING: "Tuning knobs",
+    Group.OPERATOR: "What the operator sets",
+}
+GROUP_NOTES = {
+    Group.USER: "The model, where the server listens, TLS, logging, and the latency targets admission holds.",
+    Group.TUNING: "Batching, admission and limits. The defaults are measured; change one with a reason.",
+    Group.OPERATOR: (
+        "The operator sets these from the pod it renders (its CPU request, its grace period, the compile "
+        "cache volume). Outside Kubernetes, set them if you need them."
+    ),
+}
+# Each field's group, as its json_schema_extra (read by group_of).
+USER: Final[JsonDict] = {"group": Group.USER.value}
+TUNING: Final[JsonDict] = {"group": Group.TUNING.value}
+OPERATOR: Final[JsonDict] = {"group": Group.OPERATOR.value}
+
+
 class Settings(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True, use_enum_values=False)
 
-    # --- model ---
-    model: str = Field("", description="Model folder, or a Hugging Face hub id; empty = the bundled all-MiniLM-L6-v2")
-    model_revision: str = Field("", description="Hub revision (branch, tag or commit) when `model` is a hub id")
-    model_cache_dir: str = Field("", description="Hub cache folder (HF_HUB_CACHE semantics); empty = the hub default")
-    trust_remote_code: bool = Field(False, description="Allow model code from the model folder (off: never run it)")
+    # --- what a user sets: the model ---
+    model: str = Field(
+        "",
+        description="Model folder, or a Hugging Face hub id; empty = the bundled all-MiniLM-L6-v2",
+        json_schema_extra=USER,
+    )
+    model_revision: str = Field(
+        "", description="Hub revision (branch, tag or commit) when `model` is a hub id", json_schema_extra=USER
+    )
+    model_cache_dir: str = Field(
+        "", description="Hub cache folder (HF_HUB_CACHE semantics); empty = the hub default", json_schema_extra=USER
+    )
+    trust_remote_code: bool = Field(
+        False, description="Allow model code from the model folder (off: never run it)", json_schema_extra=USER
+    )
     pooling: Pooling = Field(
-        Pooling.AUTO, description="auto (from the sentence-transformers config), mean, cls or last"
+        Pooling.AUTO,
+        description="auto (from the sentence-transformers config), mean, cls or last",
+        json_schema_extra=USER,
     )
     control_tokens: list[str] = Field(
-        default_factory=list, description="Comma-separated tokens left out of pooling, e.g. `[query],[title]`"
+        default_factory=list,
+        description="Comma-separated tokens left out of pooling, e.g. `[query],[title]`",
+        json_schema_extra=USER,
     )
-    max_input_tokens: int = Field(0, ge=0, description="Longest input in tokens; 0 = the model's limit")
-    dtype: Dtype = Field(Dtype.AUTO, description="auto (bf16 on CUDA, fp32 on CPU), float32, float16 or bfloat16")
-    device: str = Field("auto", description="auto, cpu, cuda or cuda:N")
-    compile: Toggle = Field(Toggle.AUTO, description="torch.compile with CUDA graphs: auto = on for CUDA")
-    graphs: Graphs = Field(
-        Graphs.CAPTURE, description='When compiling: capture or static (see the README, "Compile, cache and warmup")'
+    max_input_tokens: int = Field(
+        0, ge=0, description="Longest input in tokens; 0 = the model's limit", json_schema_extra=USER
     )
-    compile_cache_dir: str = Field(
+    device: str = Field("auto", description="auto, cpu, cuda or cuda:N", json_schema_extra=USER)
+    served_model_name: str = Field(
         "",
-        description="Folder kept across restarts for torch's compile caches (keyed by torch, GPU, model); empty = none",
+        description="The `model` name REST clients may use besides the model id (an alias); empty = none",
+        json_schema_extra=USER,
     )
-    warmup: Warmup = Field(Warmup.AUTO, description="auto, grid or largest (see the README); compiled, always grid")
 
-    # --- batching ---
-    batching: Batching = Field(Batching.TOKEN_BUCKET, description="token_bucket, or naive (the ablation baseline)")
+    # --- what a user sets: binds and ports, TLS, logging ---
+    grpc_host: str = Field(
+        "127.0.0.1", description="gRPC and REST bind address (containers set 0.0.0.0)", json_schema_extra=USER
+    )
+    grpc_port: int = Field(
+        GRPC_PORT, ge=0, le=65535, description="gRPC port (0 = any free port)", json_schema_extra=USER
+    )
+    rest_port: int = Field(
+        REST_PORT,
+        ge=0,
+        le=65535,
+        description="OpenAI-compatible REST port (/v1/embeddings, /v1/models); 0 = off",
+        json_schema_extra=USER,
+    )
+    http_host: str = Field(
+        "127.0.0.1", description="Health and metrics bind address (containers set 0.0.0.0)", json_schema_extra=USER
+    )
+    http_port: int = Field(
+        HTTP_PORT, ge=0, le=65535, description="Health and metrics port (0 = any free port)", json_schema_extra=USER
+    )
+    # TLS: the gRPC and REST ports only; the HTTP port stays plaintext for kubelet probes.
+    tls_cert_file: str = Field(
+        "",
+        description="PEM certificate chain: with the key, the gRPC port serves TLS only; re-read when it changes",
+        json_schema_extra=USER,
+    )
+    tls_key_file: str = Field("", description="PEM private key of `KEMBED_TLS_CERT_FILE`", json_schema_extra=USER)
+    tls_client_ca_file: str = Field(
+        "", description="PEM CA bundle: mTLS, every client must present a certificate it signed", json_schema_extra=USER
+    )
+    log_level: str = Field("INFO", description="Python log level (DEBUG, INFO, WARNING, ERROR)", json_schema_extra=USER)
+
+    # --- what a user sets: the latency targets ---
+    max_drain_ms: float = Field(
+        2000.0,
+        gt=0,
+        description="Throughput: reject when a request could wait longer than this (2x the drain time with buckets)",
+        json_schema_extra=USER,
+    )
+    p95_soft_ms: float = Field(
+        1500.0, gt=0, description="Latency: above this P95, shed a growing fraction of requests", json_schema_extra=USER
+    )
+    p95_hard_ms: float = Field(
+        3000.0, gt=0, description="Latency: above this P95, reject every request", json_schema_extra=USER
+    )
+    default_timeout_ms: float = Field(
+        30_000.0, gt=0, description="Deadline for requests that set none", json_schema_extra=USER
+    )
+
+    # --- tuning: the model's run ---
+    dtype: Dtype = Field(
+        Dtype.AUTO,
+        description="auto (bf16 on CUDA, fp32 on CPU), float32, float16 or bfloat16",
+        json_schema_extra=TUNING,
+    )
+    compile: Toggle = Field(
+        Toggle.AUTO, description="torch.compile with CUDA graphs: auto = on for CUDA", json_schema_extra=TUNING
+    )
+    graphs: Graphs = Field(
+        Graphs.CAPTURE,
+        description='When compiling: capture or static (docs/configuration.md, "Compile, cache and warmup")',
+        json_schema_extra=TUNING,
+    )
+    warmup: Warmup = Field(
+        Warmup.AUTO,
+        description="auto, grid or largest (docs/configuration.md); compiled, always grid",
+        json_schema_extra=TUNING,
+    )
+
+    # --- tuning: batching ---
+    batching: Batching = Field(
+        Batching.TOKEN_BUCKET, description="token_bucket, or naive (the ablation baseline)", json_schema_extra=TUNING
+    )
     buckets: list[int] = Field(
         default_factory=lambda: [16, 32, 64, 128, 256, 512],
         description="Bucket lengths in tokens, ascending; clipped to the model's max input tokens",
+        json_schema_extra=TUNING,
     )
     max_batch_size: int = Field(
-        64, ge=1, le=4096, description="Most rows in one batch (batch shapes are powers of two up to it)"
+        64,
+        ge=1,
+        le=4096,
+        description="Most rows in one batch (batch shapes are powers of two up to it)",
+        json_schema_extra=TUNING,
     )
     max_tokens_per_batch: int = Field(
-        0, ge=0, description="Most padded tokens (rows x length) in one batch; 0 = 2048 on CPU, 16384 on CUDA"
+        0,
+        ge=0,
+        description="Most padded tokens (rows x length) in one batch; 0 = 2048 on CPU, 16384 on CUDA",
+        json_schema_extra=TUNING,
     )
     max_wait_ms: float = Field(
-        20.0, ge=0, description="A bucket whose oldest item waited this long is stale and drains first"
+        20.0,
+        ge=0,
+        description="A bucket whose oldest item waited this long is stale and drains first",
+        json_schema_extra=TUNING,
     )
     frame_interval_ms: float = Field(
         2.0,
         ge=0,
         le=100,
         description="Once calls overlap, a front end sends the engine a frame of requests per interval (0 = per turn)",
+        json_schema_extra=TUNING,
     )
 
-    # --- admission ---
+    # --- tuning: admission ---
     admission: list[Admission] = Field(
         default_factory=lambda: [Admission.THROUGHPUT, Admission.LATENCY],
         description="Strategies, comma-separated (throughput, latency), or empty for none",
+        json_schema_extra=TUNING,
     )
-    max_drain_ms: float = Field(
-        2000.0,
-        gt=0,
-        description="Throughput: reject when a request could wait longer than this (2x the drain time with buckets)",
+    latency_window_s: float = Field(10.0, gt=0, description="Sliding window for the P95", json_schema_extra=TUNING)
+    max_queued_tokens: int = Field(
+        262144, ge=1, description="Hard cap on queued padded tokens, whatever else says", json_schema_extra=TUNING
     )
-    p95_soft_ms: float = Field(1500.0, gt=0, description="Latency: above this P95, shed a growing fraction of requests")
-    p95_hard_ms: float = Field(3000.0, gt=0, description="Latency: above this P95, reject every request")
-    latency_window_s: float = Field(10.0, gt=0, description="Sliding window for the P95")
-    max_queued_tokens: int = Field(262144, ge=1, description="Hard cap on queued padded tokens, whatever else says")
 
-    # --- request limits ---
-    max_items_per_request: int = Field(1024, ge=1, description="Most texts or sequences in one request")
-    max_text_chars: int = Field(100_000, ge=1, description="Longest text in characters (bounds tokenization work)")
-    max_message_bytes: int = Field(16 * 1024 * 1024, ge=1024, description="gRPC max receive/send message size")
+    # --- tuning: request limits and serving ---
+    max_items_per_request: int = Field(
+        1024, ge=1, description="Most texts or sequences in one request", json_schema_extra=TUNING
+    )
+    max_text_chars: int = Field(
+        100_000, ge=1, description="Longest text in characters (bounds tokenization work)", json_schema_extra=TUNING
+    )
+    max_message_bytes: int = Field(
+        16 * 1024 * 1024, ge=1024, description="gRPC max receive/send message size", json_schema_extra=TUNING
+    )
     max_concurrent_rpcs: int = Field(
-        1024, ge=1, description="RPCs handled at once; beyond it gRPC answers RESOURCE_EXHAUSTED (bounds memory)"
+        1024,
+        ge=1,
+        description="RPCs handled at once; beyond it gRPC answers RESOURCE_EXHAUSTED (bounds memory)",
+        json_schema_extra=TUNING,
     )
-    default_timeout_ms: float = Field(30_000.0, gt=0, description="Deadline for requests that set none")
-
-    # --- serving ---
-    grpc_host: str = Field("127.0.0.1", description="gRPC and REST bind address (containers set 0.0.0.0)")
-    grpc_port: int = Field(GRPC_PORT, ge=0, le=65535, description="gRPC port (0 = any free port)")
-    rest_port: int = Field(
-        REST_PORT, ge=0, le=65535, description="OpenAI-compatible REST port (/v1/embeddings, /v1/models); 0 = off"
-    )
-    served_model_name: str = Field(
-        "", description="The `model` name REST clients may use besides the model id (an alias); empty = none"
-    )
-    http_host: str = Field("127.0.0.1", description="Health and metrics bind address (containers set 0.0.0.0)")
-    http_port: int = Field(HTTP_PORT, ge=0, le=65535, description="Health and metrics port (0 = any free port)")
     max_connection_age_ms: int = Field(
-        300_000, ge=1000, description="Clients reconnect after this, so new replicas get traffic"
+        300_000,
+        ge=1000,
+        description="Clients reconnect after this, so new replicas get traffic",
+        json_schema_extra=TUNING,
     )
-    drain_timeout_s: float = Field(25.0, ge=0, description="On SIGTERM, how long accepted work may take to finish")
-    log_level: str = Field("INFO", description="Python log level (DEBUG, INFO, WARNING, ERROR)")
     compute_nice: int = Field(
         10,
         ge=0,
         le=19,
         description="CPU inference: niceness added to the compute threads, so serving (refusing, admitting, "
         "answering calls) preempts them",
+        json_schema_extra=TUNING,
     )
     frontends: str = Field(
         "auto",
         description="gRPC front-end processes sharing the port: a number, or auto ((CPUs - 2) / 2, from 1 to 8)",
+        json_schema_extra=TUNING,
+    )
+
+    # --- what the operator sets, from the pod it renders ---
+    compile_cache_dir: str = Field(
+        "",
+        description="Folder kept across restarts for torch's compile caches (keyed by torch, GPU, model); empty = none",
+        json_schema_extra=OPERATOR,
+    )
+    drain_timeout_s: float = Field(
+        25.0, ge=0, description="On SIGTERM, how long accepted work may take to finish", json_schema_extra=OPERATOR
     )
     cpu_request_millicores: int = Field(
         0,
         ge=0,
         description="CPU request in millicores (the operator passes the container's down); caps auto's CPUs; 0 = none",
-    )
-
-    # --- TLS (the gRPC port only; the HTTP port stays plaintext for kubelet probes) ---
-    tls_cert_file: str = Field(
-        "", description="PEM certificate chain: with the key, the gRPC port serves TLS only; re-read when it changes"
-    )
-    tls_key_file: str = Field("", description="PEM private key of `KEMBED_TLS_CERT_FILE`")
-    tls_client_ca_file: str = Field(
-        "", description="PEM CA bundle: mTLS, every client must present a certificate it signed"
+        json_schema_extra=OPERATOR,
     )
 
     @field_validator("control_tokens", "buckets", "admission", mode="before")
@@ -265,7 +385,7 @@ class Settings(BaseModel):
         return available_cpus(self.cpu_request_millicores)
 
     def frontend_count(self) -> int:
-        """How many front ends: as set, or by the CPUs this process may use (see the README)."""
+        """How many front ends: as set, or by the CPUs this process may use (docs/decisions/cpu-sizing.md)."""
         if self.frontends != "auto":
             return int(self.frontends)
         spare = int(self.cpus()) - ENGINE_CPUS
@@ -273,12 +393,13 @@ class Settings(BaseModel):
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None, **overrides: Any) -> Settings:
-        """Read ``KEMBED_*`` variables; unknown ``KEMBED_*`` names are an error (likely a typo)."""
+        """Read ``KEMBED_*`` variables; unknown ``KEMBED_*`` names are an error (likely a typo), but
+        ``KEMBED_OPERATOR_*`` are the operator's own, so a shell may hold both."""
         environ = os.environ if environ is None else environ
         fields = cls.model_fields
         values: dict[str, Any] = {}
         for key, raw in environ.items():
-            if not key.startswith(ENV_PREFIX):
+            if not key.startswith(ENV_PREFIX) or key.startswith(OPERATOR_ENV_PREFIX):
                 continue
             name = key[len(ENV_PREFIX) :].lower()
             if name not in fields:
@@ -300,10 +421,21 @@ def _describe(err: ValidationError) -> str:
     return "; ".join(problems)
 
 
-def env_table() -> str:
-    """The README's configuration table, from the field descriptions."""
+def group_of(name: str) -> Group:
+    """The group a setting belongs to."""
+    extra = Settings.model_fields[name].json_schema_extra
+    group = extra.get("group") if isinstance(extra, dict) else None
+    if not isinstance(group, str):
+        raise ValueError(f"setting {name} has no group")
+    return Group(group)
+
+
+def env_table(group: Group) -> str:
+    """One group's configuration table, from the field descriptions."""
     rows = ["| Variable | Default | Meaning |", "| --- | --- | --- |"]
     for name, field in Settings.model_fields.items():
+        if group_of(name) is not group:
+            continue
         default = field.get_default(call_default_factory=True)
         if isinstance(default, list):
             default = ",".join(str(getattr(v, "value", v)) for v in default)
@@ -311,3 +443,8 @@ def env_table() -> str:
         shown = f"`{default}`" if default != "" else "(empty)"
         rows.append(f"| `{env_name(name)}` | {shown} | {field.description} |")
     return "\n".join(rows)
+
+
+def env_tables() -> str:
+    """Every group's table under its title, for ``python -m kembed --env-table``."""
+    return "\n\n".join(f"### {GROUP_TITLES[g]}\n\n{GROUP_NOTES[g]}\n\n{env_table(g)}" for g in Group)

@@ -18,6 +18,8 @@ HEALTH_PATH: Final = "/health"
 METRICS_PATH: Final = "/metrics"
 
 ENV_PREFIX: Final = "KEMBED_"
+# The operator's own variables: not server settings, so the server leaves them alone.
+OPERATOR_ENV_PREFIX: Final = "KEMBED_OPERATOR_"
 
 # Exit codes every process of the server uses, so the pod's last state says why it stopped.
 EXIT_STARTUP_FAILED: Final = 1  # the model did not load, a port was taken

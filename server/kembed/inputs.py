@@ -1,8 +1,11 @@
-"""Client input to validated token ids: texts are tokenized here, pre-tokenized bytes are checked here.
+"""Client input to validated token ids: texts are tokenized here, pre-tokenized ids are checked
+against the model here.
 
 Everything a client controls is validated before it reaches a shared batch: one bad item must fail
 its own request with INVALID_ARGUMENT, never the batch (an out-of-vocabulary id is a device-side
-assert on CUDA that poisons the process). Pre-tokenized input is handled with vectorised numpy only.
+assert on CUDA that poisons the process). The edges have checked what needs no model (counts,
+characters, empty items: ``frontend/call.py``); this module checks what does (the vocabulary, the
+model's length limit). Pre-tokenized input is handled with vectorised numpy only.
 """
 
 from __future__ import annotations
@@ -16,6 +19,8 @@ from typing import TYPE_CHECKING
 
 import numpy as np
 import tokenizers
+
+from kembed.errors import Field, InvalidInput
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -32,15 +37,6 @@ _TOKENIZER_FILES = frozenset(
         "merges.txt",
     }
 )
-
-
-class InputError(ValueError):
-    """Bad client input. ``str(err) == f"{field}: {message}"``; the API turns it into INVALID_ARGUMENT."""
-
-    def __init__(self, field: str, message: str) -> None:
-        super().__init__(f"{field}: {message}")
-        self.field = field
-        self.message = message
 
 
 @dataclass(frozen=True)
@@ -61,7 +57,7 @@ class Sequences:
 
 
 class Tokenizer:
-    """The model's fast tokenizer plus the edge validation; safe to call from many threads at once.
+    """The model's fast tokenizer and the checks that need the model; safe to call from many threads at once.
 
     The Rust tokenizer is configured once here, in two private copies (with and without truncation),
     and only read afterwards: changing truncation per call, as ``PreTrainedTokenizerFast.__call__``
@@ -75,13 +71,9 @@ class Tokenizer:
         pad_token_id: int,
         max_input_tokens: int,
         vocab_size: int,
-        max_items: int,
-        max_text_chars: int,
     ) -> None:
         self.max_input_tokens = max_input_tokens
         self.vocab_size = vocab_size
-        self.max_items = max_items
-        self.max_text_chars = max_text_chars
         self.pad_token_id = pad_token_id
         self._full = _configured_copy(backend, max_length=None)
         self._truncating = _configured_copy(backend, max_length=max_input_tokens)
@@ -94,36 +86,23 @@ class Tokenizer:
         *,
         max_input_tokens: int,
         vocab_size: int,
-        max_items: int,
-        max_text_chars: int,
     ) -> Tokenizer:
         backend = getattr(tokenizer, "backend_tokenizer", None)
         if not isinstance(backend, tokenizers.Tokenizer):
             raise ValueError(f"{type(tokenizer).__name__} is not a fast tokenizer; kembed needs one")
         # Padded positions are masked out, so any in-vocabulary id pads a model without a pad token.
         pad_token_id = tokenizer.pad_token_id if tokenizer.pad_token_id is not None else 0
-        return cls(
-            backend,
-            pad_token_id=pad_token_id,
-            max_input_tokens=max_input_tokens,
-            vocab_size=vocab_size,
-            max_items=max_items,
-            max_text_chars=max_text_chars,
-        )
+        return cls(backend, pad_token_id=pad_token_id, max_input_tokens=max_input_tokens, vocab_size=vocab_size)
 
     def to_json(self) -> str:
         """The tokenizer, serialized for another process (padding and truncation reset)."""
         return str(self._full.to_str())
 
     def from_texts(self, texts: Sequence[str], truncate: bool) -> Sequences:
-        self._check_count("texts", len(texts))
-        if max(map(len, texts)) > self.max_text_chars:
-            index = next(i for i, text in enumerate(texts) if len(text) > self.max_text_chars)
-            raise InputError(f"texts[{index}]", f"{len(texts[index])} characters, more than {self.max_text_chars}")
         backend = self._truncating if truncate else self._full
         encodings = backend.encode_batch_fast(list(texts), add_special_tokens=True)
         lengths = np.fromiter(map(len, encodings), dtype=np.int32, count=len(encodings))
-        self._check_lengths("texts", lengths, truncate)
+        self._check_lengths(lengths, truncate)
         ids = np.fromiter(chain.from_iterable(e.ids for e in encodings), dtype=np.int32, count=int(lengths.sum()))
         return Sequences(ids=ids, lengths=lengths)
 
@@ -135,27 +114,21 @@ class Tokenizer:
         words = np.fromiter((len(text.split()) for text in texts), dtype=np.int64, count=len(texts))
         return np.minimum(words + self._special_tokens, self.max_input_tokens)
 
-    def from_token_bytes(self, ids: bytes, lengths: Sequence[int], truncate: bool) -> Sequences:
-        self._check_count("tokens.lengths", len(lengths))
-        # int64 holds any uint32 (a client's -1 is 4294967295) and any sum of max_items of them.
-        counts = np.asarray(lengths, dtype=np.int64)
-        if len(ids) % 4:
-            raise InputError("tokens.ids", f"{len(ids)} bytes is not a whole number of int32 ids")
-        zero = counts < 1
-        if zero.any():
-            raise InputError(f"tokens.lengths[{int(np.argmax(zero))}]", "must be at least 1")
-        total = int(counts.sum())
-        if total * 4 != len(ids):
-            raise InputError("tokens.lengths", f"sum to {total} tokens, but tokens.ids holds {len(ids) // 4}")
-        flat = np.frombuffer(ids, dtype="<i4")  # a view: nothing allocated before the checks pass
+    def from_ids(self, seqs: Sequences, truncate: bool) -> Sequences:
+        """Pre-tokenized sequences (whole, non-empty: the edge checked) checked against the model."""
+        flat, counts = seqs.ids, seqs.lengths
         outside = (flat < 0) | (flat >= self.vocab_size)
         if outside.any():
             index = int(np.argmax(outside))
-            raise InputError(f"tokens.ids[{index}]", f"{flat[index]} is outside the vocabulary [0, {self.vocab_size})")
-        self._check_lengths("tokens.lengths", counts, truncate)
+            ends = np.cumsum(counts, dtype=np.int64)
+            item = int(np.searchsorted(ends, index, side="right"))
+            position = index - int(ends[item] - counts[item])
+            reason = f"{flat[index]} is outside the vocabulary [0, {self.vocab_size})"
+            raise InvalidInput(Field.INPUT, reason, item, position)
+        self._check_lengths(counts, truncate)
         if truncate and counts.max() > self.max_input_tokens:
             return self._truncate(flat, counts)
-        return Sequences(ids=flat.astype(np.int32), lengths=counts.astype(np.int32))
+        return Sequences(ids=flat.astype(np.int32, copy=False), lengths=counts.astype(np.int32, copy=False))
 
     def _truncate(self, flat: np.ndarray, counts: np.ndarray) -> Sequences:
         """Keep each sequence's first ``max_input_tokens - 1`` ids and its last one (the closing special token)."""
@@ -166,21 +139,15 @@ class Tokenizer:
         kept = np.minimum(counts, self.max_input_tokens)
         return Sequences(ids=flat[keep].astype(np.int32), lengths=kept.astype(np.int32))
 
-    def _check_count(self, field: str, count: int) -> None:
-        if count == 0:
-            raise InputError(field, "no inputs")
-        if count > self.max_items:
-            raise InputError(field, f"{count} inputs, at most {self.max_items} per request")
-
-    def _check_lengths(self, field: str, lengths: np.ndarray, truncate: bool) -> None:
+    def _check_lengths(self, lengths: np.ndarray, truncate: bool) -> None:
         too_long = lengths > self.max_input_tokens
         if not truncate and too_long.any():
             index = int(np.argmax(too_long))
-            raise InputError(
-                f"{field}[{index}]",
+            reason = (
                 f"{lengths[index]} tokens, longer than the model's {self.max_input_tokens}; "
-                "set truncate=true to cut it to fit",
+                "set truncate=true to cut it to fit"
             )
+            raise InvalidInput(Field.INPUT, reason, index)
 
 
 def _configured_copy(backend: tokenizers.Tokenizer, max_length: int | None) -> tokenizers.Tokenizer:

@@ -1,11 +1,14 @@
 """Settings from KEMBED_* variables: errors name the variable."""
 
+import re
 from pathlib import Path
 
 import pytest
 
-from kembed.config import Admission, ConfigError, Settings, env_table
+from kembed.config import Admission, ConfigError, Group, Settings, env_table, env_tables, group_of
 from kembed.contract import env_name
+
+ROOT = Path(__file__).parents[2]
 
 
 def test_defaults_need_no_environment():
@@ -43,18 +46,39 @@ def test_bad_values_name_the_variable(env, named):
         Settings.from_env(env)
 
 
-def test_every_setting_has_a_documented_variable():
-    table = env_table()
+def test_every_setting_is_in_one_groups_table():
+    tables = {group: env_table(group) for group in Group}
     for name in Settings.model_fields:
-        assert f"`{env_name(name)}`" in table
+        holding = [group for group, table in tables.items() if f"`{env_name(name)}`" in table]
+        assert holding == [group_of(name)], name
+    assert all(table.count("\n") >= 3 for table in tables.values())  # no group is empty
 
 
-def test_docs_table_is_current():
-    page = (Path(__file__).parents[2] / "docs" / "configuration.md").read_text()
+def test_the_docs_tables_are_current():
+    """The tables in docs/configuration.md are exactly what ``--env-table`` prints."""
+    page = (ROOT / "docs" / "configuration.md").read_text()
     begin, end = "<!-- env-table:start -->\n", "\n<!-- env-table:end -->"
     assert page.count(begin) == 1 and page.count(end) == 1, "docs/configuration.md lacks the env-table markers"
-    table = page[page.index(begin) + len(begin) : page.index(end)]
-    assert table == env_table(), "docs/configuration.md's settings table is stale: paste `make env-table` there"
+    assert page[page.index(begin) + len(begin) : page.index(end)] == env_tables(), (
+        "docs/configuration.md's settings tables are stale: paste `make env-table` there"
+    )
+
+
+def test_the_operators_variables_are_not_the_servers_to_refuse():
+    """The server and the operator can share a shell's environment: every KEMBED_* variable the
+    operator's chart sets is accepted (KEMBED_OPERATOR_* ignored, anything else a server setting)."""
+    chart = (ROOT / "charts" / "kembed-operator" / "templates" / "deployment.yaml").read_text()
+    names = set(re.findall(r"name: (KEMBED_\w+)", chart))
+    assert "KEMBED_OPERATOR_DEFAULT_IMAGE" in names
+    settings = Settings.from_env({name: "x" for name in names} | {"KEMBED_GRPC_PORT": "6000"})
+    assert settings.grpc_port == 6000
+    assert not any(name.startswith("operator_") for name in Settings.model_fields)  # none would be read
+
+
+@pytest.mark.parametrize("typo", ["KEMBED_OPERATR_DEFAULT_IMAGE", "KEMBED_OPERATOR", "KEMBED_MODLE"])
+def test_other_unknown_variables_are_still_refused(typo: str):
+    with pytest.raises(ConfigError, match=f"{typo}: unknown setting"):
+        Settings.from_env({typo: "x"})
 
 
 def test_frontends_auto_follows_the_cpus(monkeypatch: pytest.MonkeyPatch):

@@ -1,9 +1,10 @@
-"""Edge validation and tokenization (kembed.inputs) with the bundled model's real tokenizer."""
+"""Tokenization and the checks that need the model (kembed.inputs) with the bundled model's real
+tokenizer. What the edges check without it (counts, characters, the wire's shapes) is tested with
+each edge's mapping (test_call, test_grpc_api, test_openai_api)."""
 
 from __future__ import annotations
 
 import shutil
-import tracemalloc
 from concurrent.futures import ThreadPoolExecutor
 from itertools import chain
 from pathlib import Path
@@ -12,8 +13,8 @@ import numpy as np
 import pytest
 from transformers import PreTrainedTokenizerBase
 
-from kembed.inputs import InputError, Sequences, Tokenizer, tokenizer_fingerprint
-from kembed.v1 import embedder_pb2
+from kembed.errors import Field, InvalidInput
+from kembed.inputs import Sequences, Tokenizer, tokenizer_fingerprint
 
 VOCAB = 30522
 LIMIT = 16
@@ -23,24 +24,22 @@ LONG_TEXT = "the quick brown fox jumps over the lazy dog " * 10  # ~90 tokens
 
 @pytest.fixture(scope="module")
 def tok(hf_tokenizer: PreTrainedTokenizerBase) -> Tokenizer:
-    return Tokenizer.from_transformers(
-        hf_tokenizer, max_input_tokens=LIMIT, vocab_size=VOCAB, max_items=8, max_text_chars=500
-    )
+    return Tokenizer.from_transformers(hf_tokenizer, max_input_tokens=LIMIT, vocab_size=VOCAB)
 
 
-def as_bytes(ids: list[int]) -> bytes:
-    return np.asarray(ids, dtype="<i4").tobytes()
+def sequences(ids: list[int], lengths: list[int]) -> Sequences:
+    return Sequences(np.asarray(ids, dtype="<i4"), np.asarray(lengths, dtype=np.int32))
 
 
-def raises(field: str, *fragments: str) -> pytest.RaisesExc[InputError]:
-    """Expect an InputError on `field` whose message has every fragment."""
-    return pytest.raises(InputError, match="^" + "".join(f"(?=.*{f})" for f in (field, *fragments)))
+def located(caught: pytest.ExceptionInfo[InvalidInput]) -> tuple[Field, int | None, int | None]:
+    error = caught.value
+    return error.field, error.index, error.position
 
 
-def test_input_error_format() -> None:
-    err = InputError("texts[3]", "too long")
-    assert (str(err), err.field, err.message) == ("texts[3]: too long", "texts[3]", "too long")
-    assert isinstance(err, ValueError)
+def test_invalid_input_locates_the_item_as_data() -> None:
+    error = InvalidInput(Field.INPUT, "too long", 3, 12)
+    assert (error.field, error.index, error.position, error.reason) == (Field.INPUT, 3, 12, "too long")
+    assert error.message == "input[3][12]: too long"  # for logs: each edge names it its own way
 
 
 def test_sequences_offsets() -> None:
@@ -58,18 +57,11 @@ def test_texts_tokenize_with_special_tokens(tok: Tokenizer) -> None:
     assert tok.pad_token_id == 0
 
 
-@pytest.mark.parametrize(
-    ("texts", "field", "fragments"),
-    [
-        ([], "texts", ["no inputs"]),
-        (["a"] * 9, "texts", ["9 inputs", "8"]),
-        (["ok", "x" * 501, "y" * 600], r"texts\[1\]", ["501 characters", "500"]),
-        (["short", "short", LONG_TEXT], r"texts\[2\]", ["92 tokens", "16", "truncate=true"]),
-    ],
-)
-def test_text_errors(tok: Tokenizer, texts: list[str], field: str, fragments: list[str]) -> None:
-    with raises(field, *fragments):
-        tok.from_texts(texts, truncate=False)
+def test_a_text_over_the_models_limit_is_located(tok: Tokenizer) -> None:
+    with pytest.raises(InvalidInput) as caught:
+        tok.from_texts(["short", "short", LONG_TEXT], truncate=False)
+    assert located(caught) == (Field.INPUT, 2, None)
+    assert caught.value.reason == f"92 tokens, longer than the model's {LIMIT}; set truncate=true to cut it to fit"
 
 
 def test_text_truncation_keeps_the_closing_token(tok: Tokenizer, hf_tokenizer: PreTrainedTokenizerBase) -> None:
@@ -79,41 +71,27 @@ def test_text_truncation_keeps_the_closing_token(tok: Tokenizer, hf_tokenizer: P
     assert seqs.ids[3:].tolist() == [*full[: LIMIT - 1], SEP]
 
 
-@pytest.mark.parametrize(
-    ("ids", "lengths", "field", "fragments"),
-    [
-        ([], [], "tokens.lengths", ["no inputs"]),
-        ([CLS] * 9, [1] * 9, "tokens.lengths", ["9 inputs"]),
-        (b"\x01\x00\x00\x00\x02", [1], "tokens.ids", ["5 bytes"]),
-        ([CLS, SEP, CLS, SEP], [2, 3], "tokens.lengths", ["sum to 5", "holds 4"]),
-        ([CLS, SEP, CLS, SEP], [2, 2, 0], r"tokens.lengths\[2\]", ["at least 1"]),
-        ([CLS, 5, SEP, CLS, 7, -1, SEP], [3, 4], r"tokens.ids\[5\]", ["-1 is outside", "30522"]),
-        ([CLS, VOCAB, SEP], [3], r"tokens.ids\[1\]", ["30522 is outside"]),
-        ([CLS, SEP, *range(1000, 1018), SEP], [2, 19], r"tokens.lengths\[1\]", ["19 tokens", "16", "truncate=true"]),
-    ],
-)
-def test_token_errors(tok: Tokenizer, ids: list[int] | bytes, lengths: list[int], field: str, fragments: list[str]):
-    data = ids if isinstance(ids, bytes) else as_bytes(ids)
-    with raises(field, *fragments):
-        tok.from_token_bytes(data, lengths, truncate=False)
+TOKEN_ERRORS = {
+    "negative id": ([CLS, 5, SEP, CLS, 7, -1, SEP], [3, 4], (1, 2), "-1 is outside the vocabulary [0, 30522)"),
+    "id past the vocabulary": ([CLS, VOCAB, SEP], [3], (0, 1), "30522 is outside"),
+    "too long": ([CLS, SEP, *range(1000, 1018), SEP], [2, 19], (1, None), "19 tokens, longer than the model's 16"),
+}
 
 
-def test_bogus_length_fails_fast_without_allocating(tok: Tokenizer) -> None:
-    # A client's -1 arrives as 4294967295 through the proto's uint32 field.
-    message = embedder_pb2.TokenIds(ids=as_bytes([CLS, SEP, CLS, SEP]), lengths=[2**32 - 1, 2**32 - 1, 2])
-    tracemalloc.start()
-    with raises("tokens.lengths", "sum to 8589934592"):
-        tok.from_token_bytes(message.ids, message.lengths, truncate=True)
-    peak = tracemalloc.get_traced_memory()[1]
-    tracemalloc.stop()
-    assert peak < 1 << 20  # nothing sized by the bogus lengths was allocated
+@pytest.mark.parametrize("case", TOKEN_ERRORS)
+def test_token_errors_are_located_by_item_and_position(tok: Tokenizer, case: str) -> None:
+    ids, lengths, (index, position), reason = TOKEN_ERRORS[case]
+    with pytest.raises(InvalidInput) as caught:
+        tok.from_ids(sequences(ids, lengths), truncate=False)
+    assert located(caught) == (Field.INPUT, index, position)
+    assert caught.value.reason.startswith(reason)
 
 
 def test_token_truncation_keeps_first_and_last(tok: Tokenizer) -> None:
     rng = np.random.default_rng(0)
     lengths = [3, 16, 17, 40, 1]
     seqs = [rng.integers(1000, 2000, n).tolist() for n in lengths]
-    got = tok.from_token_bytes(as_bytes(list(chain.from_iterable(seqs))), lengths, truncate=True)
+    got = tok.from_ids(sequences(list(chain.from_iterable(seqs)), lengths), truncate=True)
     expected = [s if len(s) <= LIMIT else [*s[: LIMIT - 1], s[-1]] for s in seqs]
     assert got.lengths.tolist() == [3, 16, 16, 16, 1]
     assert got.ids.tolist() == list(chain.from_iterable(expected))
@@ -121,12 +99,11 @@ def test_token_truncation_keeps_first_and_last(tok: Tokenizer) -> None:
 
 
 @pytest.mark.parametrize("truncate", [False, True])
-def test_bytes_round_trip(tok: Tokenizer, truncate: bool) -> None:
+def test_ids_round_trip(tok: Tokenizer, truncate: bool) -> None:
     texts = ["hello world", "", "naïve café 東京 🙂", LONG_TEXT if truncate else "def f(x): return x"]
     from_texts = tok.from_texts(texts, truncate=truncate)
-    message = embedder_pb2.TokenIds(ids=from_texts.ids.astype("<i4").tobytes(), lengths=from_texts.lengths.tolist())
-    from_bytes = tok.from_token_bytes(message.ids, message.lengths, truncate=truncate)
-    for got, want in ((from_bytes.ids, from_texts.ids), (from_bytes.lengths, from_texts.lengths)):
+    from_ids = tok.from_ids(sequences(from_texts.ids.tolist(), from_texts.lengths.tolist()), truncate=truncate)
+    for got, want in ((from_ids.ids, from_texts.ids), (from_ids.lengths, from_texts.lengths)):
         assert got.dtype == want.dtype
         np.testing.assert_array_equal(got, want)
 

@@ -1,6 +1,7 @@
 """The layout is the architecture: front ends and the engine talk only through the protocol
 (kembed.protocol, kembed.board), so neither package imports the other, and the modules they share
-import neither. Read from the source, so a new import that crosses shows up here."""
+import neither; within a front end, only the gRPC edge knows the proto (the service and the other
+edges speak the domain's call). Read from the source, so a new import that crosses shows up here."""
 
 from __future__ import annotations
 
@@ -13,6 +14,7 @@ PACKAGE = Path(__file__).parents[2] / "server" / "kembed"
 SIDES = ("frontend", "engine")
 # Entry points start the processes by module name, and the supervisor by path: none imports a side.
 SHARED = sorted(p for p in PACKAGE.glob("*.py"))
+PROTO = "kembed.v1"  # the generated protobuf code
 
 
 def imported(path: Path) -> set[str]:
@@ -44,6 +46,16 @@ def test_shared_modules_import_neither_side() -> None:
     assert {name: names for name, names in found.items() if names} == {}
 
 
+def imports(path: Path, module: str) -> bool:
+    """Whether ``path`` imports ``module`` or anything in it."""
+    return any(name == module or name.startswith(module + ".") for name in imported(path))
+
+
+def test_only_the_grpc_edge_of_a_front_end_imports_the_proto() -> None:
+    found = [str(p.relative_to(PACKAGE)) for p in sorted((PACKAGE / "frontend").rglob("*.py")) if imports(p, PROTO)]
+    assert found == ["frontend/grpc_api.py"]
+
+
 def test_the_check_sees_a_crossing(tmp_path: Path) -> None:
     module = tmp_path / "crossing.py"
     module.write_text("from kembed.engine.buckets import route\nimport kembed.frontend.link\n")
@@ -52,3 +64,17 @@ def test_the_check_sees_a_crossing(tmp_path: Path) -> None:
         "kembed.engine.buckets.route",
         "kembed.frontend.link",
     ]
+
+
+def test_the_check_sees_an_import_of_the_proto(tmp_path: Path) -> None:
+    found = {}
+    for name, source in {
+        "from_package": "from kembed import v1\n",
+        "from_module": "from kembed.v1.embedder_pb2 import EmbedRequest\n",
+        "plain": "import kembed.v1.embedder_pb2_grpc\n",
+        "a_lookalike": "import kembed.v1x\nfrom kembed.frontend import call\n",
+    }.items():
+        module = tmp_path / f"{name}.py"
+        module.write_text(source)
+        found[name] = imports(module, PROTO)
+    assert found == {"from_package": True, "from_module": True, "plain": True, "a_lookalike": False}

@@ -107,9 +107,9 @@ async def test_work_counts_as_unconfirmed_until_the_engine_takes_its_frame(tmp_p
         loop = asyncio.get_running_loop()
         link.submit(seqs(1, 2), 32, loop.time(), loop.time() + 30, INTERACTIVE)
         link.submit(seqs(3), 16, loop.time(), loop.time() + 30, BATCH)
-        assert link.unconfirmed(frames_taken=0) == [32, 16]  # queued for the first frame
+        assert link.in_transit.unconfirmed(frames_taken=0) == [32, 16]  # queued for the first frame
         await engine.next_work()  # frame 1 went at once; the next waits an interval no test sees end
         link.submit(seqs(4), 64, loop.time(), loop.time() + 30, INTERACTIVE)
-        assert link.unconfirmed(frames_taken=0) == [96, 16]  # frame 1 sent, not taken; 64 queued
-        assert link.unconfirmed(frames_taken=1) == [64, 0]  # the engine's board counts frame 1 now
-        assert link.unconfirmed(frames_taken=1) == [64, 0]
+        assert link.in_transit.unconfirmed(frames_taken=0) == [96, 16]  # frame 1 sent, not taken; 64 queued
+        assert link.in_transit.unconfirmed(frames_taken=1) == [64, 0]  # the engine's board counts frame 1 now
+        assert link.in_transit.unconfirmed(frames_taken=1) == [64, 0]

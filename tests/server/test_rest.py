@@ -144,6 +144,8 @@ BAD_BODIES: dict[str, tuple[Body, int, str | None]] = {
     "unknown encoding": ({"input": "x", "encoding_format": "hex"}, 400, "encoding_format"),
     "dimensions zero": ({"input": "x", "dimensions": 0}, 400, "dimensions"),
     "too many dimensions": ({"input": "x", "dimensions": 385}, 400, "dimensions"),
+    "dimensions past uint32": ({"input": "x", "dimensions": 2**32}, 400, "dimensions"),
+    "too many sequences": ({"input": [[101, 102]] * (MAX_ITEMS + 1)}, 400, "input"),
     "truncate not a flag": ({"input": "x", "truncate": "yes"}, 400, "truncate"),
     "unknown priority": ({"input": "x", "priority": 1}, 400, "priority"),
     "unknown model": ({"input": "x", "model": "gpt-4"}, 404, "model"),

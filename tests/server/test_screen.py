@@ -28,7 +28,7 @@ async def screening(tmp_path: Path) -> AsyncIterator[tuple[Screen, Board, Engine
     board[Cell.TOKENS_PER_SECOND] = RATE
     settings = Settings.from_env({}, max_drain_ms=1000, admission="throughput")
     async with linked(tmp_path / "engine.sock", 3600.0) as (link, engine):
-        yield Screen(settings, board, link, FRONTEND), board, link, engine
+        yield Screen(settings, board, FRONTEND, link.in_transit, link.add_latency), board, link, engine
 
 
 async def test_a_burst_is_screened_against_work_the_engine_has_not_taken(tmp_path):

@@ -117,13 +117,7 @@ class EmbeddingModel:
         if len(hf_tokenizer) > vocab_size:
             raise ModelLoadError(f"{path}: the tokenizer has {len(hf_tokenizer)} tokens, the model only {vocab_size}")
         max_input_tokens = _max_input_tokens(settings, path, model, hf_tokenizer)
-        tokenizer = Tokenizer.from_transformers(
-            hf_tokenizer,
-            max_input_tokens=max_input_tokens,
-            vocab_size=vocab_size,
-            max_items=settings.max_items_per_request,
-            max_text_chars=settings.max_text_chars,
-        )
+        tokenizer = Tokenizer.from_transformers(hf_tokenizer, max_input_tokens=max_input_tokens, vocab_size=vocab_size)
         info = ModelInfo(
             model_id=model_id,
             path=path,

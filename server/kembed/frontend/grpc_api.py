@@ -1,6 +1,10 @@
-"""The gRPC edge of a front end: the RPC shapes (unary, stream, Info) around the request path in
-:mod:`kembed.frontend.service`, and the one place its failures become gRPC status codes.
+"""The gRPC edge of a front end: its port (the Embedder service, health, reflection), the RPC shapes
+(unary, stream, Info) around the call path in :mod:`kembed.frontend.service`, the mapping between
+the proto's messages and the domain's call and result, and the one place failures become gRPC
+status codes. The only module of the front end that knows the proto.
 
+A request is checked against the limits before anything proportional to it is built: its item count
+before its texts are measured, its ids' byte count and lengths before they are read as an array.
 Admission refusals are RESOURCE_EXHAUSTED with a ``grpc-retry-pushback-ms`` trailer (gRFC A6);
 every answer is counted by its status code.
 """
@@ -9,14 +13,25 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Awaitable, Callable
+from dataclasses import fields
 
 import grpc
+import numpy as np
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_health.v1.health import aio as health_aio  # type: ignore[attr-defined]  # no stub
+from grpc_reflection.v1alpha import reflection
 
-from kembed.contract import RETRY_PUSHBACK_KEY
-from kembed.errors import EmbedError, Failure
-from kembed.frontend.service import Gate, Service, WarmingUp, item_count
+from kembed import tls
+from kembed.config import Settings
+from kembed.contract import GRPC_SERVICE, RETRY_PUSHBACK_KEY
+from kembed.errors import EmbedError, Failure, Field, InvalidInput
+from kembed.frontend.call import EmbedCall, EmbedResult, Limits, ServerInfo
+from kembed.frontend.service import Gate, Service
+from kembed.inputs import Sequences
 from kembed.metrics import FrontendMetrics
+from kembed.priority import BY_VALUE
+from kembed.protocol import ServingInfo
 from kembed.v1 import embedder_pb2 as pb
 from kembed.v1 import embedder_pb2_grpc as pb_grpc
 
@@ -29,6 +44,8 @@ STATUS = {
     Failure.DEADLINE: grpc.StatusCode.DEADLINE_EXCEEDED,
     Failure.UNAVAILABLE: grpc.StatusCode.UNAVAILABLE,
 }
+# What Info tells of the serving engine, by the names the protocol and the proto share.
+_INFO_FIELDS = sorted({f.name for f in fields(ServingInfo)} & set(pb.InfoResponse.DESCRIPTOR.fields_by_name))
 # What one EmbedStream may hold, from reading a request until its answer is written: requests,
 # and answer rows (6 MiB of float32 at 384 dimensions). Past either, the stream stops reading.
 MAX_STREAM_REQUESTS = 256
@@ -63,24 +80,69 @@ class StreamWindow:
         self._room.set()
 
 
-class EmbedderServicer(pb_grpc.EmbedderServicer):
-    """The RPC shapes around EmbedService; counts every answer by status code."""
+class GrpcEdge:
+    """The gRPC port: the Embedder service, gRPC health and reflection, plaintext or TLS."""
 
-    def __init__(self, metrics: FrontendMetrics, gate: Gate) -> None:
+    def __init__(
+        self, settings: Settings, metrics: FrontendMetrics, gate: Gate, service: Callable[[], Service]
+    ) -> None:
+        """``service`` gives the call path of the moment (a refusal while warming up)."""
+        self._settings = settings
+        self._servicer = EmbedderServicer(metrics, gate, Limits.of(settings), service)
+        self._health = health_aio.HealthServicer()
+        self._server = grpc.aio.server(
+            maximum_concurrent_rpcs=settings.max_concurrent_rpcs,
+            options=[
+                ("grpc.so_reuseport", 1),
+                ("grpc.max_receive_message_length", settings.max_message_bytes),
+                ("grpc.max_send_message_length", settings.max_message_bytes),
+                ("grpc.max_connection_age_ms", settings.max_connection_age_ms),
+                ("grpc.max_connection_age_grace_ms", int(settings.drain_timeout_s * 1000)),
+            ],
+        )
+
+    async def start(self) -> None:
+        """Listen on the shared gRPC port, NOT_SERVING until :meth:`set_serving`."""
+        pb_grpc.add_EmbedderServicer_to_server(self._servicer, self._server)
+        health_pb2_grpc.add_HealthServicer_to_server(self._health, self._server)
+        service_names = (
+            pb.DESCRIPTOR.services_by_name["Embedder"].full_name,
+            health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
+            reflection.SERVICE_NAME,
+        )
+        reflection.enable_server_reflection(service_names, self._server)
+        tls.add_port(self._server, f"{self._settings.grpc_host}:{self._settings.grpc_port}", self._settings)
+        await self.set_serving(False)
+        await self._server.start()
+
+    async def set_serving(self, serving: bool) -> None:
+        status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
+        for name in ("", GRPC_SERVICE):
+            await self._health.set(name, status)
+
+    async def stop(self, grace_s: float) -> None:
+        await self._server.stop(grace_s)
+
+
+class EmbedderServicer(pb_grpc.EmbedderServicer):
+    """The RPC shapes around the service; counts every answer by status code."""
+
+    def __init__(self, metrics: FrontendMetrics, gate: Gate, limits: Limits, service: Callable[[], Service]) -> None:
         self._metrics = metrics
         self._gate = gate
-        self.service: Service = WarmingUp()  # replaced, once, when the engine is warm
+        self._limits = limits
+        self._service = service
 
     async def Embed(self, request: pb.EmbedRequest, context: grpc.aio.ServicerContext) -> pb.EmbedResponse:
         try:
-            response = await self.service.embed(request, context.time_remaining(), context.peer())
+            result = await self._embed(request, context)
         except EmbedError as error:
             status = self._count_failure(error)
             if error.retry_after_ms:
                 context.set_trailing_metadata(((RETRY_PUSHBACK_KEY, str(error.retry_after_ms)),))
-            await context.abort(status, error.message)
+            await context.abort(status, message(error, request))
         self._count(grpc.StatusCode.OK)
-        return response
+        return response(result)
 
     async def EmbedStream(
         self, request_iterator: AsyncIterator[pb.EmbedRequest], context: grpc.aio.ServicerContext
@@ -101,7 +163,7 @@ class EmbedderServicer(pb_grpc.EmbedderServicer):
         async def read() -> None:
             try:
                 async for request in request_iterator:
-                    rows = item_count(request)
+                    rows = _item_count(request)
                     await window.take(rows)
                     task = asyncio.create_task(answer(request, rows))
                     tasks.add(task)
@@ -132,21 +194,26 @@ class EmbedderServicer(pb_grpc.EmbedderServicer):
 
     async def _stream_one(self, request: pb.EmbedRequest, context: grpc.aio.ServicerContext) -> pb.EmbedResponse:
         try:
-            response = await self.service.embed(request, context.time_remaining(), context.peer())
+            result = await self._embed(request, context)
         except EmbedError as error:
             status = self._count_failure(error)
             return pb.EmbedResponse(
                 request_id=request.request_id,
-                error=pb.Error(code=status.value[0], message=error.message, retry_after_ms=error.retry_after_ms),
+                error=pb.Error(
+                    code=status.value[0], message=message(error, request), retry_after_ms=error.retry_after_ms
+                ),
             )
         self._count(grpc.StatusCode.OK)
-        return response
+        return response(result)
 
     async def Info(self, request: pb.InfoRequest, context: grpc.aio.ServicerContext) -> pb.InfoResponse:
         try:
-            return self.service.info()
+            return info_response(self._service().info())
         except EmbedError as error:
             await context.abort(STATUS[error.failure], error.message)
+
+    def _embed(self, request: pb.EmbedRequest, context: grpc.aio.ServicerContext) -> Awaitable[EmbedResult]:
+        return self._service().embed(to_call(request, self._limits, context.time_remaining(), context.peer()))
 
     def _count_failure(self, error: EmbedError) -> grpc.StatusCode:
         status = STATUS[error.failure]
@@ -155,3 +222,98 @@ class EmbedderServicer(pb_grpc.EmbedderServicer):
 
     def _count(self, code: grpc.StatusCode) -> None:
         self._metrics.requests.labels(api="grpc", code=code.name).inc()
+
+
+def to_call(request: pb.EmbedRequest, limits: Limits, time_remaining: float | None, peer: str) -> EmbedCall:
+    """The request as the domain's call, checked against ``limits`` as it is read."""
+    has_texts, has_tokens = len(request.texts) > 0, request.HasField("tokens")
+    if has_texts == has_tokens:
+        raise _invalid("texts, tokens: exactly one of the two must be set")
+    if not 0 <= request.priority < len(BY_VALUE):  # a proto3 enum field takes any int32
+        raise _invalid(f"priority: {request.priority} is not a priority class")
+    return EmbedCall(
+        inputs=_sequences(request.tokens, limits) if has_tokens else limits.texts(request.texts),
+        truncate=request.truncate,
+        normalize=request.normalize if request.HasField("normalize") else True,
+        dimensions=request.dimensions,
+        priority=BY_VALUE[request.priority],
+        request_id=request.request_id,
+        timeout_s=time_remaining,
+        peer=peer,
+    )
+
+
+def _sequences(tokens: pb.TokenIds, limits: Limits) -> Sequences:
+    """The ids as sequences: a view of the request's bytes, read once their size is checked."""
+    limits.check_count(len(tokens.lengths))
+    # int64 holds any uint32 (a client's -1 is 4294967295) and any sum of max_items of them.
+    counts = np.asarray(tokens.lengths, dtype=np.int64)
+    if len(tokens.ids) % 4:
+        raise EmbedError(
+            Failure.INVALID_ARGUMENT, f"tokens.ids: {len(tokens.ids)} bytes is not a whole number of int32 ids"
+        )
+    zero = counts < 1
+    if zero.any():
+        raise _invalid(f"tokens.lengths[{int(np.argmax(zero))}]: must be at least 1")
+    total = int(counts.sum())
+    if total * 4 != len(tokens.ids):
+        held = len(tokens.ids) // 4
+        raise EmbedError(
+            Failure.INVALID_ARGUMENT, f"tokens.lengths: sum to {total} tokens, but tokens.ids holds {held}"
+        )
+    return Sequences(ids=np.frombuffer(tokens.ids, dtype="<i4"), lengths=counts.astype(np.int32))
+
+
+def _invalid(message: str) -> EmbedError:
+    """Bad input only the wire format can have: its message names the proto's field."""
+    return EmbedError(Failure.INVALID_ARGUMENT, message)
+
+
+def message(error: EmbedError, request: pb.EmbedRequest) -> str:
+    """The error's message, bad input named by the request's own fields."""
+    if not isinstance(error, InvalidInput):
+        return error.message
+    return f"{_place(error, request)}: {error.reason}"
+
+
+def _place(error: InvalidInput, request: pb.EmbedRequest) -> str:
+    """``texts[3]``, ``tokens.lengths[2]``, ``tokens.ids[12]`` (the ids are flat on the wire)..."""
+    index = "" if error.index is None else f"[{error.index}]"
+    if error.field is not Field.INPUT:
+        return str(error.field)
+    if not request.HasField("tokens"):
+        return "texts" + index
+    if error.index is None or error.position is None:
+        return "tokens.lengths" + index
+    return f"tokens.ids[{sum(request.tokens.lengths[: error.index]) + error.position}]"
+
+
+def response(result: EmbedResult) -> pb.EmbedResponse:
+    vectors, timings = result.embeddings, result.timings
+    return pb.EmbedResponse(
+        embeddings=vectors.astype("<f4", copy=False).tobytes(),
+        count=vectors.shape[0],
+        dimensions=vectors.shape[1],
+        token_counts=result.token_counts.tolist(),
+        request_id=result.request_id,
+        timings=pb.Timings(
+            queue_ms=timings.queue_s * 1000,
+            tokenize_ms=timings.tokenize_s * 1000,
+            inference_ms=timings.inference_s * 1000,
+            total_ms=timings.total_s * 1000,
+        ),
+    )
+
+
+def info_response(info: ServerInfo) -> pb.InfoResponse:
+    return pb.InfoResponse(
+        **{name: getattr(info.serving, name) for name in _INFO_FIELDS},
+        buckets=info.serving.bucket_lengths,
+        server_version=info.server_version,
+        max_batch_items=info.max_batch_items,
+        batching=info.batching,
+    )
+
+
+def _item_count(request: pb.EmbedRequest) -> int:
+    return len(request.tokens.lengths) if request.HasField("tokens") else len(request.texts)

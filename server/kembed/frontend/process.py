@@ -1,4 +1,5 @@
-"""A front-end process: one of ``KEMBED_FRONTENDS`` gRPC servers sharing the port (SO_REUSEPORT).
+"""A front-end process: one of ``KEMBED_FRONTENDS`` servers sharing the gRPC and REST ports
+(SO_REUSEPORT).
 
 It listens at once, answering UNAVAILABLE, while it connects to the engine; when the engine says
 READY it builds the serving path once (the composition root) and turns SERVING. On SIGTERM it stops
@@ -13,25 +14,18 @@ import logging
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-import grpc
-from grpc_health.v1 import health_pb2, health_pb2_grpc
-from grpc_health.v1.health import aio as health_aio  # type: ignore[attr-defined]  # no stub
-from grpc_reflection.v1alpha import reflection
-
-from kembed import tls
 from kembed.board import Board, Cell, FrontendCell
 from kembed.child import Child
 from kembed.config import Settings
-from kembed.contract import EXIT_FATAL, GRPC_SERVICE
-from kembed.frontend.grpc_api import EmbedderServicer
+from kembed.contract import EXIT_FATAL
+from kembed.frontend.grpc_api import GrpcEdge
 from kembed.frontend.link import EngineLink
 from kembed.frontend.rest import RestEdge
 from kembed.frontend.screen import Screen
-from kembed.frontend.service import EmbedService, Gate
+from kembed.frontend.service import EmbedService, Gate, Service, WarmingUp
 from kembed.metrics import FrontendMetrics
 from kembed.protocol import LinkClosed, ProtocolError
 from kembed.runtime import BOARD_FILE
-from kembed.v1 import embedder_pb2, embedder_pb2_grpc
 
 log = logging.getLogger(__name__)
 
@@ -47,21 +41,11 @@ class FrontendProcess:
         self._board = Board(runtime / BOARD_FILE)
         self._metrics = FrontendMetrics()
         self._gate = Gate(lambda: self._board[Cell.DRAINING] == 1.0)
-        self._servicer = EmbedderServicer(self._metrics, self._gate)
-        self._rest = RestEdge(settings, self._metrics, lambda: self._servicer.service) if settings.rest_port else None
-        self._health = health_aio.HealthServicer()
+        self._service: Service = WarmingUp()  # replaced, once, when the engine is warm
+        self._grpc = GrpcEdge(settings, self._metrics, self._gate, lambda: self._service)
+        self._rest = RestEdge(settings, self._metrics, lambda: self._service) if settings.rest_port else None
         self._executor = ThreadPoolExecutor(TOKENIZER_THREADS, thread_name_prefix="kembed-tokenize")
         self._child = Child()
-        self._grpc = grpc.aio.server(
-            maximum_concurrent_rpcs=settings.max_concurrent_rpcs,
-            options=[
-                ("grpc.so_reuseport", 1),
-                ("grpc.max_receive_message_length", settings.max_message_bytes),
-                ("grpc.max_send_message_length", settings.max_message_bytes),
-                ("grpc.max_connection_age_ms", settings.max_connection_age_ms),
-                ("grpc.max_connection_age_grace_ms", int(settings.drain_timeout_s * 1000)),
-            ],
-        )
 
     async def run(self) -> int:
         self._child.handle_signals()
@@ -93,37 +77,27 @@ class FrontendProcess:
         return 0
 
     async def _listen(self) -> None:
-        embedder_pb2_grpc.add_EmbedderServicer_to_server(self._servicer, self._grpc)
-        health_pb2_grpc.add_HealthServicer_to_server(self._health, self._grpc)
-        service_names = (
-            embedder_pb2.DESCRIPTOR.services_by_name["Embedder"].full_name,
-            health_pb2.DESCRIPTOR.services_by_name["Health"].full_name,
-            reflection.SERVICE_NAME,
-        )
-        reflection.enable_server_reflection(service_names, self._grpc)
-        tls.add_port(self._grpc, f"{self._settings.grpc_host}:{self._settings.grpc_port}", self._settings)
-        await self._set_serving(False)
         await self._grpc.start()
         if self._rest is not None:
             await self._rest.start()
 
     async def _open(self, link: EngineLink) -> None:
         """The engine is warm: build the serving path and start answering."""
-        screen = Screen(self._settings, self._board, link, self._index)
-        self._servicer.service = EmbedService(self._settings, link, screen, self._gate, self._metrics, self._executor)
+        screen = Screen(self._settings, self._board, self._index, link.in_transit, link.add_latency)
+        self._service = EmbedService(self._settings, link, screen, self._gate, self._metrics, self._executor)
         if self._rest is not None:
             self._rest.serve_model(link.info.model_id)
-        await self._set_serving(True)
+        await self._grpc.set_serving(True)
         self._board.set_frontend(self._index, FrontendCell.SERVING, 1.0)
         self._child.freeze_heap()
 
     async def _drain(self) -> None:
         """Stop taking work, answer everything accepted, then stop listening."""
         self._gate.draining = True
-        if isinstance(self._servicer.service, EmbedService):
-            self._servicer.service.release_held()
+        if isinstance(self._service, EmbedService):
+            self._service.release_held()
         self._board.set_frontend(self._index, FrontendCell.SERVING, 0.0)
-        await self._set_serving(False)
+        await self._grpc.set_serving(False)
         log.info("draining: %d requests in progress", self._gate.active)
         try:
             await asyncio.wait_for(self._gate.wait_idle(), self._settings.drain_timeout_s)
@@ -139,8 +113,3 @@ class FrontendProcess:
         self._board.beat_frontend(self._index)
         if self._rest is not None:
             self._rest.refresh_tls()
-
-    async def _set_serving(self, serving: bool) -> None:
-        status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
-        for service in ("", GRPC_SERVICE):
-            await self._health.set(service, status)

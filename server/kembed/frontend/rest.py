@@ -3,7 +3,8 @@
 end shares through SO_REUSEPORT, as they share the gRPC port.
 
 A REST call takes the same path as a gRPC call (the same service: validation, pushback, admission,
-the same batches, the same metrics), mapped by :mod:`kembed.frontend.openai_api`. aiohttp was chosen
+the same batches, the same metrics), its JSON mapped to the domain's call by
+:mod:`kembed.frontend.openai_api`. aiohttp was chosen
 by measurement (``bench/README.md``, "REST edge: the HTTP stack") and for being the field's
 library: a third of the gRPC echo's CPU per call, and it bounds bodies (413), headers, idle and
 slow connections itself. With TLS configured the port serves TLS only, from the same files as the
@@ -23,7 +24,8 @@ from kembed import tls
 from kembed.config import Settings
 from kembed.errors import EmbedError
 from kembed.frontend import openai_api
-from kembed.frontend.openai_api import ApiError, Call
+from kembed.frontend.call import Limits
+from kembed.frontend.openai_api import ApiError, Embeddings
 from kembed.frontend.service import Service, warming_up
 from kembed.metrics import FrontendMetrics
 
@@ -42,6 +44,7 @@ class RestEdge:
         self._settings = settings
         self._metrics = metrics
         self._service = service
+        self._limits = Limits.of(settings)
         self._served: tuple[str, ...] = ()  # the model names answered to, once the engine is warm
         self._created = int(time.time())
         self._tls = tls.ServerContext(files) if (files := tls.TlsFiles.of(settings)) else None
@@ -78,22 +81,22 @@ class RestEdge:
         await self._runner.cleanup()
 
     async def _embeddings(self, request: web.Request) -> web.Response:
-        call: Call | None = None
+        parsed: Embeddings | None = None
         try:
             body = await request.read()
             if not self._served:
                 raise warming_up()
-            call = openai_api.parse(body, self._served)
             peer = request.transport.get_extra_info("peername") if request.transport else None
-            response = await self._service().embed(call.request, None, f"rest:{peer}")
-            return self._reply(200, openai_api.answer(call, response))
+            parsed = openai_api.parse(body, self._served, self._limits, f"rest:{peer}")
+            result = await self._service().embed(parsed.call)
+            return self._reply(200, openai_api.answer(parsed, result))
         except web.HTTPRequestEntityTooLarge:
             limit = self._settings.max_message_bytes
             error = ApiError(413, f"the body is over {limit} bytes", "invalid_request_error", None, "request_too_large")
         except ApiError as api_error:
             error = api_error
         except EmbedError as embed_error:
-            error = openai_api.failed(embed_error, call)
+            error = openai_api.failed(embed_error, parsed is not None and parsed.nested)
         return self._reply(error.status, error.body(), error.headers)
 
     async def _models(self, request: web.Request) -> web.Response:

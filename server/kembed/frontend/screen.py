@@ -8,21 +8,23 @@ old, and every front end admits against the same backlog.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 from kembed.admission import AdmissionController, Backlog, Rejection
 from kembed.board import Board, Cell, ClassCell, FrontendCell
 from kembed.config import Settings
-from kembed.frontend.link import EngineLink
+from kembed.frontend.outbox import InTransit
 from kembed.priority import Priority
+
+Samples = Callable[[float, Priority], None]  # where latency samples go: to the engine's windows
 
 
 class PublishedLoad:
     """The engine's measurements, read off the board; latency samples travel to the engine."""
 
-    def __init__(self, board: Board, link: EngineLink) -> None:
+    def __init__(self, board: Board, samples: Samples) -> None:
         self._board = board
-        self._link = link
+        self._samples = samples
 
     @property
     def tokens_per_second(self) -> float:
@@ -35,16 +37,20 @@ class PublishedLoad:
         return self._board.of_class(Priority.INTERACTIVE, ClassCell.P95_SECONDS)
 
     def add_latency(self, seconds: float, priority: Priority) -> None:
-        self._link.add_latency(seconds, priority)
+        self._samples(seconds, priority)
 
 
 class Screen:
-    def __init__(self, settings: Settings, board: Board, link: EngineLink, frontend: int) -> None:
+    def __init__(
+        self, settings: Settings, board: Board, frontend: int, in_transit: InTransit, samples: Samples
+    ) -> None:
+        """``frontend`` is this front end's index on the board; ``in_transit`` its work the engine
+        has not taken yet."""
         self._board = board
-        self._link = link
         self._frontend = frontend
+        self._in_transit = in_transit
         self._tokenizing = [0] * len(Priority)  # least costs of requests past the pre-screen, being tokenized
-        self._admission = AdmissionController(settings, PublishedLoad(board, link))
+        self._admission = AdmissionController(settings, PublishedLoad(board, samples))
 
     def before_tokenizing(self, least_padded_tokens: int, priority: Priority) -> Rejection | None:
         """The latency draw and the capacity checks on a lower bound of the request's cost."""
@@ -74,7 +80,8 @@ class Screen:
         board = self._board
         taken = int(board.frontend(self._frontend, FrontendCell.FRAMES_TAKEN))
         mine = [
-            sent + tokenizing for sent, tokenizing in zip(self._link.unconfirmed(taken), self._tokenizing, strict=True)
+            sent + tokenizing
+            for sent, tokenizing in zip(self._in_transit.unconfirmed(taken), self._tokenizing, strict=True)
         ]
         return Backlog(
             interactive=int(board.of_class(Priority.INTERACTIVE, ClassCell.QUEUED_TOKENS)) + mine[Priority.INTERACTIVE],

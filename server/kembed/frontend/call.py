@@ -1,0 +1,107 @@
+"""The front end's domain: one embedding call as every edge hands it to the service, and its answer.
+
+Each edge maps its wire format to an :class:`EmbedCall`, and an :class:`EmbedResult` back to its own
+(``grpc_api``: protobuf; ``openai_api``: OpenAI's JSON). An edge checks the :class:`Limits` while it
+reads its input, before it builds anything proportional to it, so a call that reaches the service
+holds at most ``max_items`` items, no text over ``max_text_chars`` characters and no empty sequence of
+ids. What needs the model (the vocabulary, lengths in tokens, dimensions) the service checks. Bad
+input is an :class:`~kembed.errors.InvalidInput` that locates it as data, for each edge to name.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+
+from kembed.config import Settings
+from kembed.errors import Field, InvalidInput
+from kembed.inputs import Sequences
+from kembed.priority import Priority
+from kembed.protocol import ServingInfo
+
+
+@dataclass(frozen=True, slots=True)
+class Texts:
+    items: Sequence[str]
+    chars: int  # all of them together
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class EmbedCall:
+    inputs: Texts | Sequences  # texts, or pre-tokenized ids
+    truncate: bool = False  # cut over-long inputs to the model's limit instead of refusing them
+    normalize: bool = True
+    dimensions: int = 0  # keep the first this many (0 = all), then normalize
+    priority: Priority = Priority.INTERACTIVE
+    request_id: str = ""  # echoed in the answer
+    timeout_s: float | None = None  # what the caller allows from arrival; None = the server's default
+    peer: str = ""  # the caller's connection: where its pushback is enforced
+
+    @property
+    def count(self) -> int:
+        """Its items: texts or sequences."""
+        inputs = self.inputs
+        return len(inputs.items) if isinstance(inputs, Texts) else inputs.count
+
+    @property
+    def nbytes(self) -> int:
+        """Its inputs' bytes, near enough: a character of text counts one, a token id four. What
+        tokenizing or checking it costs, and what it holds in memory within a small factor."""
+        inputs = self.inputs
+        return inputs.chars if isinstance(inputs, Texts) else int(inputs.ids.nbytes)
+
+
+@dataclass(frozen=True, slots=True)
+class Timings:
+    queue_s: float  # from tokenized until its last item's batch started
+    tokenize_s: float
+    inference_s: float  # compute time of the batches its items ran in
+    total_s: float
+
+
+@dataclass(frozen=True, slots=True)
+class EmbedResult:
+    embeddings: np.ndarray  # float32 [items, dimensions], in the call's order
+    token_counts: np.ndarray  # int32 [items]: each item's tokens, as computed (truncated or not)
+    request_id: str
+    timings: Timings
+
+
+@dataclass(frozen=True, slots=True)
+class ServerInfo:
+    """What ``Info`` tells: the engine's serving info, and how this server takes calls."""
+
+    serving: ServingInfo
+    server_version: str
+    max_batch_items: int
+    batching: str
+
+
+@dataclass(frozen=True, slots=True)
+class Limits:
+    """What one call may hold, checked by each edge while it reads the call."""
+
+    max_items: int
+    max_text_chars: int
+
+    @classmethod
+    def of(cls, settings: Settings) -> Limits:
+        return cls(settings.max_items_per_request, settings.max_text_chars)
+
+    def check_count(self, count: int) -> None:
+        """Check before walking the items: a list of millions is refused at its length."""
+        if count == 0:
+            raise InvalidInput(Field.INPUT, "no inputs")
+        if count > self.max_items:
+            raise InvalidInput(Field.INPUT, f"{count} inputs, at most {self.max_items} per request")
+
+    def texts(self, items: Sequence[str]) -> Texts:
+        """``items`` (strings) as a call's texts, their count and each one's characters checked."""
+        self.check_count(len(items))
+        sizes = list(map(len, items))
+        if max(sizes) > self.max_text_chars:
+            index = next(i for i, chars in enumerate(sizes) if chars > self.max_text_chars)
+            raise InvalidInput(Field.INPUT, f"{sizes[index]} characters, more than {self.max_text_chars}", index)
+        return Texts(items, sum(sizes))

@@ -1,0 +1,99 @@
+"""What a front end sends the engine: the next WORK frame, and the work in frames the engine has not
+taken yet (which the pre-screen weighs, since the engine's published backlog cannot count it)."""
+
+from __future__ import annotations
+
+from collections import deque
+from typing import NamedTuple
+
+import numpy as np
+
+from kembed.inputs import Sequences
+from kembed.priority import Priority
+from kembed.protocol import Work
+
+
+class _Outgoing(NamedTuple):
+    tag: int
+    deadline: float
+    cost: int
+    priority: Priority
+    lengths: np.ndarray
+    ids: np.ndarray
+
+
+class NextFrame:
+    """What the next WORK frame carries: requests, cancellations and latency samples."""
+
+    def __init__(self) -> None:
+        self._requests: list[_Outgoing] = []
+        self._cancels: list[int] = []
+        self._samples: list[tuple[float, Priority]] = []
+
+    def add(self, tag: int, seqs: Sequences, cost: int, deadline: float, priority: Priority) -> None:
+        self._requests.append(_Outgoing(tag, deadline, cost, priority, seqs.lengths, seqs.ids))
+
+    def cancel(self, tag: int) -> None:
+        self._cancels.append(tag)
+
+    def add_latency(self, seconds: float, priority: Priority) -> None:
+        self._samples.append((seconds, priority))
+
+    @property
+    def requests(self) -> int:
+        return len(self._requests)
+
+    def take(self) -> Work:
+        """The frame, built from everything queued; the next one starts empty."""
+        requests, self._requests = self._requests, []
+        cancels, self._cancels = self._cancels, []
+        samples, self._samples = self._samples, []
+        tags, deadlines, costs, priorities, lengths, ids = zip(*requests, strict=True) if requests else ((),) * 6
+        latencies, sample_priorities = zip(*samples, strict=True) if samples else ((), ())
+        return Work(
+            tags=np.asarray(tags, dtype="<u8"),
+            deadlines=np.asarray(deadlines, dtype="<f8"),
+            counts=np.fromiter(map(len, lengths), dtype="<u4", count=len(lengths)),
+            costs=np.asarray(costs, dtype="<u8"),
+            priorities=np.asarray(priorities, dtype="u1"),
+            lengths=_concat(lengths),
+            ids=_concat(ids),
+            cancels=np.asarray(cancels, dtype="<u8"),
+            latencies=np.asarray(latencies, dtype="<f8"),
+            sample_priorities=np.asarray(sample_priorities, dtype="u1"),
+        )
+
+
+class InTransit:
+    """Padded tokens by class of requests submitted here that the engine's published backlog may
+    not count yet: queued for the next frame, or in frames past the number it has acknowledged
+    taking. The pre-screen weighs them too: a burst read in one loop turn would otherwise be
+    admitted, request after request, against a board that has not seen any of it."""
+
+    def __init__(self) -> None:
+        self._queued = [0] * len(Priority)  # for the next frame
+        self._frames_sent = 0
+        self._sent: deque[tuple[int, list[int]]] = deque()  # (frame number, tokens by class)
+        self._untaken = [0] * len(Priority)  # in frames sent, not yet taken
+
+    def queued(self, cost: int, priority: Priority) -> None:
+        self._queued[priority] += cost
+
+    def frame_sent(self) -> None:
+        """A WORK frame went, carrying everything queued."""
+        self._frames_sent += 1
+        if any(self._queued):
+            self._sent.append((self._frames_sent, self._queued))
+            self._untaken = [sent + queued for sent, queued in zip(self._untaken, self._queued, strict=True)]
+            self._queued = [0] * len(Priority)
+
+    def unconfirmed(self, frames_taken: int) -> list[int]:
+        """Padded tokens by class not counted by an engine that has taken ``frames_taken`` frames."""
+        while self._sent and self._sent[0][0] <= frames_taken:
+            for priority, tokens in enumerate(self._sent.popleft()[1]):
+                self._untaken[priority] -= tokens
+        return [sent + queued for sent, queued in zip(self._untaken, self._queued, strict=True)]
+
+
+def _concat(arrays: tuple[np.ndarray, ...]) -> np.ndarray:
+    return np.concatenate(arrays).astype("<i4", copy=False) if arrays else np.empty(0, dtype="<i4")

@@ -1,0 +1,162 @@
+"""The OpenAI edge's mapping, pure: JSON to the domain's call (every limit checked while the JSON
+is walked, before anything proportional to it is built), a result back to OpenAI's JSON, and every
+failure in OpenAI's error shape with the JSON's own field as ``param``. End to end: test_rest."""
+
+from __future__ import annotations
+
+import base64
+import tracemalloc
+from typing import Any
+
+import numpy as np
+import orjson
+import pytest
+
+from kembed.errors import EmbedError, Failure, Field, InvalidInput
+from kembed.frontend import openai_api
+from kembed.frontend.call import EmbedResult, Limits, Texts, Timings
+from kembed.frontend.openai_api import ApiError, Embeddings, failed, from_json, parse
+from kembed.inputs import Sequences
+from kembed.priority import Priority
+
+SERVED = ("minilm", "sentence-transformers/all-MiniLM-L6-v2")
+LIMITS = Limits(max_items=8, max_text_chars=500)
+
+
+def refusal(data: Any) -> ApiError:
+    """The error a client reads for this JSON body, whichever step refused it."""
+    try:
+        from_json(data, SERVED, LIMITS)
+    except ApiError as error:
+        return error
+    except EmbedError as error:
+        return failed(error)
+    raise AssertionError(f"{data!r} was accepted")
+
+
+def test_texts_and_options_map_to_the_call() -> None:
+    body = orjson.dumps({"input": ["a", "bcd"], "dimensions": 64, "truncate": True, "priority": "batch"})
+    parsed = parse(body, SERVED, LIMITS, "rest:peer")
+    call = parsed.call
+    assert isinstance(call.inputs, Texts) and list(call.inputs.items) == ["a", "bcd"] and call.inputs.chars == 4
+    assert (call.dimensions, call.truncate, call.priority, call.peer) == (64, True, Priority.BATCH, "rest:peer")
+    assert call.normalize and call.timeout_s is None  # OpenAI's vectors are unit length; no deadline on REST
+    assert (parsed.model, parsed.encoding, parsed.nested) == ("minilm", "float", False)
+
+
+def test_a_lone_string_is_one_text() -> None:
+    inputs = from_json({"input": "hello", "model": SERVED[1]}, SERVED, LIMITS).call.inputs
+    assert isinstance(inputs, Texts) and list(inputs.items) == ["hello"]
+
+
+@pytest.mark.parametrize(
+    ("value", "nested", "lengths"), [([101, 7, 102], False, [3]), ([[101, 102], [101, 7, 8, 102]], True, [2, 4])]
+)
+def test_token_ids_map_to_sequences(value: list[Any], nested: bool, lengths: list[int]) -> None:
+    parsed = from_json({"input": value}, SERVED, LIMITS)
+    inputs = parsed.call.inputs
+    assert isinstance(inputs, Sequences) and parsed.nested is nested
+    assert inputs.lengths.tolist() == lengths and inputs.ids.dtype == np.int32
+    assert inputs.ids.tolist() == (value if not nested else [i for sequence in value for i in sequence])
+
+
+BAD_BODIES: dict[str, tuple[Any, int, str | None, str]] = {
+    "not an object": ([1, 2], 400, None, "the body must be a JSON object"),
+    "no input": ({"model": "minilm"}, 400, "input", "input: missing"),
+    "empty input": ({"input": []}, 400, "input", "input: must be"),
+    "an empty string": ({"input": ["fine", ""]}, 400, "input[1]", "input[1]: an empty string"),
+    "wrong type": ({"input": {"text": "x"}}, 400, "input", "input: must be"),
+    "mixed array": ({"input": ["text", 5]}, 400, "input", "input: must be"),
+    "a float id": ({"input": [[101, 1.5, 102]]}, 400, "input", "input: token ids must be whole numbers"),
+    "a bool id": ({"input": [101, True]}, 400, "input", "input: token ids must be whole numbers"),
+    "an id outside int32": ({"input": [101, 2**40, 102]}, 400, "input", "input: token ids must be whole numbers"),
+    "a negative id": ({"input": [[101, -1]]}, 400, "input", "input: token ids must be whole numbers"),
+    "an empty sequence": ({"input": [[101, 102], []]}, 400, "input[1]", "input[1]: an empty array of token ids"),
+    "a sequence among texts": ({"input": [[101], "text"]}, 400, "input", "input: must be"),
+    "over-long text": ({"input": ["fine", "x" * 501]}, 400, "input[1]", "input[1]: 501 characters, more than 500"),
+    "too many texts": ({"input": ["a"] * 9}, 400, "input", "input: 9 inputs, at most 8 per request"),
+    "too many sequences": ({"input": [[1]] * 9}, 400, "input", "input: 9 inputs, at most 8 per request"),
+    "unknown encoding": ({"input": "x", "encoding_format": "hex"}, 400, "encoding_format", "encoding_format: 'hex'"),
+    "dimensions zero": ({"input": "x", "dimensions": 0}, 400, "dimensions", "dimensions: must be a whole number"),
+    "dimensions a string": ({"input": "x", "dimensions": "64"}, 400, "dimensions", "dimensions: must be"),
+    "truncate not a flag": ({"input": "x", "truncate": "yes"}, 400, "truncate", "truncate: must be true or false"),
+    "unknown priority": ({"input": "x", "priority": 1}, 400, "priority", "priority: 1 is not one of"),
+    "model not a string": ({"input": "x", "model": 5}, 400, "model", "model: must be a string"),
+    "unknown model": ({"input": "x", "model": "gpt-4"}, 404, "model", "model: 'gpt-4' is not served here"),
+}
+
+
+@pytest.mark.parametrize("case", BAD_BODIES)
+def test_bad_bodies_are_refused_in_openai_shape_naming_the_field(case: str) -> None:
+    data, status, param, message = BAD_BODIES[case]
+    error = refusal(data)
+    body = orjson.loads(error.body())["error"]
+    assert (error.status, body["param"]) == (status, param)
+    assert body["message"].startswith(message), body["message"]
+    assert set(body) == {"message", "type", "param", "code"} and body["type"] == "invalid_request_error"
+
+
+def test_a_body_that_is_not_json_is_refused() -> None:
+    with pytest.raises(ApiError) as caught:
+        parse(b"{input: nope", SERVED, LIMITS)
+    assert (caught.value.status, caught.value.param) == (400, None)
+    assert caught.value.message.startswith("the body is not JSON")
+
+
+@pytest.mark.parametrize("item", [[0], "a"], ids=["sequences", "texts"])
+def test_a_huge_list_is_refused_at_its_length_before_anything_is_built(item: Any) -> None:
+    """4 million items (what a 16 MiB body holds): refused naming ``input``, without walking the items."""
+    data = {"input": [item] * 4_000_000}
+    tracemalloc.start()
+    error = refusal(data)
+    peak = tracemalloc.get_traced_memory()[1]
+    tracemalloc.stop()
+    assert (error.status, error.param) == (400, "input")
+    assert error.message == "input: 4000000 inputs, at most 8 per request"
+    assert peak < 1 << 20  # nothing sized by the items: no array, no list of lengths
+
+
+LOCATED = {
+    "the input": (InvalidInput(Field.INPUT, "too big"), False, "input"),
+    "a text": (InvalidInput(Field.INPUT, "92 tokens", 3), False, "input[3]"),
+    "an id of a nested sequence": (InvalidInput(Field.INPUT, "outside", 1, 4), True, "input[1][4]"),
+    "an id of a lone sequence": (InvalidInput(Field.INPUT, "outside", 0, 4), False, "input[4]"),
+    "dimensions": (InvalidInput(Field.DIMENSIONS, "4294967296 exceeds the model's 384"), False, "dimensions"),
+}
+
+
+@pytest.mark.parametrize("case", LOCATED)
+def test_domain_errors_name_the_jsons_path_as_param(case: str) -> None:
+    error, nested, param = LOCATED[case]
+    api = failed(error, nested)
+    assert (api.status, api.param, api.message) == (400, param, f"{param}: {error.reason}")
+
+
+@pytest.mark.parametrize(
+    ("failure", "status", "kind"),
+    [
+        (Failure.REJECTED, 429, "rate_limit_error"),
+        (Failure.DEADLINE, 504, "server_error"),
+        (Failure.UNAVAILABLE, 503, "server_error"),
+        (Failure.INTERNAL, 500, "server_error"),
+    ],
+)
+def test_other_failures_have_no_param(failure: Failure, status: int, kind: str) -> None:
+    api = failed(EmbedError(failure, "why", 1500 if failure is Failure.REJECTED else 0))
+    assert (api.status, api.kind, api.param, api.message) == (status, kind, None, "why")
+    if failure is Failure.REJECTED:
+        assert api.headers == {"Retry-After": "2", "retry-after-ms": "1500"}
+
+
+@pytest.mark.parametrize("encoding", ["float", "base64"])
+def test_a_result_is_answered_in_openai_shape(encoding: str) -> None:
+    rows = np.array([[0.6, 0.8], [1.0, 0.0]], dtype=np.float32)
+    request = Embeddings(from_json({"input": ["a", "b"]}, SERVED, LIMITS).call, encoding, "minilm")
+    result = EmbedResult(rows, np.array([3, 4], dtype=np.int32), "", Timings(0, 0, 0, 0))
+    body = orjson.loads(openai_api.answer(request, result))
+    assert (body["object"], body["model"], body["usage"]) == ("list", "minilm", {"prompt_tokens": 7, "total_tokens": 7})
+    assert [item["index"] for item in body["data"]] == [0, 1]
+    got = [item["embedding"] for item in body["data"]]
+    if encoding == "base64":
+        got = [np.frombuffer(base64.b64decode(text), dtype="<f4").tolist() for text in got]
+    np.testing.assert_allclose(got, rows)
