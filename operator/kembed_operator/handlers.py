@@ -8,10 +8,11 @@ Why a daemon and not on-create/on-update handlers: kopf keeps a handler's retry 
 of the resource, and when that PATCH fails the retry is lost until another event comes. A daemon
 keeps its state in memory: it reconciles, and after a failure of any kind it tries again on its
 own timer with exponential backoff. Events only wake it: an EmbeddingService's loop wakes on its
-own events and its children's; an EmbeddingJob's on its own, its Job's, and those of every
-EmbeddingService in its namespace (the one it waits for among them). kopf puts a finalizer on every
-resource for this, so that it can stop the daemon before the resource goes; deleting one therefore
-needs a running operator. Deleting an EmbeddingJob also deletes its Job, and with it the Job's pods.
+own events and its children's; an EmbeddingJob's on its own, its Job's and its pods', and its
+service's. Watches carry label selectors, so the API server sends only the operator's own objects.
+kopf puts a finalizer on every resource for this, so that it can stop the daemon before the
+resource goes; deleting one therefore needs a running operator. Deleting an EmbeddingJob also
+deletes its Job, and with it the Job's pods.
 """
 
 from __future__ import annotations
@@ -25,7 +26,7 @@ from typing import Any
 
 import kopf
 
-from kembed_operator import identity, job_render, kinds, kube
+from kembed_operator import identity, job_render, job_status, kinds, kube
 from kembed_operator.config import OperatorConfig
 from kembed_operator.job_reconcile import reconcile_job
 from kembed_operator.kinds import Kind, Manifest
@@ -58,7 +59,16 @@ def configure(settings: kopf.OperatorSettings, **_: Any) -> None:
     # Serving listed namespaces, kopf would list namespaces and watch CRDs, which Roles cannot grant:
     # it takes the listed namespaces as existing and discovers resources once, at start.
     settings.scanning.disabled = not settings.peering.clusterwide
+    # The API server sends only our own objects: not every Deployment, Job or pod of the cluster.
+    for kind in kinds.CHILDREN:
+        settings.watching.label_selectors[kind.group, kind.version, kind.plural] = selector(OUR_CHILDREN)
+    for kind in (kinds.JOB, kinds.POD):
+        settings.watching.label_selectors[kind.group, kind.version, kind.plural] = selector(OUR_JOBS)
     kube.connect()
+
+
+def selector(labels: Mapping[str, str]) -> str:
+    return ",".join(f"{key}={value}" for key, value in sorted(labels.items()))
 
 
 def index_id(kind: Kind) -> str:
@@ -71,9 +81,19 @@ def _index_child(namespace: str | None, labels: Mapping[str, str], body: kopf.Bo
     return {(namespace, labels.get(identity.LABEL_INSTANCE, "")): dict(body)}
 
 
+def _index_pod(namespace: str | None, labels: Mapping[str, str], body: kopf.Body, **_: Any) -> dict[Any, Manifest]:
+    """(namespace, EmbeddingJob name) -> what the status reads of one of its pods."""
+    return {(namespace, labels.get(identity.LABEL_INSTANCE, "")): job_status.trimmed(dict(body))}
+
+
 def _index_service(namespace: str | None, name: str, body: kopf.Body, **_: Any) -> dict[Any, Manifest]:
     """(namespace, name) -> the EmbeddingService, for the jobs that call it."""
     return {(namespace, name): dict(body)}
+
+
+def _index_job_by_service(namespace: str | None, name: str, spec: kopf.Spec, **_: Any) -> dict[Any, str]:
+    """(namespace, service) -> the EmbeddingJobs that call it, to wake when it changes."""
+    return {(namespace, spec.get("service", "")): name}
 
 
 async def _wake_service(namespace: str | None, labels: Mapping[str, str], **_: Any) -> None:
@@ -91,16 +111,20 @@ for _kind in kinds.CHILDREN:
 _JOBS = (kinds.JOB.group, kinds.JOB.version, kinds.JOB.plural)
 kopf.index(*_JOBS, labels=OUR_JOBS, id=index_id(kinds.JOB))(_index_child)
 kopf.on.event(*_JOBS, labels=OUR_JOBS, id="wake_jobs")(_wake_job)
+_PODS = (kinds.POD.group, kinds.POD.version, kinds.POD.plural)
+kopf.index(*_PODS, labels=OUR_JOBS, id=index_id(kinds.POD))(_index_pod)
+kopf.on.event(*_PODS, labels=OUR_JOBS, id="wake_pods")(_wake_job)
 kopf.index(*ES, id=index_id(kinds.EMBEDDING_SERVICE))(_index_service)
+kopf.index(*EJ, id="jobs_by_service")(_index_job_by_service)
 
 
 @kopf.on.event(*ES)
-async def wake_on_service_change(namespace: str | None, name: str, **_: Any) -> None:
-    """A spec change (or a status someone else wrote): wake its loop, and the jobs that may wait for it."""
+async def wake_on_service_change(namespace: str | None, name: str, **kwargs: Any) -> None:
+    """A spec change (or a status someone else wrote): wake its loop, and the jobs that call it."""
     _wake(kinds.EMBEDDING_SERVICE, namespace, name)
-    for plural, job_namespace, job in list(_WAKEUPS):
-        if plural == kinds.EMBEDDING_JOB.plural and job_namespace == (namespace or ""):
-            _wake(kinds.EMBEDDING_JOB, namespace, job)
+    jobs: kopf.Index[Any, str] = kwargs["jobs_by_service"]
+    for job in jobs.get((namespace, name), []):
+        _wake(kinds.EMBEDDING_JOB, namespace, job)
 
 
 @kopf.on.event(*EJ)
@@ -124,6 +148,10 @@ class IndexedClient(kube.KubeClient):
         store: Iterable[Manifest] = self._indexes[kind].get((namespace, name), [])
         return next(iter(store), None)
 
+    def select(self, kind: Kind, namespace: str, labels: Mapping[str, str]) -> list[Manifest]:
+        """The objects an owner's instance label names (the only selection a reconcile makes)."""
+        return list(self._indexes[kind].get((namespace, labels[identity.LABEL_INSTANCE]), []))
+
 
 @kopf.daemon(*ES)
 async def reconcile_loop(
@@ -137,7 +165,7 @@ async def reconcile_loop(
 @kopf.daemon(*EJ)
 async def job_loop(body: kopf.Body, name: str, stopped: kopf.DaemonStopped, logger: kopf.Logger, **kwargs: Any) -> None:
     """An EmbeddingJob: the same loop around its own reconcile."""
-    cached = IndexedClient({kind: kwargs[index_id(kind)] for kind in (kinds.JOB, kinds.EMBEDDING_SERVICE)})
+    cached = IndexedClient({kind: kwargs[index_id(kind)] for kind in (kinds.JOB, kinds.POD, kinds.EMBEDDING_SERVICE)})
     await _loop(kinds.EMBEDDING_JOB, reconcile_job, cached, body, name, stopped, logger)
 
 

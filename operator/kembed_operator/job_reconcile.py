@@ -3,8 +3,8 @@
 The Job is made once and never changed: its pod template is immutable, so a spec changed after
 the Job exists is not applied (a Warning event says so, and ``observedGeneration`` stays at the
 generation the Job was made from). A finished job is never run again, even when its Job is deleted
-(by hand, or a TTL): the status keeps what it last said. The pods are read (by label, one LIST) only
-until the status says the job has finished.
+(by hand, or a TTL): the status keeps what it last said. The pods are read (their owner's instance
+label selects them) only until the status says the job has finished.
 """
 
 from __future__ import annotations

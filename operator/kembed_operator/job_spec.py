@@ -13,8 +13,8 @@ from pydantic import Field, field_validator, model_validator
 
 from kembed_operator.spec import PodOptions, Quantity, SpecModel, parse
 
-# Part names carry the index in five digits (`emb.part-00003-of-00016.npy`), and the operator reads
-# every pod of a running job to count its rows: ten thousand keeps both well within reach.
+# Part names carry the index in five digits (`emb.part-00003-of-00016.npy`), and the operator keeps
+# a few hundred bytes of every pod of a running job: ten thousand keeps both well within reach.
 MAX_SHARDS = 10_000
 # What the corpus command writes, by the output file's extension.
 OUTPUT_FORMATS = {".npy": "npy", ".jsonl": "jsonl", ".parquet": "parquet"}

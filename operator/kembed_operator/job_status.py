@@ -130,6 +130,27 @@ def summaries(job: Manifest | None, pods: list[Manifest]) -> dict[int, dict[str,
     return {index: summary for index, (_, summary) in best.items()}
 
 
+def trimmed(pod: Manifest) -> Manifest:
+    """Only what :func:`summaries` reads of a pod (a few hundred bytes, whatever the pod's size), in
+    the pod's own shape: what the operator keeps of each pod it watches."""
+    meta, ended = pod.get("metadata", {}), _terminated(pod)
+    index = meta.get("annotations", {}).get(INDEX_ANNOTATION)
+    state = {"terminated": {"finishedAt": ended.get("finishedAt", "")}} if ended else {}
+    if ended and _summary(ended.get("message", "")) is not None:
+        state["terminated"]["message"] = ended["message"]
+    return {
+        "metadata": {
+            "name": meta.get("name", ""),
+            "annotations": {} if index is None else {INDEX_ANNOTATION: index},
+            "ownerReferences": [{"uid": ref.get("uid")} for ref in meta.get("ownerReferences", [])],
+        },
+        "status": {
+            "phase": pod.get("status", {}).get("phase", ""),
+            "containerStatuses": [{"name": CONTAINER, "state": state}],
+        },
+    }
+
+
 def _terminated(pod: Manifest) -> Manifest:
     statuses = pod.get("status", {}).get("containerStatuses", [])
     container: Manifest = next((s for s in statuses if s.get("name") == CONTAINER), {})

@@ -40,9 +40,9 @@ IN_NAMESPACE: Final = (
     _rule(_EJ.group, f"{_EJ.plural}/status", "patch"),
     *(_rule(kind.group, kind.plural, *_CHILD) for kind in kinds.CHILDREN),
     # An EmbeddingJob's Job is made once and never changed (its pod template is immutable), and
-    # deleted with it; its pods are only read, by label, for their termination messages.
+    # deleted with it; its pods are only read (watched by label) for their termination messages.
     _rule(_JOB.group, _JOB.plural, "get", "list", "watch", "create", "delete"),
-    _rule(_POD.group, _POD.plural, "list"),
+    _rule(_POD.group, _POD.plural, "list", "watch"),
     # kopf: events for `kubectl describe`.
     _rule("", "events", "create"),
 )

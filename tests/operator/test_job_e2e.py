@@ -182,13 +182,22 @@ def test_what_the_operator_does_not_allow_is_not_run(kube: Kube) -> None:
 
 
 def test_every_call_is_granted_by_the_rbac_list(kube: Kube, emulator: EmulatorThread) -> None:
-    """Run after the others in this module: every request the operator made is in the RBAC list."""
+    """Run after the others in this module: every request the operator made is in the RBAC list, and
+    it watched pods and Jobs with a label selector (the API server sends it its own only)."""
+    watched = {
+        request.resource.plural: request.params.get("labelSelector")
+        for request in operator_requests(emulator.requests())
+        if request.resource is not None and request.action is not None and request.action.name == "WATCH"
+    }
+    ours = f"{identity.LABEL_COMPONENT}=embedding-job,{identity.LABEL_MANAGED_BY}={identity.MANAGED_BY}"
+    assert watched["pods"] == watched["jobs"] == ours
+    assert watched["deployments"] == f"{identity.LABEL_MANAGED_BY}={identity.MANAGED_BY}"
     calls = set(operator_calls(emulator.requests()))
     assert calls <= permissions.triples(), calls - permissions.triples()
     exercised = {
         ("batch", "jobs", "create"),
         ("batch", "jobs", "delete"),
-        ("", "pods", "list"),
+        ("", "pods", "watch"),
         ("kembed.io", "embeddingjobs/status", "patch"),
     }
     assert exercised <= calls

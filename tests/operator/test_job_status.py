@@ -199,3 +199,16 @@ def test_a_notice_joins_progressings_message() -> None:
 @pytest.mark.parametrize(("text", "found"), [("", set()), ("3", {3}), ("0,2-4,7", {0, 2, 3, 4, 7}), ("1-1", {1})])
 def test_index_lists(text: str, found: set[int]) -> None:
     assert job_status.indexes(text) == found
+
+
+def test_what_the_operator_keeps_of_a_pod_counts_the_same() -> None:
+    """The watched pods are kept trimmed (a few hundred bytes each); the status reads them alike."""
+    seen = CASES["another Job's pods and a log tail are not counted"][0]
+    assert seen.pods is not None
+    trimmed = [job_status.trimmed(p) for p in seen.pods]
+    assert job_status.summaries(seen.job, trimmed) == job_status.summaries(seen.job, seen.pods)
+    log_tail = pod(1, "Failed", message="x" * 4096)  # the end of a log, at the termination message's limit
+    assert len(json.dumps(job_status.trimmed(log_tail))) < 400
+    retried = CASES["a retried shard counts its rows once"][0]
+    assert retried.pods is not None
+    assert job_status.rows_written(retried.job, [job_status.trimmed(p) for p in retried.pods]) == 46
