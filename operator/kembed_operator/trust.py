@@ -29,6 +29,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from fnmatch import fnmatchcase
 
+from kembed.config import Settings
 from kembed.contract import ENV_PREFIX, env_name
 from kembed_operator.config import OperatorConfig
 from kembed_operator.job_spec import EmbeddingJobSpec
@@ -36,6 +37,8 @@ from kembed_operator.render import COMPILE_THREADS_VAR
 from kembed_operator.spec import EmbeddingServiceSpec, InvalidSpec, PodOptions
 
 TRUST_REMOTE_CODE_VAR = env_name("trust_remote_code")
+# The server's own settings, as variables; one of them runs a model's code, and so is not like the others.
+SERVER_VARIABLES = frozenset(env_name(name) for name in Settings.model_fields) - {TRUST_REMOTE_CODE_VAR}
 
 
 @dataclass(frozen=True)
@@ -99,8 +102,7 @@ def _image(image: str, config: OperatorConfig) -> list[Refusal]:
 
 
 def _server_variable(name: str) -> bool:
-    """The server reads its own settings; one of them runs a model's code and so is not a setting like the others."""
-    return (name.startswith(ENV_PREFIX) and name != TRUST_REMOTE_CODE_VAR) or name == COMPILE_THREADS_VAR
+    return name in SERVER_VARIABLES or name == COMPILE_THREADS_VAR
 
 
 def _pod_options(
@@ -146,7 +148,10 @@ def _pod_options(
 def _why_not(name: str, may_set: str, config: OperatorConfig) -> str:
     if name == TRUST_REMOTE_CODE_VAR:
         return "runs the model's own code: the operator's administrator must name it in allowedEnv"
-    return f"is not allowed: {may_set} ({_listed(config.allowed_env)})"
+    typo = (
+        "is not a kembed server setting, and " if name.startswith(ENV_PREFIX) and name not in SERVER_VARIABLES else ""
+    )
+    return f"{typo}is not allowed: {may_set} ({_listed(config.allowed_env)})"
 
 
 def _listed(values: tuple[str, ...]) -> str:

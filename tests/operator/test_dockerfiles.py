@@ -148,6 +148,22 @@ def test_operator_image() -> None:
     assert importlib.util.find_spec("kopf") is not None
 
 
+def test_the_operator_imports_nothing_its_image_lacks() -> None:
+    """The operator image has the kembed package without the server's extras: importing the operator
+    (its use of kembed.config and kembed.contract included) must not reach torch, numpy or grpc."""
+    blocker = (
+        "import sys\n"
+        "class Block:\n"
+        "    def find_spec(self, name, path=None, target=None):\n"
+        "        if name.split('.')[0] in ('torch', 'numpy', 'grpc', 'transformers', 'tokenizers'):\n"
+        "            raise ImportError('the operator image has no ' + name)\n"
+        "sys.meta_path.insert(0, Block())\n"
+        "import kembed_operator.handlers, kembed_operator.crd\n"
+    )
+    done = subprocess.run([sys.executable, "-c", blocker], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+
+
 def test_dockerignore_keeps_the_context_small() -> None:
     ignored = (ROOT / ".dockerignore").read_text().split()
     assert {".git", ".venv", "tests"} <= set(ignored)

@@ -114,6 +114,11 @@ REFUSED: dict[str, tuple[dict[str, Any], str, str]] = {
         "TolerationNotAllowed",
         "spec.tolerations[0]: taint key 'node-role",
     ),
+    "a KEMBED_ name that is no setting": (
+        {"env": [{"name": "KEMBED_MAX_BATCH", "value": "8"}]},
+        "EnvNotAllowed",
+        "spec.env[0]: KEMBED_MAX_BATCH is not a kembed server setting",
+    ),
     "every taint": ({"tolerations": [{"operator": "Exists"}]}, "TolerationNotAllowed", "every taint"),
     "the GPU taint is the operator's own to add": (
         {"tolerations": [NVIDIA_TAINT]},
