@@ -6,7 +6,7 @@ BIN    := $(VENV)/bin
 TORCH  := torch==2.13.0
 PROTO_OUT := server/kembed/v1/embedder_pb2.py
 
-.PHONY: serve test lint typecheck unit proto bench clean env-table
+.PHONY: serve test lint typecheck unit proto bench clean env-table crds
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -44,6 +44,10 @@ test: lint typecheck unit
 
 bench: $(VENV)/.test $(PROTO_OUT)
 	$(BIN)/python -m bench.run_all
+
+# The CRDs in crds/ and the chart's crds/, generated from the operator's spec models.
+crds: $(VENV)/.test
+	$(BIN)/python -m kembed_operator.crd
 
 env-table: $(VENV)/.serve
 	$(BIN)/python -m kembed --env-table

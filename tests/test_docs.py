@@ -31,7 +31,6 @@ SKIPPED_FILES = {ROOT / "bench" / "results" / "summary.md"}
 # (test_pending_pages_are_still_missing says when).
 PENDING_PAGES = {
     "docs/client.md",  # branch client: the client library and the corpus command
-    "docs/corpus-jobs.md",  # branch operator: EmbeddingJob
     "docs/images.md",  # branch images: the server and operator images
 }
 

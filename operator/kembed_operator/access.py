@@ -1,5 +1,6 @@
-"""Who may reach the server, and how (pure): the TLS Secret mounts and variables, the NetworkPolicy,
-and whether it lets Prometheus reach the metrics the autoscaler needs.
+"""Who may reach the server, and how (pure): the TLS Secret mounts and variables, what a corpus job's
+client mounts to reach it, the NetworkPolicy, and whether it lets Prometheus reach the metrics the
+autoscaler needs.
 
 The Secrets are mounted whole (never with ``subPath``): only then does the kubelet swap in a renewed
 certificate, which the server picks up for new connections without a restart.
@@ -9,12 +10,16 @@ from __future__ import annotations
 
 from kembed.contract import GRPC_PORT, HTTP_PORT, REST_PORT
 from kembed_operator.config import OperatorConfig
+from kembed_operator.job_spec import JobTls
 from kembed_operator.kinds import Manifest
-from kembed_operator.spec import EmbeddingServiceSpec
+from kembed_operator.spec import EmbeddingServiceSpec, InvalidSpec
 from kembed_operator.status import Verdict
 
 TLS_DIR = "/etc/kembed/tls"
 CLIENT_CA_DIR = "/etc/kembed/client-ca"
+# A corpus job's client: the CA its server's certificate chains to, and its own certificate for mTLS.
+SERVER_CA_DIR = "/etc/kembed/server-ca"
+CLIENT_TLS_DIR = "/etc/kembed/client-tls"
 SECRET_MODE = 0o440  # group-readable: the pod's fsGroup owns Secret files, and the key is no one else's
 
 
@@ -50,6 +55,30 @@ def tls_volumes(spec: EmbeddingServiceSpec) -> tuple[list[Manifest], list[Manife
     return volumes, mounts
 
 
+def client_tls(job: JobTls, server: EmbeddingServiceSpec) -> tuple[list[str], list[Manifest], list[Manifest]]:
+    """What a corpus job's client needs to reach ``server``: (arguments, volumes, volumeMounts).
+
+    Only ``ca.crt`` of a CA's Secret is mounted, never a key that is not the client's own: the
+    default, the service's own TLS Secret, also holds the server's private key.
+    """
+    tls = server.tls
+    if tls is None:
+        return [], [], []
+    volumes = [_secret_volume("server-ca", job.ca_secret_name or tls.secret_name, "ca.crt")]
+    mounts = [{"name": "server-ca", "mountPath": SERVER_CA_DIR, "readOnly": True}]
+    arguments = ["--ca-file", f"{SERVER_CA_DIR}/ca.crt"]
+    if tls.client_ca_secret_name:
+        if not job.client_secret_name:
+            raise InvalidSpec(
+                "spec.tls.clientSecretName: the service requires client certificates (mTLS): name a kubernetes.io/tls "
+                f"Secret signed by the CA in its Secret {tls.client_ca_secret_name!r}"
+            )
+        volumes.append(_secret_volume("client-tls", job.client_secret_name, "tls.crt", "tls.key"))
+        mounts.append({"name": "client-tls", "mountPath": CLIENT_TLS_DIR, "readOnly": True})
+        arguments += ["--cert-file", f"{CLIENT_TLS_DIR}/tls.crt", "--key-file", f"{CLIENT_TLS_DIR}/tls.key"]
+    return arguments, volumes, mounts
+
+
 def _secret_volume(name: str, secret: str, *keys: str) -> Manifest:
     items = [{"key": key, "path": key} for key in keys]
     return {"name": name, "secret": {"secretName": secret, "items": items, "defaultMode": SECRET_MODE}}
@@ -57,7 +86,8 @@ def _secret_volume(name: str, secret: str, *keys: str) -> Manifest:
 
 def metrics_peers(spec: EmbeddingServiceSpec, config: OperatorConfig) -> list[Manifest]:
     """Who may reach the metrics port: ``metricsFrom``, or when it is empty the operator's default."""
-    return list(spec.network_policy.metrics_from or config.metrics_from)
+    own = [peer.manifest() for peer in spec.network_policy.metrics_from]
+    return own or list(config.metrics_from)
 
 
 def network_policy_spec(pod_labels: dict[str, str], spec: EmbeddingServiceSpec, config: OperatorConfig) -> Manifest:
@@ -69,7 +99,7 @@ def network_policy_spec(pod_labels: dict[str, str], spec: EmbeddingServiceSpec, 
     ingress: list[Manifest] = [
         # An empty podSelector as a peer: every pod in the policy's own namespace.
         {
-            "from": [{"podSelector": {}}, *spec.network_policy.from_],
+            "from": [{"podSelector": {}}, *(peer.manifest() for peer in spec.network_policy.from_)],
             "ports": [{"protocol": "TCP", "port": GRPC_PORT}, {"protocol": "TCP", "port": REST_PORT}],
         }
     ]

@@ -20,6 +20,15 @@ class OperatorConfig:
     allowed_images: tuple[str, ...] = ()
     # NetworkPolicyPeers admitted to the metrics port when a spec's networkPolicy.metricsFrom is empty.
     metrics_from: tuple[dict[str, Any], ...] = ()
+    # What a spec may pass to its pods (kembed_operator.trust): variable names besides the server's
+    # own settings, pod annotation keys and tolerated taint keys (glob patterns), and affinity kinds.
+    allowed_env: tuple[str, ...] = ()
+    allowed_pod_annotations: tuple[str, ...] = ()
+    allowed_tolerations: tuple[str, ...] = ()
+    allowed_affinity: tuple[str, ...] = ("nodeAffinity", "podAntiAffinity")
+    # Whether a spec may keep torch's compile caches on a claim of its own: whoever writes that claim
+    # can plant compiled code the servers load.
+    allow_compile_cache_claims: bool = False
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None) -> OperatorConfig:
@@ -32,12 +41,37 @@ class OperatorConfig:
             peering_lifetime_s=int(env.get(PREFIX + "PEERING_LIFETIME_S", defaults.peering_lifetime_s)),
             allowed_images=_patterns(env.get(PREFIX + "ALLOWED_IMAGES", "")),
             metrics_from=_peers(PREFIX + "METRICS_FROM", env.get(PREFIX + "METRICS_FROM", "[]")),
+            allowed_env=_patterns(env.get(PREFIX + "ALLOWED_ENV", "")),
+            allowed_pod_annotations=_patterns(env.get(PREFIX + "ALLOWED_POD_ANNOTATIONS", "")),
+            allowed_tolerations=_patterns(env.get(PREFIX + "ALLOWED_TOLERATIONS", "")),
+            allowed_affinity=_affinity(
+                PREFIX + "ALLOWED_AFFINITY", env.get(PREFIX + "ALLOWED_AFFINITY", ",".join(defaults.allowed_affinity))
+            ),
+            allow_compile_cache_claims=_flag(
+                PREFIX + "ALLOW_COMPILE_CACHE_CLAIMS", env.get(PREFIX + "ALLOW_COMPILE_CACHE_CLAIMS", "false")
+            ),
         )
 
 
 def _patterns(text: str) -> tuple[str, ...]:
-    """Comma-separated (image references hold no commas or spaces)."""
+    """Comma-separated (image references, variable names and annotation keys hold no commas or spaces)."""
     return tuple(part.strip() for part in text.split(",") if part.strip())
+
+
+AFFINITY_KINDS = ("nodeAffinity", "podAffinity", "podAntiAffinity")
+
+
+def _affinity(name: str, text: str) -> tuple[str, ...]:
+    kinds = _patterns(text)
+    if unknown := [kind for kind in kinds if kind not in AFFINITY_KINDS]:
+        raise ValueError(f"{name}: {', '.join(unknown)} is not one of {', '.join(AFFINITY_KINDS)}")
+    return kinds
+
+
+def _flag(name: str, text: str) -> bool:
+    if text.lower() not in ("true", "false"):
+        raise ValueError(f"{name}: must be true or false, not {text!r}")
+    return text.lower() == "true"
 
 
 def _peers(name: str, text: str) -> tuple[dict[str, Any], ...]:

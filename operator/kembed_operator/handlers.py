@@ -1,4 +1,4 @@
-"""kopf wiring: one reconcile loop (a kopf daemon) per EmbeddingService, woken by events.
+"""kopf wiring: one reconcile loop (a kopf daemon) per EmbeddingService and per EmbeddingJob, woken by events.
 
 Run with ``kopf run -m kembed_operator.handlers --all-namespaces``, or ``--namespace=NS`` once for
 each namespace to serve (the chart's namespaced install, with Roles only); the chart adds peering
@@ -7,9 +7,12 @@ for leader election and ``--liveness`` for the operator's own probes.
 Why a daemon and not on-create/on-update handlers: kopf keeps a handler's retry state in a PATCH
 of the resource, and when that PATCH fails the retry is lost until another event comes. A daemon
 keeps its state in memory: it reconciles, and after a failure of any kind it tries again on its
-own timer with exponential backoff. Events (the resource's own, or any of its children's) only
-wake it. kopf puts a finalizer on every EmbeddingService for this, so that it can stop the daemon
-before the resource goes; deleting one therefore needs a running operator.
+own timer with exponential backoff. Events only wake it: an EmbeddingService's loop wakes on its
+own events and its children's; an EmbeddingJob's on its own, its Job's and its pods', and its
+service's. Watches carry label selectors, so the API server sends only the operator's own objects.
+kopf puts a finalizer on every resource for this, so that it can stop the daemon before the
+resource goes; deleting one therefore needs a running operator. Deleting an EmbeddingJob also
+deletes its Job, and with it the Job's pods.
 """
 
 from __future__ import annotations
@@ -18,18 +21,21 @@ import asyncio
 import copy
 import logging
 import random
-from collections.abc import Iterable, Mapping
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 import kopf
 
-from kembed_operator import identity, kinds, kube
+from kembed_operator import identity, job_render, job_status, kinds, kube
 from kembed_operator.config import OperatorConfig
+from kembed_operator.job_reconcile import reconcile_job
 from kembed_operator.kinds import Kind, Manifest
-from kembed_operator.reconcile import Client, Outcome, reconcile
+from kembed_operator.reconcile import Client, ReconcileResult, owned, reconcile
+from kembed_operator.render import Owner
 
 CONFIG = OperatorConfig.from_env()
 ES = (kinds.EMBEDDING_SERVICE.group, kinds.EMBEDDING_SERVICE.version, kinds.EMBEDDING_SERVICE.plural)
+EJ = (kinds.EMBEDDING_JOB.group, kinds.EMBEDDING_JOB.version, kinds.EMBEDDING_JOB.plural)
 MAX_BACKOFF_S = 30.0
 # Reads come from kopf's index; a resync reads the server itself, in case the index kept an object
 # that vanished while a watch was being re-listed (kopf does not drop those).
@@ -38,8 +44,10 @@ RESYNC_S = 600.0
 # indexes first: one reconcile for the burst, reading an index that has caught up.
 SETTLE_S = 0.5
 OUR_CHILDREN = {identity.LABEL_MANAGED_BY: identity.MANAGED_BY}  # the label every child of ours carries
+OUR_JOBS = {**OUR_CHILDREN, identity.LABEL_COMPONENT: job_render.COMPONENT}
 API = kube.KubeClient()
-_WAKEUPS: dict[tuple[str, str], asyncio.Event] = {}  # (namespace, name) -> its loop's wake-up call
+Reconcile = Callable[[Mapping[str, Any], OperatorConfig, Client, int], ReconcileResult]
+_WAKEUPS: dict[tuple[str, str, str], asyncio.Event] = {}  # (plural, namespace, name) -> its loop's wake-up call
 
 
 @kopf.on.startup()
@@ -51,11 +59,20 @@ def configure(settings: kopf.OperatorSettings, **_: Any) -> None:
     # Serving listed namespaces, kopf would list namespaces and watch CRDs, which Roles cannot grant:
     # it takes the listed namespaces as existing and discovers resources once, at start.
     settings.scanning.disabled = not settings.peering.clusterwide
+    # The API server sends only our own objects: not every Deployment, Job or pod of the cluster.
+    for kind in kinds.CHILDREN:
+        settings.watching.label_selectors[kind.group, kind.version, kind.plural] = selector(OUR_CHILDREN)
+    for kind in (kinds.JOB, kinds.POD):
+        settings.watching.label_selectors[kind.group, kind.version, kind.plural] = selector(OUR_JOBS)
     kube.connect()
 
 
+def selector(labels: Mapping[str, str]) -> str:
+    return ",".join(f"{key}={value}" for key, value in sorted(labels.items()))
+
+
 def index_id(kind: Kind) -> str:
-    """The keyword under which kopf passes the index of one child kind."""
+    """The keyword under which kopf passes the index of one kind."""
     return f"{kind.plural}_index"
 
 
@@ -64,24 +81,59 @@ def _index_child(namespace: str | None, labels: Mapping[str, str], body: kopf.Bo
     return {(namespace, labels.get(identity.LABEL_INSTANCE, "")): dict(body)}
 
 
-async def _wake_owner(namespace: str | None, labels: Mapping[str, str], **_: Any) -> None:
-    _wake(namespace, labels.get(identity.LABEL_INSTANCE, ""))
+def _index_pod(namespace: str | None, labels: Mapping[str, str], body: kopf.Body, **_: Any) -> dict[Any, Manifest]:
+    """(namespace, EmbeddingJob name) -> what the status reads of one of its pods."""
+    return {(namespace, labels.get(identity.LABEL_INSTANCE, "")): job_status.trimmed(dict(body))}
+
+
+def _index_service(namespace: str | None, name: str, body: kopf.Body, **_: Any) -> dict[Any, Manifest]:
+    """(namespace, name) -> the EmbeddingService, for the jobs that call it."""
+    return {(namespace, name): dict(body)}
+
+
+def _index_job_by_service(namespace: str | None, name: str, spec: kopf.Spec, **_: Any) -> dict[Any, str]:
+    """(namespace, service) -> the EmbeddingJobs that call it, to wake when it changes."""
+    return {(namespace, spec.get("service", "")): name}
+
+
+async def _wake_service(namespace: str | None, labels: Mapping[str, str], **_: Any) -> None:
+    _wake(kinds.EMBEDDING_SERVICE, namespace, labels.get(identity.LABEL_INSTANCE, ""))
+
+
+async def _wake_job(namespace: str | None, labels: Mapping[str, str], **_: Any) -> None:
+    _wake(kinds.EMBEDDING_JOB, namespace, labels.get(identity.LABEL_INSTANCE, ""))
 
 
 for _kind in kinds.CHILDREN:
     _resource = (_kind.group, _kind.version, _kind.plural)
     kopf.index(*_resource, labels=OUR_CHILDREN, id=index_id(_kind))(_index_child)
-    kopf.on.event(*_resource, labels=OUR_CHILDREN, id=f"wake_{_kind.plural}")(_wake_owner)
+    kopf.on.event(*_resource, labels=OUR_CHILDREN, id=f"wake_{_kind.plural}")(_wake_service)
+_JOBS = (kinds.JOB.group, kinds.JOB.version, kinds.JOB.plural)
+kopf.index(*_JOBS, labels=OUR_JOBS, id=index_id(kinds.JOB))(_index_child)
+kopf.on.event(*_JOBS, labels=OUR_JOBS, id="wake_jobs")(_wake_job)
+_PODS = (kinds.POD.group, kinds.POD.version, kinds.POD.plural)
+kopf.index(*_PODS, labels=OUR_JOBS, id=index_id(kinds.POD))(_index_pod)
+kopf.on.event(*_PODS, labels=OUR_JOBS, id="wake_pods")(_wake_job)
+kopf.index(*ES, id=index_id(kinds.EMBEDDING_SERVICE))(_index_service)
+kopf.index(*EJ, id="jobs_by_service")(_index_job_by_service)
 
 
 @kopf.on.event(*ES)
-async def wake_on_change(namespace: str | None, name: str, **_: Any) -> None:
-    """A spec change (or a status someone else wrote): wake the resource's loop."""
-    _wake(namespace, name)
+async def wake_on_service_change(namespace: str | None, name: str, **kwargs: Any) -> None:
+    """A spec change (or a status someone else wrote): wake its loop, and the jobs that call it."""
+    _wake(kinds.EMBEDDING_SERVICE, namespace, name)
+    jobs: kopf.Index[Any, str] = kwargs["jobs_by_service"]
+    for job in jobs.get((namespace, name), []):
+        _wake(kinds.EMBEDDING_JOB, namespace, job)
 
 
-def _wake(namespace: str | None, name: str) -> None:
-    event = _WAKEUPS.get((namespace or "", name))
+@kopf.on.event(*EJ)
+async def wake_on_job_change(namespace: str | None, name: str, **_: Any) -> None:
+    _wake(kinds.EMBEDDING_JOB, namespace, name)
+
+
+def _wake(kind: Kind, namespace: str | None, name: str) -> None:
+    event = _WAKEUPS.get((kind.plural, namespace or "", name))
     if event is not None:
         event.set()
 
@@ -96,15 +148,52 @@ class IndexedClient(kube.KubeClient):
         store: Iterable[Manifest] = self._indexes[kind].get((namespace, name), [])
         return next(iter(store), None)
 
+    def select(self, kind: Kind, namespace: str, labels: Mapping[str, str]) -> list[Manifest]:
+        """The objects an owner's instance label names (the only selection a reconcile makes)."""
+        return list(self._indexes[kind].get((namespace, labels[identity.LABEL_INSTANCE]), []))
+
 
 @kopf.daemon(*ES)
 async def reconcile_loop(
     body: kopf.Body, name: str, stopped: kopf.DaemonStopped, logger: kopf.Logger, **kwargs: Any
 ) -> None:
-    """Reconcile on start and on every wake-up; after a failure, again after a backoff."""
-    namespace = body["metadata"]["namespace"]
+    """An EmbeddingService: reconcile on start and on every wake-up; after a failure, again after a backoff."""
     cached = IndexedClient({kind: kwargs[index_id(kind)] for kind in kinds.CHILDREN})
-    wake = _WAKEUPS.setdefault((namespace, name), asyncio.Event())
+    await _loop(kinds.EMBEDDING_SERVICE, reconcile, cached, body, name, stopped, logger)
+
+
+@kopf.daemon(*EJ)
+async def job_loop(body: kopf.Body, name: str, stopped: kopf.DaemonStopped, logger: kopf.Logger, **kwargs: Any) -> None:
+    """An EmbeddingJob: the same loop around its own reconcile."""
+    cached = IndexedClient({kind: kwargs[index_id(kind)] for kind in (kinds.JOB, kinds.POD, kinds.EMBEDDING_SERVICE)})
+    await _loop(kinds.EMBEDDING_JOB, reconcile_job, cached, body, name, stopped, logger)
+
+
+@kopf.on.delete(*EJ)
+async def delete_job(body: kopf.Body, name: str, **_: Any) -> None:
+    """The Job goes with its EmbeddingJob, its pods with it (the garbage collector would too, in its time)."""
+    meta = body["metadata"]
+    owner = Owner(name, meta["namespace"], meta["uid"], kinds.EMBEDDING_JOB)
+    await asyncio.to_thread(_delete_owned, kinds.JOB, owner)
+
+
+def _delete_owned(kind: Kind, owner: Owner) -> None:
+    live = API.get(kind, owner.namespace, owner.name)
+    if live is not None and owned(live, owner):
+        API.delete(kind, owner.namespace, owner.name)
+
+
+async def _loop(
+    kind: Kind,
+    reconcile_one: Reconcile,
+    cached: Client,
+    body: kopf.Body,
+    name: str,
+    stopped: kopf.DaemonStopped,
+    logger: kopf.Logger,
+) -> None:
+    namespace = body["metadata"]["namespace"]
+    wake = _WAKEUPS.setdefault((kind.plural, namespace, name), asyncio.Event())
     loop = asyncio.get_running_loop()
     failures, resync_at = 0, loop.time() + _resync_delay()
     try:
@@ -112,13 +201,13 @@ async def reconcile_loop(
             wake.clear()
             fresh = failures > 0 or loop.time() >= resync_at  # after a failure, trust only the server
             resync_at = loop.time() + _resync_delay() if fresh else resync_at
-            failures, retry_after = await _attempt(body, API if fresh else cached, failures, logger)
+            failures, retry_after = await _attempt(body, reconcile_one, API if fresh else cached, failures, logger)
             if failures:  # wake-ups do not cut a backoff short: our own partial progress makes them
                 await stopped.wait(max(retry_after, backoff(failures)))
             elif await _wait(wake, stopped, resync_at - loop.time()):
                 await stopped.wait(SETTLE_S)
     finally:
-        _WAKEUPS.pop((namespace, name), None)
+        _WAKEUPS.pop((kind.plural, namespace, name), None)
 
 
 def _resync_delay() -> float:
@@ -130,18 +219,20 @@ def backoff(failures: int) -> float:
     return min(MAX_BACKOFF_S, 2.0 ** (failures - 1)) * random.uniform(0.75, 1.0)
 
 
-async def _attempt(body: kopf.Body, client: Client, failures: int, logger: kopf.Logger) -> tuple[int, float]:
+async def _attempt(
+    body: kopf.Body, reconcile_one: Reconcile, client: Client, failures: int, logger: kopf.Logger
+) -> tuple[int, float]:
     """One reconcile of a snapshot of ``body``; returns (failures in a row, server's Retry-After)."""
     snapshot = copy.deepcopy(dict(body))
     try:
-        outcome = await asyncio.to_thread(reconcile, snapshot, CONFIG, client, failures)
+        result = await asyncio.to_thread(reconcile_one, snapshot, CONFIG, client, failures)
     except Exception as err:  # whatever it was (an API error writing the status, a bug): try again
         logger.warning("reconcile failed (attempt %d), will retry: %r", failures + 1, err)
         return failures + 1, kube.retry_after(err)
-    _post(body, outcome)
-    if outcome.error is not None:
-        logger.warning("reconcile failed (attempt %d), will retry: %s", failures + 1, outcome.error.reason)
-        return failures + 1, kube.retry_after(outcome.error)
+    _post(body, result)
+    if result.error is not None:
+        logger.warning("reconcile failed (attempt %d), will retry: %s", failures + 1, result.error.reason)
+        return failures + 1, kube.retry_after(result.error)
     return 0, 0.0
 
 
@@ -154,8 +245,8 @@ async def _wait(wake: asyncio.Event, stopped: kopf.DaemonStopped, seconds: float
     return wake.is_set()
 
 
-def _post(body: kopf.Body, outcome: Outcome) -> None:
-    for change in outcome.changes:
+def _post(body: kopf.Body, result: ReconcileResult) -> None:
+    for change in result.changes:
         kopf.info(body, reason=change.split()[0].capitalize(), message=change)
-    for warning in outcome.warnings:
+    for warning in result.warnings:
         kopf.warn(body, reason=warning.reason, message=warning.message)

@@ -37,9 +37,13 @@ NETWORK_POLICY: Final = Kind("networking.k8s.io", "v1", "networkpolicies", "Netw
 # Every child an EmbeddingService may own; ones a spec no longer needs are deleted.
 CHILDREN: Final = (DEPLOYMENT, SERVICE, PDB, HPA, SCALED_OBJECT, NETWORK_POLICY)
 EMBEDDING_SERVICE: Final = Kind(identity.GROUP, identity.VERSION, identity.PLURAL, identity.KIND)
+# An EmbeddingJob owns one Job, and reads (never writes) the Job's pods for their termination messages.
+JOB: Final = Kind("batch", "v1", "jobs", "Job")
+POD: Final = Kind("", "v1", "pods", "Pod")
+EMBEDDING_JOB: Final = Kind(identity.GROUP, identity.VERSION, identity.JOB_PLURAL, identity.JOB_KIND)
 
 
 def of(manifest: Manifest) -> Kind:
     """The child kind of a manifest (by apiVersion and kind)."""
     api_version, kind = manifest["apiVersion"], manifest["kind"]
-    return next(k for k in CHILDREN if (k.api_version, k.kind) == (api_version, kind))
+    return next(k for k in (*CHILDREN, JOB) if (k.api_version, k.kind) == (api_version, kind))

@@ -1,4 +1,4 @@
-"""The only module that talks to the API server: get, create, apply, delete, patch status.
+"""The only module that talks to the API server: get, select, create, apply, delete, patch status.
 
 :class:`KubeClient` is what :func:`kembed_operator.reconcile.reconcile` is given in production.
 
@@ -10,6 +10,7 @@ against :mod:`kembed_operator.permissions` first: a call missing there would be 
 from __future__ import annotations
 
 import json
+from collections.abc import Mapping
 from functools import cache
 
 import urllib3.exceptions
@@ -77,11 +78,20 @@ class KubeClient:
         return _call("patch", kind, "PATCH", path, body=body, content_type="application/apply-patch+yaml", query=query)
 
     def delete(self, kind: Kind, namespace: str, name: str) -> None:
+        """Delete, and let the garbage collector take what the object owns (a Job's pods: the API's
+        default for a Job is to orphan them)."""
+        query = [("propagationPolicy", "Background")]
         try:
-            _call("delete", kind, "DELETE", kind.path(namespace, name))
+            _call("delete", kind, "DELETE", kind.path(namespace, name), query=query)
         except ApiException as err:
             if err.status != 404:
                 raise
+
+    def select(self, kind: Kind, namespace: str, labels: Mapping[str, str]) -> list[Manifest]:
+        """The objects of ``kind`` in ``namespace`` that carry every one of ``labels``."""
+        selector = ",".join(f"{key}={value}" for key, value in sorted(labels.items()))
+        items = _call("list", kind, "GET", kind.path(namespace), query=[("labelSelector", selector)])["items"]
+        return [item for item in items if labels.items() <= item.get("metadata", {}).get("labels", {}).items()]
 
     def patch_status(self, kind: Kind, namespace: str, name: str, status: Manifest) -> Manifest:
         path = kind.path(namespace, name, "status")

@@ -27,15 +27,22 @@ def _rule(group: str, resource: str, *verbs: str) -> Rule:
 # them again after a failure or on a resync, creates, applies and deletes them (an autoscaler a spec
 # no longer asks for, a Service whose type changed).
 _CHILD = ("get", "list", "watch", "create", "patch", "delete")
-_ES = kinds.EMBEDDING_SERVICE
+_ES, _EJ, _JOB, _POD = kinds.EMBEDDING_SERVICE, kinds.EMBEDDING_JOB, kinds.JOB, kinds.POD
 _PEERING = ("get", "list", "watch", "patch")
 
 # In every namespace the operator serves.
 IN_NAMESPACE: Final = (
-    # The custom resource: kopf lists, watches and patches it (the finalizer its daemon needs).
-    _rule(_ES.group, _ES.plural, "list", "watch", "patch"),
+    # The custom resources: kopf lists, watches and patches them (the finalizer their daemons need);
+    # an EmbeddingJob's reconcile reads its service again after a failure.
+    _rule(_ES.group, _ES.plural, "get", "list", "watch", "patch"),
     _rule(_ES.group, f"{_ES.plural}/status", "patch"),
+    _rule(_EJ.group, _EJ.plural, "list", "watch", "patch"),
+    _rule(_EJ.group, f"{_EJ.plural}/status", "patch"),
     *(_rule(kind.group, kind.plural, *_CHILD) for kind in kinds.CHILDREN),
+    # An EmbeddingJob's Job is made once and never changed (its pod template is immutable), and
+    # deleted with it; its pods are only read (watched by label) for their termination messages.
+    _rule(_JOB.group, _JOB.plural, "get", "list", "watch", "create", "delete"),
+    _rule(_POD.group, _POD.plural, "list", "watch"),
     # kopf: events for `kubectl describe`.
     _rule("", "events", "create"),
 )

@@ -35,10 +35,11 @@ class Client(Protocol):
     def apply(self, kind: Kind, namespace: str, name: str, body: Manifest) -> Manifest: ...
     def delete(self, kind: Kind, namespace: str, name: str) -> None: ...
     def patch_status(self, kind: Kind, namespace: str, name: str, status: Manifest) -> Manifest: ...
+    def select(self, kind: Kind, namespace: str, labels: Mapping[str, str]) -> list[Manifest]: ...
 
 
 @dataclass
-class Outcome:
+class ReconcileResult:
     """What a reconcile did, for events and logs; ``error`` set means it must be tried again."""
 
     changes: list[str] = field(default_factory=list)  # e.g. "created Deployment/emb"
@@ -47,30 +48,30 @@ class Outcome:
     error: ApiException | None = None  # a transient API error that stopped the children's sync
 
 
-def reconcile(body: Mapping[str, Any], config: OperatorConfig, client: Client, failures: int = 0) -> Outcome:
+def reconcile(body: Mapping[str, Any], config: OperatorConfig, client: Client, failures: int = 0) -> ReconcileResult:
     """``failures``: how many attempts in a row failed before this one (the status says so from the second)."""
     meta = body["metadata"]
     owner = render.Owner(name=meta["name"], namespace=meta["namespace"], uid=meta["uid"])
     previous = dict(body.get("status") or {})
-    outcome = Outcome()
+    result = ReconcileResult()
     live: dict[Kind, Manifest | None] = {}
     try:
         spec = parse_spec(dict(body.get("spec") or {}))
-        trust.check_image(spec, config)
+        trust.check_service(spec, config)
         children = render.render(owner, spec, config)
         model = render.model_name(spec)
         transport = access.transport(spec)
         metrics = access.metrics_admitted(spec, config)
     except InvalidSpec as err:
         # Keep the children as they are: the last good spec goes on serving while a human fixes this one.
-        outcome.problem = status.Problem(err.reason, str(err))
+        result.problem = status.Problem(err.reason, str(err))
         model = previous.get("model", "")
         transport = previous.get("transport", "plaintext")
         metrics = status.NOT_APPLIED
     else:
-        live = _sync_all(client, owner, children, outcome)
-    if outcome.error is not None and failures > 0 and outcome.problem is None:
-        outcome.problem = status.Problem("ApiUnavailable", f"{_describe(outcome.error)}; retrying")
+        live = _sync_all(client, owner, children, result)
+    if result.error is not None and failures > 0 and result.problem is None:
+        result.problem = status.Problem("ApiUnavailable", f"{describe(result.error)}; retrying")
     deployment = (
         live[kinds.DEPLOYMENT]
         if kinds.DEPLOYMENT in live
@@ -79,7 +80,7 @@ def reconcile(body: Mapping[str, Any], config: OperatorConfig, client: Client, f
     observed = status.Observed(
         generation=int(meta.get("generation", 0)),
         deployment=deployment,
-        problem=outcome.problem,
+        problem=result.problem,
         selector=render.selector(owner.name),
         endpoint=render.endpoint(owner),
         rest_endpoint=render.rest_endpoint(owner, tls=transport != "plaintext"),
@@ -87,11 +88,11 @@ def reconcile(body: Mapping[str, Any], config: OperatorConfig, client: Client, f
         metrics=metrics,
         transport=transport,
     )
-    outcome.warnings = _new_warnings(outcome.problem, metrics, previous)
+    result.warnings = _new_warnings(result.problem, metrics, previous)
     new = status.compute(observed, previous, datetime.now(UTC).strftime("%Y-%m-%dT%H:%M:%SZ"))
     if status.changed(new, previous):
         client.patch_status(kinds.EMBEDDING_SERVICE, owner.namespace, owner.name, new)
-    return outcome
+    return result
 
 
 def _new_warnings(problem: status.Problem | None, metrics: status.Verdict, previous: Manifest) -> list[status.Problem]:
@@ -109,7 +110,7 @@ def _is_new(problem: status.Problem, previous: Manifest, kind: str) -> bool:
 
 
 def _sync_all(
-    client: Client, owner: render.Owner, children: list[render.Child], outcome: Outcome
+    client: Client, owner: render.Owner, children: list[render.Desired], result: ReconcileResult
 ) -> dict[Kind, Manifest | None]:
     """Each child brought in line; returns the live objects reached (the Deployment feeds the status)."""
     wanted = {child.kind for child in children}
@@ -117,17 +118,17 @@ def _sync_all(
     try:
         for child in children:
             action, live[child.kind] = _sync(client, owner, child)
-            _record(outcome, action, child.kind, owner.name)
+            _record(result, action, child.kind, owner.name)
         for kind in kinds.CHILDREN:
             if kind not in wanted:
-                _record(outcome, _remove(client, owner, kind), kind, owner.name)
+                _record(result, _remove(client, owner, kind), kind, owner.name)
     except ApiException as err:
         if kube.is_transient(err):
-            outcome.error = err
+            result.error = err
         else:  # a child the API server refuses (quota, admission webhook): say so, go on
-            outcome.problem = status.Problem("ApplyRejected", _describe(err))
+            result.problem = status.Problem("ApplyRejected", describe(err))
     except OwnershipError as err:
-        outcome.problem = status.Problem("NameConflict", str(err))
+        result.problem = status.Problem("NameConflict", str(err))
     return live
 
 
@@ -135,7 +136,7 @@ class OwnershipError(Exception):
     """A child's name is taken by an object this EmbeddingService does not own."""
 
 
-def _sync(client: Client, owner: render.Owner, child: render.Child) -> tuple[str | None, Manifest]:
+def _sync(client: Client, owner: render.Owner, child: render.Desired) -> tuple[str | None, Manifest]:
     kind, namespace = child.kind, owner.namespace
     live = client.get(kind, namespace, owner.name)
     if live is None:
@@ -159,24 +160,24 @@ def _immutable_changed(live: Manifest, wanted: Manifest) -> bool:
 
 def _remove(client: Client, owner: render.Owner, kind: Kind) -> str | None:
     live = client.get(kind, owner.namespace, owner.name)
-    if live is None or not _owned(live, owner):
+    if live is None or not owned(live, owner):
         return None
     client.delete(kind, owner.namespace, owner.name)
     return "deleted"
 
 
-def _record(outcome: Outcome, action: str | None, kind: Kind, name: str) -> None:
+def _record(result: ReconcileResult, action: str | None, kind: Kind, name: str) -> None:
     if action is not None:
-        outcome.changes.append(f"{action} {kind.kind}/{name}")
+        result.changes.append(f"{action} {kind.kind}/{name}")
 
 
-def _owned(live: Manifest, owner: render.Owner) -> bool:
+def owned(live: Manifest, owner: render.Owner) -> bool:
     return any(ref.get("uid") == owner.uid for ref in live.get("metadata", {}).get("ownerReferences", []))
 
 
 def _check_owned(live: Manifest, owner: render.Owner, kind: Kind) -> None:
-    if not _owned(live, owner):
-        raise OwnershipError(f"{kind.kind} {owner.name} exists and is not owned by this EmbeddingService")
+    if not owned(live, owner):
+        raise OwnershipError(f"{kind.kind} {owner.name} exists and is not owned by this {owner.kind.kind}")
 
 
 def contains(live: Any, wanted: Any, key: str = "") -> bool:
@@ -209,7 +210,7 @@ def _merge(base: Manifest, extra: Manifest) -> Manifest:
     return merged
 
 
-def _describe(err: ApiException) -> str:
+def describe(err: ApiException) -> str:
     try:
         message = str(json.loads(err.body or "{}").get("message", err.body))
     except ValueError:

@@ -33,7 +33,7 @@ from kembed_operator import access, identity, kinds, startup
 from kembed_operator.config import OperatorConfig
 from kembed_operator.kinds import Manifest
 from kembed_operator.slo import Thresholds, derive
-from kembed_operator.spec import EmbeddingServiceSpec, InvalidSpec
+from kembed_operator.spec import EmbeddingServiceSpec, EnvVar, InvalidSpec
 
 RUN_AS = 10001  # the uid/gid Dockerfile.server creates
 PRESTOP_SLEEP_S = 5  # lets endpoint removal reach every client before the server stops accepting
@@ -51,19 +51,43 @@ COMPILE_THREADS_VAR = "TORCHINDUCTOR_COMPILE_THREADS"
 INDUCTOR_MAX_COMPILE_THREADS = 32
 
 
+# Settings only the operator sets, whatever the spec: where the model, its caches and the
+# certificates are (an author's path there could point into a claim they write), and the pod's own
+# addresses and size.
+OPERATOR_SETTINGS = frozenset(
+    {
+        "model",
+        "model_revision",
+        "model_cache_dir",
+        "compile_cache_dir",
+        "tls_cert_file",
+        "tls_key_file",
+        "tls_client_ca_file",
+        "grpc_host",
+        "grpc_port",
+        "http_host",
+        "http_port",
+        "rest_port",
+        "device",
+        "cpu_request_millicores",
+    }
+)
+
+
 @dataclass(frozen=True)
 class Owner:
-    """The EmbeddingService the children belong to."""
+    """The resource the children belong to."""
 
     name: str
     namespace: str
     uid: str
+    kind: kinds.Kind = kinds.EMBEDDING_SERVICE
 
 
 @dataclass(frozen=True)
-class Child:
-    """A desired child: ``manifest`` is applied on every reconcile, ``on_create`` merged in only when
-    creating (the initial replica count, which an autoscaler owns afterwards)."""
+class Desired:
+    """A child as the spec wants it: ``manifest`` is applied on every reconcile, ``on_create`` merged in
+    only when creating (the initial replica count, which an autoscaler owns afterwards)."""
 
     manifest: Manifest
     on_create: Manifest = field(default_factory=dict)
@@ -73,22 +97,22 @@ class Child:
         return kinds.of(self.manifest)
 
 
-def render(owner: Owner, spec: EmbeddingServiceSpec, config: OperatorConfig) -> list[Child]:
+def render(owner: Owner, spec: EmbeddingServiceSpec, config: OperatorConfig) -> list[Desired]:
     """The children ``spec`` needs, or :class:`InvalidSpec` when they would not work."""
     thresholds = derive(spec)
     server = server_config(spec, thresholds)
     children = [
         _deployment(owner, spec, config, server),
-        Child(_service(owner, spec)),
-        Child(_pdb(owner)),
+        Desired(_service(owner, spec)),
+        Desired(_pdb(owner)),
     ]
     if spec.network_policy.enabled:
         policy = access.network_policy_spec(selector_labels(owner.name), spec, config)
-        children.append(Child(_object(kinds.NETWORK_POLICY, owner, policy)))
+        children.append(Desired(_object(kinds.NETWORK_POLICY, owner, policy)))
     if spec.autoscaled and spec.autoscaling.provider == "hpa":
-        children.append(Child(_hpa(owner, spec, thresholds)))
+        children.append(Desired(_hpa(owner, spec, thresholds)))
     elif spec.autoscaled:
-        children.append(Child(_scaled_object(owner, spec, thresholds, config)))
+        children.append(Desired(_scaled_object(owner, spec, thresholds, config)))
     return children
 
 
@@ -112,9 +136,14 @@ def labels(name: str) -> dict[str, str]:
     }
 
 
+def grpc_address(name: str, namespace: str) -> str:
+    """The Service's gRPC HOST:PORT in the cluster, the name its TLS certificate must carry."""
+    return f"{name}.{namespace}.svc.cluster.local:{GRPC_PORT}"
+
+
 def endpoint(owner: Owner) -> str:
     """Where gRPC clients dial."""
-    return f"dns:///{owner.name}.{owner.namespace}.svc.cluster.local:{GRPC_PORT}"
+    return f"dns:///{grpc_address(owner.name, owner.namespace)}"
 
 
 def rest_endpoint(owner: Owner, tls: bool) -> str:
@@ -133,13 +162,19 @@ def model_name(spec: EmbeddingServiceSpec) -> str:
 
 
 def _object(kind: kinds.Kind, owner: Owner, spec: Manifest, **metadata: Any) -> Manifest:
-    return {"apiVersion": kind.api_version, "kind": kind.kind, "metadata": _metadata(owner, **metadata), "spec": spec}
+    return {
+        "apiVersion": kind.api_version,
+        "kind": kind.kind,
+        "metadata": owned_metadata(owner, labels(owner.name), **metadata),
+        "spec": spec,
+    }
 
 
-def _metadata(owner: Owner, **extra: Any) -> Manifest:
+def owned_metadata(owner: Owner, object_labels: dict[str, str], **extra: Any) -> Manifest:
+    """A child's metadata: named after its owner, which controls it (and whose deletion takes it)."""
     reference = {
-        "apiVersion": kinds.EMBEDDING_SERVICE.api_version,
-        "kind": kinds.EMBEDDING_SERVICE.kind,
+        "apiVersion": owner.kind.api_version,
+        "kind": owner.kind.kind,
         "name": owner.name,
         "uid": owner.uid,
         "controller": True,
@@ -148,7 +183,7 @@ def _metadata(owner: Owner, **extra: Any) -> Manifest:
     return {
         "name": owner.name,
         "namespace": owner.namespace,
-        "labels": labels(owner.name),
+        "labels": object_labels,
         "ownerReferences": [reference],
         **extra,
     }
@@ -213,21 +248,20 @@ def _decided_settings(spec: EmbeddingServiceSpec, thresholds: Thresholds) -> dic
     return {name: value for name, value in settings.items() if value is not None}
 
 
-def _literal_env(extra: list[Manifest], decided: dict[str, Any]) -> dict[str, str]:
+def _literal_env(extra: list[EnvVar], decided: dict[str, Any]) -> dict[str, str]:
     """``spec.env``'s literal ``KEMBED_*`` values, which change what the server starts with; refuses
-    variables the spec renders and names that are no server setting."""
-    rendered = {env_name(name) for name in decided} | {CPU_REQUEST_VAR}
+    variables the operator sets and names that are no server setting."""
+    operators = {env_name(name) for name in OPERATOR_SETTINGS.union(decided)}
     literal = {}
     for index, var in enumerate(extra):
-        name = str(var.get("name", ""))
-        if not name.startswith(ENV_PREFIX):
+        if not var.name.startswith(ENV_PREFIX):
             continue
-        if name in rendered:
-            raise InvalidSpec(f"spec.env[{index}]: {name} is rendered from the spec; set it there")
-        if name[len(ENV_PREFIX) :].lower() not in Settings.model_fields:
-            raise InvalidSpec(f"spec.env[{index}]: {name} is not a kembed server setting")
-        if "value" in var:
-            literal[name] = str(var["value"])
+        if var.name in operators:
+            raise InvalidSpec(f"spec.env[{index}]: {var.name} is rendered by the operator from the spec; set it there")
+        if var.name[len(ENV_PREFIX) :].lower() not in Settings.model_fields:
+            raise InvalidSpec(f"spec.env[{index}]: {var.name} is not a kembed server setting")
+        if var.value is not None:
+            literal[var.name] = var.value
     return literal
 
 
@@ -262,7 +296,7 @@ def sizing_env(spec: EmbeddingServiceSpec) -> list[Manifest]:
     ``spec.env`` sets them."""
     request = {"containerName": CONTAINER, "resource": "requests.cpu", "divisor": "1m"}
     entries: list[Manifest] = [{"name": CPU_REQUEST_VAR, "valueFrom": {"resourceFieldRef": request}}]
-    if not any(var.get("name") == COMPILE_THREADS_VAR for var in spec.env):
+    if not any(var.name == COMPILE_THREADS_VAR for var in spec.env):
         entries.append({"name": COMPILE_THREADS_VAR, "value": str(compile_threads(spec.resources.cpu))})
     return entries
 
@@ -279,7 +313,7 @@ def compile_threads(cpu: str) -> int:
 # --- Deployment -----------------------------------------------------------------------------------
 
 
-def _deployment(owner: Owner, spec: EmbeddingServiceSpec, config: OperatorConfig, server: ServerConfig) -> Child:
+def _deployment(owner: Owner, spec: EmbeddingServiceSpec, config: OperatorConfig, server: ServerConfig) -> Desired:
     deployment_spec: Manifest = {
         "selector": {"matchLabels": selector_labels(owner.name)},
         # Never fewer ready pods than wanted during a rollout: warmup is slow and capacity is scarce.
@@ -292,9 +326,9 @@ def _deployment(owner: Owner, spec: EmbeddingServiceSpec, config: OperatorConfig
     }
     manifest = _object(kinds.DEPLOYMENT, owner, deployment_spec)
     if spec.autoscaled:  # the autoscaler owns the count: set it once, at creation, never again
-        return Child(manifest, on_create={"spec": {"replicas": spec.min_replicas}})
+        return Desired(manifest, on_create={"spec": {"replicas": spec.min_replicas}})
     deployment_spec["replicas"] = spec.min_replicas
-    return Child(manifest)
+    return Desired(manifest)
 
 
 def _pod_annotations(spec: EmbeddingServiceSpec) -> dict[str, str]:
@@ -312,13 +346,7 @@ def _pod_spec(spec: EmbeddingServiceSpec, config: OperatorConfig, server: Server
         "automountServiceAccountToken": False,  # the server never calls the API
         "enableServiceLinks": False,
         "terminationGracePeriodSeconds": PRESTOP_SLEEP_S + spec.grace_seconds + GRACE_MARGIN_S,
-        "securityContext": {
-            "runAsNonRoot": True,
-            "runAsUser": RUN_AS,
-            "runAsGroup": RUN_AS,
-            "fsGroup": RUN_AS,
-            "seccompProfile": {"type": "RuntimeDefault"},
-        },
+        "securityContext": pod_security(),
         "containers": [_container(spec, config, server, mounts)],
         "volumes": volumes,
     }
@@ -349,7 +377,7 @@ def _container(
             *({"name": name, "value": value} if value else {"name": name} for name, value in server.env.items()),
             *sizing_env(spec),
             {"name": "HOME", "value": "/tmp"},  # the root filesystem is read-only
-            *spec.env,
+            *(var.manifest() for var in spec.env),
         ],
         "resources": _resources(spec),
         # Startup waits for /readyz: model load, warmup and CUDA graph capture can take minutes.
@@ -357,13 +385,29 @@ def _container(
         "readinessProbe": _probe(READYZ_PATH, period=5, failures=2),
         "livenessProbe": _probe(LIVEZ_PATH, period=10, failures=3),
         "lifecycle": {"preStop": {"sleep": {"seconds": PRESTOP_SLEEP_S}}},
-        "securityContext": {
-            "allowPrivilegeEscalation": False,
-            "readOnlyRootFilesystem": True,
-            "runAsNonRoot": True,
-            "capabilities": {"drop": ["ALL"]},
-        },
+        "securityContext": container_security(),
         "volumeMounts": mounts,
+    }
+
+
+def pod_security() -> Manifest:
+    """Non-root as the image's user, RuntimeDefault seccomp: every pod the operator makes."""
+    return {
+        "runAsNonRoot": True,
+        "runAsUser": RUN_AS,
+        "runAsGroup": RUN_AS,
+        "fsGroup": RUN_AS,
+        "seccompProfile": {"type": "RuntimeDefault"},
+    }
+
+
+def container_security() -> Manifest:
+    """No privilege escalation, no capabilities, a read-only root filesystem: every container it makes."""
+    return {
+        "allowPrivilegeEscalation": False,
+        "readOnlyRootFilesystem": True,
+        "runAsNonRoot": True,
+        "capabilities": {"drop": ["ALL"]},
     }
 
 
@@ -388,7 +432,7 @@ def _resources(spec: EmbeddingServiceSpec) -> Manifest:
 
 
 def _tolerations(spec: EmbeddingServiceSpec) -> list[Manifest]:
-    tolerations = list(spec.tolerations)
+    tolerations = [toleration.manifest() for toleration in spec.tolerations]
     # GPU nodes are commonly tainted nvidia.com/gpu:NoSchedule; a GPU pod may always go there.
     if spec.resources.gpu and not any(t.get("key") == GPU_RESOURCE for t in tolerations):
         tolerations.append({"key": GPU_RESOURCE, "operator": "Exists", "effect": "NoSchedule"})

@@ -1,17 +1,27 @@
-"""The EmbeddingService spec as typed, checked values (pure).
+"""The EmbeddingService spec as typed, checked values (pure), and the CRD's schema source.
 
-The CRD's OpenAPI schema is the first line of defence and applies the same defaults as these
-models (a test keeps the two identical), all but :data:`DEFAULT_GRACE_SECONDS`, which only this
-module applies. This module is the second line: it rejects what a schema cannot express or what
-got past it (an older CRD, a client that skipped validation), raising :class:`InvalidSpec`, which
-the handlers turn into a ``Degraded`` condition instead of a crash.
+These models are the one source of the CRD's ``spec`` schema: :mod:`kembed_operator.crd` generates
+``crds/`` and the chart's copy from them (field names, types, bounds, defaults, descriptions and the
+CEL rules in ``json_schema_extra``), so the schema and the operator cannot disagree. The schema is
+the first line of defence; this module is the second: it rejects what a schema cannot express or
+what got past it (an older CRD, a client that skipped validation), raising :class:`InvalidSpec`,
+which the handlers turn into a condition instead of a crash. :data:`DEFAULT_GRACE_SECONDS` is the
+one default only this module applies.
 """
 
 from __future__ import annotations
 
-from typing import Annotated, Any, ClassVar, Literal
+from typing import Annotated, Any, Literal, TypeVar
 
-from pydantic import BaseModel, BeforeValidator, ConfigDict, Field, ValidationError, model_validator
+from pydantic import (
+    BaseModel,
+    BeforeValidator,
+    ConfigDict,
+    Field,
+    ValidationError,
+    WithJsonSchema,
+    model_validator,
+)
 from pydantic.alias_generators import to_camel
 
 from kembed.config import Admission, Batching, Dtype, Pooling
@@ -20,7 +30,9 @@ from kembed.config import Admission, Batching, Dtype, Pooling
 class InvalidSpec(ValueError):
     """The spec cannot be rendered; the message says which field and why, ``reason`` is the condition's."""
 
-    reason: ClassVar[str] = "InvalidSpec"
+    def __init__(self, message: str, reason: str = "InvalidSpec") -> None:
+        super().__init__(message)
+        self.reason = reason
 
 
 # terminationGraceSeconds when neither it nor drainSeconds is set. The resource's own default, not
@@ -28,33 +40,56 @@ class InvalidSpec(ValueError):
 DEFAULT_GRACE_SECONDS = 25
 
 # The CRD accepts `cpu: 4` as well as `cpu: "4"` (int-or-string); manifests need the string.
-Quantity = Annotated[str, BeforeValidator(lambda v: str(v) if isinstance(v, int | float) else v)]
+Quantity = Annotated[
+    str,
+    BeforeValidator(lambda v: str(v) if isinstance(v, int | float) else v),
+    WithJsonSchema({"x-kubernetes-int-or-string": True}),
+]
+# A Kubernetes object passed through verbatim (the API server checks it when the child is applied).
+Verbatim = dict[str, Any]
 
 
-class _Spec(BaseModel):
+def cel(rule: str, message: str) -> dict[str, Any]:
+    """A CRD validation rule (CEL) for ``json_schema_extra``; each has a Python twin in this package."""
+    return {"x-kubernetes-validations": [{"rule": rule, "message": message}]}
+
+
+class SpecModel(BaseModel):
+    """A part of a resource's spec: camelCase in the resource, unknown fields refused, immutable."""
+
     model_config = ConfigDict(alias_generator=to_camel, populate_by_name=True, extra="forbid", frozen=True)
 
+    def manifest(self) -> dict[str, Any]:
+        """This part as the API's JSON (camelCase, unset fields left out)."""
+        return self.model_dump(by_alias=True, exclude_none=True, mode="json")
 
-class PvcSource(_Spec):
+
+class PvcSource(SpecModel):
     claim_name: str = Field(min_length=1)
-    path: str = ""  # the model folder inside the claim; empty = the claim's root
+    path: str = Field("", description="The model folder inside the claim; empty = its root.")
 
 
-class HubSource(_Spec):
+class HubSource(SpecModel):
     id: str = Field(min_length=1)
     revision: str = ""
-    cache_claim_name: str = ""  # empty = an emptyDir per pod (downloads on every start)
+    cache_claim_name: str = Field("", description="A PVC for the download cache; empty = an emptyDir per pod.")
     cache_size_limit: Quantity = "20Gi"
 
 
-class ModelSpec(_Spec):
-    pvc: PvcSource | None = None
-    hub: HubSource | None = None
+class ModelSpec(SpecModel):
+    model_config = ConfigDict(
+        json_schema_extra=cel("!(has(self.pvc) && has(self.hub))", "set model.pvc or model.hub, not both")
+    )
+
+    pvc: PvcSource | None = Field(None, description="A model folder on a PersistentVolumeClaim, mounted read-only.")
+    hub: HubSource | None = Field(
+        None, description="A Hugging Face hub model id, downloaded into a cache volume at start."
+    )
     pooling: Pooling = Pooling.AUTO
-    control_tokens: list[str] = Field(default_factory=list)
-    max_input_tokens: int = Field(0, ge=0)
+    control_tokens: list[str] = Field(default_factory=list, description='Tokens left out of pooling, e.g. "[query]".')
+    max_input_tokens: int = Field(0, ge=0, description="0 = the model's limit.")
     dtype: Dtype = Dtype.AUTO
-    served_name: str = ""  # the REST API's `model` alias; empty = the model id only
+    served_name: str = Field("", description="A name REST clients may give as `model`, besides the model id.")
 
     @model_validator(mode="after")
     def _one_source(self) -> ModelSpec:
@@ -63,34 +98,49 @@ class ModelSpec(_Spec):
         return self
 
 
-class CompileCacheSpec(_Spec):
-    """torch's compile caches: an emptyDir survives container restarts; a PVC survives pods too."""
-
+class CompileCacheSpec(SpecModel):
     enabled: bool = True
-    size_limit: Quantity = "5Gi"  # of the emptyDir
-    claim_name: str = ""  # a PVC instead of the emptyDir (ReadWriteMany when replicas share it)
+    size_limit: Quantity = Field("5Gi", description="Of the emptyDir.")
+    claim_name: str = Field(
+        "",
+        description="A PVC instead of the emptyDir, which survives pods too (ReadWriteMany when replicas share it); "
+        "the operator's administrator must allow it (allowCompileCacheClaims).",
+    )
 
 
-class ResourcesSpec(_Spec):
-    gpu: int = Field(1, ge=0)
+class ResourcesSpec(SpecModel):
+    gpu: int = Field(1, ge=0, description="GPUs per pod (nvidia.com/gpu); 0 = CPU.")
     cpu: Quantity = "4"
     memory: Quantity = "16Gi"
 
 
-class BatchingSpec(_Spec):
-    """Unset fields keep the server's defaults (docs/configuration.md)."""
-
+class BatchingSpec(SpecModel):
     mode: Batching = Batching.TOKEN_BUCKET
-    buckets: list[int] | None = None
-    max_batch_size: int | None = Field(None, ge=1)
-    max_tokens_per_batch: int | None = Field(None, ge=1)
+    buckets: list[Annotated[int, Field(ge=1)]] | None = Field(
+        None,
+        max_length=16,
+        json_schema_extra={
+            **cel("self.isSorted()", "bucket lengths must be ascending"),
+            "x-kubernetes-list-type": "set",
+        },
+    )
+    max_batch_size: int | None = Field(None, ge=1, le=4096)
+    max_tokens_per_batch: int | None = Field(None, ge=16)
     max_wait_ms: float | None = Field(None, ge=0)
 
 
-class AdmissionSpec(_Spec):
-    """Unset thresholds are derived from ``slo.p95LatencyMs`` (see :mod:`kembed_operator.slo`)."""
+class AdmissionSpec(SpecModel):
+    model_config = ConfigDict(
+        json_schema_extra=cel(
+            "!has(self.p95SoftMs) || !has(self.p95HardMs) || self.p95SoftMs <= self.p95HardMs",
+            "p95SoftMs must not exceed p95HardMs",
+        )
+    )
 
-    strategies: list[Admission] = Field(default_factory=lambda: list(Admission))  # every one the server has
+    strategies: list[Admission] = Field(
+        default_factory=lambda: list(Admission),  # every one the server has
+        json_schema_extra={"x-kubernetes-list-type": "set"},
+    )
     max_drain_ms: float | None = Field(None, gt=0)
     p95_soft_ms: float | None = Field(None, gt=0)
     p95_hard_ms: float | None = Field(None, gt=0)
@@ -98,77 +148,189 @@ class AdmissionSpec(_Spec):
     max_queued_tokens: int | None = Field(None, ge=1)
 
 
-class SloSpec(_Spec):
-    p95_latency_ms: int = Field(1000, ge=1)
+class SloSpec(SpecModel):
+    p95_latency_ms: int = Field(
+        1000,
+        ge=1,
+        description="The P95 latency objective; admission thresholds and autoscaling targets follow from it.",
+    )
 
 
-class AutoscalingTargets(_Spec):
-    """Per-pod averages the autoscaler aims for; unset = derived from the SLO."""
-
+class AutoscalingTargets(SpecModel):
     queue_drain_seconds: float | None = Field(None, gt=0)
     latency_p95_seconds: float | None = Field(None, gt=0)
 
 
-class KedaSpec(_Spec):
-    server_address: str = ""  # empty = the operator's configured Prometheus
+class KedaSpec(SpecModel):
+    server_address: str = Field("", description="Prometheus URL; empty = the operator's default.")
     polling_interval: int = Field(15, ge=1)
     cooldown_period: int = Field(300, ge=0)
 
 
-class AutoscalingSpec(_Spec):
+class AutoscalingSpec(SpecModel):
     enabled: bool = True
     provider: Literal["hpa", "keda"] = "hpa"
-    targets: AutoscalingTargets = Field(default_factory=AutoscalingTargets)
-    behavior: dict[str, Any] | None = None  # passed verbatim to the HPA (or KEDA's HPA)
+    targets: AutoscalingTargets = Field(
+        default_factory=AutoscalingTargets,
+        description="Per-pod averages to scale on; unset = derived from slo.p95LatencyMs.",
+    )
+    behavior: Verbatim | None = Field(
+        None, description="autoscaling/v2 HorizontalPodAutoscalerBehavior, passed through verbatim."
+    )
     keda: KedaSpec = Field(default_factory=KedaSpec)
 
 
-class ServiceSpec(_Spec):
-    # Headless: DNS returns every ready pod, for gRPC clients that balance per call themselves.
-    type: Literal["ClusterIP", "Headless"] = "ClusterIP"
+class ServiceSpec(SpecModel):
+    type: Literal["ClusterIP", "Headless"] = Field(
+        "ClusterIP", description="Headless publishes every ready pod in DNS, for clients that balance per call."
+    )
     annotations: dict[str, str] = Field(default_factory=dict)
 
 
-class TlsSpec(_Spec):
-    secret_name: str = Field(min_length=1)  # a kubernetes.io/tls Secret (tls.crt, tls.key), e.g. cert-manager's
-    # A Secret whose ca.crt signs client certificates: mTLS. ("CA", not to_camel's "Ca".)
-    client_ca_secret_name: str = Field("", alias="clientCASecretName")
+class TlsSpec(SpecModel):
+    secret_name: str = Field(
+        min_length=1, description="A kubernetes.io/tls Secret (tls.crt, tls.key), e.g. cert-manager's."
+    )
+    # ("CA", not to_camel's "Ca".)
+    client_ca_secret_name: str = Field(
+        "",
+        alias="clientCASecretName",
+        description="A Secret whose ca.crt signs client certificates: mTLS. Only ca.crt is mounted.",
+    )
 
 
-class NetworkPolicySpec(_Spec):
-    """Ingress to the pods: gRPC from the resource's namespace and ``from``; metrics from ``metricsFrom``."""
+class IpBlock(SpecModel):
+    cidr: str
+    except_: list[str] | None = Field(None, alias="except")
 
+
+class NetworkPolicyPeer(SpecModel):
+    """A networking.k8s.io/v1 NetworkPolicyPeer."""
+
+    pod_selector: Verbatim | None = None
+    namespace_selector: Verbatim | None = None
+    ip_block: IpBlock | None = None
+
+
+class NetworkPolicySpec(SpecModel):
     enabled: bool = True
-    from_: list[dict[str, Any]] = Field(default_factory=list, alias="from")  # NetworkPolicyPeers, verbatim
-    metrics_from: list[dict[str, Any]] = Field(default_factory=list)
+    from_: list[NetworkPolicyPeer] = Field(
+        default_factory=list,
+        alias="from",
+        description="More peers allowed to call gRPC and REST (other namespaces, pods, CIDRs).",
+    )
+    metrics_from: list[NetworkPolicyPeer] = Field(
+        default_factory=list,
+        description="Peers allowed to scrape the metrics port (e.g. Prometheus's namespace); "
+        "empty = the operator's default.",
+    )
 
 
-class EmbeddingServiceSpec(_Spec):
-    model: ModelSpec = Field(default_factory=ModelSpec)
-    image: str = ""  # empty = the operator's default server image
+class Toleration(SpecModel):
+    """A core/v1 Toleration; the operator's administrator decides which taint keys a spec may tolerate."""
+
+    key: str | None = None
+    operator: Literal["Exists", "Equal"] | None = None
+    value: str | None = None
+    effect: Literal["NoSchedule", "PreferNoSchedule", "NoExecute"] | None = None
+    toleration_seconds: int | None = None
+
+
+class EnvVar(SpecModel):
+    """A core/v1 EnvVar; which names a spec may set is the operator's administrator's decision."""
+
+    name: str = Field(min_length=1)
+    value: str | None = None
+    value_from: Verbatim | None = None
+
+    def manifest(self) -> dict[str, Any]:
+        # The API server drops `value: ""`: spelt as no value, it is no false drift.
+        return {k: v for k, v in super().manifest().items() if v != ""}
+
+
+class PodOptions(SpecModel):
+    """What a resource passes to its pods verbatim, within what the operator's administrator allows
+    (:mod:`kembed_operator.trust`)."""
+
+    node_selector: dict[str, str] = Field(default_factory=dict)
+    tolerations: list[Toleration] = Field(
+        default_factory=list, description="Taint keys must match the operator's allowedTolerations."
+    )
+    affinity: Verbatim | None = Field(
+        None,
+        description="core/v1 Affinity; each of its kinds (nodeAffinity, podAffinity, podAntiAffinity) must be in "
+        "the operator's allowedAffinity.",
+    )
+    pod_annotations: dict[str, str] = Field(
+        default_factory=dict, description="Keys must match the operator's allowedPodAnnotations."
+    )
+    env: list[EnvVar] = Field(
+        default_factory=list,
+        description="Container variables (core/v1 EnvVar); each name must be one the operator allows "
+        "(docs/operator.md, Who may do what).",
+    )
+
+
+class EmbeddingServiceSpec(PodOptions):
+    model_config = ConfigDict(
+        json_schema_extra=cel(
+            "!has(self.maxReplicas) || self.maxReplicas >= self.minReplicas",
+            "maxReplicas must not be below minReplicas",
+        )
+    )
+
+    model: ModelSpec = Field(
+        default_factory=ModelSpec,
+        description="Where the model comes from (neither source = the bundled all-MiniLM-L6-v2) and how it pools.",
+    )
+    image: str = Field("", description="The server image; empty = the operator's default.")
     image_pull_policy: Literal["Always", "IfNotPresent", "Never"] = "IfNotPresent"
     min_replicas: int = Field(1, ge=1)
-    max_replicas: int | None = Field(None, ge=1)  # unset = minReplicas (a fixed size)
+    max_replicas: int | None = Field(None, ge=1, description="Unset = minReplicas (no autoscaling).")
     resources: ResourcesSpec = Field(default_factory=ResourcesSpec)
-    batching: BatchingSpec = Field(default_factory=BatchingSpec)
-    admission: AdmissionSpec = Field(default_factory=AdmissionSpec)
+    batching: BatchingSpec = Field(
+        default_factory=BatchingSpec,
+        description="Passed to the server as KEMBED_* variables; unset = the server's defaults.",
+    )
+    admission: AdmissionSpec = Field(
+        default_factory=AdmissionSpec,
+        description="The server's load shedding; unset thresholds are derived from slo.p95LatencyMs.",
+    )
     slo: SloSpec = Field(default_factory=SloSpec)
     autoscaling: AutoscalingSpec = Field(default_factory=AutoscalingSpec)
     service: ServiceSpec = Field(default_factory=ServiceSpec)
-    tls: TlsSpec | None = None
-    network_policy: NetworkPolicySpec = Field(default_factory=NetworkPolicySpec)
-    compile_cache: CompileCacheSpec = Field(default_factory=CompileCacheSpec)
-    # unset = derived from the shapes warmed up and measured cold starts (kembed_operator.startup)
-    startup_timeout_seconds: int | None = Field(None, ge=10)
-    # After SIGTERM, how long a pod may go on finishing the requests it accepted (KEMBED_DRAIN_TIMEOUT_S).
-    termination_grace_seconds: int | None = Field(None, ge=0)
-    # Deprecated: this field's v1alpha1 name, still accepted; terminationGraceSeconds wins over it.
-    drain_seconds: int | None = Field(None, ge=0)
-    node_selector: dict[str, str] = Field(default_factory=dict)
-    tolerations: list[dict[str, Any]] = Field(default_factory=list)
-    affinity: dict[str, Any] | None = None
-    pod_annotations: dict[str, str] = Field(default_factory=dict)
-    env: list[dict[str, Any]] = Field(default_factory=list)
+    tls: TlsSpec | None = Field(
+        None,
+        description="TLS on the gRPC port, from Secrets mounted read-only; renewals reach new connections "
+        "without a restart.",
+    )
+    network_policy: NetworkPolicySpec = Field(
+        default_factory=NetworkPolicySpec,
+        description="A NetworkPolicy admitting gRPC and REST from this namespace and `from`, and the metrics port "
+        "from `metricsFrom`.",
+    )
+    compile_cache: CompileCacheSpec = Field(
+        default_factory=CompileCacheSpec,
+        description="torch's compile caches, so a restarted container skips most of its compile work.",
+    )
+    startup_timeout_seconds: int | None = Field(
+        None,
+        ge=10,
+        description="Model load + warmup + CUDA graph capture; unset = derived from the planned shapes "
+        "(docs/operator.md).",
+    )
+    # No schema default for either grace field: the API server would store it on every resource,
+    # where it would outrank a drainSeconds the resource sets.
+    termination_grace_seconds: int | None = Field(
+        None,
+        ge=0,
+        description=f"After SIGTERM, how long a pod may go on finishing the requests it accepted; unset = "
+        f"{DEFAULT_GRACE_SECONDS}. The pod's terminationGracePeriodSeconds adds 10 to it (a 5 s preStop sleep "
+        "before, 5 s of margin after).",
+    )
+    drain_seconds: int | None = Field(
+        None, ge=0, description="Deprecated alias of terminationGraceSeconds, which wins when both are set."
+    )
 
     @model_validator(mode="after")
     def _replica_range(self) -> EmbeddingServiceSpec:
@@ -194,10 +356,17 @@ class EmbeddingServiceSpec(_Spec):
         return self.autoscaling.enabled and self.replica_ceiling > self.min_replicas
 
 
-def parse_spec(raw: dict[str, Any]) -> EmbeddingServiceSpec:
+Spec = TypeVar("Spec", bound=SpecModel)
+
+
+def parse(model: type[Spec], raw: dict[str, Any]) -> Spec:
     """The typed spec, or :class:`InvalidSpec` naming every bad field in the CRD's spelling."""
     try:
-        return EmbeddingServiceSpec.model_validate(raw)
+        return model.model_validate(raw)
     except ValidationError as err:
         problems = [f"{'.'.join(['spec', *(str(p) for p in e['loc'])])}: {e['msg']}" for e in err.errors()]
         raise InvalidSpec("; ".join(problems)) from None
+
+
+def parse_spec(raw: dict[str, Any]) -> EmbeddingServiceSpec:
+    return parse(EmbeddingServiceSpec, raw)

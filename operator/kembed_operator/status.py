@@ -78,7 +78,7 @@ def compute(observed: Observed, previous: Manifest, now: str) -> Manifest:
         "restEndpoint": observed.rest_endpoint,
         "model": observed.model,
         "transport": observed.transport,
-        "conditions": [_condition(*c, old.get(c[0]), now) for c in conditions],
+        "conditions": [condition(*c, old.get(c[0]), now) for c in conditions],
     }
 
 
@@ -126,7 +126,7 @@ def _deployment_failure(deployment: Manifest | None) -> Problem | None:
     return None
 
 
-def _condition(kind: str, true: bool | None, reason: str, message: str, old: Manifest | None, now: str) -> Manifest:
+def condition(kind: str, true: bool | None, reason: str, message: str, old: Manifest | None, now: str) -> Manifest:
     status = "Unknown" if true is None else "True" if true else "False"
     unchanged = old is not None and old.get("status") == status and old.get("lastTransitionTime")
     return {

@@ -16,6 +16,7 @@ from tests.operator.emulator import TEST_AGENT
 NS = "default"
 DEPLOYMENTS, SERVICES, HPAS = "apps/v1/deployments", "services", "autoscaling/v2/horizontalpodautoscalers"
 PDBS, SCALED_OBJECTS = "policy/v1/poddisruptionbudgets", "keda.sh/v1alpha1/scaledobjects"
+JOBS, PODS = "batch/v1/jobs", "pods"
 VERBS = {"LIST": "list", "WATCH": "watch", "FETCH": "get", "CREATE": "create", "UPDATE": "patch", "DELETE": "delete"}
 WRITES = frozenset({"create", "patch", "delete"})
 PEERING = "clusterkopfpeerings"  # kopf's leader-election keepalive writes here on its own clock
@@ -70,6 +71,28 @@ class Kube:
 
     def all_es(self) -> list[dict[str, Any]]:
         return list(self._call("GET", self._es_path)["items"])
+
+    def create_ej(self, name: str, **spec: Any) -> str:
+        ej = kinds.EMBEDDING_JOB
+        body = {"apiVersion": ej.api_version, "kind": ej.kind, "metadata": {"name": name}, "spec": spec}
+        return str(self._call("POST", ej.path(self.namespace), body)["metadata"]["uid"])
+
+    def ej(self, name: str) -> dict[str, Any]:
+        return dict(self._call("GET", kinds.EMBEDDING_JOB.path(self.namespace, name)))
+
+    def patch_ej(self, name: str, spec: dict[str, Any]) -> None:
+        path = kinds.EMBEDDING_JOB.path(self.namespace, name)
+        self._call("PATCH", path, {"spec": spec}, "application/merge-patch+json")
+
+    def delete_ej(self, name: str) -> None:
+        self._call("DELETE", kinds.EMBEDDING_JOB.path(self.namespace, name))
+
+    def all_ej(self) -> list[dict[str, Any]]:
+        return list(self._call("GET", kinds.EMBEDDING_JOB.path(self.namespace))["items"])
+
+    def create_child(self, plural: str, body: dict[str, Any]) -> dict[str, Any]:
+        """Make an object as a controller would (a Job's pod, say)."""
+        return dict(self._call("POST", self._path(plural), body))
 
     def child(self, plural: str, name: str) -> dict[str, Any] | None:
         """A child as a dict, or None."""

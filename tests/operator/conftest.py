@@ -20,6 +20,7 @@ from tests.operator.emulator import TEST_AGENT, EmulatorThread
 
 ROOT = Path(__file__).resolve().parents[2]
 CRD_PATH = ROOT / "crds" / "embeddingservices.kembed.io.yaml"
+JOB_CRD_PATH = ROOT / "crds" / "embeddingjobs.kembed.io.yaml"
 CHART = ROOT / "charts" / "kembed-operator"
 
 RESOURCES = {
@@ -28,6 +29,12 @@ RESOURCES = {
         "namespaced": True,
         "verbs": {"list", "watch", "get", "create", "patch", "delete"},
         "subresources": {"status", "scale"},
+    },
+    f"{kinds.EMBEDDING_JOB.api_version}/{identity.JOB_PLURAL}": {
+        "kind": identity.JOB_KIND,
+        "namespaced": True,
+        "verbs": {"list", "watch", "get", "create", "patch", "delete"},
+        "subresources": {"status"},
     },
     "kopf.dev/v1/clusterkopfpeerings": {
         "kind": "ClusterKopfPeering",
@@ -61,6 +68,16 @@ def crd() -> dict[str, Any]:
 @pytest.fixture(scope="session")
 def crd_schema(crd: dict[str, Any]) -> dict[str, Any]:
     return crd["spec"]["versions"][0]["schema"]["openAPIV3Schema"]
+
+
+@pytest.fixture(scope="session")
+def job_crd() -> dict[str, Any]:
+    return yaml.safe_load(JOB_CRD_PATH.read_text())
+
+
+@pytest.fixture(scope="session")
+def job_crd_schema(job_crd: dict[str, Any]) -> dict[str, Any]:
+    return job_crd["spec"]["versions"][0]["schema"]["openAPIV3Schema"]
 
 
 def wait_for(what: str, probe: Callable[[], Any], timeout: float = 120.0, interval: float = 0.2) -> Any:

@@ -123,15 +123,40 @@ def test_operator_deployment() -> None:
     assert set(env) == {PREFIX + f.name.upper() for f in dataclasses.fields(OperatorConfig)}
 
 
+TRUST: dict[str, Any] = {
+    "allowedImages": ["registry.example/kembed/*", "ghcr.io/x/y:*"],
+    "metricsFrom": [PROMETHEUS],
+    "allowedEnv": ["HF_TOKEN", "HF_HUB_OFFLINE"],
+    "allowedPodAnnotations": ["sidecar.istio.io/*"],
+    "allowedTolerations": ["dedicated", "*"],
+    "allowedAffinity": ["nodeAffinity", "podAffinity"],
+    "allowCompileCacheClaims": True,
+}
+
+
 def test_trust_settings_reach_the_operator() -> None:
-    images = ["registry.example/kembed/*", "ghcr.io/x/y:*"]
-    (deployment,) = [
-        d for d in render_chart({"allowedImages": images, "metricsFrom": [PROMETHEUS]}) if d["kind"] == "Deployment"
-    ]
+    (deployment,) = [d for d in render_chart(TRUST) if d["kind"] == "Deployment"]
     env = {e["name"]: e["value"] for e in deployment["spec"]["template"]["spec"]["containers"][0]["env"]}
     config = OperatorConfig.from_env(env)
-    assert config.allowed_images == tuple(images)
+    assert config.allowed_images == tuple(TRUST["allowedImages"])
     assert config.metrics_from == (PROMETHEUS,)
+    assert config.allowed_env == ("HF_TOKEN", "HF_HUB_OFFLINE")
+    assert config.allowed_pod_annotations == ("sidecar.istio.io/*",)
+    assert config.allowed_tolerations == ("dedicated", "*")
+    assert config.allowed_affinity == ("nodeAffinity", "podAffinity")
+    assert config.allow_compile_cache_claims is True
+
+
+def test_the_notes_name_both_resources_and_what_env_may_set() -> None:
+    notes = next(
+        text
+        for path, text in helm_python.Chart.load(str(CHART))
+        .render({"allowedEnv": ["HF_TOKEN"]}, name="kembed", namespace="kembed-system", is_install=True)
+        .items()
+        if path.endswith("NOTES.txt")
+    )
+    assert "EmbeddingJob" in notes and "examples/embeddingjob.yaml" in notes and "docs/corpus-jobs.md" in notes
+    assert "spec.env may set: HF_TOKEN." in notes
 
 
 @pytest.mark.parametrize(
@@ -146,6 +171,9 @@ def test_trust_settings_reach_the_operator() -> None:
         {"allowedImages": ["a.example/*,b.example/*"]},
         {"metricsFrom": [{"namespaceSelector": {}, "ports": [8001]}]},
         {"metricsFrom": [{}]},
+        {"allowedEnv": ["HF_TOKEN,PYTHONPATH"]},
+        {"allowedAffinity": ["podAfinity"]},
+        {"allowCompileCacheClaims": "yes"},
     ],
     ids=[
         "zero-replicas",
@@ -157,6 +185,9 @@ def test_trust_settings_reach_the_operator() -> None:
         "image-list-in-one",
         "peer-with-ports",
         "empty-peer",
+        "env-list-in-one",
+        "affinity-kind",
+        "compile-cache-flag",
     ],
 )
 def test_values_schema_rejects_bad_values(values: dict[str, Any]) -> None:

@@ -3,15 +3,16 @@
 from __future__ import annotations
 
 import copy
+from pathlib import Path
 from typing import Any
 
 import jsonschema
 import pytest
 import yaml
 
-from kembed_operator import identity, kinds
-from kembed_operator.spec import parse_spec
-from tests.operator.conftest import CHART, CRD_PATH
+from kembed_operator import crd, identity, kinds
+from kembed_operator.spec import EmbeddingServiceSpec, SloSpec, parse_spec
+from tests.operator.conftest import CHART, CRD_PATH, JOB_CRD_PATH, ROOT
 from tests.operator.test_render import FEATURES, INVALID
 
 Schema = dict[str, Any]
@@ -79,8 +80,37 @@ def resource(spec: dict[str, Any]) -> dict[str, Any]:
     return {"apiVersion": es.api_version, "kind": es.kind, "metadata": {"name": "x"}, "spec": spec}
 
 
-def test_the_chart_ships_the_same_crd() -> None:
+def test_the_crds_are_generated_from_the_spec_models() -> None:
+    """crds/ and the chart's crds/ hold, byte for byte, what `make crds` writes from the spec models."""
+    wanted = crd.files()
+    assert {path.rsplit("/", 1)[0] for path in wanted} == {"crds", "charts/kembed-operator/crds"}
+    for path, text in wanted.items():
+        assert (ROOT / path).read_text() == text, f"{path} is stale: run `make crds`"
     assert (CHART / "crds" / CRD_PATH.name).read_text() == CRD_PATH.read_text()
+    assert (CHART / "crds" / JOB_CRD_PATH.name).read_text() == JOB_CRD_PATH.read_text()
+
+
+def test_the_generator_writes_and_checks(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    assert crd.main(["--root", str(tmp_path), "--check"]) == 1  # nothing there yet
+    assert crd.main(["--root", str(tmp_path)]) == 0
+    assert crd.main(["--root", str(tmp_path), "--check"]) == 0
+    edited = tmp_path / "charts/kembed-operator/crds" / JOB_CRD_PATH.name
+    edited.write_text(edited.read_text().replace("default: 3", "default: 4"))
+    capsys.readouterr()
+    assert crd.main(["--root", str(tmp_path), "--check"]) == 1
+    assert f"charts/kembed-operator/crds/{JOB_CRD_PATH.name}: stale" in capsys.readouterr().err
+
+
+def test_a_spec_model_change_reaches_the_crd() -> None:
+    """The schema follows the models: a bound, a default and a description read back from the file."""
+    spec = yaml.safe_load(CRD_PATH.read_text())["spec"]["versions"][0]["schema"]["openAPIV3Schema"]["properties"]
+    batch_size = spec["spec"]["properties"]["batching"]["properties"]["maxBatchSize"]
+    field = EmbeddingServiceSpec.model_fields["min_replicas"]
+    assert batch_size["maximum"] == 4096
+    assert spec["spec"]["properties"]["minReplicas"]["default"] == field.default
+    assert spec["spec"]["properties"]["slo"]["properties"]["p95LatencyMs"]["description"] == (
+        SloSpec.model_fields["p95_latency_ms"].description
+    )
 
 
 def test_names_and_subresources(crd: dict[str, Any], crd_schema: Schema) -> None:
@@ -114,16 +144,16 @@ def test_defaults_equal_the_operators(spec_schema: Schema, validator: jsonschema
     defaulted = apply_defaults(spec_schema, {})
     validator.validate(resource(defaulted))
     assert parse_spec(defaulted) == parse_spec({})
-    operator_defaults = parse_spec({}).model_dump(by_alias=True, exclude_none=True)
+    assert_same_defaults(defaulted, parse_spec({}).model_dump(by_alias=True, exclude_none=True, mode="json"))
 
-    def compare(crd_value: Any, ours: Any, path: str) -> None:
-        if isinstance(crd_value, dict) and crd_value:
-            for key, value in crd_value.items():
-                compare(value, ours[key], f"{path}.{key}")
-        else:
-            assert crd_value == ours, path
 
-    compare(defaulted, operator_defaults, "spec")
+def assert_same_defaults(crd_value: Any, ours: Any, path: str = "spec") -> None:
+    """Every value the CRD's defaulting gave equals the operator's own default for that field."""
+    if isinstance(crd_value, dict) and crd_value:
+        for key, value in crd_value.items():
+            assert_same_defaults(value, ours[key], f"{path}.{key}")
+    else:
+        assert crd_value == ours, path
 
 
 @pytest.mark.parametrize("name", ["terminationGraceSeconds", "drainSeconds"])

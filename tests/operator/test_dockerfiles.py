@@ -17,6 +17,7 @@ import pytest
 
 from kembed.config import Settings
 from kembed.contract import GRPC_PORT, HTTP_PORT, LIVEZ_PATH
+from kembed_operator.job_spec import OUTPUT_FORMATS
 
 ROOT = Path(__file__).resolve().parents[2]
 INSTRUCTIONS = {"FROM", "ENV", "RUN", "WORKDIR", "COPY", "EXPOSE", "USER", "HEALTHCHECK", "ENTRYPOINT", "CMD"}
@@ -64,6 +65,8 @@ def makefile_command(pattern: str) -> str:
 
 
 DOCKERFILES = ["Dockerfile.server", "Dockerfile.operator"]
+# The server, and Parquet for the corpus command: an EmbeddingJob runs in the server image by default.
+SERVER_INSTALL = 'pip install ".[server,parquet]"'
 
 
 @pytest.mark.parametrize("name", DOCKERFILES)
@@ -86,10 +89,17 @@ def test_server_installs_as_ci_does() -> None:
     commands = run_commands(parse("Dockerfile.server"))
     torch = makefile_command(r'pip install -q "torch==[^"]+"').replace(" -q", "")
     protoc = makefile_command(r"python -m grpc_tools\.protoc [^\n]+?embedder\.proto")
-    assert commands.index(torch) < commands.index(protoc) < commands.index('pip install ".[server]"')
+    assert commands.index(torch) < commands.index(protoc) < commands.index(SERVER_INSTALL)
     pyproject = (ROOT / "pyproject.toml").read_text()
     tools = next(c for c in commands if "grpcio-tools" in c)
     assert tools.split('"')[1] in pyproject  # the [proto] extra's own pin
+
+
+def test_the_server_image_writes_every_format_a_corpus_job_may_ask_for() -> None:
+    """.npy and JSONL need nothing beyond the server's packages; Parquet needs the [parquet] extra."""
+    assert set(OUTPUT_FORMATS.values()) == {"npy", "jsonl", "parquet"}
+    assert SERVER_INSTALL in run_commands(parse("Dockerfile.server"))
+    assert "parquet = [" in (ROOT / "pyproject.toml").read_text()
 
 
 def test_server_has_the_compiler_and_headers_torch_compile_needs_at_run_time() -> None:
@@ -99,7 +109,7 @@ def test_server_has_the_compiler_and_headers_torch_compile_needs_at_run_time() -
     install = next(command for command in commands if command.startswith("apt-get install"))
     assert {"python3-dev", "gcc", "g++", "libc6-dev"} <= set(install.split())
     probe = next(index for index, command in enumerate(commands) if command.startswith("gcc "))
-    assert commands.index("python3 -m venv /opt/venv") < probe < commands.index('pip install ".[server]"')
+    assert commands.index("python3 -m venv /opt/venv") < probe < commands.index(SERVER_INSTALL)
 
 
 @pytest.mark.skipif(shutil.which("gcc") is None, reason="no C compiler on this machine")
@@ -136,6 +146,22 @@ def test_operator_image() -> None:
     module = next(arg.split("=", 1)[1] for arg in command if arg.startswith("--module="))
     assert importlib.util.find_spec(module) is not None
     assert importlib.util.find_spec("kopf") is not None
+
+
+def test_the_operator_imports_nothing_its_image_lacks() -> None:
+    """The operator image has the kembed package without the server's extras: importing the operator
+    (its use of kembed.config and kembed.contract included) must not reach torch, numpy or grpc."""
+    blocker = (
+        "import sys\n"
+        "class Block:\n"
+        "    def find_spec(self, name, path=None, target=None):\n"
+        "        if name.split('.')[0] in ('torch', 'numpy', 'grpc', 'transformers', 'tokenizers'):\n"
+        "            raise ImportError('the operator image has no ' + name)\n"
+        "sys.meta_path.insert(0, Block())\n"
+        "import kembed_operator.handlers, kembed_operator.crd\n"
+    )
+    done = subprocess.run([sys.executable, "-c", blocker], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
 
 
 def test_dockerignore_keeps_the_context_small() -> None:

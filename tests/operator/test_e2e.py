@@ -103,14 +103,10 @@ def test_autoscaler_owned_replicas_are_left_alone(kube: Kube) -> None:
     kube.create_es("scaled", minReplicas=1, maxReplicas=5, resources={"gpu": 0})
     wait_for("deployment", lambda: kube.child(DEPLOYMENTS, "scaled"))
     kube.patch_child(DEPLOYMENTS, "scaled", {"spec": {"replicas": 4}})  # what an HPA does
-    kube.patch_es("scaled", {"podAnnotations": {"team": "search"}})
+    kube.patch_es("scaled", {"nodeSelector": {"pool": "search"}})
     deployment = wait_for(
-        "the new annotation",
-        lambda: (
-            (d := kube.child(DEPLOYMENTS, "scaled"))
-            and d["spec"]["template"]["metadata"]["annotations"].get("team")
-            and d
-        ),
+        "the new node selector",
+        lambda: (d := kube.child(DEPLOYMENTS, "scaled")) and d["spec"]["template"]["spec"].get("nodeSelector") and d,
     )
     assert deployment["spec"]["replicas"] == 4
 

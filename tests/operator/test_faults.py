@@ -184,14 +184,14 @@ def test_status_says_degraded_while_children_cannot_be_written(
     one_converged(kube, operators, "honest")
     # Every write to a child fails; the status can still be written, so it must say so.
     faulty.faults = Faults(write_share=1.0, spared=("clusterkopfpeerings", "embeddingservices"))
-    kube.patch_es("honest", {"podAnnotations": {"team": "search"}})
+    kube.patch_es("honest", {"nodeSelector": {"team": "search"}})
     es = wait_for("Degraded", lambda: condition(e := kube.es("honest"), "Degraded").get("status") == "True" and e)
     assert condition(es, "Degraded")["reason"] == "ApiUnavailable"
     assert (condition(es, "Ready")["status"], condition(es, "Ready")["reason"]) == ("False", "ApiUnavailable")
     faulty.faults = Faults()
     wait_for("honest converged again", lambda: converged(kube, "honest", FIXED), timeout=CONVERGE_TIMEOUT_S)
     template = kube.child(DEPLOYMENTS, "honest")["spec"]["template"]  # type: ignore[index]
-    assert template["metadata"]["annotations"]["team"] == "search"
+    assert template["spec"]["nodeSelector"]["team"] == "search"
 
 
 def test_sigkill_mid_reconcile_then_restart(kube: Kube, faulty: FaultyEmulator, operators: StartOperator) -> None:

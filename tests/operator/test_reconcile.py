@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import copy
+from collections.abc import Mapping
 from typing import Any
 
 import pytest
@@ -30,7 +31,7 @@ class FakeClient:
             raise self.fail[verb]
 
     def writes(self) -> list[tuple[str, str]]:
-        return [call for call in self.calls if call[0] != "get"]
+        return [call for call in self.calls if call[0] not in ("get", "select")]
 
     def get(self, kind: Kind, namespace: str, name: str) -> dict[str, Any] | None:
         self._record("get", kind)
@@ -55,6 +56,15 @@ class FakeClient:
         self.status = status
         return status
 
+    def select(self, kind: Kind, namespace: str, labels: Mapping[str, str]) -> list[dict[str, Any]]:
+        self._record("select", kind)
+        return [
+            copy.deepcopy(body)
+            for (plural, ns, _), body in self.objects.items()
+            if (plural, ns) == (kind.plural, namespace)
+            and labels.items() <= body.get("metadata", {}).get("labels", {}).items()
+        ]
+
 
 @pytest.fixture
 def api() -> FakeClient:
@@ -68,7 +78,7 @@ def body(spec: dict[str, Any], status: dict[str, Any] | None = None) -> dict[str
 
 def run(
     api: FakeClient, spec: dict[str, Any], failures: int = 0, config: OperatorConfig | None = None
-) -> reconcile.Outcome:
+) -> reconcile.ReconcileResult:
     """A reconcile of ``spec`` over the status the previous one wrote."""
     return reconcile.reconcile(body(spec, api.status), config or OperatorConfig(), api, failures)
 
