@@ -1,4 +1,4 @@
-"""The corpus command's pure parts (kembed.bulk): input readers, the resumable writers, pacing and
+"""The corpus command's pure parts (kembed.client.corpus): input readers, the resumable writers, pacing and
 ordering with a fake clock, and the CLI's argument checks. The stream driver runs end to end
 against a real server in test_bulk_serving."""
 
@@ -12,13 +12,12 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from kembed.bulk import BulkError
-from kembed.bulk.inputs import Batch, ThreadedBatches, batches, count_lines, read_texts, texts
-from kembed.bulk.job import Bar
-from kembed.bulk.outputs import ParquetWriter, Writer, format_of, open_writer
-from kembed.bulk.stream import BACKOFF_S, MAX_BACKOFF_S, InOrder, Pacing, Request, RequestSize, embed_request
-from kembed.client import main
-from kembed.priority import Priority
+from kembed.client.__main__ import main
+from kembed.client.corpus import CorpusError
+from kembed.client.corpus.reader import Span, ThreadedSpans, count_lines, read_texts, spans, texts
+from kembed.client.corpus.run import Bar
+from kembed.client.corpus.stream import BACKOFF_S, MAX_BACKOFF_S, InOrder, Pacing, Request, RequestSize, embed_request
+from kembed.client.corpus.writers import ParquetWriter, Writer, format_of, open_writer
 from kembed.v1 import embedder_pb2 as pb
 
 DIMS = 4
@@ -57,7 +56,7 @@ BAD_LINES = {
 @pytest.mark.parametrize("case", BAD_LINES)
 def test_bad_input_names_its_line(case: str):
     data, field, message = BAD_LINES[case]
-    with pytest.raises(BulkError) as caught:
+    with pytest.raises(CorpusError) as caught:
         list(read_texts(data.splitlines(keepends=True), field))
     assert str(caught.value).startswith(message), caught.value
 
@@ -70,52 +69,52 @@ def test_count_lines_counts_what_is_read(tmp_path: Path, data: bytes):
 
 
 def test_a_missing_input_is_named(tmp_path: Path):
-    with pytest.raises(BulkError, match=r"^--input: .*No such file"):
+    with pytest.raises(CorpusError, match=r"^--input: .*No such file"):
         count_lines(str(tmp_path / "absent.txt"))
 
 
 def test_batches_start_after_the_rows_already_written():
-    cut = list(batches(iter("abcdefg"), size=3, skip=2))
-    assert cut == [Batch(2, ["c", "d", "e"]), Batch(5, ["f", "g"])]
+    cut = list(spans(iter("abcdefg"), size=3, skip=2))
+    assert cut == [Span(2, ["c", "d", "e"]), Span(5, ["f", "g"])]
     assert cut[1].lines == "input lines 6-7"
-    assert list(batches(iter("abc"), size=3, skip=3)) == []
+    assert list(spans(iter("abc"), size=3, skip=3)) == []
 
 
 def test_the_texts_before_a_bad_line_are_batched_before_its_error():
     def failing() -> Iterator[str]:
         yield from "abc"
-        raise BulkError("input line 4: no field 'text'")
+        raise CorpusError("input line 4: no field 'text'")
 
-    cut = batches(failing(), size=2, skip=0)
-    assert [next(cut), next(cut)] == [Batch(0, ["a", "b"]), Batch(2, ["c"])]
-    with pytest.raises(BulkError, match="input line 4"):
+    cut = spans(failing(), size=2, skip=0)
+    assert [next(cut), next(cut)] == [Span(0, ["a", "b"]), Span(2, ["c"])]
+    with pytest.raises(CorpusError, match="input line 4"):
         next(cut)
 
 
 def test_a_batch_splits_into_consecutive_rows():
-    head, rest = Batch(10, ["a", "b", "c"]).split(1)
-    assert (head, rest) == (Batch(10, ["a"]), Batch(11, ["b", "c"]))
+    head, rest = Span(10, ["a", "b", "c"]).split(1)
+    assert (head, rest) == (Span(10, ["a"]), Span(11, ["b", "c"]))
 
 
 def test_an_input_shorter_than_the_output_is_refused():
-    with pytest.raises(BulkError, match=r"^--output already holds 5 rows but the input has only 3 texts"):
-        list(batches(iter("abc"), size=2, skip=5))
+    with pytest.raises(CorpusError, match=r"^--output already holds 5 rows but the input has only 3 texts"):
+        list(spans(iter("abc"), size=2, skip=5))
 
 
 def test_threaded_batches_hand_over_every_batch_then_the_error_after_them():
-    def source() -> Iterator[Batch]:
-        yield Batch(0, ["a"])
-        yield Batch(1, ["b"])
-        raise BulkError("input line 3: broken")
+    def source() -> Iterator[Span]:
+        yield Span(0, ["a"])
+        yield Span(1, ["b"])
+        raise CorpusError("input line 3: broken")
 
-    async def drain() -> list[Batch | None]:
-        feed = ThreadedBatches(source())
+    async def drain() -> list[Span | None]:
+        feed = ThreadedSpans(source())
         taken = [await feed.next(), await feed.next()]
-        with pytest.raises(BulkError, match="input line 3"):
+        with pytest.raises(CorpusError, match="input line 3"):
             await feed.next()
         return taken
 
-    assert asyncio.run(drain()) == [Batch(0, ["a"]), Batch(1, ["b"])]
+    assert asyncio.run(drain()) == [Span(0, ["a"]), Span(1, ["b"])]
 
 
 # --- outputs ----------------------------------------------------------------------------------
@@ -238,7 +237,7 @@ def test_an_output_this_run_cannot_continue_is_refused(tmp_path: Path, case: str
     path = tmp_path / name
     make(path)
     before = path.read_bytes()
-    with pytest.raises(BulkError, match=f"^--output: .*{message}"):
+    with pytest.raises(CorpusError, match=f"^--output: .*{message}"):
         open_writer(path, format_of(path, None), DIMS)
     assert path.read_bytes() == before  # untouched
 
@@ -261,7 +260,7 @@ def test_parquet_interrupted_stays_in_staging_until_finished(tmp_path: Path):
 
 def test_parquet_without_pyarrow_is_a_clear_error(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
     monkeypatch.setitem(__import__("sys").modules, "pyarrow", None)  # as if not installed
-    with pytest.raises(BulkError, match=r"^--output: Parquet needs pyarrow"):
+    with pytest.raises(CorpusError, match=r"^--output: Parquet needs pyarrow"):
         ParquetWriter(tmp_path / "out.parquet", DIMS)
 
 
@@ -274,7 +273,7 @@ def test_format_from_the_extension_or_the_flag(name: str, named: str | None, exp
 
 
 def test_an_unknown_extension_without_format_is_refused():
-    with pytest.raises(BulkError, match=r"^--output: no format named by 'a\.txt'"):
+    with pytest.raises(CorpusError, match=r"^--output: no format named by 'a\.txt'"):
         format_of(Path("a.txt"), None)
 
 
@@ -328,7 +327,7 @@ def test_it_gives_up_only_after_give_up_s_without_a_row_written():
     clock.now += 60
     pace.failed("UNAVAILABLE: warming up")  # exactly the limit: still going
     clock.now += 1
-    with pytest.raises(BulkError, match=r"^gave up: no row written for 61 s \(--give-up-after\); last: UNAVAILABLE"):
+    with pytest.raises(CorpusError, match=r"^gave up: no row written for 61 s \(--give-up-after\); last: UNAVAILABLE"):
         pace.failed("UNAVAILABLE: warming up")
 
 
@@ -372,11 +371,11 @@ def test_rows_leave_in_input_order(arrivals: list[int], written: list[list[int]]
 
 
 def test_the_request_carries_the_job_settings_and_the_rows_it_is_for():
-    request = embed_request(Batch(64, ["a", "b"]), Request(dimensions=128, truncate=True))
+    request = embed_request(Span(64, ["a", "b"]), Request(dimensions=128, truncate=True))
     assert list(request.texts) == ["a", "b"]
     assert (request.dimensions, request.truncate, request.request_id) == (128, True, "64")
     assert request.priority == pb.PRIORITY_BATCH  # an ingest, unless told otherwise
-    asked = embed_request(Batch(0, ["a"]), Request(dimensions=0, truncate=False, priority=Priority.INTERACTIVE))
+    asked = embed_request(Span(0, ["a"]), Request(dimensions=0, truncate=False, priority="interactive"))
     assert asked.priority == pb.PRIORITY_INTERACTIVE
     assert not request.HasField("normalize")  # the server's default: normalised
 

@@ -1,4 +1,4 @@
-"""One corpus job: ask the server what it serves, open (or resume) the output, stream the rest."""
+"""One corpus run: ask the server what it serves, open (or resume) the output, stream the rest."""
 
 from __future__ import annotations
 
@@ -12,12 +12,11 @@ from typing import Any
 
 import grpc
 
-from kembed.bulk import BulkError
-from kembed.bulk.inputs import ThreadedBatches, batches, count_lines, texts
-from kembed.bulk.outputs import format_of, open_writer
-from kembed.bulk.stream import RECONNECT, Counts, Pacing, Request, StreamDriver
-from kembed.client import channel_options, tls_credentials
-from kembed.priority import Priority
+from kembed.client.connection import Connection
+from kembed.client.corpus import CorpusError
+from kembed.client.corpus.reader import ThreadedSpans, count_lines, spans, texts
+from kembed.client.corpus.stream import RECONNECT, Counts, Pacing, Request, StreamDriver
+from kembed.client.corpus.writers import format_of, open_writer
 from kembed.v1 import embedder_pb2 as pb
 from kembed.v1 import embedder_pb2_grpc as pb_grpc
 
@@ -26,8 +25,8 @@ DEFAULT_JSONL_FIELD = "text"
 
 
 @dataclass(frozen=True)
-class Job:
-    target: str
+class CorpusRun:
+    connection: Connection
     input: str  # a path, or "-" for stdin
     output: Path
     output_format: str | None = None  # None: from the output's extension
@@ -36,12 +35,9 @@ class Job:
     in_flight: int = 8
     dimensions: int = 0
     truncate: bool = True
-    priority: Priority = Priority.BATCH
+    priority: str = "batch"  # or "interactive": the requests' class
     give_up_after_s: float = 300.0
     progress: bool = True
-    ca_file: str | None = None
-    cert_file: str | None = None
-    key_file: str | None = None
 
 
 @dataclass(frozen=True)
@@ -53,15 +49,15 @@ class Summary:
     seconds: float
 
 
-class Interrupted(BulkError):
+class Interrupted(CorpusError):
     """^C or SIGTERM: what was written is committed, and the same command goes on from there."""
 
 
-def run(job: Job) -> Summary:
-    return asyncio.run(_run(job))
+def embed_corpus(run: CorpusRun) -> Summary:
+    return asyncio.run(_run(run))
 
 
-async def _run(job: Job) -> Summary:
+async def _run(run: CorpusRun) -> Summary:
     main = asyncio.current_task()
     assert main is not None
     # Both handled here, not left to asyncio.run's ^C: a command started in the background from a
@@ -69,43 +65,36 @@ async def _run(job: Job) -> Summary:
     for stop in (signal.SIGINT, signal.SIGTERM):
         asyncio.get_running_loop().add_signal_handler(stop, main.cancel)
     try:
-        return await _embed(job)
+        return await _embed(run)
     except asyncio.CancelledError:
-        raise Interrupted(f"interrupted: {job.output} keeps the rows written; the same command goes on") from None
+        raise Interrupted(f"interrupted: {run.output} keeps the rows written; the same command goes on") from None
 
 
-async def _embed(job: Job) -> Summary:
+async def _embed(run: CorpusRun) -> Summary:
     started = time.monotonic()
-    output_format = format_of(job.output, job.output_format)
-    field = job.jsonl_field or (DEFAULT_JSONL_FIELD if job.input.endswith(".jsonl") else None)
-    total = count_lines(job.input)
-    pacing = Pacing(job.give_up_after_s)
-    async with _channel(job) as channel:
+    output_format = format_of(run.output, run.output_format)
+    field = run.jsonl_field or (DEFAULT_JSONL_FIELD if run.input.endswith(".jsonl") else None)
+    total = count_lines(run.input)
+    pacing = Pacing(run.give_up_after_s)
+    async with run.connection.aio_channel() as channel:
         stub = pb_grpc.EmbedderStub(channel)
-        info = await _info(stub, pacing, job.target)
-        dimensions = job.dimensions or info.dimensions
+        info = await _info(stub, pacing, run.connection.target)
+        dimensions = run.dimensions or info.dimensions
         if dimensions > info.dimensions:
-            raise BulkError(f"--dimensions: {dimensions} exceeds the model's {info.dimensions}")
-        writer = open_writer(job.output, output_format, dimensions)
+            raise CorpusError(f"--dimensions: {dimensions} exceeds the model's {info.dimensions}")
+        writer = open_writer(run.output, output_format, dimensions)
         skipped = writer.rows
-        progress = Bar(total, skipped, job.progress)
+        progress = Bar(total, skipped, run.progress)
         try:
-            request = Request(job.dimensions, job.truncate, job.priority)
-            driver = StreamDriver(stub, writer, request, dimensions, job.batch_texts, job.in_flight, pacing, progress)
-            counts = await driver.run(ThreadedBatches(batches(texts(job.input, field), job.batch_texts, skipped)))
+            request = Request(run.dimensions, run.truncate, run.priority)
+            driver = StreamDriver(stub, writer, request, dimensions, run.batch_texts, run.in_flight, pacing, progress)
+            counts = await driver.run(ThreadedSpans(spans(texts(run.input, field), run.batch_texts, skipped)))
             writer.finish()
         finally:
             writer.commit()  # interrupted or failed: every row written so far is kept
             writer.close()
             progress.close()
     return Summary(writer.rows, dimensions, skipped, counts, time.monotonic() - started)
-
-
-def _channel(job: Job) -> grpc.aio.Channel:
-    credentials = tls_credentials(job.ca_file, job.cert_file, job.key_file)
-    if credentials is None:
-        return grpc.aio.insecure_channel(job.target, options=channel_options())
-    return grpc.aio.secure_channel(job.target, credentials, options=channel_options())
 
 
 async def _info(stub: pb_grpc.EmbedderStub, pacing: Pacing, target: str) -> pb.InfoResponse:
@@ -117,7 +106,7 @@ async def _info(stub: pb_grpc.EmbedderStub, pacing: Pacing, target: str) -> pb.I
         except grpc.aio.AioRpcError as error:
             why = f"{error.code().name}: {error.details()}"
             if error.code() not in RECONNECT:
-                raise BulkError(f"--target {target}: {why}") from None
+                raise CorpusError(f"--target {target}: {why}") from None
             pacing.failed(why)
             # UNAVAILABLE is also how a TLS mismatch looks: say so, not only after --give-up-after.
             print(f"--target {target}: {why}; trying again in {pacing.wait_s():.1f} s", file=sys.stderr)

@@ -30,7 +30,7 @@ from typing import Any, BinaryIO, Protocol
 
 import numpy as np
 
-from kembed.bulk import BulkError
+from kembed.client.corpus import CorpusError
 
 FORMATS = ("npy", "jsonl", "parquet")
 PARQUET_ROW_GROUP = 65_536
@@ -58,7 +58,9 @@ def format_of(path: Path, named: str | None) -> str:
     suffix = path.suffix.lstrip(".").lower()
     if suffix in FORMATS:
         return suffix
-    raise BulkError(f"--output: no format named by {path.name!r}: end it in .npy, .jsonl or .parquet, or use --format")
+    raise CorpusError(
+        f"--output: no format named by {path.name!r}: end it in .npy, .jsonl or .parquet, or use --format"
+    )
 
 
 def open_writer(path: Path, output_format: str, dimensions: int) -> Writer:
@@ -121,20 +123,20 @@ class NpyWriter(_AppendedFile):
                 raise ValueError(f"version {version[0]}.{version[1]}, not 1.0")
             shape, fortran_order, dtype = np.lib.format.read_array_header_1_0(self._file)
         except ValueError as error:
-            raise BulkError(f"--output: {self._path} is not a .npy file kembed can append to: {error}") from None
+            raise CorpusError(f"--output: {self._path} is not a .npy file kembed can append to: {error}") from None
         self._offset = self._file.tell()
         if dtype != np.dtype("<f4") or fortran_order or len(shape) != 2:
-            raise BulkError(f"--output: {self._path} holds {dtype} {shape}, not float32 rows: use a new output")
+            raise CorpusError(f"--output: {self._path} holds {dtype} {shape}, not float32 rows: use a new output")
         if shape[1] != self._dimensions:
-            raise BulkError(
+            raise CorpusError(
                 f"--output: {self._path} holds {shape[1]}-dimensional rows, this run makes {self._dimensions} "
                 "(--dimensions, or another model): use a new output"
             )
         if len(self._header(LARGEST_COUNT)) != self._offset:
-            raise BulkError(f"--output: {self._path}'s header has no room to grow: use a new output")
+            raise CorpusError(f"--output: {self._path}'s header has no room to grow: use a new output")
         held = (self._file.seek(0, io.SEEK_END) - self._offset) // self._row_bytes
         if held < shape[0]:
-            raise BulkError(f"--output: {self._path} is shorter than its header says ({held} of {shape[0]} rows)")
+            raise CorpusError(f"--output: {self._path} is shorter than its header says ({held} of {shape[0]} rows)")
         return int(shape[0])
 
     def _header(self, rows: int) -> bytes:
@@ -188,11 +190,11 @@ class JsonlWriter(_AppendedFile):
             record = json.loads(line)
             index, width = record["index"], len(record["embedding"])
         except (ValueError, KeyError, TypeError):
-            raise BulkError(f"--output: line {rows} of {self._path} is not a row kembed writes") from None
+            raise CorpusError(f"--output: line {rows} of {self._path} is not a row kembed writes") from None
         if index != rows - 1:
-            raise BulkError(f"--output: line {rows} of {self._path} has index {index}: not a file kembed wrote")
+            raise CorpusError(f"--output: line {rows} of {self._path} has index {index}: not a file kembed wrote")
         if width != self._dimensions:
-            raise BulkError(
+            raise CorpusError(
                 f"--output: {self._path} holds {width}-dimensional rows, this run makes {self._dimensions} "
                 "(--dimensions, or another model): use a new output"
             )
@@ -220,7 +222,7 @@ class ParquetWriter:
             import pyarrow as pa
             import pyarrow.parquet as pq
         except ImportError:
-            raise BulkError("--output: Parquet needs pyarrow (pip install pyarrow)") from None
+            raise CorpusError("--output: Parquet needs pyarrow (pip install pyarrow)") from None
         self._pa, self._pq = pa, pq
         self._path = path
         self._dimensions = dimensions
@@ -238,7 +240,7 @@ class ParquetWriter:
         finished = self._existing_file()
         column = finished.schema_arrow.field(PARQUET_COLUMN).type
         if column != self._column_type():
-            raise BulkError(f"--output: {self._path}'s {PARQUET_COLUMN} is {column}, not {self._column_type()}")
+            raise CorpusError(f"--output: {self._path}'s {PARQUET_COLUMN} is {column}, not {self._column_type()}")
         return int(finished.metadata.num_rows)
 
     def _existing_file(self) -> Any:
@@ -246,7 +248,7 @@ class ParquetWriter:
             file = self._pq.ParquetFile(self._path)
             file.schema_arrow.field(PARQUET_COLUMN)
         except (OSError, KeyError, self._pa.ArrowException) as error:
-            raise BulkError(f"--output: {self._path} is not a Parquet file of embeddings: {error}") from None
+            raise CorpusError(f"--output: {self._path} is not a Parquet file of embeddings: {error}") from None
         return file
 
     def _column_type(self) -> Any:

@@ -1,4 +1,4 @@
-"""Texts in: one per line, or one JSON object per line with the text in a field; cut into batches.
+"""Texts in: one per line, or one JSON object per line with the text in a field; cut into spans.
 
 Line ``n`` (1-based) of the input is row ``n - 1`` of the output. Lines end at ``\\n`` (a ``\\r``
 before it is dropped, so CRLF files read as expected); an empty line is an empty text. Input is
@@ -17,21 +17,21 @@ from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
 from typing import BinaryIO
 
-from kembed.bulk import BulkError
+from kembed.client.corpus import CorpusError
 
 STDIN = "-"
 
 
 @dataclass(frozen=True)
-class Batch:
+class Span:
     """Consecutive texts of the input; ``first`` is the row of ``texts[0]``."""
 
     first: int
     texts: list[str]
 
-    def split(self, texts: int) -> tuple[Batch, Batch]:
+    def split(self, texts: int) -> tuple[Span, Span]:
         """The first ``texts`` texts, and the rest."""
-        return Batch(self.first, self.texts[:texts]), Batch(self.first + texts, self.texts[texts:])
+        return Span(self.first, self.texts[:texts]), Span(self.first + texts, self.texts[texts:])
 
     @property
     def lines(self) -> str:
@@ -49,7 +49,7 @@ def open_input(source: str) -> BinaryIO:
     try:
         return open(source, "rb")
     except OSError as error:
-        raise BulkError(f"--input: {error}") from None
+        raise CorpusError(f"--input: {error}") from None
 
 
 def count_lines(source: str) -> int | None:
@@ -76,7 +76,7 @@ def read_texts(lines: Iterable[bytes], jsonl_field: str | None) -> Iterator[str]
         try:
             line = raw.removesuffix(b"\n").removesuffix(b"\r").decode("utf-8")
         except UnicodeDecodeError as error:
-            raise BulkError(f"input line {number}: not UTF-8 (byte {error.start + 1}: {error.reason})") from None
+            raise CorpusError(f"input line {number}: not UTF-8 (byte {error.start + 1}: {error.reason})") from None
         yield line if jsonl_field is None else field_of(line, jsonl_field, number)
 
 
@@ -84,25 +84,25 @@ def field_of(line: str, field: str, number: int) -> str:
     try:
         record = json.loads(line)
     except json.JSONDecodeError as error:
-        raise BulkError(f"input line {number}: not a JSON object ({error.msg})") from None
+        raise CorpusError(f"input line {number}: not a JSON object ({error.msg})") from None
     if not isinstance(record, dict) or field not in record:
-        raise BulkError(f"input line {number}: no field {field!r}")
+        raise CorpusError(f"input line {number}: no field {field!r}")
     text = record[field]
     if not isinstance(text, str):
-        raise BulkError(f"input line {number}: field {field!r} is not a string: {json.dumps(text)[:40]}")
+        raise CorpusError(f"input line {number}: field {field!r} is not a string: {json.dumps(text)[:40]}")
     try:
         text.encode("utf-8")  # JSON escapes can spell a lone surrogate, which no request can carry
     except UnicodeEncodeError:
-        raise BulkError(f"input line {number}: field {field!r} holds a lone surrogate, not text") from None
+        raise CorpusError(f"input line {number}: field {field!r} holds a lone surrogate, not text") from None
     return text
 
 
-def batches(texts: Iterator[str], size: int, skip: int) -> Iterator[Batch]:
+def spans(texts: Iterator[str], size: int, skip: int) -> Iterator[Span]:
     """Batches of ``size`` texts, after the first ``skip`` (the rows the output already holds); at a
     bad line, the texts before it, then its error."""
     skipped = sum(1 for _ in itertools.islice(texts, skip))
     if skipped < skip:
-        raise BulkError(
+        raise CorpusError(
             f"--output already holds {skip} rows but the input has only {skipped} texts: "
             "a resumed run needs the same input (or one that extends it)"
         )
@@ -111,46 +111,46 @@ def batches(texts: Iterator[str], size: int, skip: int) -> Iterator[Batch]:
         for text in texts:
             chunk.append(text)
             if len(chunk) == size:
-                yield Batch(first, chunk)
+                yield Span(first, chunk)
                 first, chunk = first + size, []
-    except BulkError:
+    except CorpusError:
         if chunk:  # the texts before a bad line are embedded too, so a re-run starts at that line
-            yield Batch(first, chunk)
+            yield Span(first, chunk)
         raise
     if chunk:
-        yield Batch(first, chunk)
+        yield Span(first, chunk)
 
 
-class ThreadedBatches:
-    """Batches from a blocking iterator, read in a daemon thread a batch ahead: a pipe that stalls
+class ThreadedSpans:
+    """Batches from a blocking iterator, read in a daemon thread a span ahead: a pipe that stalls
     holds up only new requests, never the answers being written; and an interrupted run does not
     wait for a read that may never return."""
 
-    def __init__(self, source: Iterator[Batch]) -> None:
+    def __init__(self, source: Iterator[Span]) -> None:
         self._loop = asyncio.get_running_loop()
-        self._ready: asyncio.Queue[Batch | Exception | None] = asyncio.Queue()
+        self._ready: asyncio.Queue[Span | Exception | None] = asyncio.Queue()
         self._taken = threading.Semaphore(0)
         threading.Thread(target=self._pump, args=(source,), name="kembed-input", daemon=True).start()
 
-    async def next(self) -> Batch | None:
-        """The next batch, or None at the end of the input."""
+    async def next(self) -> Span | None:
+        """The next span, or None at the end of the input."""
         item = await self._ready.get()
         self._taken.release()
         if isinstance(item, Exception):
             raise item
         return item
 
-    def _pump(self, source: Iterator[Batch]) -> None:
+    def _pump(self, source: Iterator[Span]) -> None:
         try:
-            for batch in source:
-                self._hand_over(batch)
+            for span in source:
+                self._hand_over(span)
         except Exception as error:  # raised where it is awaited: a thread's own would go unseen
             self._hand_over(error)
         else:
             self._hand_over(None)
 
-    def _hand_over(self, item: Batch | Exception | None) -> None:
+    def _hand_over(self, item: Span | Exception | None) -> None:
         with contextlib.suppress(RuntimeError):  # the loop closed: the run is over, nobody reads on
             self._loop.call_soon_threadsafe(self._ready.put_nowait, item)
         if item is not None:
-            self._taken.acquire()  # one batch handed over, not yet taken, while the next is read
+            self._taken.acquire()  # one span handed over, not yet taken, while the next is read

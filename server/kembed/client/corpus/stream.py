@@ -28,11 +28,10 @@ from typing import Protocol
 import grpc
 import numpy as np
 
-from kembed.bulk import BulkError
-from kembed.bulk.inputs import Batch, ThreadedBatches
-from kembed.bulk.outputs import Writer
-from kembed.client import decode
-from kembed.priority import Priority
+from kembed.client.corpus import CorpusError
+from kembed.client.corpus.reader import Span, ThreadedSpans
+from kembed.client.corpus.writers import Writer
+from kembed.client.embed_client import decode
 from kembed.v1 import embedder_pb2 as pb
 from kembed.v1 import embedder_pb2_grpc as pb_grpc
 
@@ -51,6 +50,8 @@ RECONNECT = (
     grpc.StatusCode.CANCELLED,  # by the server (a drain's end); the driver's own cancels never get here
 )
 STATUS_BY_NUMBER = {code.value[0]: code for code in grpc.StatusCode}
+# The requests' classes, by the label the command takes: the proto's PRIORITY_* names, lower case.
+PRIORITIES = tuple(pb.Priority.Name(value).removeprefix("PRIORITY_").lower() for value in pb.Priority.values())
 
 
 @dataclass(frozen=True)
@@ -59,17 +60,17 @@ class Request:
 
     dimensions: int
     truncate: bool
-    priority: Priority = Priority.BATCH
+    priority: str = "batch"  # a label of PRIORITIES
 
 
-def embed_request(batch: Batch, request: Request) -> pb.EmbedRequest:
+def embed_request(batch: Span, request: Request) -> pb.EmbedRequest:
     """The one place a job's request is built."""
     return pb.EmbedRequest(
         texts=batch.texts,
         dimensions=request.dimensions,
         truncate=request.truncate,
         request_id=str(batch.first),
-        priority=f"PRIORITY_{request.priority.name}",  # the proto's enum, by name
+        priority=f"PRIORITY_{request.priority.upper()}",  # the proto's enum, by name
     )
 
 
@@ -108,7 +109,7 @@ class Pacing:
         now = self.clock()
         if now - self.last_progress > self.give_up_s:
             idle = now - self.last_progress
-            raise BulkError(f"gave up: no row written for {idle:.0f} s (--give-up-after); last: {why}")
+            raise CorpusError(f"gave up: no row written for {idle:.0f} s (--give-up-after); last: {why}")
         self.paused_until = max(self.paused_until, now + seconds)
 
 
@@ -187,14 +188,14 @@ class StreamDriver:
         self._window = batch_texts * in_flight
         self._open = 0  # texts taken from the input and not yet written
         self._room = asyncio.Event()  # set when texts are written: the window may take more
-        self._to_send: asyncio.PriorityQueue[tuple[int, Batch | None]] = asyncio.PriorityQueue()
+        self._to_send: asyncio.PriorityQueue[tuple[int, Span | None]] = asyncio.PriorityQueue()
         self._input_done = False
         self._input_error: Exception | None = None
         self._all_written = asyncio.Event()
         self.counts = Counts()
 
-    async def run(self, batches: ThreadedBatches) -> Counts:
-        """Embed every batch and write its rows; raise BulkError if the job cannot finish."""
+    async def run(self, batches: ThreadedSpans) -> Counts:
+        """Embed every batch and write its rows; raise CorpusError if the job cannot finish."""
         reader = asyncio.create_task(self._take_input(batches))
         try:
             while not self._all_written.is_set():
@@ -203,7 +204,7 @@ class StreamDriver:
                 except (grpc.aio.AioRpcError, StreamBroke) as error:
                     why = _describe(error)
                     if isinstance(error, grpc.aio.AioRpcError) and error.code() not in RECONNECT:
-                        raise BulkError(f"the stream failed: {why}") from None
+                        raise CorpusError(f"the stream failed: {why}") from None
                     self._pacing.failed(why)
                     self.counts.reconnects += 1
                     self._progress.note(f"stream broke ({why}): opening it again in {self._pacing.wait_s():.1f} s")
@@ -214,7 +215,7 @@ class StreamDriver:
             raise self._input_error
         return self.counts
 
-    async def _take_input(self, batches: ThreadedBatches) -> None:
+    async def _take_input(self, batches: ThreadedSpans) -> None:
         try:
             while True:
                 while self._open >= self._window:
@@ -237,7 +238,7 @@ class StreamDriver:
 
     async def _stream(self) -> None:
         call = self._stub.EmbedStream()
-        on_wire: dict[str, Batch] = {}
+        on_wire: dict[str, Span] = {}
         sender = asyncio.create_task(self._send(call, on_wire))
         receiver = asyncio.create_task(self._receive(call, on_wire))
         try:
@@ -253,7 +254,7 @@ class StreamDriver:
             for batch in on_wire.values():  # unanswered: sent again on the next stream
                 self._to_send.put_nowait((batch.first, batch))
 
-    async def _send(self, call: grpc.aio.StreamStreamCall, on_wire: dict[str, Batch]) -> None:
+    async def _send(self, call: grpc.aio.StreamStreamCall, on_wire: dict[str, Span]) -> None:
         while True:
             _, batch = await self._to_send.get()
             if batch is None:
@@ -272,22 +273,22 @@ class StreamDriver:
             except asyncio.InvalidStateError:
                 raise StreamBroke("the server closed the stream") from None
 
-    async def _receive(self, call: grpc.aio.StreamStreamCall, on_wire: dict[str, Batch]) -> None:
+    async def _receive(self, call: grpc.aio.StreamStreamCall, on_wire: dict[str, Span]) -> None:
         while (response := await call.read()) is not grpc.aio.EOF:  # type: ignore[attr-defined]
             assert isinstance(response, pb.EmbedResponse)
             batch = on_wire.pop(response.request_id, None)
             if batch is None:
-                raise BulkError(f"the server answered request_id {response.request_id!r}, which is not on the stream")
+                raise CorpusError(f"the server answered request_id {response.request_id!r}, which is not on the stream")
             self._answered(batch, response)
         if not self._all_written.is_set():
             raise StreamBroke(f"the server ended the stream with {len(on_wire)} requests unanswered")
 
-    def _answered(self, batch: Batch, response: pb.EmbedResponse) -> None:
+    def _answered(self, batch: Span, response: pb.EmbedResponse) -> None:
         if response.HasField("error"):
             return self._refused(batch, response.error)
         vectors = decode(response)
         if vectors.shape != (len(batch.texts), self._dimensions):
-            raise BulkError(f"{batch.lines}: the server answered {vectors.shape[0]} x {vectors.shape[1]} rows")
+            raise CorpusError(f"{batch.lines}: the server answered {vectors.shape[0]} x {vectors.shape[1]} rows")
         for rows in self._in_order.add(batch.first, vectors):
             self._writer.append(rows)
             self._open -= len(rows)
@@ -300,7 +301,7 @@ class StreamDriver:
             self._writer.commit()
         self._check_all_written()
 
-    def _refused(self, batch: Batch, error: pb.Error) -> None:
+    def _refused(self, batch: Span, error: pb.Error) -> None:
         code = STATUS_BY_NUMBER.get(error.code, grpc.StatusCode.UNKNOWN)
         why = f"{code.name}: {error.message}"
         if code is grpc.StatusCode.RESOURCE_EXHAUSTED:
@@ -309,12 +310,12 @@ class StreamDriver:
         elif code in BACKED_OFF:
             self._pacing.failed(why)
         else:
-            raise BulkError(f"{_where(batch, error.message)}: {why}")
+            raise CorpusError(f"{_where(batch, error.message)}: {why}")
         self.counts.retries += 1
         self._to_send.put_nowait((batch.first, batch))
 
 
-def _where(batch: Batch, message: str) -> str:
+def _where(batch: Span, message: str) -> str:
     """The input line a request's error is about (``texts[3]: ...`` names one), else the batch's lines."""
     found = re.match(r"texts\[(\d+)\]", message)
     return f"input line {batch.first + int(found[1]) + 1}" if found else batch.lines
