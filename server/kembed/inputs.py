@@ -12,7 +12,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from itertools import chain
 from pathlib import Path
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NoReturn
 
 import numpy as np
 import tokenizers
@@ -118,14 +118,23 @@ class Tokenizer:
     def from_texts(self, texts: Sequence[str], truncate: bool) -> Sequences:
         self._check_count("texts", len(texts))
         if max(map(len, texts)) > self.max_text_chars:
-            index = next(i for i, text in enumerate(texts) if len(text) > self.max_text_chars)
-            raise InputError(f"texts[{index}]", f"{len(texts[index])} characters, more than {self.max_text_chars}")
+            texts = self._cut_to_chars(texts) if truncate else self._refuse_long(texts)
         backend = self._truncating if truncate else self._full
         encodings = backend.encode_batch_fast(list(texts), add_special_tokens=True)
         lengths = np.fromiter(map(len, encodings), dtype=np.int32, count=len(encodings))
         self._check_lengths("texts", lengths, truncate)
         ids = np.fromiter(chain.from_iterable(e.ids for e in encodings), dtype=np.int32, count=int(lengths.sum()))
         return Sequences(ids=ids, lengths=lengths)
+
+    def _cut_to_chars(self, texts: Sequence[str]) -> list[str]:
+        """``truncate`` cuts a text to fit the character limit too: the limit bounds the tokenizer's
+        work, and the tokens it drops lie past any model's input limit anyway."""
+        limit = self.max_text_chars
+        return [text[:limit] if len(text) > limit else text for text in texts]
+
+    def _refuse_long(self, texts: Sequence[str]) -> NoReturn:
+        index = next(i for i, text in enumerate(texts) if len(text) > self.max_text_chars)
+        raise InputError(f"texts[{index}]", f"{len(texts[index])} characters, more than {self.max_text_chars}")
 
     def least_lengths(self, texts: Sequence[str]) -> np.ndarray:
         """A lower bound of each text's length in tokens, at a fiftieth of tokenizing's cost: its

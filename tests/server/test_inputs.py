@@ -79,6 +79,17 @@ def test_text_truncation_keeps_the_closing_token(tok: Tokenizer, hf_tokenizer: P
     assert seqs.ids[3:].tolist() == [*full[: LIMIT - 1], SEP]
 
 
+def test_truncation_cuts_a_text_over_the_character_limit_too(hf_tokenizer: PreTrainedTokenizerBase) -> None:
+    """A text over the character limit is refused (above), or with truncate cut to it: here to 50
+    characters, ten words, well within the model's tokens."""
+    tok = Tokenizer.from_transformers(
+        hf_tokenizer, max_input_tokens=512, vocab_size=VOCAB, max_items=8, max_text_chars=50
+    )
+    seqs = tok.from_texts(["short", "word " * 20], truncate=True)
+    assert seqs.lengths.tolist() == [3, 12]  # [CLS] ten words [SEP]
+    assert seqs.ids.tolist() == tok.from_texts(["short", "word " * 10], truncate=False).ids.tolist()
+
+
 @pytest.mark.parametrize(
     ("ids", "lengths", "field", "fragments"),
     [

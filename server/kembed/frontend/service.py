@@ -309,6 +309,8 @@ class EmbedService:
             server_version=__version__,
             max_batch_items=self._settings.max_items_per_request,
             batching=self._settings.batching.value,
+            max_text_chars=self._settings.max_text_chars,
+            max_message_bytes=self._settings.max_message_bytes,
         )
 
 
