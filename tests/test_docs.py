@@ -30,7 +30,6 @@ SKIPPED_FILES = {ROOT / "bench" / "results" / "summary.md"}
 # accepted while it is missing. The integrator empties this list once they are merged
 # (test_pending_pages_are_still_missing says when).
 PENDING_PAGES = {
-    "docs/client.md",  # branch client: the client library and the corpus command
     "docs/images.md",  # branch images: the server and operator images
 }
 

@@ -282,7 +282,10 @@ class Settings(BaseModel):
         1024, ge=1, description="Most texts or sequences in one request", json_schema_extra=TUNING
     )
     max_text_chars: int = Field(
-        100_000, ge=1, description="Longest text in characters (bounds tokenization work)", json_schema_extra=TUNING
+        100_000,
+        ge=1,
+        description="Longest text in characters (bounds tokenization work); cut to it with truncate",
+        json_schema_extra=TUNING,
     )
     max_message_bytes: int = Field(
         16 * 1024 * 1024, ge=1024, description="gRPC max receive/send message size", json_schema_extra=TUNING

@@ -121,6 +121,7 @@ def test_info_describes_the_model(stub: pb_grpc.EmbedderStub):
     assert list(info.buckets) == [16, 32, 64, 128, 256]
     assert list(info.batch_sizes) == [1, 2, 4, 8, 16]
     assert info.pooling == "mean" and info.batching == "token_bucket"
+    assert (info.max_text_chars, info.max_message_bytes) == (100_000, MAX_MESSAGE)
     assert re.fullmatch(r"[0-9a-f]{64}", info.tokenizer_fingerprint)
 
 

@@ -1,6 +1,7 @@
-"""The corpus command's pure parts (kembed.bulk): input readers, the resumable writers, pacing and
-ordering with a fake clock, and the CLI's argument checks. The stream driver runs end to end
-against a real server in test_bulk_serving."""
+"""The corpus command's pure parts (kembed.client.corpus): the reader (lines, shards, texts that do
+not fit a request), the resumable writers, parts and the manifest, pacing and ordering with a fake
+clock, and the CLI's argument checks. The stream driver runs end to end against a real server in
+test_bulk_serving."""
 
 from __future__ import annotations
 
@@ -12,13 +13,32 @@ from pathlib import Path
 import numpy as np
 import pytest
 
-from kembed.bulk import BulkError
-from kembed.bulk.inputs import Batch, ThreadedBatches, batches, count_lines, read_texts, texts
-from kembed.bulk.job import Bar
-from kembed.bulk.outputs import ParquetWriter, Writer, format_of, open_writer
-from kembed.bulk.stream import BACKOFF_S, MAX_BACKOFF_S, InOrder, Pacing, Request, RequestSize, embed_request
-from kembed.client import main
-from kembed.priority import Priority
+from kembed.client.__main__ import main
+from kembed.client.corpus import CorpusError
+from kembed.client.corpus.parts import complete, growing_path, manifest_path, part_path, write_manifest
+from kembed.client.corpus.reader import (
+    REQUEST_ENVELOPE_BYTES,
+    TEXT_ENVELOPE_BYTES,
+    CorpusReader,
+    Limits,
+    Shard,
+    Span,
+    ThreadedSpans,
+    cut_spans,
+    lines,
+)
+from kembed.client.corpus.run import Bar, Summary, keep_or_replace
+from kembed.client.corpus.stream import (
+    BACKOFF_S,
+    MAX_BACKOFF_S,
+    InOrder,
+    Pacing,
+    Request,
+    RequestSize,
+    Window,
+    embed_request,
+)
+from kembed.client.corpus.writers import ParquetWriter, Writer, committed_shape, format_of, held_rows, open_writer
 from kembed.v1 import embedder_pb2 as pb
 
 DIMS = 4
@@ -30,17 +50,31 @@ def rows(start: int, count: int) -> np.ndarray:
     return values / np.float32(3.0) + np.float32(1e-7)
 
 
-# --- inputs -----------------------------------------------------------------------------------
+# --- inputs ---------------------------------------------------------------------------------
+
+LIMITS = Limits(message_bytes=16 * 1024 * 1024)
 
 
-def test_lines_are_texts_and_crlf_empty_and_unterminated_lines_read_as_expected():
-    lines = [b"first\n", b"windows\r\n", b"\n", b"caf\xc3\xa9 \xe6\x9d\xb1\xe4\xba\xac\n", b"no newline"]
-    assert list(read_texts(lines, None)) == ["first", "windows", "", "café 東京", "no newline"]
+def corpus_file(tmp_path: Path, data: bytes, name: str = "corpus.txt") -> str:
+    path = tmp_path / name
+    path.write_bytes(data)
+    return str(path)
 
 
-def test_jsonl_reads_the_named_field():
-    lines = [b'{"id": 1, "body": "one"}\n', b'{"body": "two \\u00e9", "x": null}\n']
-    assert list(read_texts(lines, "body")) == ["one", "two é"]
+def read_all(
+    source: str, field: str | None = None, limits: Limits = LIMITS, shard: Shard | None = None, held: int = 0
+) -> list[str]:
+    return [text for span in CorpusReader(source, field, limits, shard).spans(1000, held) for text in span.texts]
+
+
+def test_lines_are_texts_and_crlf_empty_and_unterminated_lines_read_as_expected(tmp_path: Path):
+    data = b"first\nwindows\r\n\ncaf\xc3\xa9 \xe6\x9d\xb1\xe4\xba\xac\nno newline"
+    assert read_all(corpus_file(tmp_path, data)) == ["first", "windows", "", "café 東京", "no newline"]
+
+
+def test_jsonl_reads_the_named_field(tmp_path: Path):
+    data = b'{"id": 1, "body": "one"}\n{"body": "two \\u00e9", "x": null}\n'
+    assert read_all(corpus_file(tmp_path, data), "body") == ["one", "two é"]
 
 
 BAD_LINES = {
@@ -55,67 +89,165 @@ BAD_LINES = {
 
 
 @pytest.mark.parametrize("case", BAD_LINES)
-def test_bad_input_names_its_line(case: str):
+def test_bad_input_names_its_line(tmp_path: Path, case: str):
     data, field, message = BAD_LINES[case]
-    with pytest.raises(BulkError) as caught:
-        list(read_texts(data.splitlines(keepends=True), field))
+    with pytest.raises(CorpusError) as caught:
+        read_all(corpus_file(tmp_path, data), field)
     assert str(caught.value).startswith(message), caught.value
 
 
 @pytest.mark.parametrize("data", [b"", b"a", b"a\n", b"a\nb", b"a\nb\n", b"\n\n", b"x\r\ny\r\n"])
-def test_count_lines_counts_what_is_read(tmp_path: Path, data: bytes):
-    source = tmp_path / "corpus.txt"
-    source.write_bytes(data)
-    assert count_lines(str(source)) == len(list(texts(str(source), None)))
+def test_the_count_is_what_is_read(tmp_path: Path, data: bytes):
+    source = corpus_file(tmp_path, data)
+    assert CorpusReader(source, None, LIMITS).count() == len(read_all(source))
 
 
 def test_a_missing_input_is_named(tmp_path: Path):
-    with pytest.raises(BulkError, match=r"^--input: .*No such file"):
-        count_lines(str(tmp_path / "absent.txt"))
+    with pytest.raises(CorpusError, match=r"^--input: .*No such file"):
+        CorpusReader(str(tmp_path / "absent.txt"), None, LIMITS).count()
 
 
-def test_batches_start_after_the_rows_already_written():
-    cut = list(batches(iter("abcdefg"), size=3, skip=2))
-    assert cut == [Batch(2, ["c", "d", "e"]), Batch(5, ["f", "g"])]
-    assert cut[1].lines == "input lines 6-7"
-    assert list(batches(iter("abc"), size=3, skip=3)) == []
+def test_spans_start_after_the_rows_already_written():
+    cut = list(cut_spans(iter("abcdefg"), size=3, request_bytes=1000, first=2, shard=None))
+    assert cut == [Span(2, ["a", "b", "c"]), Span(5, ["d", "e", "f"]), Span(8, ["g"])]
+    assert (cut[0].lines, cut[2].lines) == ("input lines 3-5", "input line 9")
+    assert Span(4, ["a", "b"], Shard(1, 4)).lines == "lines 5-6 of shard 1/4"
 
 
-def test_the_texts_before_a_bad_line_are_batched_before_its_error():
+def test_spans_fit_in_a_request():
+    texts = ["a" * 10, "b" * 10, "c" * 10, "d"]  # each weighs its bytes and an envelope
+    cut = list(cut_spans(iter(texts), size=32, request_bytes=2 * (10 + TEXT_ENVELOPE_BYTES), first=0, shard=None))
+    assert [span.texts for span in cut] == [texts[:2], texts[2:]]
+
+
+def test_a_resumed_reader_gives_the_last_written_line_alone_then_the_rest(tmp_path: Path):
+    source = corpus_file(tmp_path, b"a\nb\nc\nd\ne\n")
+    spans = list(CorpusReader(source, None, LIMITS).spans(size=2, held=2))
+    assert spans == [Span(1, ["b"]), Span(2, ["c", "d"]), Span(4, ["e"])]
+    assert list(CorpusReader(source, None, LIMITS).spans(size=2, held=5)) == [Span(4, ["e"])]
+
+
+def test_the_texts_before_a_bad_line_are_cut_into_spans_before_its_error():
     def failing() -> Iterator[str]:
         yield from "abc"
-        raise BulkError("input line 4: no field 'text'")
+        raise CorpusError("input line 4: no field 'text'")
 
-    cut = batches(failing(), size=2, skip=0)
-    assert [next(cut), next(cut)] == [Batch(0, ["a", "b"]), Batch(2, ["c"])]
-    with pytest.raises(BulkError, match="input line 4"):
+    cut = cut_spans(failing(), size=2, request_bytes=1000, first=0, shard=None)
+    assert [next(cut), next(cut)] == [Span(0, ["a", "b"]), Span(2, ["c"])]
+    with pytest.raises(CorpusError, match="input line 4"):
         next(cut)
 
 
-def test_a_batch_splits_into_consecutive_rows():
-    head, rest = Batch(10, ["a", "b", "c"]).split(1)
-    assert (head, rest) == (Batch(10, ["a"]), Batch(11, ["b", "c"]))
+def test_a_span_splits_into_consecutive_rows():
+    head, rest = Span(10, ["a", "b", "c"]).split(1)
+    assert (head, rest) == (Span(10, ["a"]), Span(11, ["b", "c"]))
 
 
-def test_an_input_shorter_than_the_output_is_refused():
-    with pytest.raises(BulkError, match=r"^--output already holds 5 rows but the input has only 3 texts"):
-        list(batches(iter("abc"), size=2, skip=5))
+def test_an_input_shorter_than_the_output_is_refused(tmp_path: Path):
+    with pytest.raises(CorpusError, match=r"^--output already holds 5 rows but the input has only 3 texts"):
+        read_all(corpus_file(tmp_path, b"a\nb\nc\n"), held=5)
 
 
-def test_threaded_batches_hand_over_every_batch_then_the_error_after_them():
-    def source() -> Iterator[Batch]:
-        yield Batch(0, ["a"])
-        yield Batch(1, ["b"])
-        raise BulkError("input line 3: broken")
+def test_threaded_spans_hand_over_every_span_then_the_error_after_them():
+    def source() -> Iterator[Span]:
+        yield Span(0, ["a"])
+        yield Span(1, ["b"])
+        raise CorpusError("input line 3: broken")
 
-    async def drain() -> list[Batch | None]:
-        feed = ThreadedBatches(source())
+    async def drain() -> list[Span | None]:
+        feed = ThreadedSpans(source())
         taken = [await feed.next(), await feed.next()]
-        with pytest.raises(BulkError, match="input line 3"):
+        with pytest.raises(CorpusError, match="input line 3"):
             await feed.next()
         return taken
 
-    assert asyncio.run(drain()) == [Batch(0, ["a"]), Batch(1, ["b"])]
+    assert asyncio.run(drain()) == [Span(0, ["a"]), Span(1, ["b"])]
+
+
+# --- texts that do not fit a request ------------------------------------------------------------
+
+TINY = Limits(message_bytes=REQUEST_ENVELOPE_BYTES + TEXT_ENVELOPE_BYTES + 10)  # a text may weigh 10 bytes
+
+
+def test_a_line_longer_than_a_request_carries_is_cut_to_whole_characters(tmp_path: Path):
+    # "é" is 2 bytes: the 10-byte cut falls inside the fifth one, which goes whole.
+    source = corpus_file(tmp_path, "xéééééé\n".encode() + b"x" * 100 + b"\nshort\n")
+    assert read_all(source, limits=TINY) == ["xéééé", "x" * 10, "short"]
+
+
+def test_without_truncate_a_line_longer_than_a_request_carries_is_refused_naming_it(tmp_path: Path):
+    source = corpus_file(tmp_path, b"short\n" + b"x" * 100 + b"\n")
+    limits = Limits(TINY.message_bytes, truncate=False)
+    with pytest.raises(
+        CorpusError, match=r"^input line 2: longer than the 10 bytes a request carries \(--no-truncate\)"
+    ):
+        read_all(source, limits=limits)
+
+
+def test_jsonl_a_field_too_long_is_cut_and_a_line_too_long_to_parse_is_refused(tmp_path: Path):
+    fits = json.dumps({"text": "y" * 20}).encode()  # 32 bytes: within 4 x 10, its text cut to 10
+    assert read_all(corpus_file(tmp_path, fits + b"\n", "a.jsonl"), "text", TINY) == ["y" * 10]
+    too_long = json.dumps({"text": "y" * 50}).encode()
+    with pytest.raises(CorpusError, match=r"^input line 2: a JSONL line longer than 40 bytes"):
+        read_all(corpus_file(tmp_path, fits + b"\n" + too_long + b"\n", "b.jsonl"), "text", TINY)
+
+
+def test_truncate_cuts_a_text_to_the_servers_character_limit(tmp_path: Path):
+    source = corpus_file(tmp_path, "東京東京東京\nab\n".encode())
+    assert read_all(source, limits=Limits(LIMITS.message_bytes, text_chars=4)) == ["東京東京", "ab"]
+    assert read_all(source, limits=Limits(LIMITS.message_bytes, text_chars=4, truncate=False))[0] == "東京東京東京"
+
+
+# --- shards -------------------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("text", "shard"), [("0/1", Shard(0, 1)), ("3/16", Shard(3, 16)), ("99998/99999", Shard(99998, 99999))]
+)
+def test_a_shard_is_i_of_n(text: str, shard: Shard):
+    assert Shard.parse(text) == shard
+    assert str(shard) == text
+
+
+@pytest.mark.parametrize("text", ["4/4", "-1/4", "1/0", "1", "a/4", "1/4/2", "0/100000", " 1/4"])
+def test_a_shard_out_of_range_is_refused(text: str):
+    with pytest.raises(ValueError, match=r"I/N|N at most"):
+        Shard.parse(text)
+
+
+SHARDED_INPUTS = {
+    "short lines": b"".join(b"line %d\n" % i for i in range(37)),
+    "no final newline": b"alpha\nbeta\ngamma",
+    "empty and crlf lines": b"\n\na\r\n\r\nb\n\n",
+    "a long line that spans shards": b"a\n" + b"x" * 1000 + b"\nb\nc\n",
+    "one line": b"only\n",
+    "empty": b"",
+}
+
+
+@pytest.mark.parametrize("case", SHARDED_INPUTS)
+def test_the_shards_lines_in_order_are_the_inputs(tmp_path: Path, case: str):
+    source = corpus_file(tmp_path, SHARDED_INPUTS[case])
+    whole = read_all(source)
+    for count in (1, 2, 3, 4, 7, 64):
+        shards = [read_all(source, shard=Shard(index, count)) for index in range(count)]
+        assert [text for shard in shards for text in shard] == whole, count
+
+
+def test_a_shard_holds_the_lines_that_start_in_its_range(tmp_path: Path):
+    data = SHARDED_INPUTS["a long line that spans shards"]  # 1,008 bytes: ranges of 252
+    source = corpus_file(tmp_path, data)
+    found = {index: list(lines(source, Shard(index, 4), 4096)) for index in range(4)}
+    starts = {index: [line.offset for line in found[index]] for index in found}
+    assert starts == {0: [0, 2], 1: [], 2: [], 3: [1003, 1005]}  # the long line is shard 0's, alone past its end
+    assert [line.number for line in found[3]] == [1, 2]
+    assert read_all(source, shard=Shard(1, 4)) == []
+
+
+def test_a_shards_errors_name_its_line_and_where_it_is_in_the_input(tmp_path: Path):
+    source = corpus_file(tmp_path, b"fine\n" * 10 + b"bad \xff\n")  # 56 bytes: shard 1 starts at 30
+    with pytest.raises(CorpusError, match=r"^line 5 of shard 1/2 \(byte 50 of the input\): not UTF-8"):
+        read_all(source, shard=Shard(1, 2))
 
 
 # --- outputs ----------------------------------------------------------------------------------
@@ -193,6 +325,43 @@ def test_an_empty_input_gives_an_empty_output(tmp_path: Path, output_format: str
     assert read_back(path, output_format).shape == (0, DIMS)
 
 
+@pytest.mark.parametrize("output_format", FORMATS)
+def test_the_last_row_reads_back_and_dropping_it_lets_another_take_its_place(tmp_path: Path, output_format: str):
+    path = tmp_path / f"out.{output_format}"
+    write_finished(path, output_format, rows(0, 3))
+    writer = open_writer(path, output_format, DIMS)
+    np.testing.assert_array_equal(writer.last_row(), rows(2, 1)[0])
+    writer.drop_last()
+    assert writer.rows == 2
+    writer.close()
+    assert held_rows(path, output_format) == 2  # durably, before anything takes its place
+    writer = open_writer(path, output_format, DIMS)
+    writer.append(rows(7, 2))
+    writer.finish()
+    writer.close()
+    np.testing.assert_array_equal(read_back(path, output_format), np.concatenate([rows(0, 2), rows(7, 2)]))
+    assert committed_shape(path, output_format) == (4, DIMS)
+
+
+@pytest.mark.parametrize("output_format", ["npy", "jsonl"])
+def test_an_output_has_one_writer_at_a_time(tmp_path: Path, output_format: str):
+    path = tmp_path / f"out.{output_format}"
+    writer = open_writer(path, output_format, DIMS)
+    with pytest.raises(CorpusError, match=r"^--output: another run is writing .*out\."):
+        open_writer(path, output_format, DIMS)
+    writer.close()
+    open_writer(path, output_format, DIMS).close()
+
+
+def test_a_jsonl_output_is_counted_from_its_last_line(tmp_path: Path):
+    path = tmp_path / "out.jsonl"
+    write_finished(path, "jsonl", rows(0, 3))
+    with path.open("ab") as file:
+        file.write(b'{"index": 3, "emb')  # torn
+    assert committed_shape(path, "jsonl") == (3, DIMS)
+    assert held_rows(tmp_path / "absent.jsonl", "jsonl") == 0
+
+
 def test_npy_saved_by_numpy_can_be_continued(tmp_path: Path):
     path = tmp_path / "out.npy"
     np.save(path, rows(0, 3))
@@ -238,7 +407,7 @@ def test_an_output_this_run_cannot_continue_is_refused(tmp_path: Path, case: str
     path = tmp_path / name
     make(path)
     before = path.read_bytes()
-    with pytest.raises(BulkError, match=f"^--output: .*{message}"):
+    with pytest.raises(CorpusError, match=f"^--output: .*{message}"):
         open_writer(path, format_of(path, None), DIMS)
     assert path.read_bytes() == before  # untouched
 
@@ -261,7 +430,7 @@ def test_parquet_interrupted_stays_in_staging_until_finished(tmp_path: Path):
 
 def test_parquet_without_pyarrow_is_a_clear_error(tmp_path: Path, monkeypatch: pytest.MonkeyPatch):
     monkeypatch.setitem(__import__("sys").modules, "pyarrow", None)  # as if not installed
-    with pytest.raises(BulkError, match=r"^--output: Parquet needs pyarrow"):
+    with pytest.raises(CorpusError, match=r"^--output: Parquet needs pyarrow"):
         ParquetWriter(tmp_path / "out.parquet", DIMS)
 
 
@@ -274,8 +443,77 @@ def test_format_from_the_extension_or_the_flag(name: str, named: str | None, exp
 
 
 def test_an_unknown_extension_without_format_is_refused():
-    with pytest.raises(BulkError, match=r"^--output: no format named by 'a\.txt'"):
+    with pytest.raises(CorpusError, match=r"^--output: no format named by 'a\.txt'"):
         format_of(Path("a.txt"), None)
+
+
+# --- parts and the manifest ---------------------------------------------------------------------
+
+
+def test_a_part_is_named_after_its_output_and_shard():
+    assert part_path(Path("/d/emb.npy"), Shard(3, 16)) == Path("/d/emb.part-00003-of-00016.npy")
+    assert part_path(Path("/d/emb"), Shard(0, 2)) == Path("/d/emb.part-00000-of-00002")
+    assert manifest_path(Path("/d/emb.npy")) == Path("/d/emb.manifest.json")
+
+
+def test_a_part_grows_aside_and_is_at_its_name_once_complete(tmp_path: Path):
+    path = tmp_path / "emb.part-00000-of-00002.npy"
+    growing = growing_path(path, "npy")
+    assert growing == tmp_path / "emb.part-00000-of-00002.npy.partial"
+    assert growing_path(tmp_path / "emb.part-00000-of-00002.parquet", "parquet").name.endswith(".parquet")
+    write_finished(growing, "npy", rows(0, 2))
+    complete(growing, path)
+    assert not growing.exists() and np.load(path).shape == (2, DIMS)
+    assert growing_path(path, "npy") == path  # a complete part run again stays where it is
+
+
+@pytest.mark.parametrize("output_format", FORMATS)
+def test_the_manifest_comes_with_the_last_part_and_lists_every_part_in_order(tmp_path: Path, output_format: str):
+    output = tmp_path / f"emb.{output_format}"
+    sizes = [3, 0, 2]
+    for index in (2, 0):
+        write_finished(part_path(output, Shard(index, 3)), output_format, rows(sum(sizes[:index]), sizes[index]))
+        assert write_manifest(output, 3, output_format) is None  # not every part is there yet
+    write_finished(part_path(output, Shard(1, 3)), output_format)
+    written = write_manifest(output, 3, output_format)
+    assert written == manifest_path(output)
+    manifest = json.loads(written.read_text())
+    assert manifest == {
+        "format": output_format,
+        "dimensions": DIMS,
+        "rows": 5,
+        "parts": [{"path": part_path(output, Shard(i, 3)).name, "rows": sizes[i]} for i in range(3)],
+    }
+    before = written.read_bytes()
+    assert write_manifest(output, 3, output_format) == written and written.read_bytes() == before  # idempotent
+    parts = [read_back(tmp_path / part["path"], output_format) for part in manifest["parts"]]
+    np.testing.assert_array_equal(np.concatenate(parts), rows(0, 5))  # in manifest order: the input's
+    assert sorted(p.name for p in tmp_path.iterdir() if "manifest" in p.name) == [written.name]  # nothing aside
+
+
+def test_parts_of_other_dimensions_get_no_manifest(tmp_path: Path):
+    output = tmp_path / "emb.npy"
+    np.save(part_path(output, Shard(0, 2)), np.zeros((1, DIMS), np.float32))
+    np.save(part_path(output, Shard(1, 2)), np.zeros((1, DIMS + 1), np.float32))
+    with pytest.raises(CorpusError, match=r"rows of \[4, 5\] dimensions"):
+        write_manifest(output, 2, "npy")
+
+
+# --- the check of a resumed output's last row ---------------------------------------------------
+
+
+def test_a_last_row_that_is_its_lines_stays_and_one_that_is_not_is_replaced(tmp_path: Path):
+    path = tmp_path / "out.npy"
+    write_finished(path, "npy", rows(0, 3))
+    writer = open_writer(path, "npy", DIMS)
+    summary = Summary(path, None, rows=3, skipped=3)
+    notes = Bar(None, 0, enabled=False)
+    keep_or_replace(writer, rows(2, 1)[0] * 1.00001, Span(2, ["same"]), notes, summary)  # rounding apart
+    assert summary.skipped == 3
+    keep_or_replace(writer, rows(9, 1)[0], Span(2, ["changed"]), notes, summary)
+    assert (writer.rows, summary.skipped) == (3, 2)
+    writer.close()
+    np.testing.assert_array_equal(np.load(path), np.concatenate([rows(0, 2), rows(9, 1)]))
 
 
 # --- pacing and ordering ----------------------------------------------------------------------
@@ -328,7 +566,7 @@ def test_it_gives_up_only_after_give_up_s_without_a_row_written():
     clock.now += 60
     pace.failed("UNAVAILABLE: warming up")  # exactly the limit: still going
     clock.now += 1
-    with pytest.raises(BulkError, match=r"^gave up: no row written for 61 s \(--give-up-after\); last: UNAVAILABLE"):
+    with pytest.raises(CorpusError, match=r"^gave up: no row written for 61 s \(--give-up-after\); last: UNAVAILABLE"):
         pace.failed("UNAVAILABLE: warming up")
 
 
@@ -354,6 +592,34 @@ def test_a_refusal_halves_the_request_size_once_per_generation_and_successes_gro
     assert size.texts == 32  # up to --batch-texts, not beyond
 
 
+def test_the_window_starts_at_one_request_and_grows_fast_then_slowly_up_to_in_flight():
+    window = Window(largest=8)
+    assert window.admits(0) and not window.admits(1)
+    grown = []
+    for _ in range(12):
+        window.succeeded()
+        grown.append(int(window.limit))
+    assert grown == [2, 3, 4, 5, 6, 7, 8, 8, 8, 8, 8, 8]  # no refusal yet: slow start to --in-flight
+
+
+def test_a_refusal_cuts_the_window_to_one_once_for_the_requests_refused_together():
+    window = Window(largest=8)
+    for _ in range(5):
+        window.succeeded()
+    assert window.limit == 6
+    sent_in = window.epoch
+    for _ in range(6):  # the whole window refused: one cut
+        window.refused(sent_in)
+    assert (window.limit, window.threshold, window.epoch) == (1, 3, 1)
+    limits = []
+    for _ in range(6):
+        window.succeeded()
+        limits.append(round(window.limit, 2))
+    assert limits == [2, 3, 3.33, 3.63, 3.91, 4.16]  # quickly back to half, then one more per window
+    window.refused(window.epoch)
+    assert (window.limit, window.threshold) == (1, pytest.approx(limits[-1] / 2, abs=0.01))
+
+
 @pytest.mark.parametrize(
     ("arrivals", "written"),
     [
@@ -372,11 +638,11 @@ def test_rows_leave_in_input_order(arrivals: list[int], written: list[list[int]]
 
 
 def test_the_request_carries_the_job_settings_and_the_rows_it_is_for():
-    request = embed_request(Batch(64, ["a", "b"]), Request(dimensions=128, truncate=True))
+    request = embed_request(Span(64, ["a", "b"]), Request(dimensions=128, truncate=True))
     assert list(request.texts) == ["a", "b"]
     assert (request.dimensions, request.truncate, request.request_id) == (128, True, "64")
     assert request.priority == pb.PRIORITY_BATCH  # an ingest, unless told otherwise
-    asked = embed_request(Batch(0, ["a"]), Request(dimensions=0, truncate=False, priority=Priority.INTERACTIVE))
+    asked = embed_request(Span(0, ["a"]), Request(dimensions=0, truncate=False, priority="interactive"))
     assert asked.priority == pb.PRIORITY_INTERACTIVE
     assert not request.HasField("normalize")  # the server's default: normalised
 
@@ -399,6 +665,37 @@ def test_bad_flags_are_usage_errors(flags: list[str], message: str, capsys: pyte
         main(["embed", "--output", "out.npy", *flags])
     assert exited.value.code == 2
     assert message in capsys.readouterr().err
+
+
+@pytest.mark.parametrize(
+    ("flags", "message"),
+    [
+        (["--shard", "4/4"], "argument --shard: '4/4': I must be in [0, N)"),
+        (["--shard", "1-4"], "argument --shard: '1-4' is not I/N"),
+        (["--shard", "0/2", "--input", "-"], "--shard: a shard is a byte range of a file; stdin cannot be split"),
+    ],
+)
+def test_bad_shards_are_usage_errors(flags: list[str], message: str, capsys: pytest.CaptureFixture[str]):
+    with pytest.raises(SystemExit) as exited:
+        main(["embed", "--output", "out.npy", *flags])
+    assert exited.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+def test_the_summary_file_is_written_however_the_run_ends(tmp_path: Path, capsys: pytest.CaptureFixture[str]):
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text("a\n")
+    summary = tmp_path / "summary.json"
+    flags = ["--target", "127.0.0.1:1", "--input", str(corpus), "--shard", "1/2", "--summary-file", str(summary)]
+    assert main(["embed", *flags, "--output", str(tmp_path / "x.txt")]) == 1
+    record = json.loads(summary.read_text())
+    assert record == {
+        "rows": 0,
+        "embedded": 0,
+        "shard": "1/2",
+        "output": str(tmp_path / "x.part-00001-of-00002.txt"),
+        "complete": False,
+    }
 
 
 def test_an_output_of_unknown_format_fails_before_connecting(tmp_path: Path, capsys: pytest.CaptureFixture[str]):

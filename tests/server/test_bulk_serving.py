@@ -1,7 +1,9 @@
 """``python -m kembed.client embed`` end to end: the command as a subprocess against real servers
 with the real model. Its rows must be EmbedClient.embed's vectors, in input order, whatever the
-server does meanwhile: refuse (admission, with the engine held), cut the stream (its connection's
-age), or be interrupted and resumed. How many requests a run sent is read off the server's
+server does meanwhile: refuse (admission, with the engine held, or a low service rate), cut the
+stream (its connection's age), or be interrupted (killed) and resumed; whatever the input holds
+(a document over the limits, a last line that grew); and whatever the shards (the parts, in the
+manifest's order, are one unsharded run). How many requests a run sent is read off the server's
 ``kembed_requests_total``, so a resumed run is shown to embed only what was missing."""
 
 from __future__ import annotations
@@ -20,6 +22,8 @@ import numpy as np
 import pytest
 
 from kembed.client import EmbedClient
+from kembed.client.corpus.reader import Shard
+from kembed.client.corpus.reader import lines as reader_lines
 from kembed.v1 import embedder_pb2 as pb
 from kembed.v1 import embedder_pb2_grpc as pb_grpc
 from tests.server.serving import ServerProcess, all_decided, wait_until
@@ -140,8 +144,9 @@ def test_a_rerun_with_a_longer_input_embeds_only_the_new_texts(
     before, batch_before = server.metric(OK_REQUESTS), server.metric(BATCH_ANSWERED)
     second = run_embed(server, "--input", full, *flags)
     assert second.returncode == 0, second.stderr
-    assert server.metric(OK_REQUESTS) - before == math.ceil(150 / 32)  # only the second half's requests
-    assert server.metric(BATCH_ANSWERED) - batch_before == math.ceil(150 / 32)  # sent as batch work
+    sent = 1 + math.ceil(150 / 32)  # the check of the last row written, then only the second half
+    assert server.metric(OK_REQUESTS) - before == sent
+    assert server.metric(BATCH_ANSWERED) - batch_before == sent  # sent as batch work
     assert (summary_count(second.stdout, "embedded"), summary_count(second.stdout, "already there")) == (150, 150)
     assert output.read_bytes()[HEADER:].startswith(first_half[HEADER:])  # the first half untouched
     assert_same_vectors(np.load(output), reference)
@@ -149,7 +154,7 @@ def test_a_rerun_with_a_longer_input_embeds_only_the_new_texts(
     before = server.metric(OK_REQUESTS)
     again = run_embed(server, "--input", full, *flags)
     assert again.returncode == 0, again.stderr
-    assert server.metric(OK_REQUESTS) == before  # nothing left to embed
+    assert server.metric(OK_REQUESTS) == before + 1  # the last row's check, nothing left to embed
     assert_same_vectors(np.load(output), reference)
 
 
@@ -175,7 +180,7 @@ def test_an_interrupted_run_keeps_its_rows_and_the_same_command_goes_on(
     before = server.metric(OK_REQUESTS)
     rest = run_embed(server, "--input", str(write_lines(tmp_path / "corpus.txt", TEXTS)), *flags)
     assert rest.returncode == 0, rest.stderr
-    assert server.metric(OK_REQUESTS) - before == math.ceil((300 - 96) / 32)
+    assert server.metric(OK_REQUESTS) - before == 1 + math.ceil((300 - 96) / 32)  # the check, and the rest
     assert_same_vectors(np.load(output), reference)
 
 
@@ -215,6 +220,166 @@ def test_the_one_shot_form_is_unchanged(server: ServerProcess):
     lines = result.stdout.splitlines()
     assert lines[0].startswith("model sentence-transformers/all-MiniLM-L6-v2: 2 x 384 in ")
     assert lines[1].startswith("'embed'") and lines[2].startswith("'hello world'")
+
+
+# --- documents that do not fit, inputs that change ----------------------------------------------
+
+
+def test_a_document_over_the_character_limit_is_cut_with_truncate_and_named_without(
+    server: ServerProcess, tmp_path: Path
+):
+    """100,005 characters, over the server's 100,000: truncate cuts it (its first 256 tokens are
+    those of its first 2,000 characters), in the corpus command and in the API itself."""
+    long = ("word " * 20_001)[:100_005]
+    source = write_lines(tmp_path / "corpus.txt", ["before", long, "after"])
+    output = tmp_path / "vectors.npy"
+    result = run_embed(server, "--input", str(source), "--output", str(output), "--no-progress")
+    assert result.returncode == 0, result.stderr
+    with EmbedClient(server.target, timeout_s=600) as client:
+        expected = client.embed(["before", long[:2000], "after"], truncate=True)
+        assert_same_vectors(client.embed([long], truncate=True), expected[1:2])  # the server cuts it too
+    assert_same_vectors(np.load(output), expected)
+    refused = run_embed(
+        server, "--input", str(source), "--output", str(tmp_path / "x.npy"), "--no-truncate", "--no-progress"
+    )
+    assert refused.returncode == 1
+    assert refused.stderr.startswith("kembed embed: input line 2: INVALID_ARGUMENT: texts[1]: 100005 characters")
+
+
+def test_a_line_over_a_requests_16_mib_is_cut_with_truncate_and_named_without(server: ServerProcess, tmp_path: Path):
+    huge = "x" * (17 * 1024 * 1024)
+    source = write_lines(tmp_path / "corpus.txt", ["before", huge, "after"])
+    output = tmp_path / "vectors.npy"
+    result = run_embed(server, "--input", str(source), "--output", str(output), "--no-progress")
+    assert result.returncode == 0, result.stderr
+    with EmbedClient(server.target, timeout_s=600) as client:
+        assert_same_vectors(np.load(output), client.embed(["before", huge[:100_000], "after"], truncate=True))
+    output = tmp_path / "refused.npy"
+    refused = run_embed(server, "--input", str(source), "--output", str(output), "--no-truncate", "--no-progress")
+    assert refused.returncode == 1
+    assert refused.stderr.startswith("kembed embed: input line 2: longer than the "), refused.stderr
+    assert np.load(output).shape == (1, DIMS)  # the line before it
+
+
+@pytest.mark.parametrize("output_format", ["npy", "jsonl", "parquet"])
+def test_a_last_line_that_grew_since_it_was_embedded_is_embedded_again(
+    server: ServerProcess, tmp_path: Path, output_format: str
+):
+    """The reproduction: ``alpha\\nbeta`` without a final newline, embedded; then `` gamma delta``
+    and ``epsilon`` appended. Row 1 must be the embedding of line 2 as it reads now."""
+    if output_format == "parquet":
+        pytest.importorskip("pyarrow")
+    source = tmp_path / "corpus.txt"
+    source.write_text("alpha\nbeta")
+    output = tmp_path / f"vectors.{output_format}"
+    flags = ["--input", str(source), "--output", str(output), "--no-progress"]
+    first = run_embed(server, *flags)
+    assert first.returncode == 0, first.stderr
+    with source.open("a") as grown:
+        grown.write(" gamma delta\nepsilon\n")
+    second = run_embed(server, *flags)
+    assert second.returncode == 0, second.stderr
+    assert "input line 2 changed since its row was written" in second.stderr
+    assert (summary_count(second.stdout, "embedded"), summary_count(second.stdout, "already there")) == (2, 1)
+    with EmbedClient(server.target) as client:
+        expected = client.embed(["alpha", "beta gamma delta", "epsilon"], truncate=True)
+    assert_same_vectors(read_output(output, output_format), expected)
+    again = run_embed(server, *flags)  # unchanged now: the check keeps the row
+    assert "changed" not in again.stderr
+    assert (summary_count(again.stdout, "embedded"), summary_count(again.stdout, "already there")) == (0, 3)
+
+
+def read_output(path: Path, output_format: str) -> np.ndarray:
+    if output_format == "jsonl":
+        return read_jsonl(path).reshape(-1, DIMS)  # an empty part too
+    if output_format == "parquet":
+        import pyarrow.parquet as pq
+
+        return pq.read_table(path).column("embedding").combine_chunks().flatten().to_numpy().reshape(-1, DIMS)
+    return np.load(path)
+
+
+# --- shards -------------------------------------------------------------------------------------
+
+
+def run_shards(server: ServerProcess, source: Path, output: Path, count: int, order: list[int], *flags: str) -> None:
+    """Each shard's command, one after the other in ``order``: only the last writes the manifest."""
+    manifest = output.with_name(output.stem + ".manifest.json")
+    for done, index in enumerate(order, start=1):
+        summary = output.with_name(f"summary-{index}.json")
+        shard = ["--shard", f"{index}/{count}", "--summary-file", str(summary)]
+        result = run_embed(server, "--input", str(source), "--output", str(output), "--no-progress", *shard, *flags)
+        assert result.returncode == 0, result.stderr
+        assert manifest.exists() == (done == count), index
+        record = json.loads(summary.read_text())
+        assert (record["shard"], record["complete"], record["rows"]) == (f"{index}/{count}", True, record["embedded"])
+
+
+def from_manifest(output: Path, output_format: str) -> tuple[np.ndarray, list[int]]:
+    """The parts concatenated in the manifest's order, and their row counts."""
+    manifest = json.loads(output.with_name(output.stem + ".manifest.json").read_text())
+    parts = [read_output(output.parent / part["path"], output_format) for part in manifest["parts"]]
+    assert [len(part) for part in parts] == [part["rows"] for part in manifest["parts"]]
+    assert manifest["rows"] == sum(len(part) for part in parts)
+    return np.concatenate(parts), [part["rows"] for part in manifest["parts"]]
+
+
+def test_four_shards_concatenated_in_the_manifests_order_are_one_unsharded_run(
+    server: ServerProcess, reference: np.ndarray, tmp_path: Path
+):
+    source = write_lines(tmp_path / "corpus.txt", TEXTS)
+    whole = tmp_path / "whole.npy"
+    unsharded = run_embed(server, "--input", str(source), "--output", str(whole), "--no-progress")
+    assert unsharded.returncode == 0, unsharded.stderr
+    output = tmp_path / "emb.npy"
+    run_shards(server, source, output, 4, [2, 0, 3, 1])
+    rows, counts = from_manifest(output, "npy")
+    assert all(counts) and sum(counts) == len(TEXTS)
+    assert_same_vectors(rows, np.load(whole))
+    assert_same_vectors(rows, reference)
+    assert sorted(p.name for p in tmp_path.glob("emb.*")) == [
+        "emb.manifest.json",
+        *(f"emb.part-0000{i}-of-00004.npy" for i in range(4)),
+    ]  # nothing left aside
+
+
+def test_uneven_shards_and_shards_without_a_line(server: ServerProcess, tmp_path: Path):
+    """A line of 1,000 characters across three of four byte ranges: two shards start no line and
+    write empty parts, the first reads past its end to finish it."""
+    texts = ["first", "a long line " * 84, "second to last", "last"]
+    source = write_lines(tmp_path / "corpus.txt", texts)
+    output = tmp_path / "emb.jsonl"
+    run_shards(server, source, output, 4, [3, 1, 2, 0])
+    rows, counts = from_manifest(output, "jsonl")
+    assert counts == [2, 0, 0, 2]
+    with EmbedClient(server.target) as client:
+        assert_same_vectors(rows, client.embed(texts, truncate=True))
+
+
+def test_a_shard_killed_midway_goes_on_from_its_part_with_nothing_lost_or_repeated(
+    server: ServerProcess, reference: np.ndarray, tmp_path: Path
+):
+    lines = 2000
+    source = write_lines(tmp_path / "corpus.txt", [TEXTS[i % len(TEXTS)] for i in range(lines)])
+    numbers = {line.offset: number for number, line in enumerate(reader_lines(str(source), None, 1 << 20))}
+    owned = [numbers[line.offset] for line in reader_lines(str(source), Shard(1, 4), 1 << 20)]
+    expected = reference[[i % len(TEXTS) for i in owned]]
+    output = tmp_path / "emb.jsonl"
+    growing = tmp_path / "emb.part-00001-of-00004.jsonl.partial"
+    flags = ["--input", str(source), "--output", str(output), "--shard", "1/4", "--batch-texts", "8", "--no-progress"]
+    process = subprocess.Popen(embed_command(server, *flags), stdout=subprocess.PIPE, stderr=subprocess.PIPE)
+    wait_until(lambda: growing.exists() and growing.read_bytes().count(b"\n") >= 24, 300, "24 rows in the part")
+    process.kill()
+    assert process.wait(timeout=60) == -signal.SIGKILL
+    held = growing.read_bytes().count(b"\n")
+    assert 24 <= held < len(owned)
+    rest = run_embed(server, *flags)
+    assert rest.returncode == 0, rest.stderr
+    assert summary_count(rest.stdout, "embedded") + summary_count(rest.stdout, "already there") == len(owned)
+    assert summary_count(rest.stdout, "already there") == held  # its last row checked and kept
+    part = tmp_path / "emb.part-00001-of-00004.jsonl"
+    assert not growing.exists()
+    assert_same_vectors(read_jsonl(part), expected)  # indices 0, 1, 2... and each row its line's
 
 
 # --- a server that refuses, a stream that breaks ------------------------------------------------
@@ -293,3 +458,35 @@ def test_a_broken_stream_is_opened_again_and_its_requests_resent(
     assert process.returncode == 0, errors.read_text()
     assert summary_count(stdout, "reconnects") >= 1
     assert_same_vectors(np.load(output), reference[:40])
+
+
+# --- a slow server: pace by its pushback ----------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def slow_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
+    """A drain budget of 300 ms: about one request of 32 short texts at a time on this CPU."""
+    log = tmp_path_factory.mktemp("bulk-slow") / "server.log"
+    running = ServerProcess(log, max_drain_ms=300, default_timeout_ms=NO_DEADLINE_MS)
+    yield running.wait_ready()
+    running.stop()
+
+
+def test_under_a_low_service_rate_the_command_paces_by_the_pushback(slow_server: ServerProcess, tmp_path: Path):
+    """Resending the whole window after each pushback got four refusals a text (13 in the runs of
+    this test); the window of requests in flight drops to one at a refusal and grows back, so a
+    refusal comes at most once per two requests admitted, a few more while it first grows."""
+    server = slow_server
+    texts = [f"short text number {i}" for i in range(200)]
+    source = write_lines(tmp_path / "corpus.txt", texts)
+    output = tmp_path / "vectors.npy"
+    before = server.metric(REFUSED_REQUESTS)
+    result = run_embed(server, "--input", str(source), "--output", str(output), "--no-progress")
+    assert result.returncode == 0, result.stderr
+    refused = server.metric(REFUSED_REQUESTS) - before
+    assert summary_count(result.stdout, "refusals") == refused
+    assert refused <= len(texts) / 8, result.stdout
+    with EmbedClient(server.target, timeout_s=600) as client:
+        assert_same_vectors(
+            np.load(output), np.concatenate([client.embed(texts[i : i + 50]) for i in range(0, 200, 50)])
+        )

@@ -28,6 +28,12 @@ def test_texts_are_measured_and_the_first_over_long_one_is_located() -> None:
     assert (caught.value.index, caught.value.reason) == (1, "501 characters, more than 500")
 
 
+def test_with_truncate_an_over_long_text_is_cut_to_the_limit_not_refused() -> None:
+    texts = LIMITS.texts(["ok", "x" * 501, "y" * 600], truncate=True)
+    assert list(texts.items) == ["ok", "x" * 500, "y" * 500]
+    assert texts.chars == 2 + 500 + 500
+
+
 def test_too_many_texts_are_refused_before_any_is_measured() -> None:
     class Unmeasurable(str):
         def __len__(self) -> int:

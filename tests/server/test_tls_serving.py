@@ -22,7 +22,8 @@ import numpy as np
 import pytest
 from cryptography import x509
 
-from kembed.client import EmbedClient, channel_credentials
+from kembed.client import EmbedClient
+from kembed.client.connection import channel_credentials
 from kembed.v1 import embedder_pb2 as pb
 from kembed.v1 import embedder_pb2_grpc as pb_grpc
 from tests.server.certs import Authority, Issued, write_atomically

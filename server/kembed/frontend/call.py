@@ -77,6 +77,8 @@ class ServerInfo:
     server_version: str
     max_batch_items: int
     batching: str
+    max_text_chars: int  # longer texts are refused, or cut with truncate
+    max_message_bytes: int
 
 
 @dataclass(frozen=True, slots=True)
@@ -97,11 +99,17 @@ class Limits:
         if count > self.max_items:
             raise InvalidInput(Field.INPUT, f"{count} inputs, at most {self.max_items} per request")
 
-    def texts(self, items: Sequence[str]) -> Texts:
-        """``items`` (strings) as a call's texts, their count and each one's characters checked."""
+    def texts(self, items: Sequence[str], truncate: bool = False) -> Texts:
+        """``items`` (strings) as a call's texts, their count and each one's characters checked. With
+        ``truncate`` a text over the character limit is cut to it rather than refused: the limit
+        bounds the tokenizer's work, and what it drops lies past any model's input limit anyway."""
         self.check_count(len(items))
         sizes = list(map(len, items))
-        if max(sizes) > self.max_text_chars:
-            index = next(i for i, chars in enumerate(sizes) if chars > self.max_text_chars)
-            raise InvalidInput(Field.INPUT, f"{sizes[index]} characters, more than {self.max_text_chars}", index)
+        limit = self.max_text_chars
+        if max(sizes) > limit:
+            if truncate:
+                items = [text[:limit] for text in items]
+                return Texts(items, sum(min(size, limit) for size in sizes))
+            index = next(i for i, chars in enumerate(sizes) if chars > limit)
+            raise InvalidInput(Field.INPUT, f"{sizes[index]} characters, more than {limit}", index)
         return Texts(items, sum(sizes))

@@ -232,7 +232,7 @@ def to_call(request: pb.EmbedRequest, limits: Limits, time_remaining: float | No
     if not 0 <= request.priority < len(BY_VALUE):  # a proto3 enum field takes any int32
         raise _invalid(f"priority: {request.priority} is not a priority class")
     return EmbedCall(
-        inputs=_sequences(request.tokens, limits) if has_tokens else limits.texts(request.texts),
+        inputs=_sequences(request.tokens, limits) if has_tokens else limits.texts(request.texts, request.truncate),
         truncate=request.truncate,
         normalize=request.normalize if request.HasField("normalize") else True,
         dimensions=request.dimensions,
@@ -312,6 +312,8 @@ def info_response(info: ServerInfo) -> pb.InfoResponse:
         server_version=info.server_version,
         max_batch_items=info.max_batch_items,
         batching=info.batching,
+        max_text_chars=info.max_text_chars,
+        max_message_bytes=info.max_message_bytes,
     )
 
 

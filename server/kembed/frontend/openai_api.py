@@ -93,7 +93,7 @@ def from_json(data: Any, served: tuple[str, ...], limits: Limits, peer: str = ""
         raise invalid("dimensions: must be a whole number of at least 1", "dimensions")
     if "input" not in data:
         raise invalid("input: missing", "input")
-    inputs, nested = _inputs(data["input"], limits)
+    inputs, nested = _inputs(data["input"], limits, truncate)
     call = EmbedCall(inputs=inputs, truncate=truncate, dimensions=dimensions or 0, priority=priority, peer=peer)
     return Embeddings(call, encoding, model, nested)
 
@@ -158,7 +158,7 @@ def _param(error: InvalidInput, nested: bool) -> str:
     return f"input[{error.index}][{error.position}]" if nested else f"input[{error.position}]"
 
 
-def _inputs(value: Any, limits: Limits) -> tuple[Texts | Sequences, bool]:
+def _inputs(value: Any, limits: Limits, truncate: bool) -> tuple[Texts | Sequences, bool]:
     """Texts, or token-id sequences (the pre-tokenized path), and whether the ids came as an array
     of arrays; decided by the first item, each list's length checked before its items are read."""
     if isinstance(value, str):
@@ -175,7 +175,7 @@ def _inputs(value: Any, limits: Limits) -> tuple[Texts | Sequences, bool]:
     empty = next((i for i, text in enumerate(value) if not text), None)
     if empty is not None:
         raise invalid(f"input[{empty}]: an empty string", f"input[{empty}]")
-    return limits.texts(value), False
+    return limits.texts(value, truncate), False
 
 
 def _sequences(sequences: list[Any], limits: Limits) -> Sequences:

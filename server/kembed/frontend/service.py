@@ -252,7 +252,14 @@ class EmbedService:
 
     def info(self) -> ServerInfo:
         settings = self._settings
-        return ServerInfo(self._info, __version__, settings.max_items_per_request, settings.batching.value)
+        return ServerInfo(
+            self._info,
+            __version__,
+            settings.max_items_per_request,
+            settings.batching.value,
+            settings.max_text_chars,
+            settings.max_message_bytes,
+        )
 
 
 def postprocess(rows: np.ndarray, dimensions: int, normalize: bool) -> np.ndarray:

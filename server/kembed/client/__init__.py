@@ -1,0 +1,19 @@
+"""kembed's client: the library, the one-shot CLI and the corpus command (docs/client.md).
+
+    from kembed.client import EmbedClient
+    with EmbedClient("127.0.0.1:50051") as client:
+        vectors = client.embed(["hello world"])   # float32 [1, 384], L2-normalised
+
+- :mod:`.connection`: the target, TLS files and channel options, shared by everything below.
+- :mod:`.embed_client`: :class:`EmbedClient`, one request at a time, retried politely.
+- :mod:`.__main__`: ``python -m kembed.client [--target ...] TEXT...`` prints shapes and timings;
+  ``python -m kembed.client embed ...`` is the corpus command (:mod:`.corpus`).
+
+It imports nothing of the server (no torch, no tokenizer): ``pip install 'kembed[client]'`` is all
+it needs, and a test holds it to that.
+"""
+
+from kembed.client.connection import Connection
+from kembed.client.embed_client import EmbedClient, decode
+
+__all__ = ["Connection", "EmbedClient", "decode"]

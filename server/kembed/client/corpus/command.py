@@ -1,0 +1,138 @@
+"""``python -m kembed.client embed``: the corpus command's flags, its summary and its exit codes
+(0 done, 1 failed, 2 bad flags, 130 interrupted).
+
+``--summary-file PATH`` gets one JSON object at exit, however the run ended (the operator points it
+at ``/dev/termination-log``, so a pod's last state says how far its shard got): ``rows`` in the
+output or part, ``embedded`` by this run, ``shard`` (``"I/N"`` or null), ``output`` (the output, or
+the part's name once complete) and ``complete``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+
+from kembed.client import connection
+from kembed.client.corpus import CorpusError
+from kembed.client.corpus.reader import STDIN, Shard
+from kembed.client.corpus.run import CorpusRun, Interrupted, Summary, embed_corpus
+from kembed.client.corpus.stream import PRIORITIES, Request
+from kembed.client.corpus.writers import FORMATS
+from kembed.client.flags import add_dimensions, at_least
+
+
+def parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="python -m kembed.client embed",
+        description="embed a corpus (a file or stdin, one text per line or JSONL) into .npy, JSONL or Parquet, "
+        "in input order; run the same command again to go on after an interruption",
+    )
+    connection.add_arguments(parser)
+    add_dimensions(parser)
+    parser.add_argument("--input", default="-", help="a text file, one text per line, or JSONL; - (default): stdin")
+    parser.add_argument(
+        "--jsonl-field", help="read the input as JSONL and embed this field of each line (default: text for *.jsonl)"
+    )
+    parser.add_argument("--output", required=True, type=Path, help="FILE.npy, FILE.jsonl or FILE.parquet (pyarrow)")
+    parser.add_argument("--format", choices=FORMATS, help="the output's format, if not its extension")
+    parser.add_argument(
+        "--shard",
+        type=_shard,
+        metavar="I/N",
+        help="embed shard I of N of the input file (a byte range aligned to lines) into OUT's part I "
+        "(OUT.part-IIIII-of-NNNNN.EXT); the last shard to finish writes OUT.manifest.json",
+    )
+    parser.add_argument("--batch-texts", type=at_least(int, 1), default=32, help="texts per request (default 32)")
+    parser.add_argument("--in-flight", type=at_least(int, 1), default=8, help="requests in flight (default 8)")
+    parser.add_argument(
+        "--truncate",
+        action=argparse.BooleanOptionalAction,
+        default=True,
+        help="cut texts longer than the model's limit (default); --no-truncate: such a text fails the run",
+    )
+    parser.add_argument(
+        "--priority",
+        choices=PRIORITIES,
+        default="batch",
+        help="the requests' class (default batch: an ingest, which queries go ahead of)",
+    )
+    parser.add_argument(
+        "--give-up-after",
+        type=at_least(float, 0.0),
+        default=300.0,
+        metavar="SECONDS",
+        help="stop when no row was written for this long (default 300); the rows written are kept",
+    )
+    parser.add_argument(
+        "--progress", action=argparse.BooleanOptionalAction, default=True, help="a progress bar on stderr (tqdm)"
+    )
+    parser.add_argument("--summary-file", type=Path, help="write a JSON summary of the run here at exit")
+    return parser
+
+
+def _shard(text: str) -> Shard:
+    try:
+        return Shard.parse(text)
+    except ValueError as error:
+        raise argparse.ArgumentTypeError(str(error)) from None
+
+
+def main(argv: list[str]) -> int:
+    flags = parser()
+    args = flags.parse_args(argv)
+    if args.shard is not None and args.input == STDIN:
+        flags.error("--shard: a shard is a byte range of a file; stdin cannot be split (give --input FILE)")
+    run = CorpusRun(
+        connection=connection.from_arguments(flags, args),
+        input=args.input,
+        output=args.output,
+        request=Request(args.dimensions, args.truncate, args.priority),
+        output_format=args.format,
+        jsonl_field=args.jsonl_field,
+        shard=args.shard,
+        batch_texts=args.batch_texts,
+        in_flight=args.in_flight,
+        give_up_after_s=args.give_up_after,
+        progress=args.progress,
+    )
+    summary = Summary(run.part, run.shard)
+    try:
+        embed_corpus(run, summary)
+    except Interrupted as interrupted:
+        print(f"kembed embed: {interrupted}", file=sys.stderr)
+        return 130
+    except CorpusError as error:
+        print(f"kembed embed: {error}", file=sys.stderr)
+        return 1
+    finally:
+        if args.summary_file is not None:
+            write_summary(args.summary_file, summary)
+    print(describe(summary))
+    return 0
+
+
+def describe(summary: Summary) -> str:
+    counts = summary.counts
+    rate = summary.embedded / summary.seconds if summary.seconds else 0.0
+    said = (
+        f"{summary.output}: {summary.rows} x {summary.dimensions} ({summary.embedded} embedded, {summary.skipped} "
+        f"already there) in {summary.seconds:.1f} s, {rate:.1f} texts/s; {counts.retries} retries "
+        f"({counts.refusals} refusals), {counts.reconnects} reconnects"
+    )
+    return said if summary.manifest is None else f"{said}\nevery part is complete: {summary.manifest}"
+
+
+def write_summary(path: Path, summary: Summary) -> None:
+    record = {
+        "rows": summary.rows,
+        "embedded": summary.embedded,
+        "shard": None if summary.shard is None else str(summary.shard),
+        "output": str(summary.output),
+        "complete": summary.complete,
+    }
+    try:
+        path.write_text(json.dumps(record) + "\n")
+    except OSError as error:
+        print(f"kembed embed: --summary-file: {error}", file=sys.stderr)

@@ -1,0 +1,425 @@
+"""The stream driver: spans out over one ``EmbedStream``, rows back in input order.
+
+At most ``in_flight`` spans' worth of texts are taken from the input and not yet written (sent,
+waiting for a retry, or answered and waiting for an earlier span), so memory is bounded whatever
+the order of the answers.
+
+Pacing follows the server's pushback. The requests on the stream are a window (:class:`Window`),
+paced as TCP paces its segments: it starts at one request and grows by one with each success up
+to a threshold, then by one per window's worth of successes, up to ``in_flight``. A refusal
+(RESOURCE_EXHAUSTED) halves the threshold, drops the window to one request, and holds every send
+for the refusal's ``retry_after_ms``: the server said how long its backlog takes, and the
+requests refused together cut the window once. Resending a whole window after each pushback, as
+if the server could now take it, would get all but one of them refused again. A request refused
+while alone on the stream also halves the texts a request carries
+(:class:`RequestSize`): what the server cannot take at once is then its size, not their number.
+UNAVAILABLE and DEADLINE_EXCEEDED (a server warming up, draining, or busier than a request's
+deadline) back off exponentially. A stream that breaks (a replica going away, the server's
+connection-age limit) is opened again after the same backoff, and the spans it carried are
+resent. The run gives up when no row has been written for ``give_up_s``; the rows written so far
+stay committed.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import random
+import re
+import sys
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import grpc
+import numpy as np
+
+from kembed.client.corpus import CorpusError
+from kembed.client.corpus.reader import Span, ThreadedSpans
+from kembed.client.embed_client import decode
+from kembed.v1 import embedder_pb2 as pb
+from kembed.v1 import embedder_pb2_grpc as pb_grpc
+
+BACKOFF_S = 0.1
+MAX_BACKOFF_S = 10.0
+# Rows appended between commits (an fsync each): a crash re-embeds at most this many.
+COMMIT_ROWS = 1024
+# Per-request errors worth sending again; any other fails the run, naming the rows.
+BACKED_OFF = (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED)
+# Stream-level failures after which the stream is opened again.
+RECONNECT = (
+    grpc.StatusCode.UNAVAILABLE,
+    grpc.StatusCode.RESOURCE_EXHAUSTED,
+    grpc.StatusCode.DEADLINE_EXCEEDED,
+    grpc.StatusCode.ABORTED,
+    grpc.StatusCode.CANCELLED,  # by the server (a drain's end); the driver's own cancels never get here
+)
+STATUS_BY_NUMBER = {code.value[0]: code for code in grpc.StatusCode}
+# The requests' classes, by the label the command takes: the proto's PRIORITY_* names, lower case.
+PRIORITIES = tuple(pb.Priority.Name(value).removeprefix("PRIORITY_").lower() for value in pb.Priority.values())
+
+
+@dataclass(frozen=True)
+class Request:
+    """What every request of a run carries besides its texts."""
+
+    dimensions: int
+    truncate: bool
+    priority: str = "batch"  # a label of PRIORITIES
+
+
+def embed_request(span: Span, request: Request) -> pb.EmbedRequest:
+    """The one place a run's request is built."""
+    return pb.EmbedRequest(
+        texts=span.texts,
+        dimensions=request.dimensions,
+        truncate=request.truncate,
+        request_id=str(span.first),
+        priority=f"PRIORITY_{request.priority.upper()}",  # the proto's enum, by name
+    )
+
+
+@dataclass
+class Pacing:
+    """When the stream may send again, and when to give up. Pure: the clock and jitter are injected."""
+
+    give_up_s: float
+    clock: Callable[[], float] = time.monotonic
+    jitter: Callable[[], float] = field(default=lambda: random.uniform(0.8, 1.2))
+    paused_until: float = 0.0
+    failures: int = 0  # in a row, for the backoff
+    last_progress: float = field(init=False)
+
+    def __post_init__(self) -> None:
+        self.last_progress = self.clock()
+
+    def wait_s(self) -> float:
+        return max(0.0, self.paused_until - self.clock())
+
+    def progressed(self) -> None:
+        self.failures = 0
+        self.last_progress = self.clock()
+
+    def refused(self, retry_after_ms: int, why: str) -> None:
+        """RESOURCE_EXHAUSTED: the server says when (already jittered); without a time, back off."""
+        if not retry_after_ms:
+            return self.failed(why)
+        self._pause(retry_after_ms / 1000, why)
+
+    def failed(self, why: str) -> None:
+        self.failures += 1
+        self._pause(min(MAX_BACKOFF_S, BACKOFF_S * 2 ** (self.failures - 1)) * self.jitter(), why)
+
+    def _pause(self, seconds: float, why: str) -> None:
+        now = self.clock()
+        if now - self.last_progress > self.give_up_s:
+            idle = now - self.last_progress
+            raise CorpusError(f"gave up: no row written for {idle:.0f} s (--give-up-after); last: {why}")
+        self.paused_until = max(self.paused_until, now + seconds)
+
+
+class Window:
+    """How many requests may be on the stream at once: AIMD, with TCP's slow start. ``epoch``
+    counts the cuts, so that the requests refused together (sent before the cut) cut it once."""
+
+    def __init__(self, largest: int) -> None:
+        self.largest = largest
+        self.limit = 1.0
+        self.threshold = float(largest)
+        self.epoch = 0
+
+    def admits(self, in_flight: int) -> bool:
+        return in_flight < int(self.limit)
+
+    def refused(self, sent_in_epoch: int) -> None:
+        if sent_in_epoch < self.epoch:
+            return  # already cut for: it was on the wire before the cut
+        self.threshold = max(1.0, self.limit / 2)
+        self.limit = 1.0
+        self.epoch += 1
+
+    def succeeded(self) -> None:
+        grown = self.limit + 1 if self.limit < self.threshold else self.limit + 1 / self.limit
+        self.limit = min(float(self.largest), grown)
+
+
+class RequestSize:
+    """How many texts the next request carries, at most ``largest`` (``--batch-texts``)."""
+
+    def __init__(self, largest: int) -> None:
+        self.largest = largest
+        self.texts = largest
+
+    def refused(self, texts: int) -> None:
+        """Half of the refused request's size: requests refused together shrink it once, not each."""
+        self.texts = min(self.texts, max(1, texts // 2))
+
+    def succeeded(self, texts: int) -> None:
+        if texts >= self.texts:
+            self.texts = min(self.largest, self.texts + max(1, self.texts // 4))
+
+
+class InOrder:
+    """Answers arrive in any order; rows leave in input order."""
+
+    def __init__(self, next_row: int) -> None:
+        self.next_row = next_row
+        self._waiting: dict[int, np.ndarray] = {}
+
+    def add(self, first: int, vectors: np.ndarray) -> list[np.ndarray]:
+        """Take the rows of the span starting at ``first``; return those now due, in order."""
+        self._waiting[first] = vectors
+        due = []
+        while (rows := self._waiting.pop(self.next_row, None)) is not None:
+            due.append(rows)
+            self.next_row += len(rows)
+        return due
+
+
+class StreamBroke(Exception):
+    """The stream ended without an error status while work was still on it."""
+
+
+class Sink(Protocol):
+    """Where rows go, in input order: an output's writer (or the check's probe)."""
+
+    rows: int  # committed: the first row written goes after them
+
+    def append(self, vectors: np.ndarray) -> None: ...
+
+    def commit(self) -> None: ...
+
+
+class Progress(Protocol):
+    """What the driver reports to: rows written, and notes (reconnects)."""
+
+    def update(self, rows: int) -> None: ...
+
+    def note(self, message: str) -> None: ...
+
+
+@dataclass
+class Counts:
+    """How the server answered: a run's drivers share one."""
+
+    retries: int = 0  # requests answered with an error and sent again (refusals among them)
+    refusals: int = 0
+    reconnects: int = 0
+
+
+@dataclass
+class Flight:
+    """A span on one stream: taken from the queue, then written; until answered."""
+
+    span: Span
+    epoch: int = -1  # the window's, when written (-1: not yet)
+    alone: bool = False  # written while nothing else was on the stream
+
+
+class OnWire:
+    """One stream's flights, by request id, and how many of them are written."""
+
+    def __init__(self) -> None:
+        self._flights: dict[str, Flight] = {}
+        self.written = 0
+        self.answered = asyncio.Event()  # set at each answer: the window may have room
+
+    def hold(self, span: Span) -> Flight:
+        flight = Flight(span)
+        self._flights[str(span.first)] = flight  # from here a broken stream hands it back
+        return flight
+
+    def wrote(self, flight: Flight, epoch: int) -> None:
+        flight.epoch, flight.alone = epoch, self.written == 0
+        self.written += 1
+
+    def pop(self, request_id: str) -> Flight | None:
+        flight = self._flights.pop(request_id, None)
+        if flight is not None:
+            self.written -= 1
+            self.answered.set()
+        return flight
+
+    def spans(self) -> list[Span]:
+        return [flight.span for flight in self._flights.values()]
+
+    def __len__(self) -> int:
+        return len(self._flights)
+
+
+class StreamDriver:
+    def __init__(
+        self,
+        stub: pb_grpc.EmbedderStub,
+        writer: Sink,
+        request: Request,
+        dimensions: int,
+        batch_texts: int,
+        in_flight: int,
+        pacing: Pacing,
+        progress: Progress,
+        counts: Counts | None = None,
+    ) -> None:
+        self._stub = stub
+        self._writer = writer
+        self._request = request
+        self._dimensions = dimensions
+        self._pacing = pacing
+        self._progress = progress
+        self._in_order = InOrder(writer.rows)
+        self._size = RequestSize(batch_texts)
+        self._window = Window(in_flight)
+        self._most_open = batch_texts * in_flight
+        self._open = 0  # texts taken from the input and not yet written
+        self._room = asyncio.Event()  # set when texts are written: the input may give more
+        self._to_send: asyncio.PriorityQueue[tuple[int, Span | None]] = asyncio.PriorityQueue()
+        self._input_done = False
+        self._input_error: Exception | None = None
+        self._all_written = asyncio.Event()
+        self.counts = counts or Counts()
+
+    async def run(self, spans: ThreadedSpans) -> Counts:
+        """Embed every span and write its rows; raise CorpusError if the run cannot finish."""
+        reader = asyncio.create_task(self._take_input(spans))
+        try:
+            while not self._all_written.is_set():
+                try:
+                    await self._stream()
+                except (grpc.aio.AioRpcError, StreamBroke) as error:
+                    why = _describe(error)
+                    if isinstance(error, grpc.aio.AioRpcError) and error.code() not in RECONNECT:
+                        raise CorpusError(f"the stream failed: {why}") from None
+                    self._pacing.failed(why)
+                    self.counts.reconnects += 1
+                    self._progress.note(f"stream broke ({why}): opening it again in {self._pacing.wait_s():.1f} s")
+                    await asyncio.sleep(self._pacing.wait_s())
+        finally:
+            reader.cancel()
+        if self._input_error is not None:
+            raise self._input_error
+        return self.counts
+
+    async def _take_input(self, spans: ThreadedSpans) -> None:
+        try:
+            while True:
+                while self._open >= self._most_open:
+                    self._room.clear()
+                    await self._room.wait()
+                span = await spans.next()
+                if span is None:
+                    break
+                self._open += len(span.texts)
+                self._to_send.put_nowait((span.first, span))
+        except Exception as error:  # from the input thread: a bad line, a read error
+            self._input_error = error  # the rows before it are still written, then the run fails
+        self._input_done = True
+        self._check_all_written()
+
+    def _check_all_written(self) -> None:
+        if self._input_done and self._open == 0 and not self._all_written.is_set():
+            self._all_written.set()
+            self._to_send.put_nowait((sys.maxsize, None))  # tells the sender to close
+
+    async def _stream(self) -> None:
+        call = self._stub.EmbedStream()
+        on_wire = OnWire()
+        sender = asyncio.create_task(self._send(call, on_wire))
+        receiver = asyncio.create_task(self._receive(call, on_wire))
+        try:
+            await asyncio.wait((sender, receiver), return_when=asyncio.FIRST_EXCEPTION)
+            ended = [task.exception() for task in (receiver, sender) if task.done()]  # each one retrieved
+            for error in ended:
+                if error is not None:
+                    raise error
+        finally:
+            sender.cancel()
+            receiver.cancel()
+            call.cancel()
+            for span in on_wire.spans():  # unanswered: sent again on the next stream
+                self._to_send.put_nowait((span.first, span))
+
+    async def _send(self, call: grpc.aio.StreamStreamCall, on_wire: OnWire) -> None:
+        while True:
+            _, span = await self._to_send.get()
+            if span is None:
+                await call.done_writing()
+                return
+            flight = on_wire.hold(span)
+            await self._wait_for_room(on_wire)
+            if len(span.texts) > self._size.texts:  # cut to the current size; the rest goes next
+                flight.span, rest = span.split(self._size.texts)
+                self._to_send.put_nowait((rest.first, rest))
+            on_wire.wrote(flight, self._window.epoch)
+            try:
+                await call.write(embed_request(flight.span, self._request))
+            except asyncio.InvalidStateError:
+                raise StreamBroke("the server closed the stream") from None
+
+    async def _wait_for_room(self, on_wire: OnWire) -> None:
+        """Until the pushback has passed and the window has room: a refusal meanwhile pauses again."""
+        while True:
+            if (wait := self._pacing.wait_s()) > 0:
+                await asyncio.sleep(wait)
+            elif self._window.admits(on_wire.written):
+                return
+            else:
+                on_wire.answered.clear()
+                await on_wire.answered.wait()
+
+    async def _receive(self, call: grpc.aio.StreamStreamCall, on_wire: OnWire) -> None:
+        while (response := await call.read()) is not grpc.aio.EOF:  # type: ignore[attr-defined]
+            assert isinstance(response, pb.EmbedResponse)
+            flight = on_wire.pop(response.request_id)
+            if flight is None:
+                raise CorpusError(f"the server answered request_id {response.request_id!r}, which is not on the stream")
+            self._answered(flight, response)
+        if not self._all_written.is_set():
+            raise StreamBroke(f"the server ended the stream with {len(on_wire)} requests unanswered")
+
+    def _answered(self, flight: Flight, response: pb.EmbedResponse) -> None:
+        span = flight.span
+        if response.HasField("error"):
+            return self._refused(flight, response.error)
+        vectors = decode(response)
+        if vectors.shape != (len(span.texts), self._dimensions):
+            raise CorpusError(f"{span.lines}: the server answered {vectors.shape[0]} x {vectors.shape[1]} rows")
+        for rows in self._in_order.add(span.first, vectors):
+            self._writer.append(rows)
+            self._open -= len(rows)
+            self._progress.update(len(rows))
+        self._room.set()
+        self._pacing.progressed()
+        self._window.succeeded()
+        self._size.succeeded(len(span.texts))
+        if self._writer.rows + COMMIT_ROWS <= self._in_order.next_row:
+            self._writer.commit()
+        self._check_all_written()
+
+    def _refused(self, flight: Flight, error: pb.Error) -> None:
+        span = flight.span
+        code = STATUS_BY_NUMBER.get(error.code, grpc.StatusCode.UNKNOWN)
+        why = f"{code.name}: {error.message}"
+        if code is grpc.StatusCode.RESOURCE_EXHAUSTED:
+            self._pacing.refused(error.retry_after_ms, why)
+            self._window.refused(flight.epoch)
+            if flight.alone:
+                self._size.refused(len(span.texts))
+            self.counts.refusals += 1
+        elif code in BACKED_OFF:
+            self._pacing.failed(why)
+        else:
+            raise CorpusError(f"{_where(span, error.message)}: {why}")
+        self.counts.retries += 1
+        self._to_send.put_nowait((span.first, span))
+
+
+def _where(span: Span, message: str) -> str:
+    """The input line a request's error is about (``texts[3]: ...`` names one), else the span's lines."""
+    found = re.match(r"texts\[(\d+)\]", message)
+    return span.line(int(found[1])) if found else span.lines
+
+
+def _describe(error: Exception) -> str:
+    if isinstance(error, grpc.aio.AioRpcError):
+        return f"{error.code().name}: {error.details()}"
+    return str(error)

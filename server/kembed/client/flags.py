@@ -1,0 +1,26 @@
+"""Argument types the client's commands share."""
+
+from __future__ import annotations
+
+import argparse
+from collections.abc import Callable
+from typing import TypeVar
+
+Number = TypeVar("Number", int, float)
+
+
+def at_least(kind: Callable[[str], Number], minimum: Number) -> Callable[[str], Number]:
+    """An argparse type: a number of ``kind`` no smaller than ``minimum``."""
+
+    def parse(value: str) -> Number:
+        number = kind(value)
+        if number < minimum:
+            raise argparse.ArgumentTypeError(f"must be at least {minimum}, not {value}")
+        return number
+
+    parse.__name__ = getattr(kind, "__name__", "number")  # argparse names it in "invalid int value"
+    return parse
+
+
+def add_dimensions(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument("--dimensions", type=at_least(int, 0), default=0, help="0 (default): the model's")
