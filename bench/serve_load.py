@@ -23,7 +23,7 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from bench import RESULTS_DIR, machine, workload
-from bench.loadgen import OK, REJECTED, Outcome, closed_loop, open_loop
+from bench.loadgen import OK, REJECTED, CallRecord, closed_loop, open_loop
 from bench.report import (
     Samples,
     Spread,
@@ -58,7 +58,7 @@ def encode_requests(texts: Sequence[str]) -> list[bytes]:
 
 
 def summarize(
-    outcomes: list[Outcome], tokens: Sequence[int], opts: Options, before: Samples, after: Samples
+    outcomes: list[CallRecord], tokens: Sequence[int], opts: Options, before: Samples, after: Samples
 ) -> dict[str, Any]:
     """One phase's figures; rates over [warmup, duration) so ramp-up and the drained tail are out."""
     ok = [o for o in outcomes if o.code == OK]

@@ -71,7 +71,7 @@ class Pooling(StrEnum):
 
 
 class Dtype(StrEnum):
-    AUTO = "auto"  # bf16 on CUDA, fp32 on CPU
+    AUTO = "auto"  # bf16 on CUDA; on a CPU, bf16 where it has bf16 units and warmup finds it faster and accurate
     FLOAT32 = "float32"
     FLOAT16 = "float16"
     BFLOAT16 = "bfloat16"
@@ -109,7 +109,11 @@ class Settings(BaseModel):
         default_factory=list, description="Comma-separated tokens left out of pooling, e.g. `[query],[title]`"
     )
     max_input_tokens: int = Field(0, ge=0, description="Longest input in tokens; 0 = the model's limit")
-    dtype: Dtype = Field(Dtype.AUTO, description="auto (bf16 on CUDA, fp32 on CPU), float32, float16 or bfloat16")
+    dtype: Dtype = Field(
+        Dtype.AUTO,
+        description="auto (bf16 on CUDA; on a CPU with bf16 units, bf16 if warmup measures it faster and "
+        "accurate, else fp32), float32, float16 or bfloat16",
+    )
     device: str = Field("auto", description="auto, cpu, cuda or cuda:N")
     compile: Toggle = Field(Toggle.AUTO, description="torch.compile with CUDA graphs: auto = on for CUDA")
     graphs: Graphs = Field(
