@@ -9,12 +9,22 @@ elsewhere slows each alike; forward passes only, tokenization is reported apart)
 - ``bucketed``: the server's fixed shapes at their best (each text in its bucket, full batches,
   rows padded to the fixed sizes when compiled): what compiled CUDA graphs need.
 
+The model loads as the server would, in the dtype the server would serve in (``KEMBED_DTYPE=auto``
+measures bf16 against fp32 where the CPU has bf16 units): the ceiling the server is judged against.
+
+Then, on CPU, the *batch curve*: tokens per second of one batch of 64 .. 4096 tokens (rows of
+``CURVE_LENGTH``), in fp32 and in bf16, interleaved: where the matrix units turn efficient (the
+smallest batch within 10% of the best, ``budget_90``), and a straight-line fit of seconds against
+tokens whose intercept, in tokens, is what a batch costs beyond its tokens (what the server's
+packing weighs; its warmup measures its own).
+
 ``python -m bench.ceiling`` (eager: all three; compiled: bucketed only, as other shapes recompile).
 """
 
 from __future__ import annotations
 
 import argparse
+import math
 import tempfile
 import time
 from collections.abc import Callable, Sequence
@@ -229,6 +239,49 @@ def _exact(rows: int, longest: int) -> Shape:
     return rows, longest
 
 
+CURVE_LENGTH = 64
+CURVE_TOKENS = (64, 128, 256, 512, 1024, 2048, 4096)
+CURVE_DTYPES = ("float32", "bfloat16")
+
+
+def batch_curve(forwards: dict[str, inprocess.Forward], sizes: Sequence[int], passes: int) -> dict[str, Any]:
+    """Per dtype, each batch size's tokens/s (its fastest of ``passes`` interleaved passes), the
+    smallest batch within 10% of the best, and the fitted per-batch overhead in tokens."""
+    generator = torch.Generator().manual_seed(0)
+    batches = {n: torch.randint(1000, 20000, (n // CURVE_LENGTH, CURVE_LENGTH), generator=generator) for n in sizes}
+    fastest = {(name, n): math.inf for name in forwards for n in sizes}
+    with torch.inference_mode():
+        for forward in forwards.values():
+            forward(batches[sizes[-1]], torch.ones_like(batches[sizes[-1]]))  # one-off allocations
+        for _ in range(passes):
+            for (name, n), best in fastest.items():
+                start = time.perf_counter()
+                forwards[name](batches[n], torch.ones_like(batches[n]))
+                fastest[name, n] = min(best, time.perf_counter() - start)
+    curve: dict[str, Any] = {"length": CURVE_LENGTH, "passes": passes}
+    for name in forwards:
+        seconds = [fastest[name, n] for n in sizes]
+        rates = [n / t for n, t in zip(sizes, seconds, strict=True)]
+        slope, intercept = np.polyfit(sizes, seconds, 1)
+        points = [
+            {"tokens": n, "rows": n // CURVE_LENGTH, "tokens_per_s": round(n / t)}
+            for n, t in zip(sizes, seconds, strict=True)
+        ]
+        curve[name] = {
+            "points": points,
+            "budget_90": next(n for n, r in zip(sizes, rates, strict=True) if r >= 0.9 * max(rates)),
+            "overhead_tokens": round(max(0.0, intercept / slope), 1) if slope > 0 else None,
+        }
+        print(f"  batch curve, {name}: {', '.join(f'{n}: {r:.0f}' for n, r in zip(sizes, rates, strict=True))} tok/s; "
+              f"within 10% of the best from {curve[name]['budget_90']} tokens")  # fmt: skip
+    return curve
+
+
+def curve_models(settings: dict[str, str]) -> dict[str, inprocess.Forward]:
+    """The model's forward in each dtype of the curve, as the server would load it."""
+    return {dtype: inprocess.load({**settings, "dtype": dtype}).forward for dtype in CURVE_DTYPES}
+
+
 def model_dir(model: str, scratch: Path) -> str:
     return str(inprocess.write_random_bert_base(scratch / "bert-base-random")) if model == "bert-base-random" else model
 
@@ -243,6 +296,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any] | None:
     parser.add_argument("--texts", type=int, default=workload.SIZE, help="first N texts of the workload")
     parser.add_argument("--repeats", type=int, default=2, help="timed passes (their spread is the range)")
     parser.add_argument("--max-seconds", type=float, default=300.0, help="no new pass after this")
+    parser.add_argument("--curve-passes", type=int, default=3, help="CPU batch curve passes; 0 = no curve")
     parser.add_argument("--name", default="ceiling", help="result file: bench/results/NAME.json")
     args = parser.parse_args(argv)
     if args.device.startswith("cuda") and not torch.cuda.is_available():
@@ -257,10 +311,12 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any] | None:
         print(
             f"ceiling: {loaded.model} on {loaded.device} ({loaded.dtype}), {len(texts)} texts, compile={args.compile}"
         )
+        print(f"  {loaded.dtype}: {loaded.dtype_reason}")
         result = run(loaded, texts, args.repeats, args.max_seconds, batchings.split(","))
-    result.update(
-        model=args.model or loaded.model, device=str(loaded.device), dtype=str(loaded.dtype), compiled=loaded.compiled
-    )
+        if loaded.device.type == "cpu" and args.curve_passes:
+            result["batch_curve"] = batch_curve(curve_models(settings), CURVE_TOKENS, args.curve_passes)
+    result.update(model=args.model or loaded.model, device=str(loaded.device), dtype=str(loaded.dtype),
+                  dtype_reason=loaded.dtype_reason, compiled=loaded.compiled)  # fmt: skip
     result["settings"] = settings
     result["workload"] = workload.load().describe()
     machine.write_result(args.name, result)

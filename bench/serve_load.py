@@ -112,7 +112,7 @@ async def _run(server: Server, opts: Options, loads: list[float], capacity: floa
     wl = workload.load()
     requests = encode_requests(wl.texts)
     tokens = [min(t, workload.BUCKETS[-1]) for t in wl.tokens]
-    result: dict[str, Any] = {"server_info": server.info()}
+    result: dict[str, Any] = {"server_info": server.info(), **server.dtype()}
     print(f"serve_load[{opts.batching}]: capacity, closed loop x{opts.concurrency}, {opts.duration:.0f} s")
     result["saturation"] = await _phase(server, requests, tokens, opts, rate=0)
     saturated = result["saturation"]["emb_per_s"]["median"]

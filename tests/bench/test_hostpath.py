@@ -227,12 +227,12 @@ def test_rest_ratios_against_grpc_and_the_peer() -> None:
     cpu = rows["REST / gRPC, zero-cost server, 1 front end, server CPU per call"]
     assert (cpu.value.median, cpu.met()) == (pytest.approx(4000 / 3400), None)
     peer = rows["REST, real model: kembed / infinity-emb 0.0.78 (calls/s)"]
-    assert (peer.value.median, peer.met()) == (pytest.approx(2.25), True)
-    missed = {r.name: r.met() for r in headline.hostpath_ratios(_rest(rest_calls=3000, kembed_calls=399))}
+    assert (peer.value.median, peer.met()) == (pytest.approx(2.25), False)
+    missed = {r.name: r.met() for r in headline.hostpath_ratios(_rest(rest_calls=3000, kembed_calls=499))}
     assert missed["REST / gRPC, zero-cost server, 1 front end (calls/s)"] is False
     assert missed["REST, real model: kembed / infinity-emb 0.0.78 (calls/s)"] is False
-    exactly = {r.name: r.met() for r in headline.hostpath_ratios(_rest(rest_calls=3200, kembed_calls=400))}
-    assert set(exactly.values()) == {True, None}  # 0.8 and 2x are within the targets
+    exactly = {r.name: r.met() for r in headline.hostpath_ratios(_rest(rest_calls=3200, kembed_calls=500))}
+    assert set(exactly.values()) == {True, None}  # 0.8 and 2.5x are within the targets
 
 
 def test_rest_rows_without_the_peer_say_why_and_how_to_set_it_up() -> None:

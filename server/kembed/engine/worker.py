@@ -198,7 +198,8 @@ class ModelRunner:
 def warm_up_together(runners: Sequence[ModelRunner], beat: Callable[[], None]) -> None:
     """Run every planned shape on each runner in turn, on the same batches (so their timings
     compare, and a burst of load elsewhere slows each alike); time the largest batch per bucket.
-    Packed, also time a one-row batch of the shortest bucket: the batch's cost beyond its tokens."""
+    Packed, also time a small batch (an eighth of the shortest bucket's largest): against the large
+    ones, what a batch costs beyond its tokens, where packing weighs it."""
     plan, info = runners[0].plan, runners[0].model.info
     repeats = WARMUP_REPEATS_COMPILED if plan.compiled else WARMUP_REPEATS_EAGER
     generator = torch.Generator().manual_seed(0)
@@ -212,11 +213,12 @@ def warm_up_together(runners: Sequence[ModelRunner], beat: Callable[[], None]) -
     if not plan.packed:
         return
     shortest = plan.bucket_lengths[0]
-    ids, mask = warmup_batch(1, shortest, info.vocab_size, info.pad_token_id, generator)
+    rows = max(1, plan.shapes.max_rows(shortest) // 8)
+    ids, mask = warmup_batch(rows, shortest, info.vocab_size, info.pad_token_id, generator)
     for runner in runners:
         per_token = runner.warmup_seconds / max(runner.warmup_tokens, 1)
-        alone = runner.timed(ids, mask, OVERHEAD_REPEATS, beat)
-        runner.overhead_tokens = batch_overhead(alone, shortest, per_token, plan.shapes.max_tokens)
+        small = runner.timed(ids, mask, OVERHEAD_REPEATS, beat)
+        runner.overhead_tokens = batch_overhead(small, rows * shortest, per_token, plan.shapes.max_tokens)
 
 
 def batch_overhead(seconds: float, tokens: int, per_token: float, max_tokens: int) -> float:
