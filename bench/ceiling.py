@@ -244,7 +244,12 @@ CURVE_TOKENS = (64, 128, 256, 512, 1024, 2048, 4096)
 CURVE_DTYPES = ("float32", "bfloat16")
 
 
-def batch_curve(forwards: dict[str, inprocess.Forward], sizes: Sequence[int], passes: int) -> dict[str, Any]:
+def batch_curve(
+    forwards: dict[str, inprocess.Forward],
+    sizes: Sequence[int],
+    passes: int,
+    clock: Callable[[], float] = time.perf_counter,
+) -> dict[str, Any]:
     """Per dtype, each batch size's tokens/s (its fastest of ``passes`` interleaved passes), the
     smallest batch within 10% of the best, and the fitted per-batch overhead in tokens."""
     generator = torch.Generator().manual_seed(0)
@@ -255,9 +260,9 @@ def batch_curve(forwards: dict[str, inprocess.Forward], sizes: Sequence[int], pa
             forward(batches[sizes[-1]], torch.ones_like(batches[sizes[-1]]))  # one-off allocations
         for _ in range(passes):
             for (name, n), best in fastest.items():
-                start = time.perf_counter()
+                start = clock()
                 forwards[name](batches[n], torch.ones_like(batches[n]))
-                fastest[name, n] = min(best, time.perf_counter() - start)
+                fastest[name, n] = min(best, clock() - start)
     curve: dict[str, Any] = {"length": CURVE_LENGTH, "passes": passes}
     for name in forwards:
         seconds = [fastest[name, n] for n in sizes]

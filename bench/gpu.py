@@ -1,6 +1,6 @@
 """GPU extras, when CUDA is present: ``python -m bench.gpu``.
 
-- Start-up: the server's own load, compile and warmup of every planned shape (``start_engine``), in a
+- Start-up: the server's own load, compile and warmup of every planned shape (``start_runner``), in a
   fresh process each time, once with an empty ``KEMBED_COMPILE_CACHE_DIR`` (cold) and once reusing it
   (warm restart), per graph mode. Records the seconds, the shapes planned and given a graph, and
   what warmup compiled: dynamo's graphs (per shape and in all: at least one, one per shape in static

@@ -215,7 +215,7 @@ def test_a_packed_batch_takes_similar_lengths_from_both_sides_of_a_bucket_bounda
         add(queue, length, 1, now=now, priority=BATCH)
     batches: list[Batch] = []
     batcher = Batcher(queue, PACKED, batches.append, expire=lambda job: None, clock=lambda: 0.05)
-    batcher._dispatch_ready()
+    batcher.dispatch_ready()
     [batch] = batches  # led by the oldest stale bucket, 16's; 60 would cost more padded than alone
     assert sorted(int(c.lengths[0]) for c in batch.chunks) == [5, 15, 16, 17, 18]  # buckets 16 and 32
     assert (batch.rows, batch.seq_len) == (5, 18) and batch.cost == 3 * 16 + 2 * 32
@@ -229,7 +229,7 @@ def test_a_packed_batch_led_by_interactive_work_holds_only_interactive_items():
     add(queue, 16, 1, now=0.001)
     add(queue, 18, 1, now=0.002)
     batches: list[Batch] = []
-    Batcher(queue, PACKED, batches.append, expire=lambda job: None, clock=lambda: 0.01)._dispatch_ready()
+    Batcher(queue, PACKED, batches.append, expire=lambda job: None, clock=lambda: 0.01).dispatch_ready()
     [batch] = batches
     assert [c.job.priority for c in batch.chunks] == [INTERACTIVE, INTERACTIVE] and batch.seq_len == 18
     assert queue.items(1, BATCH) == 3
@@ -242,7 +242,7 @@ def test_a_packed_batch_of_starved_batch_work_starts_from_its_oldest_item():
     add(queue, 10, 8, now=0.9)  # queries enough to keep the worker busy
     batches: list[Batch] = []
     policy = dataclasses.replace(PACKED, starved_after=1.0)
-    Batcher(queue, policy, batches.append, expire=lambda job: None, clock=lambda: 1.0)._dispatch_ready()
+    Batcher(queue, policy, batches.append, expire=lambda job: None, clock=lambda: 1.0).dispatch_ready()
     [batch] = batches
     assert sorted(int(c.lengths.max()) for c in batch.chunks) == [30, 40]  # its neighbour too, not the queries
 

@@ -219,7 +219,7 @@ class Batcher:
     async def run(self) -> None:
         while True:
             self._wake.clear()
-            self._dispatch_ready()
+            self.dispatch_ready()
             timeout = self._timeout()
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._wake.wait(), timeout)
@@ -231,7 +231,8 @@ class Batcher:
         wake_at = next_stale_time(self.queue, self.policy.max_wait)
         return None if wake_at is None else max(0.0, wake_at - self._clock())
 
-    def _dispatch_ready(self) -> None:
+    def dispatch_ready(self) -> None:
+        """Form and hand over every batch the rules allow now (the loop's step)."""
         shapes = self.policy.shapes
         while self.in_flight < self.policy.in_flight:
             now = self._clock()

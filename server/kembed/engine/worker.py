@@ -221,12 +221,20 @@ def warm_up_together(runners: Sequence[ModelRunner], beat: Callable[[], None]) -
         runner.overhead_tokens = batch_overhead(small, rows * shortest, per_token, plan.shapes.max_tokens)
 
 
+# A batch's overhead is taken within these shares of the token budget. The batch curve
+# (bench.ceiling) found 70-100 tokens on a 2-core EPYC, fp32 and bf16, against the 2048-token
+# default; a timing outside is one that load elsewhere skewed. Packing is not sensitive within
+# them (bench.packing: the same throughput from 40 to 128 tokens), but at 0 it would compute
+# every item alone, and far above it pads batches past what they are worth.
+OVERHEAD_SHARES = (1 / 64, 1 / 16)
+
+
 def batch_overhead(seconds: float, tokens: int, per_token: float, max_tokens: int) -> float:
     """What a batch costs beyond its tokens, in tokens: a small batch's time less its tokens' share
-    at a full batch's rate. At most a quarter of the budget (a timing a burst of load inflated)."""
-    if per_token <= 0:
-        return 0.0
-    return min(max(0.0, seconds / per_token - tokens), max_tokens / 4)
+    at a full batch's rate, within ``OVERHEAD_SHARES`` of the budget."""
+    least, most = (max_tokens * share for share in OVERHEAD_SHARES)
+    measured = seconds / per_token - tokens if per_token > 0 else least
+    return min(max(least, measured), most)
 
 
 def probe_vectors(runner: ModelRunner) -> np.ndarray:
