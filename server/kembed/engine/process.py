@@ -144,7 +144,7 @@ def _serving_info(runner: ModelRunner) -> ServingInfo:
     info, plan = runner.model.info, runner.plan
     return ServingInfo(
         **{name: getattr(info, name) for name in _MODEL_FIELDS},
-        dtype=str(info.dtype).removeprefix("torch."),
+        dtype=runner.precision.dtype,
         device=str(info.device),
         bucket_lengths=list(plan.bucket_lengths),
         batch_sizes=list(plan.shapes.sizes),
