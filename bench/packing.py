@@ -5,7 +5,7 @@ simulated clock. ``--callers`` closed-loop callers send texts of the workload (t
 truncated at 256), ``--texts`` a call, each sending its next call ``--turnaround-ms`` after its
 last answer; the worker computes one batch at a time (eager), a batch of ``rows x longest`` padded
 tokens taking ``overhead + tokens`` token-times at ``--tokens-per-s``. The cost model is the CPU
-batch curve's (``bench.ceiling``: 12,200 bf16 tokens/s at 2048 tokens and about 80 tokens of
+batch curve's (``bench.ceiling``: 12,200 bf16 tokens/s at 2048 tokens and 74 tokens of
 overhead on the 2-core EPYC with ``avx512_bf16``; ``--ceiling NAME`` takes the model from a
 ``bench.ceiling`` result instead). Compared in one run, on the same arrivals:
 
@@ -52,14 +52,14 @@ class CostModel:
 def simulate(
     policy: BatchPolicy, ladder: list[int], lengths: Sequence[int], cost: CostModel, opts: argparse.Namespace
 ) -> dict[str, Any]:
-    """Closed-loop callers against the batcher, on a simulated clock, for ``opts.seconds``."""
+    """Closed-loop callers against the batcher, on a simulated clock, for ``opts.batches`` batches."""
     clock = [0.0]
     batches: list[Batch] = []
     batcher = Batcher(BucketQueue(ladder), policy, batches.append, expire=lambda job: None, clock=lambda: clock[0])
     draw = random.Random(workload.SEED)
     arrivals: list[tuple[float, int]] = [(0.0, caller) for caller in range(opts.callers)]
     done = items = real = padded = computed = 0
-    while clock[0] < opts.seconds:
+    while computed < opts.batches:
         while arrivals and arrivals[0][0] <= clock[0]:
             _, caller = heapq.heappop(arrivals)
             batcher.submit(_call(caller, [draw.choice(lengths) for _ in range(opts.texts)], ladder, clock[0]))
@@ -121,10 +121,10 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--callers", type=int, default=32)
     parser.add_argument("--texts", default="1,16", help="texts a call, one simulation each")
     parser.add_argument("--tokens-per-s", type=float, default=12_200.0, help="the worker's rate at a full batch")
-    parser.add_argument("--overhead-tokens", type=float, default=80.0, help="a batch's cost beyond its tokens")
+    parser.add_argument("--overhead-tokens", type=float, default=74.0, help="a batch's cost beyond its tokens")
     parser.add_argument("--ceiling", default="", help="take both from bench/results/NAME.json's batch curve")
     parser.add_argument("--turnaround-ms", type=float, default=2.0, help="from an answer to the caller's next call")
-    parser.add_argument("--seconds", type=float, default=120.0, help="simulated seconds per run")
+    parser.add_argument("--batches", type=int, default=2000, help="batches per run (the first callers' burst fades)")
     parser.add_argument("--max-batch-size", type=int, default=64)
     parser.add_argument("--max-tokens", type=int, default=2048)
     parser.add_argument("--name", default="packing", help="write bench/results/NAME.json")

@@ -40,7 +40,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--skip-gpu", action="store_true")
     args = parser.parse_args(argv)
     ceiling.main(["--env", TUNED_BUCKETS, *(["--texts", "256", "--repeats", "1"] if args.quick else [])])
-    packing.main(["--ceiling", "ceiling", *(["--seconds", "20"] if args.quick else [])])
+    packing.main(["--ceiling", "ceiling", *(["--batches", "300"] if args.quick else [])])
     serve = ["--duration", "8", "--warmup", "2", "--windows", "2", "--settle", "2"] if args.quick else []
     capacity = serve_load.main(["--batching", "token_bucket", "--env", TUNED_BUCKETS, *serve])
     serve_load.main(["--batching", "naive", "--capacity", str(capacity), *serve])

@@ -14,12 +14,12 @@ from kembed.engine.batcher import BatchPolicy
 from kembed.shapes import BatchShapes, clip_buckets
 
 SHAPES = BatchShapes.build(64, 2048, fixed=False)
-COST = packing.CostModel(tokens_per_s=12_200, overhead_tokens=80)
+COST = packing.CostModel(tokens_per_s=12_200, overhead_tokens=74)
 
 
 def run(policy: BatchPolicy, texts: int) -> dict[str, float]:
     lengths = [min(n, packing.MAX_TOKENS) for n in workload.load().tokens]
-    opts = argparse.Namespace(callers=32, texts=texts, turnaround_ms=2.0, seconds=15.0)
+    opts = argparse.Namespace(callers=32, texts=texts, turnaround_ms=2.0, batches=300)
     return packing.simulate(policy, clip_buckets(packing.DEFAULT_BUCKETS, 256), lengths, COST, opts)
 
 

@@ -222,9 +222,9 @@ def warm_up_together(runners: Sequence[ModelRunner], beat: Callable[[], None]) -
 
 
 # A batch's overhead is taken within these shares of the token budget. The batch curve
-# (bench.ceiling) found 70-100 tokens on a 2-core EPYC, fp32 and bf16, against the 2048-token
+# (bench.ceiling) fitted 30 (fp32) and 74 (bf16) tokens on a 2-core EPYC, against the 2048-token
 # default; a timing outside is one that load elsewhere skewed. Packing is not sensitive within
-# them (bench.packing: the same throughput from 40 to 128 tokens), but at 0 it would compute
+# them (bench.packing: within 0.02 of its best from 40 to 128 tokens), but at 0 it would compute
 # every item alone, and far above it pads batches past what they are worth.
 OVERHEAD_SHARES = (1 / 64, 1 / 16)
 
