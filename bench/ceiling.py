@@ -9,12 +9,22 @@ elsewhere slows each alike; forward passes only, tokenization is reported apart)
 - ``bucketed``: the server's fixed shapes at their best (each text in its bucket, full batches,
   rows padded to the fixed sizes when compiled): what compiled CUDA graphs need.
 
+The model loads as the server would, in the dtype the server would serve in (``KEMBED_DTYPE=auto``
+measures bf16 against fp32 where the CPU has bf16 units): the ceiling the server is judged against.
+
+Then, on CPU, the *batch curve*: tokens per second of one batch of 64 .. 4096 tokens (rows of
+``CURVE_LENGTH``), in fp32 and in bf16, interleaved: where the matrix units turn efficient (the
+smallest batch within 10% of the best, ``budget_90``), and a straight-line fit of seconds against
+tokens whose intercept, in tokens, is what a batch costs beyond its tokens (what the server's
+packing weighs; its warmup measures its own).
+
 ``python -m bench.ceiling`` (eager: all three; compiled: bucketed only, as other shapes recompile).
 """
 
 from __future__ import annotations
 
 import argparse
+import math
 import tempfile
 import time
 from collections.abc import Callable, Sequence
@@ -25,7 +35,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from bench import engine, machine, workload
+from bench import inprocess, machine, workload
 from bench.report import Spread, padding_ratio
 from kembed.engine.batcher import BatchShapes
 
@@ -34,7 +44,7 @@ ShapeOf = Callable[[int, int], Shape]  # (rows, longest text) -> padded shape
 
 
 @dataclass(frozen=True)
-class Batch:
+class PaddedBatch:
     ids: torch.Tensor  # [rows, length], padded
     mask: torch.Tensor
     texts: int  # real rows
@@ -48,8 +58,8 @@ class Batch:
     def padded_tokens(self) -> int:
         return int(self.ids.numel())
 
-    def to(self, device: torch.device) -> Batch:
-        return Batch(self.ids.to(device), self.mask.to(device), self.texts, self.real_tokens)
+    def to(self, device: torch.device) -> PaddedBatch:
+        return PaddedBatch(self.ids.to(device), self.mask.to(device), self.texts, self.real_tokens)
 
 
 def pack(order: Sequence[int], lengths: Sequence[int], max_rows: int, max_tokens: int) -> list[list[int]]:
@@ -87,7 +97,7 @@ def pack_buckets(lengths: Sequence[int], buckets: Sequence[int], shapes: BatchSh
 
 def materialize(
     groups: list[list[int]], shape: ShapeOf, ids: np.ndarray, lengths: np.ndarray, pad_id: int
-) -> list[Batch]:
+) -> list[PaddedBatch]:
     """Padded id and mask tensors for each group, built before any timing."""
     offsets = np.concatenate([[0], np.cumsum(lengths)])
     batches = []
@@ -98,7 +108,9 @@ def materialize(
         for r, i in enumerate(group):
             padded[r, : lengths[i]] = ids[offsets[i] : offsets[i + 1]]
             mask[r, : lengths[i]] = 1
-        batches.append(Batch(torch.from_numpy(padded), torch.from_numpy(mask), len(group), int(lengths[group].sum())))
+        batches.append(
+            PaddedBatch(torch.from_numpy(padded), torch.from_numpy(mask), len(group), int(lengths[group].sum()))
+        )
     return batches
 
 
@@ -107,7 +119,7 @@ def _sync(device: torch.device) -> None:
         torch.cuda.synchronize(device)
 
 
-Plans = dict[str, list[Batch]]  # batching name -> its batches
+Plans = dict[str, list[PaddedBatch]]  # batching name -> its batches
 
 
 def interleave(plans: Plans) -> list[tuple[str, int]]:
@@ -117,16 +129,16 @@ def interleave(plans: Plans) -> list[tuple[str, int]]:
     return [(name, i) for _, name, i in slots]
 
 
-def timed_pass(eng: engine.Engine, plans: Plans) -> dict[str, list[float]]:
+def timed_pass(loaded: inprocess.InProcessModel, plans: Plans) -> dict[str, list[float]]:
     """Seconds each batch took, device work included (synchronized after each)."""
     seconds = {name: [0.0] * len(batches) for name, batches in plans.items()}
     with torch.inference_mode():
-        _sync(eng.device)
+        _sync(loaded.device)
         for name, i in interleave(plans):
             batch = plans[name][i]
             start = time.perf_counter()
-            eng.forward(batch.ids, batch.mask)
-            _sync(eng.device)
+            loaded.forward(batch.ids, batch.mask)
+            _sync(loaded.device)
             seconds[name][i] = time.perf_counter() - start
     return seconds
 
@@ -144,12 +156,12 @@ def _compiles() -> int:
     return int(counters["stats"].get("unique_graphs", 0))
 
 
-def gpu_busy_share(eng: engine.Engine, batches: list[Batch]) -> float:
+def gpu_busy_share(loaded: inprocess.InProcessModel, batches: list[PaddedBatch]) -> float:
     """Share of one pass's wall time during which a CUDA kernel ran (profiled, merged intervals)."""
     from torch.profiler import ProfilerActivity, profile
 
     with profile(activities=[ProfilerActivity.CUDA]) as prof:
-        wall = sum(timed_pass(eng, {"": batches})[""])
+        wall = sum(timed_pass(loaded, {"": batches})[""])
     spans = sorted((e.time_range.start, e.time_range.end) for e in prof.events() if e.device_type.name == "CUDA")
     busy, reach = 0.0, -np.inf
     for start, end in spans:
@@ -158,14 +170,14 @@ def gpu_busy_share(eng: engine.Engine, batches: list[Batch]) -> float:
     return busy / 1e6 / wall  # profiler times are microseconds
 
 
-def _warmup(batches: list[Batch], compiled: bool) -> list[Batch]:
+def _warmup(batches: list[PaddedBatch], compiled: bool) -> list[PaddedBatch]:
     """Compiled, one batch of every shape (each is a graph); eager, the largest batch."""
     if compiled:
         return list({(b.rows, int(b.ids.shape[1])): b for b in batches}.values())
     return [max(batches, key=lambda b: b.padded_tokens)]
 
 
-def _summary(eng: engine.Engine, batches: list[Batch], passes: list[list[float]]) -> dict[str, Any]:
+def _summary(loaded: inprocess.InProcessModel, batches: list[PaddedBatch], passes: list[list[float]]) -> dict[str, Any]:
     real = sum(b.real_tokens for b in batches)
     padded = sum(b.padded_tokens for b in batches)
     result: dict[str, Any] = {
@@ -176,58 +188,107 @@ def _summary(eng: engine.Engine, batches: list[Batch], passes: list[list[float]]
         "tokens_per_s": rates(passes, [b.real_tokens for b in batches]).to_dict(),
         "padding_ratio": padding_ratio(real, padded - real),
     }
-    if eng.device.type == "cuda":
-        result["gpu_busy_share"] = gpu_busy_share(eng, batches)
+    if loaded.device.type == "cuda":
+        result["gpu_busy_share"] = gpu_busy_share(loaded, batches)
     return result
 
 
-def measure(eng: engine.Engine, plans: Plans, repeats: int, max_seconds: float) -> dict[str, Any]:
+def measure(loaded: inprocess.InProcessModel, plans: Plans, repeats: int, max_seconds: float) -> dict[str, Any]:
     """Warm, then time interleaved passes over every batching until ``repeats`` or ``max_seconds``."""
-    plans = {name: [b.to(eng.device) for b in batches] for name, batches in plans.items()}
-    timed_pass(eng, {name: _warmup(batches, eng.compiled) for name, batches in plans.items()})
+    plans = {name: [b.to(loaded.device) for b in batches] for name, batches in plans.items()}
+    timed_pass(loaded, {name: _warmup(batches, loaded.compiled) for name, batches in plans.items()})
     compiles_after_warmup = _compiles()
     passes: list[dict[str, list[float]]] = []
     deadline = time.monotonic() + max_seconds
     while len(passes) < repeats and (not passes or time.monotonic() < deadline):
-        passes.append(timed_pass(eng, plans))
+        passes.append(timed_pass(loaded, plans))
     result: dict[str, Any] = {"recompiles_after_warmup": _compiles() - compiles_after_warmup}
     for name, batches in plans.items():
-        result[name] = _summary(eng, batches, [p[name] for p in passes])
+        result[name] = _summary(loaded, batches, [p[name] for p in passes])
         print(f"  {name}: {result[name]['emb_per_s']['median']:.1f} emb/s, padding {result[name]['padding_ratio']:.1%}")
     return result
 
 
 def run(
-    eng: engine.Engine, texts: list[str], repeats: int, max_seconds: float, batchings: Sequence[str]
+    loaded: inprocess.InProcessModel, texts: list[str], repeats: int, max_seconds: float, batchings: Sequence[str]
 ) -> dict[str, Any]:
     start = time.perf_counter()
-    ids, lengths = eng.tokenize(texts, True)
+    ids, lengths = loaded.tokenize(texts, True)
     tokenize_s = time.perf_counter() - start
     plans = {
-        name: materialize(*_plan(name, lengths.tolist(), eng), ids, lengths, eng.pad_token_id) for name in batchings
+        name: materialize(*_plan(name, lengths.tolist(), loaded), ids, lengths, loaded.pad_token_id)
+        for name in batchings
     }
-    return {"texts": len(texts), "tokenize_s": tokenize_s, **measure(eng, plans, repeats, max_seconds)}
+    return {"texts": len(texts), "tokenize_s": tokenize_s, **measure(loaded, plans, repeats, max_seconds)}
 
 
-def _plan(batching: str, lengths: list[int], eng: engine.Engine) -> tuple[list[list[int]], ShapeOf]:
+def _plan(batching: str, lengths: list[int], loaded: inprocess.InProcessModel) -> tuple[list[list[int]], ShapeOf]:
     """The groups of text indices, and how a group's (rows, longest) becomes its padded shape."""
     if batching == "bucketed":
 
         def fixed(rows: int, longest: int) -> Shape:
-            bucket = bucket_of(longest, eng.buckets)
-            return eng.shapes.rows_for(rows), bucket
+            bucket = bucket_of(longest, loaded.buckets)
+            return loaded.shapes.rows_for(rows), bucket
 
-        return pack_buckets(lengths, eng.buckets, eng.shapes), fixed
+        return pack_buckets(lengths, loaded.buckets, loaded.shapes), fixed
     order = sorted(range(len(lengths)), key=lengths.__getitem__) if batching == "sorted" else range(len(lengths))
-    return pack(list(order), lengths, eng.shapes.sizes[-1], eng.shapes.max_tokens), _exact
+    return pack(list(order), lengths, loaded.shapes.sizes[-1], loaded.shapes.max_tokens), _exact
 
 
 def _exact(rows: int, longest: int) -> Shape:
     return rows, longest
 
 
+CURVE_LENGTH = 64
+CURVE_TOKENS = (64, 128, 256, 512, 1024, 2048, 4096)
+CURVE_DTYPES = ("float32", "bfloat16")
+
+
+def batch_curve(
+    forwards: dict[str, inprocess.Forward],
+    sizes: Sequence[int],
+    passes: int,
+    clock: Callable[[], float] = time.perf_counter,
+) -> dict[str, Any]:
+    """Per dtype, each batch size's tokens/s (its fastest of ``passes`` interleaved passes), the
+    smallest batch within 10% of the best, and the fitted per-batch overhead in tokens."""
+    generator = torch.Generator().manual_seed(0)
+    batches = {n: torch.randint(1000, 20000, (n // CURVE_LENGTH, CURVE_LENGTH), generator=generator) for n in sizes}
+    fastest = {(name, n): math.inf for name in forwards for n in sizes}
+    with torch.inference_mode():
+        for forward in forwards.values():
+            forward(batches[sizes[-1]], torch.ones_like(batches[sizes[-1]]))  # one-off allocations
+        for _ in range(passes):
+            for (name, n), best in fastest.items():
+                start = clock()
+                forwards[name](batches[n], torch.ones_like(batches[n]))
+                fastest[name, n] = min(best, clock() - start)
+    curve: dict[str, Any] = {"length": CURVE_LENGTH, "passes": passes}
+    for name in forwards:
+        seconds = [fastest[name, n] for n in sizes]
+        rates = [n / t for n, t in zip(sizes, seconds, strict=True)]
+        slope, intercept = np.polyfit(sizes, seconds, 1)
+        points = [
+            {"tokens": n, "rows": n // CURVE_LENGTH, "tokens_per_s": round(n / t)}
+            for n, t in zip(sizes, seconds, strict=True)
+        ]
+        curve[name] = {
+            "points": points,
+            "budget_90": next(n for n, r in zip(sizes, rates, strict=True) if r >= 0.9 * max(rates)),
+            "overhead_tokens": round(max(0.0, intercept / slope), 1) if slope > 0 else None,
+        }
+        print(f"  batch curve, {name}: {', '.join(f'{n}: {r:.0f}' for n, r in zip(sizes, rates, strict=True))} tok/s; "
+              f"within 10% of the best from {curve[name]['budget_90']} tokens")  # fmt: skip
+    return curve
+
+
+def curve_models(settings: dict[str, str]) -> dict[str, inprocess.Forward]:
+    """The model's forward in each dtype of the curve, as the server would load it."""
+    return {dtype: inprocess.load({**settings, "dtype": dtype}).forward for dtype in CURVE_DTYPES}
+
+
 def model_dir(model: str, scratch: Path) -> str:
-    return str(engine.write_random_bert_base(scratch / "bert-base-random")) if model == "bert-base-random" else model
+    return str(inprocess.write_random_bert_base(scratch / "bert-base-random")) if model == "bert-base-random" else model
 
 
 def main(argv: Sequence[str] | None = None) -> dict[str, Any] | None:
@@ -240,6 +301,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any] | None:
     parser.add_argument("--texts", type=int, default=workload.SIZE, help="first N texts of the workload")
     parser.add_argument("--repeats", type=int, default=2, help="timed passes (their spread is the range)")
     parser.add_argument("--max-seconds", type=float, default=300.0, help="no new pass after this")
+    parser.add_argument("--curve-passes", type=int, default=3, help="CPU batch curve passes; 0 = no curve")
     parser.add_argument("--name", default="ceiling", help="result file: bench/results/NAME.json")
     args = parser.parse_args(argv)
     if args.device.startswith("cuda") and not torch.cuda.is_available():
@@ -248,12 +310,18 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any] | None:
     with tempfile.TemporaryDirectory() as scratch:
         settings = {"model": model_dir(args.model, Path(scratch)), "device": args.device, "compile": args.compile}
         settings.update(kv.split("=", 1) for kv in args.env)
-        eng = engine.load(settings)
-        batchings = args.batchings or ("bucketed" if eng.compiled else "sorted,bucketed,naive")
+        loaded = inprocess.load(settings)
+        batchings = args.batchings or ("bucketed" if loaded.compiled else "sorted,bucketed,naive")
         texts = workload.load().texts[: args.texts]
-        print(f"ceiling: {eng.model} on {eng.device} ({eng.dtype}), {len(texts)} texts, compile={args.compile}")
-        result = run(eng, texts, args.repeats, args.max_seconds, batchings.split(","))
-    result.update(model=args.model or eng.model, device=str(eng.device), dtype=str(eng.dtype), compiled=eng.compiled)
+        print(
+            f"ceiling: {loaded.model} on {loaded.device} ({loaded.dtype}), {len(texts)} texts, compile={args.compile}"
+        )
+        print(f"  {loaded.dtype}: {loaded.dtype_reason}")
+        result = run(loaded, texts, args.repeats, args.max_seconds, batchings.split(","))
+        if loaded.device.type == "cpu" and args.curve_passes:
+            result["batch_curve"] = batch_curve(curve_models(settings), CURVE_TOKENS, args.curve_passes)
+    result.update(model=args.model or loaded.model, device=str(loaded.device), dtype=str(loaded.dtype),
+                  dtype_reason=loaded.dtype_reason, compiled=loaded.compiled)  # fmt: skip
     result["settings"] = settings
     result["workload"] = workload.load().describe()
     machine.write_result(args.name, result)

@@ -1,6 +1,6 @@
 """GPU extras, when CUDA is present: ``python -m bench.gpu``.
 
-- Start-up: the server's own load, compile and warmup of every planned shape (``start_engine``), in a
+- Start-up: the server's own load, compile and warmup of every planned shape (``start_runner``), in a
   fresh process each time, once with an empty ``KEMBED_COMPILE_CACHE_DIR`` (cold) and once reusing it
   (warm restart), per graph mode. Records the seconds, the shapes planned and given a graph, and
   what warmup compiled: dynamo's graphs (per shape and in all: at least one, one per shape in static
@@ -35,7 +35,7 @@ from typing import Any
 
 import torch
 
-from bench import ceiling, engine, machine, workload
+from bench import ceiling, inprocess, machine, workload
 from kembed.config import Graphs
 from kembed.engine.graphs import CompileCount
 
@@ -48,24 +48,24 @@ def start_once(model_dir: str, graphs: str, cache_dir: str) -> dict[str, Any]:
     """Load and warm up as the server does, in this process; what a start-up took and left."""
     from kembed.config import Settings
     from kembed.engine.model import EmbeddingModel
-    from kembed.engine.worker import start_engine
+    from kembed.engine.worker import start_runner
 
     settings = Settings.from_env(
         {}, model=model_dir, device="cuda", compile="on", graphs=graphs, compile_cache_dir=cache_dir
     )
     started = time.perf_counter()
-    eng = start_engine(settings, EmbeddingModel.load, lambda: None)
+    runner = start_runner(settings, EmbeddingModel.load, lambda: None)
     seconds = time.perf_counter() - started
-    if eng.graphs is None:
+    if runner.graphs is None:
         raise RuntimeError("compile=on planned no graphs")
-    planned = {(rows, seq_len) for seq_len, rows in eng.plan.warmup_shapes()}
-    compiles = eng.graphs.compiles
+    planned = {(rows, seq_len) for seq_len, rows in runner.plan.warmup_shapes()}
+    compiles = runner.graphs.compiles
     compiled = CompileCount.total(compiles.values())
     return {
         "seconds": round(seconds, 1),
         "shapes": len(planned),
-        "shapes_with_graph": len(planned & eng.graphs.shapes),
-        "sealed": eng.graphs.sealed,
+        "shapes_with_graph": len(planned & runner.graphs.shapes),
+        "sealed": runner.graphs.sealed,
         "dynamo_graphs": compiled.graphs,
         "inductor_kernels": compiled.kernels,
         "graph_breaks": compiled.graph_breaks,
@@ -95,16 +95,16 @@ def startups(model_dir: str, scratch: Path) -> dict[str, Any]:
 
 
 def _measure(model_dir: str, compile: str, texts: list[str], repeats: int) -> dict[str, Any]:
-    eng = engine.load({"model": model_dir, "device": "cuda", "compile": compile})
-    print(f"gpu: {eng.model}, compiled={eng.compiled}, {eng.dtype}")
-    return _bucketed_ceiling(eng, texts, repeats)
+    loaded = inprocess.load({"model": model_dir, "device": "cuda", "compile": compile})
+    print(f"gpu: {loaded.model}, compiled={loaded.compiled}, {loaded.dtype}")
+    return _bucketed_ceiling(loaded, texts, repeats)
 
 
-def _bucketed_ceiling(eng: engine.Engine, texts: list[str], repeats: int) -> dict[str, Any]:
-    result = ceiling.run(eng, texts, repeats, max_seconds=120, batchings=["bucketed"])
+def _bucketed_ceiling(loaded: inprocess.InProcessModel, texts: list[str], repeats: int) -> dict[str, Any]:
+    result = ceiling.run(loaded, texts, repeats, max_seconds=120, batchings=["bucketed"])
     return {
-        "dtype": str(eng.dtype),
-        "compiled": eng.compiled,
+        "dtype": str(loaded.dtype),
+        "compiled": loaded.compiled,
         **result["bucketed"],
         "recompiles_after_warmup": result["recompiles_after_warmup"],
     }
@@ -116,15 +116,19 @@ def _bare_compiled(model_dir: str, texts: list[str], repeats: int) -> dict[str, 
     machinery). The server's compiled ceiling should reach 0.85 of it."""
     from transformers import AutoModel
 
-    eng = engine.load({"model": model_dir, "device": "cuda", "compile": "off"})  # tokenizer and shapes
-    model = AutoModel.from_pretrained(model_dir or engine.bundled_model_dir(), dtype=eng.dtype).to(eng.device).eval()
+    loaded = inprocess.load({"model": model_dir, "device": "cuda", "compile": "off"})  # tokenizer and shapes
+    model = (
+        AutoModel.from_pretrained(model_dir or inprocess.bundled_model_dir(), dtype=loaded.dtype)
+        .to(loaded.device)
+        .eval()
+    )
     compiled = torch.compile(model, mode="reduce-overhead", dynamic=False)
 
     def forward(ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         torch.compiler.cudagraph_mark_step_begin()
         return compiled(input_ids=ids, attention_mask=mask).last_hidden_state[:, 0].float()
 
-    return _bucketed_ceiling(dataclasses.replace(eng, forward=forward, compiled=True), texts, repeats)
+    return _bucketed_ceiling(dataclasses.replace(loaded, forward=forward, compiled=True), texts, repeats)
 
 
 def main(argv: Sequence[str] | None = None) -> None:

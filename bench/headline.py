@@ -35,6 +35,11 @@ def _overload(serve: dict[str, Any]) -> dict[str, Any]:
     return max(serve["open_loop"], key=lambda p: p["offered_x"])
 
 
+# Eager (CPU) batches are packed by length across neighbouring buckets; compiled shapes (CUDA) pad
+# to their bucket, which the tuned ladder keeps to about 13% on the workload.
+PADDING_TARGET = "<= 0.08"
+
+
 def ratios(ceiling: dict[str, Any], token_bucket: dict[str, Any], naive: dict[str, Any] | None) -> list[Ratio]:
     """The headline figures. The reference ceiling is ``sorted``, or ``bucketed`` when compiled
     (CUDA graphs allow only the server's fixed shapes)."""
@@ -45,7 +50,7 @@ def ratios(ceiling: dict[str, Any], token_bucket: dict[str, Any], naive: dict[st
     x = f"{overload['offered_x']:g}x"
     rows = [
         Ratio(f"Server at saturation / {reference} ceiling (emb/s)", saturated.over(best), ">= 0.90"),
-        Ratio("Padding share of computed tokens, server at saturation", _exact(pad(token_bucket)), "<= 0.15"),
+        Ratio("Padding share of computed tokens, server at saturation", _exact(pad(token_bucket)), PADDING_TARGET),
         Ratio(f"Server at {x} offered / at saturation (emb/s)", _rate(overload).over(saturated), ">= 0.90"),
         Ratio(
             f"Accepted p95 at {x} / drain budget ({token_bucket['max_drain_ms']:.0f} ms)",
@@ -141,6 +146,26 @@ def ceiling_table(ceiling: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
+def curve_table(ceiling: dict[str, Any]) -> str:
+    """The CPU batch curve: tokens/s by batch size and dtype; empty where it was not measured."""
+    curve = ceiling.get("batch_curve")
+    if not curve:
+        return ""
+    dtypes = [name for name in curve if isinstance(curve[name], dict)]
+    sizes = [point["tokens"] for point in curve[dtypes[0]]["points"]]
+    lines = [
+        f"| Batch tokens ({curve['length']} a row) | "
+        + " | ".join(map(str, sizes))
+        + " | within 10% from | overhead |",
+        "| --- " * (len(sizes) + 3) + "|",
+    ]
+    for name in dtypes:
+        rates = " | ".join(str(point["tokens_per_s"]) for point in curve[name]["points"])
+        overhead = curve[name]["overhead_tokens"]
+        lines.append(f"| {name} tokens/s | {rates} | {curve[name]['budget_90']} | {overhead} tokens |")
+    return "\n".join(lines)
+
+
 def workload_text(described: dict[str, Any]) -> str:
     """The workload's source and its length histogram (tokens after tokenization, before truncation)."""
     hist = described["histogram"]
@@ -183,7 +208,7 @@ HOST_PATH_TARGET = ">= 0.50"  # one front end against a one-process echo
 REJECTION_TARGET = "<= 2.00"
 STORM_TARGET = ">= 0.90"
 REST_TARGET = ">= 0.80"  # REST's calls/s over gRPC's, one front end
-PEER_TARGET = ">= 2.00"  # kembed's REST calls/s over the peer's, the real model
+PEER_TARGET = ">= 2.50"  # kembed's REST calls/s over the peer's, the real model, each in its own bf16 on a bf16 CPU
 # The GPU targets of the serve part, judged only where the server ran on CUDA: texts a call -> target.
 SERVE_EMB_TARGETS = {1: ">= 15000", 16: ">= 25000"}
 SERVE_P95_MS_TARGETS = {1: "<= 100"}
@@ -353,7 +378,8 @@ def _rest_phases(rest: dict[str, Any], s: dict[str, Any]) -> list[tuple[str, str
         return [*rows, ("REST, peer", "Infinity", "—", figure, {"codes": {}, "peak_rss_mib": math.nan})]
     peer_load = f"{rest_load}, {s['peer_duration']:g} s"
     for name, label in (("infinity", peer["peer"]), ("kembed", f"kembed, frontends={peer['settings']['frontends']}")):
-        rows.append(("REST, real model", label, peer_load, _calls_figure(peer[name]), peer[name]))
+        served = f", {peer[name]['dtype']}" if peer[name].get("dtype") else ""  # results before the dtype was kept
+        rows.append(("REST, real model", label + served, peer_load, _calls_figure(peer[name]), peer[name]))
     return rows
 
 

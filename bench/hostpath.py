@@ -68,7 +68,7 @@ from typing import Any, NamedTuple, TypeVar
 import grpc
 
 from bench import RESULTS_DIR, headline, http_loadgen, loadgen, machine, peers, workload
-from bench.loadgen import OK, Outcome
+from bench.loadgen import OK, CallRecord
 from bench.report import (
     Samples,
     Spread,
@@ -162,13 +162,13 @@ def _measure(server: Server, load: Callable[[], tuple[T, float]]) -> tuple[T, fl
     return result, server.cpu_seconds() - before, client_cpu
 
 
-def _span(outcomes: Sequence[Outcome]) -> float:
+def _span(outcomes: Sequence[CallRecord]) -> float:
     """Seconds from the first send to the last answer."""
     return max(o.done for o in outcomes) - min(o.sent for o in outcomes) if outcomes else math.nan
 
 
 def rate_figures(
-    outcomes: Sequence[Outcome], texts_per_call: int, opts: Options, duration: float, codes: Codes = GRPC_CODES
+    outcomes: Sequence[CallRecord], texts_per_call: int, opts: Options, duration: float, codes: Codes = GRPC_CODES
 ) -> dict[str, Any]:
     """Calls/s and embeddings/s of the successful calls over [warmup, duration), median and range
     over ``opts.windows`` windows; latency of the successful calls; every status code counted."""
@@ -187,7 +187,7 @@ def rate_figures(
     }
 
 
-def burst_figures(rounds: Sequence[Sequence[Outcome]], code: str | None = None) -> dict[str, Any]:
+def burst_figures(rounds: Sequence[Sequence[CallRecord]], code: str | None = None) -> dict[str, Any]:
     """Per burst, the p99 and the last of the answer times (from the burst's start) with status
     ``code``, or whatever the code; median and range over the bursts. ``rejected_share``: answers
     that were RESOURCE_EXHAUSTED."""
@@ -204,7 +204,7 @@ def burst_figures(rounds: Sequence[Sequence[Outcome]], code: str | None = None) 
     }
 
 
-def _cores(server_cpu: float, client_cpu: float, outcomes: Sequence[Outcome]) -> dict[str, float]:
+def _cores(server_cpu: float, client_cpu: float, outcomes: Sequence[CallRecord]) -> dict[str, float]:
     """Cores busy on average while the load ran: server and client share the machine."""
     span = _span(outcomes)
     return {"server": server_cpu / span, "client": client_cpu / span}
@@ -212,7 +212,7 @@ def _cores(server_cpu: float, client_cpu: float, outcomes: Sequence[Outcome]) ->
 
 def _phase(
     server: Server,
-    load: Callable[[], tuple[list[Outcome], float]],
+    load: Callable[[], tuple[list[CallRecord], float]],
     texts_per_call: int,
     opts: Options,
     duration: float,
@@ -242,7 +242,7 @@ def _closed_loop(server: Server, requests: list[bytes], opts: Options, texts_per
         for count in loadgen.split(MAX_CALLS, opts.client_processes)
     ]  # fmt: skip
 
-    def load() -> tuple[list[Outcome], float]:
+    def load() -> tuple[list[CallRecord], float]:
         parts, cpu = loadgen.in_processes(loadgen.closed_loop, kwargs)
         return [o for part in parts for o in part], cpu
 
@@ -254,7 +254,7 @@ def _rest_closed_loop(server: Server, bodies: list[bytes], opts: Options, durati
     many calls in flight in each, one per keep-alive connection (HTTP/1.1 carries one at a time)."""
     url = server.rest_url + http_loadgen.EMBEDDINGS_PATH
 
-    def load() -> tuple[list[Outcome], float]:
+    def load() -> tuple[list[CallRecord], float]:
         return http_loadgen.in_processes(url, bodies, opts.client_processes, opts.concurrency, duration, opts.timeout)
 
     return _phase(server, load, 1, opts, duration, HTTP_CODES)
@@ -274,7 +274,7 @@ def _bursts(server: Server, request: bytes, opts: Options, code: str | None = No
         for calls in loadgen.split(opts.burst_calls, opts.client_processes)
     ]  # fmt: skip
 
-    def load() -> tuple[list[list[Outcome]], float]:
+    def load() -> tuple[list[list[CallRecord]], float]:
         parts, cpu = loadgen.in_processes(loadgen.burst, kwargs)
         return [[o for part in parts for o in part[r]] for r in range(opts.burst_rounds)], cpu
 
@@ -324,7 +324,8 @@ def rest_peer(opts: Options, short_texts: list[str]) -> dict[str, Any]:
     with running(settings, _log("rest_kembed"), module="kembed") as server:
         before = server.metrics()
         kembed = _rest_closed_loop(server, _one_text_bodies(short_texts, server), opts, opts.peer_duration)
-        kembed.update(_counters(before, server.metrics(), kembed["span_s"]))
+        kembed.update(_counters(before, server.metrics(), kembed["span_s"]), **server.dtype())
+    infinity["dtype"] = peers.infinity_dtype()
     worker = kembed["worker"]
     print(f"  REST, real model: Infinity {_calls(infinity)}, kembed {_calls(kembed)} calls/s (kembed's worker busy "
           f"{worker['busy_share']:.0%}, padding {kembed['padding_ratio']:.0%}, {worker['rows_per_batch']:.1f} rows "
@@ -379,9 +380,9 @@ def retry_storm(opts: Options, texts: list[str]) -> dict[str, Any]:
         flood = {"target": target, "requests": requests, "rate": rate, "duration": opts.storm_duration,
                  "count": MAX_CALLS, "seed": workload.SEED, "deadline": opts.timeout,
                  "retry_after": opts.retry_after_ms / 1000, "give_up": opts.give_up_s}  # fmt: skip
-        outcomes: list[Outcome] = []
+        outcomes: list[CallRecord] = []
 
-        def storm_load() -> tuple[list[Outcome], float]:
+        def storm_load() -> tuple[list[CallRecord], float]:
             attempts, cpu = _niced(loadgen.open_loop, flood, opts)
             outcomes.extend(attempts)
             return attempts, cpu
@@ -395,11 +396,11 @@ def retry_storm(opts: Options, texts: list[str]) -> dict[str, Any]:
             "storm": storm}  # fmt: skip
 
 
-def give_ups(attempts: Sequence[Outcome], capacity_calls_per_s: float, give_up_s: float) -> dict[str, Any]:
+def give_ups(attempts: Sequence[CallRecord], capacity_calls_per_s: float, give_up_s: float) -> dict[str, Any]:
     """Calls whose last attempt was refused, against the fewest that must give up: whatever a
     server serving ``capacity_calls_per_s`` cannot answer before the last of them gives up."""
-    first: dict[int, Outcome] = {}
-    last: dict[int, Outcome] = {}
+    first: dict[int, CallRecord] = {}
+    last: dict[int, CallRecord] = {}
     for outcome in sorted(attempts, key=lambda o: o.sent):
         first.setdefault(outcome.item, outcome)
         last[outcome.item] = outcome
@@ -413,8 +414,8 @@ def give_ups(attempts: Sequence[Outcome], capacity_calls_per_s: float, give_up_s
     }
 
 
-def _niced(job: Callable[..., Coroutine[Any, Any, list[Outcome]]], kwargs: dict[str, Any], opts: Options
-           ) -> tuple[list[Outcome], float]:  # fmt: skip
+def _niced(job: Callable[..., Coroutine[Any, Any, list[CallRecord]]], kwargs: dict[str, Any], opts: Options
+           ) -> tuple[list[CallRecord], float]:  # fmt: skip
     """One load in a client process of its own, ``client_nice`` below the server."""
     parts, cpu = loadgen.in_processes(job, [kwargs], nice=opts.client_nice)
     return parts[0], cpu

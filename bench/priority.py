@@ -36,7 +36,7 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from bench import RESULTS_DIR, headline, loadgen, machine, workload
-from bench.loadgen import OK, Outcome
+from bench.loadgen import OK, CallRecord
 from bench.report import Samples, Spread, latency_summary, metric_delta, window_rates
 from bench.server import Server, running
 from kembed.config import Settings
@@ -73,13 +73,13 @@ def requests(texts: Sequence[str], per_call: int, priority: Priority) -> list[by
     ]
 
 
-async def together(loads: list[tuple[str, dict[str, Any]]]) -> list[list[Outcome]]:
+async def together(loads: list[tuple[str, dict[str, Any]]]) -> list[list[CallRecord]]:
     """Several loads at once in one client process: each a ``bench.loadgen`` function's name and its
     arguments. Their clocks start within a loop turn of one another."""
     return list(await asyncio.gather(*(getattr(loadgen, job)(**kwargs) for job, kwargs in loads)))
 
 
-def emb_per_s(sides: Sequence[tuple[Sequence[Outcome], int]], opts: Options) -> dict[str, float]:
+def emb_per_s(sides: Sequence[tuple[Sequence[CallRecord], int]], opts: Options) -> dict[str, float]:
     """Embeddings/s of the successful calls of every side together (each with its texts per call):
     median and range over the windows after the warm-up."""
     done = [(o.done, float(n)) for outcomes, n in sides for o in outcomes if o.code == OK]
@@ -87,7 +87,7 @@ def emb_per_s(sides: Sequence[tuple[Sequence[Outcome], int]], opts: Options) -> 
     return Spread.of(window_rates(times, weights, opts.warmup, opts.duration, opts.windows)).to_dict()
 
 
-def side(outcomes: Sequence[Outcome], texts_per_call: int, opts: Options) -> dict[str, Any]:
+def side(outcomes: Sequence[CallRecord], texts_per_call: int, opts: Options) -> dict[str, Any]:
     """One side of a load: its embeddings/s, the latency of its successful calls, every status code counted."""
     return {
         "calls": len(outcomes),

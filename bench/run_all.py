@@ -1,6 +1,8 @@
 """Every benchmark, in order, then the plots and the README tables: ``python -m bench.run_all``.
 
-1. the ceiling (sorted and arrival order), in one process;
+1. the ceiling (sorted and arrival order), in one process, in the dtype the server would serve in,
+   with the CPU batch curve; then the eager batcher's policy on a simulated clock under that
+   curve's cost model (``bench.packing``: packed against bucket-confined batches);
 2. the server with token-bucket batching: its saturation, then 0.5x..4x of it, open loop;
 3. the same server with ``KEMBED_BATCHING=naive``, offered the same absolute loads;
 4. the GPU extras (``bench.gpu``), which skip cleanly without CUDA;
@@ -12,8 +14,9 @@
 8. ``bench.plot``.
 
 The token-bucket runs (ceiling and server) use a finer bucket ladder than the server's default
-powers of two: on this workload the defaults pad about 27% of computed tokens, the ladder about 13%
-(``TUNED_BUCKETS``). The naive baseline has no buckets.
+powers of two: on this workload, in bucket-confined batches (compiled shapes), the defaults pad
+about 27% of computed tokens, the ladder about 13% (``TUNED_BUCKETS``); packed eager batches cross
+buckets, and the ladder matters little there (``bench.packing``). The naive baseline has no buckets.
 
 Run it on a quiet machine: the server and the load generator share its cores with everyone else.
 ``--quick`` checks the pipeline end to end in a few minutes; its figures mean nothing.
@@ -24,7 +27,7 @@ from __future__ import annotations
 import argparse
 from collections.abc import Sequence
 
-from bench import ceiling, gpu, hostpath, ipc, plot, priority, serve_load
+from bench import ceiling, gpu, hostpath, ipc, packing, plot, priority, serve_load
 
 TUNED_BUCKETS = "buckets=16,24,32,48,64,96,128,192,256"
 HOSTPATH = ["--parts", f"{hostpath.DEFAULT_PARTS},storm"]
@@ -37,6 +40,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     parser.add_argument("--skip-gpu", action="store_true")
     args = parser.parse_args(argv)
     ceiling.main(["--env", TUNED_BUCKETS, *(["--texts", "256", "--repeats", "1"] if args.quick else [])])
+    packing.main(["--ceiling", "ceiling", *(["--batches", "300"] if args.quick else [])])
     serve = ["--duration", "8", "--warmup", "2", "--windows", "2", "--settle", "2"] if args.quick else []
     capacity = serve_load.main(["--batching", "token_bucket", "--env", TUNED_BUCKETS, *serve])
     serve_load.main(["--batching", "naive", "--capacity", str(capacity), *serve])

@@ -23,7 +23,7 @@ from dataclasses import asdict, dataclass
 from typing import Any
 
 from bench import RESULTS_DIR, machine, workload
-from bench.loadgen import OK, REJECTED, Outcome, closed_loop, open_loop
+from bench.loadgen import OK, REJECTED, CallRecord, closed_loop, open_loop
 from bench.report import (
     Samples,
     Spread,
@@ -58,7 +58,7 @@ def encode_requests(texts: Sequence[str]) -> list[bytes]:
 
 
 def summarize(
-    outcomes: list[Outcome], tokens: Sequence[int], opts: Options, before: Samples, after: Samples
+    outcomes: list[CallRecord], tokens: Sequence[int], opts: Options, before: Samples, after: Samples
 ) -> dict[str, Any]:
     """One phase's figures; rates over [warmup, duration) so ramp-up and the drained tail are out."""
     ok = [o for o in outcomes if o.code == OK]
@@ -112,7 +112,7 @@ async def _run(server: Server, opts: Options, loads: list[float], capacity: floa
     wl = workload.load()
     requests = encode_requests(wl.texts)
     tokens = [min(t, workload.BUCKETS[-1]) for t in wl.tokens]
-    result: dict[str, Any] = {"server_info": server.info()}
+    result: dict[str, Any] = {"server_info": server.info(), **server.dtype()}
     print(f"serve_load[{opts.batching}]: capacity, closed loop x{opts.concurrency}, {opts.duration:.0f} s")
     result["saturation"] = await _phase(server, requests, tokens, opts, rate=0)
     saturated = result["saturation"]["emb_per_s"]["median"]

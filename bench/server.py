@@ -8,6 +8,7 @@ ends), so CPU and memory are summed over the tree, and a server that will not st
 from __future__ import annotations
 
 import contextlib
+import json
 import os
 import signal
 import socket
@@ -26,7 +27,7 @@ import grpc
 from google.protobuf.json_format import MessageToDict
 
 from bench.report import Samples, parse_prometheus
-from kembed.contract import METRICS_PATH, READYZ_PATH, env_name
+from kembed.contract import HEALTH_PATH, METRICS_PATH, READYZ_PATH, env_name
 from kembed.v1 import embedder_pb2, embedder_pb2_grpc
 
 HOST = "127.0.0.1"
@@ -44,6 +45,12 @@ class Server:
         with grpc.insecure_channel(self.grpc_target) as channel:
             reply = embedder_pb2_grpc.EmbedderStub(channel).Info(embedder_pb2.InfoRequest(), timeout=30)
         return MessageToDict(reply)
+
+    def dtype(self) -> dict[str, Any]:
+        """The dtype the server serves in and why, off its ``/health``."""
+        with urllib.request.urlopen(self.http_url + HEALTH_PATH, timeout=10) as reply:
+            health = json.loads(reply.read())
+        return {"dtype": health.get("dtype"), "dtype_reason": health.get("dtype_reason")}
 
     def metrics(self) -> Samples:
         with urllib.request.urlopen(self.http_url + METRICS_PATH, timeout=10) as reply:

@@ -5,9 +5,8 @@ Two strategies, each optional, combined so that either one may reject:
 - throughput: the longest wait the request may see behind the backlog ahead of it (in padded
   tokens, over the measured service rate) must fit ``max_drain_ms``, unless nothing is ahead of
   it. The rate is an exponentially weighted ratio of tokens to wall seconds, recorded when batches
-  *complete*; before the first batch it is seeded from warmup timings. With length buckets the
-  longest wait is ``BUCKETED_WAIT_SPREAD`` times the drain time (see there); one FIFO queue (naive
-  batching) waits the drain time.
+  *complete*; before the first batch it is seeded from warmup timings. The longest wait is a
+  multiple of the drain time that depends on how queues drain (:attr:`kembed.shapes.Queueing.wait_spread`).
 - latency: the P95 of interactive requests' server-side latency over a sliding window, counting
   successes, timeouts (at their elapsed time) and rejections (at the wait they were spared, the
   drain estimate, so the P95 recovers as the backlog drains instead of locking shedding on).
@@ -47,8 +46,9 @@ from typing import Protocol
 
 import numpy as np
 
-from kembed.config import Admission, Batching, Settings
+from kembed.config import Admission, Settings
 from kembed.priority import Priority
+from kembed.shapes import Queueing
 
 RATE_DECAY = 0.9  # weight of the past per completed batch in the service-rate estimate
 RECOVER_FRACTION = 0.8  # shedding stops below this share of the soft P95 limit
@@ -57,11 +57,6 @@ MAX_LATENCY_SAMPLES = 8192  # bounds the window's memory at high request rates
 P95_CACHE_S = 0.05  # recompute the percentile at most this often
 MAX_PUSHBACK_MS = 10_000
 MIN_PUSHBACK_MS = 10
-# Buckets drain oldest first, each taking its items young and old: a request whose bucket is
-# about to go waits next to nothing, one that just missed its bucket's turn waits for the whole
-# backlog plus the younger items that ride along in the batches before its turn, about twice the
-# drain time (measured: accepted p95 1.7x the drain estimate at 4x overload).
-BUCKETED_WAIT_SPREAD = 2.0
 
 
 @dataclass(frozen=True)
@@ -225,7 +220,7 @@ class AdmissionController:
         self._recover_below = self._soft * RECOVER_FRACTION
         self._max_queued = settings.max_queued_tokens
         self._rng = rng or random.Random()
-        self._wait_spread = 1.0 if settings.batching is Batching.NAIVE else BUCKETED_WAIT_SPREAD
+        self._wait_spread = Queueing.of(settings).wait_spread
         self.load = load
 
     def drain_seconds(self, backlog_tokens: int) -> float:

@@ -30,7 +30,7 @@ from kembed.contract import EXIT_FATAL, Metric
 from kembed.http import HealthServer
 from kembed.metrics import drain_seconds, supervisor_registry
 from kembed.priority import Priority
-from kembed.runtime import BOARD_FILE, METRICS_DIR, RuntimeDir
+from kembed.runtime import BOARD_FILE, METRICS_DIR, RuntimeDir, read_serving
 
 log = logging.getLogger(__name__)
 
@@ -198,6 +198,7 @@ class Supervisor:
             "open_requests": int(board[Cell.OPEN_REQUESTS]),
             "waiting_requests": {p.label: int(board.of_class(p, ClassCell.WAITING_REQUESTS)) for p in Priority},
             "embedding_dimension": int(board[Cell.DIMENSIONS]) or None,
+            **{"dtype": None, "dtype_reason": None, **read_serving(self._runtime)},
             "frontends": self.frontends,
             "uptime_seconds": round(time.monotonic() - self.started, 1),
         }

@@ -73,7 +73,7 @@ class Pooling(StrEnum):
 
 
 class Dtype(StrEnum):
-    AUTO = "auto"  # bf16 on CUDA, fp32 on CPU
+    AUTO = "auto"  # bf16 on CUDA; on a CPU, bf16 where it has bf16 units and warmup finds it faster and accurate
     FLOAT32 = "float32"
     FLOAT16 = "float16"
     BFLOAT16 = "bfloat16"
@@ -213,7 +213,8 @@ class Settings(BaseModel):
     # --- tuning: the model's run ---
     dtype: Dtype = Field(
         Dtype.AUTO,
-        description="auto (bf16 on CUDA, fp32 on CPU), float32, float16 or bfloat16",
+        description="auto (bf16 on CUDA; on a CPU with bf16 units, bf16 if warmup measures it faster and "
+        "accurate, else fp32), float32, float16 or bfloat16",
         json_schema_extra=TUNING,
     )
     compile: Toggle = Field(

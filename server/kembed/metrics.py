@@ -3,9 +3,9 @@
 Every process of the server counts what it sees in prometheus-client's multiprocess mode (the
 supervisor points ``PROMETHEUS_MULTIPROC_DIR`` at a folder of its own before starting them): front
 ends count requests, their latency and their pre-screen rejections; the engine counts its own
-rejections and its batches. The supervisor serves ``/metrics``: those files, merged, plus gauges
-of the present (drain time, P95, backlog, rate, by class where it differs) read off the engine's
-board at scrape time, so they are never stale.
+rejections and its batches, and says which dtype it serves in and why. The supervisor serves
+``/metrics``: those files, merged, plus gauges of the present (drain time, P95, backlog, rate, by
+class where it differs) read off the engine's board at scrape time, so they are never stale.
 
 The autoscaling signals keep their names and say which class they count: the drain time is the
 whole backlog's (every class), the P95 the interactive requests'. Per class, under the
@@ -19,7 +19,7 @@ from __future__ import annotations
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
-from prometheus_client import CollectorRegistry, Counter, Histogram
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.multiprocess import MultiProcessCollector
 from prometheus_client.registry import Collector
@@ -84,6 +84,13 @@ class EngineMetrics:
             Metric.FRONTEND_STALLS,
             "Times the engine stopped reading a front end's work because it had left its answers unread",
             registry=r,
+        )
+        self.serving_dtype = Gauge(
+            Metric.SERVING_DTYPE,
+            "1 for the dtype the model serves in, with the reason it was chosen",
+            ["dtype", "reason"],
+            registry=r,
+            multiprocess_mode="max",
         )
         self._real_tokens = self.tokens.labels(kind="real")
         self._padding_tokens = self.tokens.labels(kind="padding")

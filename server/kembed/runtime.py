@@ -1,5 +1,5 @@
-"""The supervisor's runtime folder: the engine's socket, the board and the metrics files, in one
-folder under the temporary directory, with a lock file the supervisor holds (``flock``) for as
+"""The supervisor's runtime folder: the engine's socket, the board, the metrics files and what the
+engine serves, in one folder under the temporary directory, with a lock file the supervisor holds (``flock``) for as
 long as it lives.
 
 A supervisor that was SIGKILLed leaves its folder behind, and in a pod ``/tmp`` is an emptyDir
@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import fcntl
+import json
 import logging
 import os
 import shutil
@@ -31,6 +32,7 @@ LOCK_FILE = "supervisor.lock"
 ENGINE_SOCKET = "engine.sock"
 BOARD_FILE = "board"
 METRICS_DIR = "metrics"
+SERVING_FILE = "serving.json"  # what the warm engine serves that is not a number: its dtype and why
 
 
 class RuntimeDir:
@@ -84,3 +86,18 @@ def _locked(path: Path, flags: int, blocking: bool) -> Iterator[None]:
         yield
     finally:
         os.close(fd)  # closing drops the lock
+
+
+def write_serving(folder: Path, facts: dict[str, str]) -> None:
+    """Publish what the warm engine serves (whole or not at all: readers never see half a file)."""
+    partial = folder / f".{SERVING_FILE}"
+    partial.write_text(json.dumps(facts))
+    partial.replace(folder / SERVING_FILE)
+
+
+def read_serving(folder: Path) -> dict[str, str]:
+    """What the engine published; empty until it is warm."""
+    try:
+        return dict(json.loads((folder / SERVING_FILE).read_text()))
+    except FileNotFoundError:
+        return {}

@@ -127,7 +127,7 @@ def test_ceiling_rates_overall_and_pass_range() -> None:
 
 
 def test_interleave_spreads_each_batching_over_the_pass() -> None:
-    batch = ceiling.Batch(torch.zeros(1, 1), torch.ones(1, 1), 1, 1)
+    batch = ceiling.PaddedBatch(torch.zeros(1, 1), torch.ones(1, 1), 1, 1)
     order = ceiling.interleave({"a": [batch] * 2, "b": [batch] * 4})
     assert order == [("b", 0), ("a", 0), ("b", 1), ("b", 2), ("a", 1), ("b", 3)]
 

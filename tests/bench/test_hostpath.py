@@ -11,7 +11,7 @@ import grpc
 import pytest
 
 from bench import echo, headline, hostpath, loadgen, machine, run_all
-from bench.loadgen import OK, Outcome
+from bench.loadgen import OK, CallRecord
 from bench.report import Spread
 from bench.server import echo_running, process_tree
 from kembed.v1 import embedder_pb2, embedder_pb2_grpc
@@ -64,8 +64,8 @@ async def test_two_echo_processes_answer_the_multiprocess_load_and_bursts(tmp_pa
     assert 0 < figures["p99_ms"]["median"] <= figures["last_ms"]["median"]  # an order, not a time bound
 
 
-def _outcome(done: float, code: str = OK) -> Outcome:
-    return Outcome(item=0, scheduled=0.0, sent=0.0, done=done, code=code)
+def _outcome(done: float, code: str = OK) -> CallRecord:
+    return CallRecord(item=0, scheduled=0.0, sent=0.0, done=done, code=code)
 
 
 def test_burst_figures_per_round() -> None:
@@ -191,10 +191,10 @@ def test_burst_figures_of_one_code() -> None:
 
 def test_give_ups_against_the_fewest_possible() -> None:
     attempts = [
-        Outcome(item=0, scheduled=0.0, sent=0.0, done=0.1, code=hostpath.EXHAUSTED),
-        Outcome(item=0, scheduled=0.11, sent=0.11, done=0.2, code=OK),  # retried, then answered
-        Outcome(item=1, scheduled=1.0, sent=1.0, done=1.1, code=hostpath.EXHAUSTED),
-        Outcome(item=1, scheduled=1.2, sent=1.2, done=1.3, code=hostpath.EXHAUSTED),  # gave up
+        CallRecord(item=0, scheduled=0.0, sent=0.0, done=0.1, code=hostpath.EXHAUSTED),
+        CallRecord(item=0, scheduled=0.11, sent=0.11, done=0.2, code=OK),  # retried, then answered
+        CallRecord(item=1, scheduled=1.0, sent=1.0, done=1.1, code=hostpath.EXHAUSTED),
+        CallRecord(item=1, scheduled=1.2, sent=1.2, done=1.3, code=hostpath.EXHAUSTED),  # gave up
     ]
     # Arrivals over 1 s, give-ups 9 s later: 0.1 calls/s serves 1 of the 2 calls within 10 s.
     assert hostpath.give_ups(attempts, capacity_calls_per_s=0.1, give_up_s=9) == {
@@ -227,12 +227,12 @@ def test_rest_ratios_against_grpc_and_the_peer() -> None:
     cpu = rows["REST / gRPC, zero-cost server, 1 front end, server CPU per call"]
     assert (cpu.value.median, cpu.met()) == (pytest.approx(4000 / 3400), None)
     peer = rows["REST, real model: kembed / infinity-emb 0.0.78 (calls/s)"]
-    assert (peer.value.median, peer.met()) == (pytest.approx(2.25), True)
-    missed = {r.name: r.met() for r in headline.hostpath_ratios(_rest(rest_calls=3000, kembed_calls=399))}
+    assert (peer.value.median, peer.met()) == (pytest.approx(2.25), False)
+    missed = {r.name: r.met() for r in headline.hostpath_ratios(_rest(rest_calls=3000, kembed_calls=499))}
     assert missed["REST / gRPC, zero-cost server, 1 front end (calls/s)"] is False
     assert missed["REST, real model: kembed / infinity-emb 0.0.78 (calls/s)"] is False
-    exactly = {r.name: r.met() for r in headline.hostpath_ratios(_rest(rest_calls=3200, kembed_calls=400))}
-    assert set(exactly.values()) == {True, None}  # 0.8 and 2x are within the targets
+    exactly = {r.name: r.met() for r in headline.hostpath_ratios(_rest(rest_calls=3200, kembed_calls=500))}
+    assert set(exactly.values()) == {True, None}  # 0.8 and 2.5x are within the targets
 
 
 def test_rest_rows_without_the_peer_say_why_and_how_to_set_it_up() -> None:

@@ -11,7 +11,7 @@ from dataclasses import dataclass, field
 import pytest
 
 from bench import http_loadgen
-from bench.loadgen import Outcome
+from bench.loadgen import CallRecord
 
 OK_BODY = b'{"object":"list","data":[]}'
 
@@ -122,8 +122,8 @@ def test_bodies_and_request_bytes() -> None:
 
 
 def test_summary_counts_rates_after_warmup_and_latency_of_successes() -> None:
-    outcomes = [Outcome(i, t, t, t + 0.01, "200") for i, t in enumerate([0.5, 1.5, 2.5, 2.6, 3.5])]
-    outcomes.append(Outcome(9, 3.0, 3.0, 3.9, "503"))
+    outcomes = [CallRecord(i, t, t, t + 0.01, "200") for i, t in enumerate([0.5, 1.5, 2.5, 2.6, 3.5])]
+    outcomes.append(CallRecord(9, 3.0, 3.0, 3.9, "503"))
     summary = http_loadgen.summarize(outcomes, warmup=1.0, duration=5.0, windows=4)
     assert summary["codes"] == {"200": 5, "503": 1}
     assert summary["calls"] == 6

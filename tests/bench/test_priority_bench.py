@@ -10,7 +10,7 @@ from typing import Any
 import pytest
 
 from bench import headline, loadgen, priority
-from bench.loadgen import OK, Outcome
+from bench.loadgen import OK, CallRecord
 from bench.report import Spread
 from bench.server import echo_running
 from kembed.priority import Priority
@@ -44,8 +44,10 @@ def test_two_loads_run_together_in_one_client_process(tmp_path: Path) -> None:
 
 
 def test_embeddings_per_second_count_each_sides_texts() -> None:
-    ingest = [Outcome(0, 0.0, 0.0, t, OK) for t in (0.5, 1.5, 2.5, 3.5)]
-    queries = [Outcome(0, 0.0, 0.0, t, OK) for t in (1.0, 3.0)] + [Outcome(0, 0.0, 0.0, 3.0, "RESOURCE_EXHAUSTED")]
+    ingest = [CallRecord(0, 0.0, 0.0, t, OK) for t in (0.5, 1.5, 2.5, 3.5)]
+    queries = [CallRecord(0, 0.0, 0.0, t, OK) for t in (1.0, 3.0)] + [
+        CallRecord(0, 0.0, 0.0, 3.0, "RESOURCE_EXHAUSTED")
+    ]
     assert priority.emb_per_s([(ingest, 2)], OPTS) == Spread(2.0, 2.0, 2.0).to_dict()  # 4 texts per 2 s window
     assert priority.emb_per_s([(ingest, 2), (queries, 1)], OPTS) == Spread(2.5, 2.5, 2.5).to_dict()
 

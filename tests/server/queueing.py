@@ -8,7 +8,7 @@ from collections.abc import Sequence
 import numpy as np
 
 from kembed.engine.buckets import route
-from kembed.engine.work import Chunk, Job
+from kembed.engine.units import Chunk, Job
 from kembed.inputs import Sequences
 from kembed.priority import Priority
 from kembed.protocol import Work

@@ -27,6 +27,9 @@ FAST = {
     "buckets": "16,32,64,128,256",
     "max_batch_size": 16,
     "max_tokens_per_batch": 2048,
+    # What tests compare against is fp32 (sentence-transformers, vectors of one text in different
+    # batches); auto would measure and may serve bf16 on a CPU with bf16 units (tests/server/test_cpu.py).
+    "dtype": "float32",
 }
 
 

@@ -2,15 +2,16 @@
 too: each step wakes the loop by an event and lets it run, so no step depends on how fast it runs)."""
 
 import asyncio
+import dataclasses
 import math
 from collections.abc import Callable
 
 import numpy as np
 import pytest
 
-from kembed.engine.batcher import Batcher, BatchShapes, choose_batch, next_stale_time
+from kembed.engine.batcher import Batcher, BatchPolicy, BatchShapes, choose_batch, next_stale_time, pack
 from kembed.engine.buckets import BucketQueue
-from kembed.engine.work import Batch, Job
+from kembed.engine.units import Batch, Job
 from kembed.inputs import Sequences
 from kembed.priority import Priority
 from tests.server.queueing import chunks
@@ -57,17 +58,21 @@ ONE_ITEM = Sequences(np.ones(5, np.int32), np.array([5], np.int32))
 
 
 def make_batcher(
-    shapes: BatchShapes, dispatch: Callable[[Batch], None], clock: Callable[[], float], expired: list[Job] | None = None
+    policy: BatchPolicy, dispatch: Callable[[Batch], None], clock: Callable[[], float], expired: list[Job] | None = None
 ) -> Batcher:
     expire = (expired if expired is not None else []).append
-    return Batcher(BucketQueue(LENGTHS), shapes, dispatch, expire=expire, max_wait=MAX_WAIT, naive=False, clock=clock)
+    return Batcher(BucketQueue(LENGTHS), policy, dispatch, expire=expire, clock=clock)
 
 
 SHAPES = BatchShapes.build(max_batch_size=8, max_tokens=512, fixed=True)
+FIXED = BatchPolicy(SHAPES, max_wait=MAX_WAIT)
+EAGER = BatchPolicy(BatchShapes.build(max_batch_size=8, max_tokens=512, fixed=False), max_wait=MAX_WAIT)
+PACKED = dataclasses.replace(EAGER, packed=True, overhead_tokens=64)
 
 
-def choose(queue, now, idle=False, naive=False, shapes=SHAPES, starved_after=math.inf, batch_served_at=-math.inf):
-    return choose_batch(queue, shapes, now, MAX_WAIT, idle, naive, starved_after, batch_served_at)
+def choose(queue, now, idle=False, policy=FIXED, starved_after=math.inf, batch_served_at=-math.inf):
+    policy = dataclasses.replace(policy, starved_after=starved_after)
+    return choose_batch(queue, policy=policy, now=now, idle=idle, batch_served_at=batch_served_at)
 
 
 def test_shapes_are_fixed_powers_of_two_capped_by_tokens():
@@ -117,14 +122,15 @@ def test_idle_worker_takes_the_largest_bucket():
     assert (pick.bucket, pick.items, pick.reason) == (1, 2, "idle")
 
 
-def test_naive_takes_everything_in_arrival_order_when_idle():
+def test_one_queue_takes_everything_in_arrival_order_when_idle():
+    """The naive baseline: one bucket, eager and not packed."""
     queue = BucketQueue([128])
     add(queue, 10, 2, now=0.0)
     add(queue, 100, 1, now=0.0)
-    assert choose(queue, now=1.0, naive=True) is None  # no staleness in the baseline
-    assert choose(queue, now=1.0, idle=True, naive=True).items == 3
+    assert choose(queue, now=0.0, policy=EAGER) is None  # a busy worker: not stale, not full
+    assert choose(queue, now=0.0, idle=True, policy=EAGER).items == 3
     add(queue, 50, 2, now=0.0)
-    pick = choose(queue, now=1.0, naive=True)
+    pick = choose(queue, now=0.0, policy=EAGER)
     assert (pick.items, pick.reason) == (4, "full")  # 512 tokens / 128 = 4 rows at most
 
 
@@ -135,8 +141,8 @@ def test_interactive_work_leads_and_batch_work_fills_only_the_rows_its_shape_pad
     add(queue, 10, 3, now=0.001)  # three queries
     pick = choose(queue, now=0.002, idle=True)
     assert (pick.bucket, pick.items) == (0, 4)  # padded to 4 rows: the fourth is a batch item, free
-    eager = BatchShapes.build(max_batch_size=8, max_tokens=512, fixed=False)
-    assert choose(queue, now=0.002, idle=True, shapes=eager).items == 3  # every row is computed: none added
+    pick = choose(queue, now=0.002, idle=True, policy=EAGER)
+    assert (pick.items, pick.classes) == (3, (INTERACTIVE,))  # every row is computed: none added
     taken, _ = queue.take(0, 4, now=0.002)
     assert [c.job.priority for c in taken] == [INTERACTIVE, BATCH]
 
@@ -160,8 +166,8 @@ def test_batch_work_left_without_a_batch_for_the_floor_goes_next_whatever_intera
     assert choose(queue, now=0.99, idle=True, starved_after=1.0).bucket == 0
     assert choose(queue, now=1.5, idle=True, starved_after=1.0, batch_served_at=0.6).bucket == 0  # served lately
     pick = choose(queue, now=1.0, starved_after=1.0)  # the worker busy: it goes all the same
-    assert (pick.bucket, pick.items, pick.reason, pick.first) == (2, 3, "starved", BATCH)
-    taken, _ = queue.take(pick.bucket, 2, now=1.0, first=pick.first)
+    assert (pick.bucket, pick.items, pick.reason, pick.classes) == (2, 3, "starved", (BATCH, INTERACTIVE))
+    taken, _ = queue.take(pick.bucket, 2, now=1.0, classes=pick.classes)
     assert [c.job.priority for c in taken] == [BATCH]  # its own items first, not the query beside them
 
 
@@ -176,7 +182,7 @@ def test_the_floor_bounds_how_long_interactive_traffic_starves_batch_work(floor:
     while now < 3.5:
         add(queue, 10, 2, now=now)
         pick = choose(queue, now, idle=True, starved_after=floor, batch_served_at=last)
-        taken, _ = queue.take(pick.bucket, pick.items, now, pick.first)
+        taken, _ = queue.take(pick.bucket, pick.items, now, pick.classes)
         if any(chunk.job.priority is BATCH for chunk in taken):
             served_at.append(now)
             last = now
@@ -184,10 +190,67 @@ def test_the_floor_bounds_how_long_interactive_traffic_starves_batch_work(floor:
     assert served_at == served
 
 
+@pytest.mark.parametrize(
+    ("lengths", "lead", "max_rows", "max_tokens", "overhead", "taken"),
+    [
+        ([20, 27, 18], 0, 8, 512, 0, [20]),  # no overhead: batches of one are never padded
+        ([20, 27, 18], 0, 8, 512, 64, [18, 20, 27]),  # an overhead worth padding 16 tokens to save
+        ([20, 27, 18], 0, 2, 512, 64, [18, 20]),  # the row limit: 27 goes alone (18 alone would cost more)
+        ([20, 27, 18], 0, 8, 50, 64, [18, 20]),  # the token budget: 2 x 27 is over
+        ([10, 11, 12, 120, 121], 3, 8, 1024, 64, [120, 121]),  # padding 10 to 121 costs more than a batch
+        ([10, 11, 12, 120, 121], 0, 8, 1024, 64, [10, 11, 12]),
+        ([300, 5], 0, 8, 256, 64, [300]),  # a lone item longer than the budget still goes
+    ],
+)
+def test_pack_splits_the_items_by_length_at_the_least_cost_and_sends_the_leads_run(
+    lengths: list[int], lead: int, max_rows: int, max_tokens: int, overhead: float, taken: list[int]
+):
+    chosen = pack(np.array(lengths, np.int32), lead, max_rows, max_tokens, overhead)
+    assert sorted(np.array(lengths)[chosen].tolist()) == taken and lead in chosen.tolist()
+
+
+def test_a_packed_batch_takes_similar_lengths_from_both_sides_of_a_bucket_boundary():
+    queue = BucketQueue(LENGTHS)
+    for length, now in ((15, 0.0), (60, 0.001), (16, 0.002), (17, 0.003), (18, 0.004), (5, 0.005)):
+        add(queue, length, 1, now=now, priority=BATCH)
+    batches: list[Batch] = []
+    batcher = Batcher(queue, PACKED, batches.append, expire=lambda job: None, clock=lambda: 0.05)
+    batcher.dispatch_ready()
+    [batch] = batches  # led by the oldest stale bucket, 16's; 60 would cost more padded than alone
+    assert sorted(int(c.lengths[0]) for c in batch.chunks) == [5, 15, 16, 17, 18]  # buckets 16 and 32
+    assert (batch.rows, batch.seq_len) == (5, 18) and batch.cost == 3 * 16 + 2 * 32
+    assert batcher.backlog.total == 64 + batch.cost  # the 60 queued, the batch in flight
+    assert (queue.items(0), queue.items(1), queue.items(2)) == (0, 0, 1)
+
+
+def test_a_packed_batch_led_by_interactive_work_holds_only_interactive_items():
+    queue = BucketQueue(LENGTHS)
+    add(queue, 17, 3, now=0.0, priority=BATCH)
+    add(queue, 16, 1, now=0.001)
+    add(queue, 18, 1, now=0.002)
+    batches: list[Batch] = []
+    Batcher(queue, PACKED, batches.append, expire=lambda job: None, clock=lambda: 0.01).dispatch_ready()
+    [batch] = batches
+    assert [c.job.priority for c in batch.chunks] == [INTERACTIVE, INTERACTIVE] and batch.seq_len == 18
+    assert queue.items(1, BATCH) == 3
+
+
+def test_a_packed_batch_of_starved_batch_work_starts_from_its_oldest_item():
+    queue = BucketQueue(LENGTHS)
+    add(queue, 40, 1, now=0.0, priority=BATCH)  # the oldest batch item, in the 64 bucket
+    add(queue, 30, 1, now=0.5, priority=BATCH)
+    add(queue, 10, 8, now=0.9)  # queries enough to keep the worker busy
+    batches: list[Batch] = []
+    policy = dataclasses.replace(PACKED, starved_after=1.0)
+    Batcher(queue, policy, batches.append, expire=lambda job: None, clock=lambda: 1.0).dispatch_ready()
+    [batch] = batches
+    assert sorted(int(c.lengths.max()) for c in batch.chunks) == [30, 40]  # its neighbour too, not the queries
+
+
 async def test_loop_dispatches_on_events_and_bounds_in_flight():
     dispatched: list[Batch] = []
     clock = FakeClock()
-    batcher = make_batcher(SHAPES, dispatched.append, clock)
+    batcher = make_batcher(FIXED, dispatched.append, clock)
     task = asyncio.create_task(batcher.run())
     try:
         submit(batcher, 3, Sequences(np.ones(30, np.int32), np.full(3, 10, np.int32)), clock.now)
@@ -195,7 +258,7 @@ async def test_loop_dispatches_on_events_and_bounds_in_flight():
         assert len(dispatched) == 1  # idle worker: at once, no waiting for staleness
         first = dispatched[0]
         assert (first.rows, first.seq_len, first.items) == (4, 16, 3)  # padded to a fixed shape
-        assert batcher.in_flight == 1 and batcher.backlog_tokens == 64
+        assert batcher.in_flight == 1 and batcher.backlog.in_flight == 3 * 16  # what it took from the backlog
         submit(batcher, 1, ONE_ITEM, clock.now)
         await settle()
         assert len(dispatched) == 1  # the worker is busy and nothing is stale yet
@@ -222,17 +285,17 @@ async def test_loop_does_not_poll_when_idle():
         wakeups += 1
         return asyncio.get_running_loop().time()
 
-    batcher = make_batcher(SHAPES, lambda batch: None, clock)
+    batcher = make_batcher(FIXED, lambda batch: None, clock)
     task = asyncio.create_task(batcher.run())
     await asyncio.sleep(0.3)
     task.cancel()
     assert wakeups <= 2
 
 
-async def test_eager_batches_are_trimmed_to_their_items():
+@pytest.mark.parametrize("policy", [EAGER, PACKED])
+async def test_eager_batches_are_trimmed_to_their_items(policy: BatchPolicy):
     dispatched: list[Batch] = []
-    eager = BatchShapes.build(max_batch_size=8, max_tokens=512, fixed=False)
-    batcher = make_batcher(eager, dispatched.append, FakeClock())
+    batcher = make_batcher(policy, dispatched.append, FakeClock())
     task = asyncio.create_task(batcher.run())
     try:
         lengths = np.array([20, 27, 18], np.int32)
@@ -248,8 +311,7 @@ async def test_eager_mode_forms_the_next_batch_only_when_the_worker_is_free():
     """One batch in flight on CPU: what queues while it runs goes together, not in dribs and drabs."""
     dispatched: list[Batch] = []
     clock = FakeClock()
-    eager = BatchShapes.build(max_batch_size=8, max_tokens=512, fixed=False)
-    batcher = make_batcher(eager, dispatched.append, clock)
+    batcher = make_batcher(PACKED, dispatched.append, clock)
     task = asyncio.create_task(batcher.run())
     try:
         submit(batcher, 1, ONE_ITEM, clock.now)
@@ -271,7 +333,7 @@ async def test_a_job_found_past_its_deadline_goes_to_whoever_closes_jobs():
     dispatched: list[Batch] = []
     expired: list[Job] = []
     clock = FakeClock()
-    batcher = make_batcher(SHAPES, dispatched.append, clock, expired)
+    batcher = make_batcher(FIXED, dispatched.append, clock, expired)
     late = make_job(1)
     late.deadline = 1.0
     batcher.submit(chunks(late, ONE_ITEM, LENGTHS, clock.now))

@@ -4,7 +4,7 @@ import numpy as np
 import pytest
 
 from kembed.engine.buckets import BucketQueue, route
-from kembed.engine.work import Job
+from kembed.engine.units import Job
 from kembed.inputs import Sequences
 from kembed.priority import Priority
 from kembed.shapes import clip_buckets, padded_lengths
@@ -135,6 +135,43 @@ def test_an_expired_item_of_a_waiting_request_leaves_its_waiting_tokens():
     late.closed = True
     queue.forget(late)  # as whoever closes jobs does
     assert (queue.waiting(BATCH), queue.waiting_tokens(BATCH), queue.queued_tokens) == (0, 0, 0)
+
+
+def test_front_finds_live_chunks_in_order_and_drops_the_dead():
+    queue = BucketQueue(LENGTHS)
+    late, query, ingest, next_door = (
+        job(1, deadline=5.0, tag=1),
+        job(2, tag=2),
+        job(1, priority=BATCH, tag=3),
+        job(1, tag=4),
+    )
+    enqueue(queue, late, seqs(4), now=1.0)
+    enqueue(queue, query, seqs(5, 6), now=2.0)
+    enqueue(queue, ingest, seqs(7), now=2.0)
+    enqueue(queue, next_door, seqs(20), now=3.0)
+    found, expired = queue.front([0, 1], (INTERACTIVE,), items=8, now=6.0)
+    assert [(bucket, chunk.job) for bucket, chunk in found] == [(0, query), (1, next_door)]  # no batch work
+    assert expired == [late] and queue.items(0) == 3  # the late item left; the rest is still queued
+    assert queue.tokens(INTERACTIVE) == 2 * 16 + 32
+
+
+def test_take_items_takes_some_of_a_chunk_and_leaves_the_rest_in_its_place():
+    queue = BucketQueue(LENGTHS)
+    first, second = job(3, priority=BATCH, tag=1), job(1, priority=BATCH, tag=2)
+    enqueue(queue, first, seqs(3, 9, 5), now=1.0)
+    enqueue(queue, second, seqs(4), now=2.0)
+    [(bucket, chunk), _], _ = queue.front([0], (BATCH,), items=8, now=2.0)
+    taken = queue.take_items(bucket, chunk, np.array([False, True, False]))
+    assert (taken.slots.tolist(), taken.lengths.tolist(), taken.ids[0, :9].tolist()) == (
+        [1],
+        [9],
+        list(range(2000, 2009)),
+    )
+    assert (queue.items(0), queue.tokens(BATCH), first.queued_tokens) == (3, 3 * 16, 2 * 16)
+    assert (queue.waiting(BATCH), queue.waiting_tokens(BATCH)) == (1, 16)  # ``first`` started; ``second`` waits
+    rest, _ = queue.take(0, 8, now=2.0)
+    assert [(c.job, c.slots.tolist()) for c in rest] == [(first, [0, 2]), (second, [0])]  # in their places
+    assert queue.queued_tokens == 0 == len(queue)
 
 
 @pytest.mark.parametrize("n", [1, 7, 200])

@@ -1,17 +1,23 @@
 """CPU inference below serving: the compute threads' niceness, in a fresh process (niceness cannot be
-lowered again without privileges, so never in the test process itself), and in a real server."""
+lowered again without privileges, so never in the test process itself), and in a real server; and
+the CPU's bf16 units, read from its flags."""
 
 from __future__ import annotations
 
 import json
 import os
+import re
 import subprocess
 import sys
 from collections.abc import Iterator
 from pathlib import Path
 
+import grpc
 import pytest
 
+from kembed.engine import precision
+from kembed.v1 import embedder_pb2 as pb
+from kembed.v1 import embedder_pb2_grpc as pb_grpc
 from tests.server.serving import ServerProcess
 
 PROBE = """
@@ -58,7 +64,8 @@ def thread_niceness(pid: int) -> dict[bool, set[int]]:
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
-    running = ServerProcess(tmp_path_factory.mktemp("cpu") / "server.log", frontends=1, compute_nice=6)
+    log = tmp_path_factory.mktemp("cpu") / "server.log"
+    running = ServerProcess(log, frontends=1, compute_nice=6, dtype="auto")  # the default the harness pins
     yield running.wait_ready()
     running.stop()
 
@@ -73,3 +80,36 @@ def test_on_cpu_only_the_engine_compute_threads_run_below_serving(server: Server
     frontend = thread_niceness(children["frontend-0"])
     assert frontend[True] | frontend[False] == {base}
     assert "compute threads at niceness" in server.output()
+
+
+@pytest.mark.slow
+def test_the_dtype_auto_serves_and_why_are_in_health_info_and_metrics(server: ServerProcess) -> None:
+    health = server.health()
+    dtype, why = health["dtype"], health["dtype_reason"]
+    if precision.bf16_units():  # measured at warmup: bf16 unless it was not faster or not accurate
+        assert why.startswith("auto: bf16 ") and (dtype == "bfloat16") == (re.search(", (under|not) ", why) is None)
+    else:
+        assert (dtype, why) == ("float32", "auto: no bf16 units (none of amx_bf16, avx512_bf16, bf16)")
+    assert server.metric(f'kembed_serving_dtype{{dtype="{dtype}",reason="{why}"}}') == 1
+    with grpc.insecure_channel(server.target) as channel:
+        assert pb_grpc.EmbedderStub(channel).Info(pb.InfoRequest(), timeout=10).dtype == dtype
+
+
+@pytest.mark.parametrize(
+    ("cpuinfo", "units"),
+    [
+        ("flags\t\t: fpu sse2 avx2 avx512f avx512_bf16 avx512_vnni\n", ("avx512_bf16",)),  # AMD EPYC (Zen 4)
+        ("flags\t\t: fpu avx512f avx512_bf16 amx_bf16 amx_tile amx_int8\n", ("amx_bf16", "avx512_bf16")),  # Xeon
+        ("flags\t\t: fpu sse2 avx2 avx512f avx512_vnni\n", ()),  # AVX-512 without bf16
+        ("Features\t: fp asimd sve bf16 i8mm\n", ("bf16",)),  # Arm (Graviton 3)
+        ("flags\t\t: fpu sse2 avx2\nbugs\t\t: bf16\n", ()),  # only the flags line counts
+    ],
+)
+def test_bf16_units_are_read_from_the_cpus_flags(tmp_path: Path, cpuinfo: str, units: tuple[str, ...]) -> None:
+    path = tmp_path / "cpuinfo"
+    path.write_text(f"processor\t: 0\nmodel name\t: a CPU\n{cpuinfo}\n")
+    assert precision.bf16_units(path) == units
+
+
+def test_no_cpuinfo_means_no_bf16_units(tmp_path: Path) -> None:
+    assert precision.bf16_units(tmp_path / "absent") == ()

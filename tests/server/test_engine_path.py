@@ -11,12 +11,12 @@ import pytest
 
 from kembed.admission import AdmissionController, Backlog, MeasuredLoad
 from kembed.config import Settings
-from kembed.engine.batcher import Batcher, BatchShapes
+from kembed.engine.batcher import Batcher, BatchPolicy, BatchShapes
 from kembed.engine.buckets import BucketQueue
 from kembed.engine.intake import Intake
 from kembed.engine.jobs import Jobs
 from kembed.engine.responder import Responder
-from kembed.engine.work import Batch, Chunk, Job
+from kembed.engine.units import Batch, Chunk, Job
 from kembed.engine.worker import Outcome
 from kembed.errors import EmbedError, Failure
 from kembed.metrics import EngineMetrics
@@ -69,8 +69,8 @@ def engine_path():
     dispatched: list[Batch] = []
     queue = BucketQueue(LENGTHS)
     jobs = Jobs(queue)
-    shapes = BatchShapes.build(8, 256, fixed=False)
-    batcher = Batcher(queue, shapes, dispatched.append, expire=jobs.expire, max_wait=0.02, naive=False)
+    policy = BatchPolicy(BatchShapes.build(8, 256, fixed=False), max_wait=0.02, packed=True)
+    batcher = Batcher(queue, policy, dispatched.append, expire=jobs.expire)
     outbox = Outbox()
     metrics = EngineMetrics()
     intake = Intake(admission, batcher, jobs, outbox, metrics, pad_token_id=0, clock=clock)
@@ -89,7 +89,7 @@ def test_a_frame_of_requests_is_admitted_against_one_backlog(engine_path):
     assert [(link, tags, [e.failure for e in errors]) for link, tags, errors in outbox.errors_sent] == [
         (7, [13], [Failure.REJECTED])
     ]
-    assert batcher.backlog_tokens == 48 + 16 + 16
+    assert batcher.backlog.total == 48 + 16 + 16
     short, long = queued(batcher, 0), queued(batcher, 1)
     assert [(c.job.tag, c.slots.tolist(), c.lengths.tolist()) for c in short] == [
         (11, [0], [3]),
@@ -103,9 +103,9 @@ def test_a_frame_of_requests_is_admitted_against_one_backlog(engine_path):
 def test_cancellations_drop_queued_work_and_samples_reach_the_p95(engine_path):
     intake, batcher, _, _, _, load, _ = engine_path
     intake.accept(1, work_frame([[4, 4]], tags=[5]))
-    assert batcher.backlog_tokens == 32
+    assert batcher.backlog.total == 32
     intake.accept(1, work_frame([], tags=[], cancels=[5], latencies=[0.5] * 6))
-    assert batcher.backlog_tokens == 0 and queued(batcher, 0) == []
+    assert batcher.backlog.total == 0 and queued(batcher, 0) == []
     assert load.p95_seconds() == pytest.approx(0.5)
 
 
@@ -115,7 +115,7 @@ def test_responder_sends_each_front_end_its_rows_and_finishes_jobs(engine_path):
     intake.accept(2, work_frame([[4]], tags=[22]))
     chunks = queued(batcher, 0)
     batch = Batch(chunks, 4, 3)
-    batcher.in_flight, batcher.in_flight_tokens = 1, batch.padded_tokens
+    batcher.in_flight, batcher.in_flight_tokens = 1, batch.cost
     embeddings = np.arange(3 * DIMS, dtype=np.float32).reshape(3, DIMS)
     responder.deliver(batch, [Outcome(chunks, embeddings, None, 12, 9)], started=99.0, seconds=0.5)
     by_link = {link: (r.tags.tolist(), r.slots.tolist(), r.rows) for link, r in outbox.results}
@@ -126,7 +126,8 @@ def test_responder_sends_each_front_end_its_rows_and_finishes_jobs(engine_path):
 
 def test_service_rate_counts_wall_time_between_completions(engine_path):
     """Compute time alone misses the gaps a busy loop and shared cores put between batches: the rate
-    is padded tokens over max(compute, wall time since the batch could start)."""
+    is the batch's cost (its items padded to their buckets, the backlog's unit, whatever the batch
+    computed) over max(compute, wall time since the batch could start)."""
     _, batcher, _, _, responder, load, clock = engine_path
     job = Job(link=1, tag=1, count=1, deadline=1e9)
     chunk = Chunk(job, np.array([0]), np.ones((1, 16), np.int32), np.array([16], np.int32), 0.0)
@@ -134,13 +135,13 @@ def test_service_rate_counts_wall_time_between_completions(engine_path):
     def finish(started: float, seconds: float, done: float) -> None:
         clock.now = done
         batch = Batch([chunk], 16, 8)
-        batcher.in_flight, batcher.in_flight_tokens = 1, batch.padded_tokens
+        batcher.in_flight, batcher.in_flight_tokens = 1, batch.cost
         responder.deliver(batch, [Outcome([chunk], None, RuntimeError("x"), 128, 16)], started, seconds)
 
     finish(started=100.0, seconds=0.5, done=101.0)  # 1 s of wall time for 0.5 s of compute
-    assert load.tokens_per_second == pytest.approx(128 / 1.0)
+    assert load.tokens_per_second == pytest.approx(16 / 1.0)
     finish(started=100.5, seconds=0.9, done=101.2)  # started before the last completion: 0.2 s wall
-    assert load.tokens_per_second == pytest.approx((128 * 0.9 + 128) / (1.0 * 0.9 + 0.9))
+    assert load.tokens_per_second == pytest.approx((16 * 0.9 + 16) / (1.0 * 0.9 + 0.9))
 
 
 def test_a_lost_front_end_takes_its_queued_work_with_it(engine_path):
@@ -148,7 +149,7 @@ def test_a_lost_front_end_takes_its_queued_work_with_it(engine_path):
     intake.accept(1, work_frame([[4]], tags=[1]))
     intake.accept(2, work_frame([[4]], tags=[1]))
     jobs.drop_link(1)
-    assert batcher.backlog_tokens == 16
+    assert batcher.backlog.total == 16
     assert [c.job.link for c in queued(batcher, 0)] == [2]
 
 

@@ -18,7 +18,7 @@ import torch
 from kembed.config import Graphs, Settings
 from kembed.engine.graphs import CompileCount, UnplannedShapeError
 from kembed.engine.model import EmbeddingModel
-from kembed.engine.worker import Engine, start_engine
+from kembed.engine.worker import ModelRunner, start_runner
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
 
@@ -29,14 +29,14 @@ MOST_KERNELS_BESIDE_A_GRAPH = 8
 
 
 @pytest.fixture(scope="module", params=["capture", "static"])
-def engine(request: pytest.FixtureRequest) -> Iterator[Engine]:
+def engine(request: pytest.FixtureRequest) -> Iterator[ModelRunner]:
     settings = Settings.from_env({}, device="cuda", compile="on", graphs=request.param, **PLAN)
-    yield start_engine(settings, EmbeddingModel.load, lambda: None)
+    yield start_runner(settings, EmbeddingModel.load, lambda: None)
     torch.compiler.set_stance("default")  # sealing forbade recompiles process-wide
     torch.compiler.reset()
 
 
-def planned(engine: Engine) -> list[tuple[int, int]]:
+def planned(engine: ModelRunner) -> list[tuple[int, int]]:
     return [(rows, seq_len) for seq_len, rows in engine.plan.shapes.grid(engine.plan.bucket_lengths)]
 
 
@@ -49,7 +49,7 @@ def batch(rows: int, seq_len: int, seed: int) -> tuple[torch.Tensor, torch.Tenso
     return ids * mask, mask
 
 
-def launches(engine: Engine, rows: int, seq_len: int) -> Counter[str]:
+def launches(engine: ModelRunner, rows: int, seq_len: int) -> Counter[str]:
     """CUDA runtime and driver launch calls made by one batch of this shape."""
     from torch.profiler import ProfilerActivity, profile
 
@@ -59,7 +59,7 @@ def launches(engine: Engine, rows: int, seq_len: int) -> Counter[str]:
     return Counter(event.name for event in prof.events() if "Launch" in event.name)
 
 
-def test_every_planned_shape_has_a_graph_and_replays_it_rather_than_running_eager(engine: Engine) -> None:
+def test_every_planned_shape_has_a_graph_and_replays_it_rather_than_running_eager(engine: ModelRunner) -> None:
     shapes = planned(engine)
     assert len(shapes) > torch._dynamo.config._config["recompile_limit"].default  # type: ignore[attr-defined]
     assert engine.graphs is not None and engine.graphs.sealed
@@ -72,7 +72,9 @@ def test_every_planned_shape_has_a_graph_and_replays_it_rather_than_running_eage
         assert kernels <= MOST_KERNELS_BESIDE_A_GRAPH, f"{rows}x{seq_len} ran eager: {calls}"
 
 
-def test_warmup_compiled_whole_graphs_with_inductor_kernels(engine: Engine, request: pytest.FixtureRequest) -> None:
+def test_warmup_compiled_whole_graphs_with_inductor_kernels(
+    engine: ModelRunner, request: pytest.FixtureRequest
+) -> None:
     assert engine.graphs is not None
     compiles = engine.graphs.compiles
     compiled = CompileCount.total(compiles.values())
@@ -83,7 +85,7 @@ def test_warmup_compiled_whole_graphs_with_inductor_kernels(engine: Engine, requ
         assert compiled.graphs <= 2, compiles  # one dynamic graph, and one for one-row batches
 
 
-def test_no_recompiles_after_warmup_and_outputs_match_fp32(engine: Engine) -> None:
+def test_no_recompiles_after_warmup_and_outputs_match_fp32(engine: ModelRunner) -> None:
     reference = EmbeddingModel.load(Settings.from_env({}, device="cpu", dtype="float32"))
     compiled = CompileCount.now()
     with torch.inference_mode():
@@ -96,7 +98,7 @@ def test_no_recompiles_after_warmup_and_outputs_match_fp32(engine: Engine) -> No
     assert CompileCount.now() == compiled
 
 
-def test_an_unplanned_shape_is_refused_not_compiled(engine: Engine) -> None:
+def test_an_unplanned_shape_is_refused_not_compiled(engine: ModelRunner) -> None:
     ids, mask = batch(3, 16, seed=0)  # 3 rows: batch sizes are powers of two
     with pytest.raises(UnplannedShapeError), torch.inference_mode():
         engine._pooled(ids, mask)

@@ -14,7 +14,7 @@ import torch
 from kembed.config import Graphs, Settings
 from kembed.engine import graphs
 from kembed.engine.model import EmbeddingModel
-from kembed.engine.worker import start_engine, warmup_batch
+from kembed.engine.worker import start_runner, warmup_batch
 from tests.server.test_gpu import PLAN, batch, planned
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
@@ -51,7 +51,7 @@ def test_a_model_on_another_device_captures_and_replays_there() -> None:
     settings = Settings.from_env({}, device=f"cuda:{index}", compile="on", graphs="capture", **PLAN)
     previous = torch.cuda.current_device()
     try:
-        engine = start_engine(settings, EmbeddingModel.load, lambda: None)
+        engine = start_runner(settings, EmbeddingModel.load, lambda: None)
         assert torch.cuda.current_device() == index
         reference = EmbeddingModel.load(Settings.from_env({}, device="cpu", dtype="float32"))
         for seed, (rows, seq_len) in enumerate(planned(engine)):

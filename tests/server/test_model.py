@@ -19,6 +19,7 @@ from transformers import AutoModel
 
 from kembed.config import Graphs, Settings
 from kembed.engine.model import BUNDLED_MODEL_ID, EmbeddingModel, ModelLoadError, resolve_model_path
+from kembed.engine.precision import MIN_COSINE, PROBE_TEXTS
 from kembed.frontend.service import postprocess
 from kembed.inputs import Sequences
 
@@ -189,6 +190,18 @@ def test_padding_does_not_change_vectors(stock_model: EmbeddingModel) -> None:
     alone = np.concatenate([pooled(stock_model, [text]) for text in texts])
     np.testing.assert_allclose(loose, tight, atol=1e-5)
     np.testing.assert_allclose(alone, tight, atol=1e-5)
+
+
+def test_bf16_weights_match_sentence_transformers_fp32_on_a_varied_set(st_model: Any) -> None:
+    """What ``KEMBED_DTYPE=auto`` may serve on a CPU with bf16 units: its vectors against the fp32
+    reference, on these texts and the warmup's own probe texts (bf16 computes on any x86 CPU)."""
+    bf16 = EmbeddingModel.load(settings(dtype="bfloat16"))
+    assert bf16.info.dtype == torch.bfloat16
+    texts = TEXTS + list(PROBE_TEXTS)
+    reference = st_model.encode(texts, normalize_embeddings=True, convert_to_numpy=True)
+    cosines = (embed(bf16, texts) * reference).sum(axis=1)
+    print(f"worst cosine, bf16 vs sentence-transformers fp32: {cosines.min():.6f}")
+    assert cosines.min() >= MIN_COSINE, {texts[i][:40]: float(c) for i, c in enumerate(cosines) if c < MIN_COSINE}
 
 
 # --- strict loading -----------------------------------------------------------------------------

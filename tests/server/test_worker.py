@@ -1,5 +1,5 @@
-"""The worker's engine: a failing item fails only its own request; batches match lone runs; a
-worker thread that dies is fatal."""
+"""The worker's model runner: a failing item fails only its own request; batches match lone runs; a
+worker thread that dies is fatal; the dtype auto serves, from injected capabilities and timings."""
 
 from __future__ import annotations
 
@@ -12,25 +12,36 @@ import pytest
 import torch
 from torch._dynamo.utils import counters
 
-from kembed.config import Settings, Warmup
-from kembed.engine import compile_cache
+from kembed.config import Dtype, Settings, Warmup
+from kembed.engine import compile_cache, cpu, precision
 from kembed.engine.graphs import ShapeGuard, UnplannedShapeError
 from kembed.engine.model import EmbeddingModel
-from kembed.engine.work import Chunk, Job
-from kembed.engine.worker import Engine, Outcome, Worker, make_plan, start_engine, warmup_batch, warmup_order
+from kembed.engine.units import Chunk, Job
+from kembed.engine.worker import (
+    ModelRunner,
+    Outcome,
+    Worker,
+    batch_overhead,
+    make_plan,
+    min_cosine,
+    probe_vectors,
+    start_runner,
+    warmup_batch,
+    warmup_order,
+)
 from tests.server.queueing import chunks
 
 POISON = 4242  # a real vocabulary id that the injected fault treats as fatal to its batch
 
 
 @pytest.fixture(scope="module")
-def engine() -> Engine:
+def engine() -> ModelRunner:
     settings = Settings.from_env({}, buckets="16,32", max_batch_size=8, max_tokens_per_batch=256)
     model = EmbeddingModel.load(settings)
-    return Engine(model, dataclasses.replace(make_plan(settings, model), warmup=Warmup.LARGEST))
+    return ModelRunner(model, dataclasses.replace(make_plan(settings, model), warmup=Warmup.LARGEST))
 
 
-def chunks_for(engine: Engine, texts: list[str], poison: bool = False) -> list[Chunk]:
+def chunks_for(engine: ModelRunner, texts: list[str], poison: bool = False) -> list[Chunk]:
     seqs = engine.model.tokenizer.from_texts(texts, truncate=False)
     if poison:
         seqs.ids[1] = POISON
@@ -38,7 +49,7 @@ def chunks_for(engine: Engine, texts: list[str], poison: bool = False) -> list[C
     return [chunk for _, chunk in chunks(job, seqs, [16, 32], 0.0)]
 
 
-def test_a_failing_item_fails_alone(engine: Engine, monkeypatch: pytest.MonkeyPatch):
+def test_a_failing_item_fails_alone(engine: ModelRunner, monkeypatch: pytest.MonkeyPatch):
     real_forward = engine.model.forward
 
     def faulty(ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
@@ -73,14 +84,14 @@ def rows_of(job: Job, outcomes: list[Outcome]) -> np.ndarray:
     return np.concatenate(rows)
 
 
-def test_warmup_times_the_largest_batch_of_each_bucket(engine: Engine):
+def test_warmup_times_the_largest_batch_of_each_bucket(engine: ModelRunner):
     assert engine.plan.warmup_shapes() == [(32, 8), (16, 8), (256, 1)]  # the model's limit is the last bucket
     engine.warm_up(lambda: None)
     assert engine.warmup_tokens == 16 * 8 + 32 * 8 + 256
     assert engine.warmup_seconds > 0
 
 
-def test_after_warmup_an_unplanned_shape_fails_its_batch_whole(engine: Engine, monkeypatch: pytest.MonkeyPatch):
+def test_after_warmup_an_unplanned_shape_fails_its_batch_whole(engine: ModelRunner, monkeypatch: pytest.MonkeyPatch):
     real_forward = engine.model.forward
     prepared: list[tuple[int, ...]] = []
 
@@ -90,7 +101,7 @@ def test_after_warmup_an_unplanned_shape_fails_its_batch_whole(engine: Engine, m
 
     guard = ShapeGuard(prepare)
     monkeypatch.setattr(engine.model, "forward", guard)
-    sealed = Engine(engine.model, engine.plan, graphs=guard)
+    sealed = ModelRunner(engine.model, dataclasses.replace(engine.plan, packed=False), graphs=guard)  # fixed shapes
     try:
         sealed.warm_up(lambda: None)
     finally:
@@ -124,7 +135,7 @@ def test_warmup_batches_are_right_padded_like_served_ones(rows: int, seq_len: in
     assert not bool(ids[mask == 0].any())  # pad id where masked
 
 
-def test_warmup_runs_every_shape_largest_first_with_padding(engine: Engine, monkeypatch: pytest.MonkeyPatch):
+def test_warmup_runs_every_shape_largest_first_with_padding(engine: ModelRunner, monkeypatch: pytest.MonkeyPatch):
     real_forward = engine.model.forward
     seen: list[tuple[tuple[int, ...], int, int]] = []
 
@@ -133,7 +144,7 @@ def test_warmup_runs_every_shape_largest_first_with_padding(engine: Engine, monk
         return real_forward(ids, mask)
 
     monkeypatch.setattr(engine.model, "forward", recording)
-    Engine(engine.model, dataclasses.replace(engine.plan, warmup=Warmup.GRID)).warm_up(lambda: None)
+    ModelRunner(engine.model, dataclasses.replace(engine.plan, warmup=Warmup.GRID)).warm_up(lambda: None)
     shapes = list(dict.fromkeys(shape for shape, _, _ in seen))
     assert shapes == [(rows, seq_len) for seq_len, rows in warmup_order(engine.plan.shapes.grid([16, 32, 256]))]
     assert all(real < total for _, real, total in seen)  # no warmup batch is all real tokens
@@ -152,7 +163,7 @@ def test_a_compiled_start_compiles_each_shape_whole_and_a_restart_loads_it_from_
     try:
         for start in ("cold", "warm"):
             hits = counters["inductor"]["fxgraph_cache_hit"]  # torch.compiler.reset() replaces the Counter
-            started = start_engine(settings, EmbeddingModel.load, lambda: None)
+            started = start_runner(settings, EmbeddingModel.load, lambda: None)
             assert started.graphs is not None and started.graphs.sealed, start
             assert set(started.graphs.compiles) == {(2, 16), (1, 16)}, start
             for shape, count in started.graphs.compiles.items():
@@ -175,7 +186,7 @@ async def test_a_worker_thread_that_dies_outside_compute_is_fatal(
     settings = Settings.from_env({}, buckets="16", max_batch_size=2, max_tokens_per_batch=32)
     worker = Worker(settings, loop, fatal.set_result, lambda _: stock_model)
     worker.start()
-    assert isinstance(await worker.warm, Engine)
+    assert isinstance(await worker.warm, ModelRunner)
 
     def broken() -> None:
         raise RuntimeError("a bug in the worker's own loop")
@@ -184,3 +195,97 @@ async def test_a_worker_thread_that_dies_outside_compute_is_fatal(
     worker.serve(lambda *_: None)
     error = await asyncio.wait_for(fatal, 120)
     assert str(error) == "a bug in the worker's own loop"
+
+
+# --- the dtype (kembed.engine.precision) --------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("asked", "device", "units", "measures", "dtype", "why"),
+    [
+        (Dtype.AUTO, "cpu", ("avx512_bf16",), True, "float32", "auto: bf16 units (avx512_bf16), not measured"),
+        (Dtype.AUTO, "cpu", (), False, "float32", "auto: no bf16 units"),
+        (Dtype.AUTO, "cuda", (), False, "bfloat16", "auto: bf16 on CUDA"),
+        (Dtype.FLOAT32, "cpu", ("amx_bf16",), False, "float32", "KEMBED_DTYPE=float32"),  # explicit wins
+        (Dtype.BFLOAT16, "cpu", (), False, "bfloat16", "KEMBED_DTYPE=bfloat16"),
+    ],
+)
+def test_what_is_measured_and_what_is_not(
+    asked: Dtype, device: str, units: tuple[str, ...], measures: bool, dtype: str, why: str
+) -> None:
+    assert precision.measures(asked, device, units) is measures
+    unmeasured = precision.unmeasured(asked, device, units)
+    assert unmeasured.dtype == dtype and unmeasured.why.startswith(why)
+
+
+@pytest.mark.parametrize(
+    ("fp32_s", "bf16_s", "cosine", "dtype", "why"),
+    [
+        (1.9, 1.0, 0.99995, "bfloat16", "auto: bf16 1.90x fp32's speed, min cosine 0.99995"),
+        (1.0, 1.0, 0.99995, "float32", "auto: bf16 1.00x fp32's speed, min cosine 0.99995, not 1.1x"),
+        (1.0, 2.5, 0.99995, "float32", "auto: bf16 0.40x fp32's speed"),  # bf16 emulated: 2.5x slower
+        (2.0, 1.0, 0.9985, "float32", "auto: bf16 2.00x fp32's speed, min cosine 0.99850, under 0.999"),
+    ],
+)
+def test_auto_serves_bf16_only_where_it_is_faster_and_accurate(
+    fp32_s: float, bf16_s: float, cosine: float, dtype: str, why: str
+) -> None:
+    choice = precision.measured(fp32_s, bf16_s, cosine)
+    assert choice.dtype == dtype and choice.why.startswith(why)
+
+
+def test_a_batch_costs_its_tokens_plus_what_a_small_batch_shows_beyond_them() -> None:
+    assert batch_overhead(0.010, 16, per_token=1e-4, max_tokens=2048) == pytest.approx(100 - 16)
+    assert batch_overhead(0.001, 16, per_token=1e-4, max_tokens=2048) == 32  # faster than the rate: skewed
+    assert batch_overhead(1.0, 16, per_token=1e-4, max_tokens=2048) == 128  # a burst of load: capped
+
+
+class Loads:
+    """EmbeddingModel.load, recording the dtype each load asked for."""
+
+    def __init__(self) -> None:
+        self.asked: list[Dtype] = []
+
+    def __call__(self, settings: Settings) -> EmbeddingModel:
+        self.asked.append(settings.dtype)
+        return EmbeddingModel.load(settings)
+
+
+SMALL = {"buckets": "16", "max_input_tokens": 32, "max_batch_size": 2, "max_tokens_per_batch": 32}
+
+
+@pytest.mark.parametrize(
+    ("asked", "units", "loads", "why"),
+    [
+        ("auto", ("avx512_bf16",), [Dtype.AUTO, Dtype.BFLOAT16], "auto: bf16 "),
+        ("auto", (), [Dtype.AUTO], "auto: no bf16 units"),
+        ("float32", ("amx_bf16",), [Dtype.FLOAT32], "KEMBED_DTYPE=float32"),
+    ],
+)
+def test_the_start_measures_bf16_only_on_a_cpu_with_bf16_units_when_auto(
+    asked: str, units: tuple[str, ...], loads: list[Dtype], why: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(precision, "bf16_units", lambda: units)
+    monkeypatch.setattr(cpu, "share_cores", lambda *_: None)  # niceness is never lowered again: not here
+    loader = Loads()
+    runner = start_runner(Settings.from_env({}, dtype=asked, **SMALL), loader, lambda: None)
+    assert loader.asked == loads and runner.why.startswith(why)
+    assert runner.precision.dtype in ("float32", "bfloat16") and runner.warmup_tokens == 2 * 16 + 32
+    assert 32 / 64 <= runner.overhead_tokens <= 32 / 16
+
+
+def test_a_loader_that_ignores_bf16_leaves_auto_on_fp32(
+    stock_model: EmbeddingModel, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(precision, "bf16_units", lambda: ("avx512_bf16",))
+    monkeypatch.setattr(cpu, "share_cores", lambda *_: None)
+    runner = start_runner(Settings.from_env({}, **SMALL), lambda _: stock_model, lambda: None)
+    assert (runner.precision.dtype, runner.why) == ("float32", "auto: bf16 asked, the loader gave torch.float32")
+
+
+def test_bf16_passes_the_warmup_accuracy_check_on_this_machine(stock_model: EmbeddingModel) -> None:
+    """Real text through fp32 and bf16 weights: what auto checks before it serves bf16."""
+    plan = make_plan(Settings.from_env({}, **SMALL), stock_model)
+    bf16 = EmbeddingModel.load(Settings.from_env({}, dtype="bfloat16"))
+    cosine = min_cosine(probe_vectors(ModelRunner(stock_model, plan)), probe_vectors(ModelRunner(bf16, plan)))
+    assert precision.MIN_COSINE <= cosine < 1.0  # close, and computed in another dtype

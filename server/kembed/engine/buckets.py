@@ -1,6 +1,7 @@
 """Length buckets: every item goes to the smallest bucket that holds it, so short sequences are
 never padded to long ones. Each bucket keeps one queue per priority class. Pure and synchronous;
-the batcher decides when a bucket drains.
+the batcher decides when a bucket drains, and which of the items at its front (and at its
+neighbours') go together.
 """
 
 from __future__ import annotations
@@ -11,7 +12,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from kembed.engine.work import Chunk, Job
+from kembed.engine.units import Chunk, Job
 from kembed.inputs import Sequences
 from kembed.priority import Priority
 from kembed.shapes import bucket_of
@@ -48,7 +49,7 @@ def route(seqs: Sequences, bucket_lengths: Sequence[int], pad_id: int) -> list[R
     return routed
 
 
-_FIRST = {first: (first, *(p for p in Priority if p is not first)) for first in Priority}  # take orders
+EVERY_CLASS = tuple(Priority)  # interactive first
 
 
 class _ClassQueue:
@@ -141,17 +142,56 @@ class BucketQueue:
         return min(arrivals) if arrivals else None
 
     def take(
-        self, bucket: int, n: int, now: float, first: Priority = Priority.INTERACTIVE
+        self, bucket: int, n: int, now: float, classes: tuple[Priority, ...] = EVERY_CLASS
     ) -> tuple[list[Chunk], list[Job]]:
-        """Up to ``n`` live items from the front of a bucket, those of class ``first`` first,
+        """Up to ``n`` live items from the front of a bucket, of these classes in this order,
         splitting a chunk if needed; and the jobs found past their deadline meanwhile (nobody waits
         for them: close them)."""
         taken: list[Chunk] = []
         expired: list[Job] = []
         want = n
-        for priority in _FIRST[first]:
+        for priority in classes:
             want = self._take(self._classes[priority], bucket, want, now, taken, expired)
         return taken, expired
+
+    def front(
+        self, buckets: Sequence[int], classes: tuple[Priority, ...], items: int, now: float
+    ) -> tuple[list[tuple[int, Chunk]], list[Job]]:
+        """The live chunks at the front of these buckets' queues of these classes, as many as hold
+        ``items`` items in each, in the order asked (the first is the oldest of the first bucket's
+        first class), each with its bucket; and the jobs found past their deadline meanwhile. Dead
+        chunks found there leave the queue. Nothing live is taken: see :meth:`take_items`."""
+        found: list[tuple[int, Chunk]] = []
+        expired: list[Job] = []
+        for bucket in buckets:
+            for priority in classes:
+                queue, held, index = self._classes[priority], 0, 0
+                chunks = queue.chunks[bucket]
+                while held < items and index < len(chunks):
+                    chunk = chunks[index]
+                    if chunk.job.closed or chunk.job.deadline <= now:
+                        del chunks[index]
+                        self._drop_dead(queue, bucket, chunk, expired)
+                        continue
+                    found.append((bucket, chunk))
+                    held += chunk.items
+                    index += 1
+        return found, expired
+
+    def take_items(self, bucket: int, chunk: Chunk, mask: np.ndarray) -> Chunk:
+        """The items ``mask`` marks of a live chunk :meth:`front` found, as a chunk of their own; the
+        rest stays in its place."""
+        queue = self._classes[chunk.job.priority]
+        chunks = queue.chunks[bucket]
+        if mask.all():
+            chunks.remove(chunk)
+            taken = chunk
+        else:
+            taken, rest = chunk.select(mask)
+            chunks[chunks.index(chunk)] = rest
+        queue.items[bucket] -= taken.items
+        queue.drop(chunk.job, taken.cost, stop_waiting=True)
+        return taken
 
     def _take(
         self, queue: _ClassQueue, bucket: int, want: int, now: float, taken: list[Chunk], expired: list[Job]
@@ -159,20 +199,26 @@ class BucketQueue:
         chunks = queue.chunks[bucket]
         while want and chunks:
             chunk = chunks.popleft()
-            queue.items[bucket] -= chunk.items
-            live = not chunk.job.closed and chunk.job.deadline > now
-            if live and chunk.items > want:
+            if chunk.job.closed or chunk.job.deadline <= now:
+                self._drop_dead(queue, bucket, chunk, expired)
+                continue
+            if chunk.items > want:
                 chunk, rest = chunk.split(want)
                 chunks.appendleft(rest)
-                queue.items[bucket] += rest.items
-            # A closed job that was forgotten has nothing left to subtract.
-            queue.drop(chunk.job, min(chunk.items * self.bucket_lengths[bucket], chunk.job.queued_tokens), live)
-            if live:
-                taken.append(chunk)
-                want -= chunk.items
-            elif not chunk.job.closed and chunk.job not in expired:
-                expired.append(chunk.job)
+            queue.items[bucket] -= chunk.items
+            queue.drop(chunk.job, chunk.cost, stop_waiting=True)
+            taken.append(chunk)
+            want -= chunk.items
         return want
+
+    @staticmethod
+    def _drop_dead(queue: _ClassQueue, bucket: int, chunk: Chunk, expired: list[Job]) -> None:
+        """A chunk of a closed job, or of one past its deadline (reported once, to be closed), leaves."""
+        queue.items[bucket] -= chunk.items
+        # A closed job that was forgotten has nothing left to subtract.
+        queue.drop(chunk.job, min(chunk.cost, chunk.job.queued_tokens), stop_waiting=False)
+        if not chunk.job.closed and chunk.job not in expired:
+            expired.append(chunk.job)
 
     def __len__(self) -> int:
         return sum(sum(c.items) for c in self._classes.values())

@@ -21,7 +21,7 @@ from kembed.engine.batcher import Batcher
 from kembed.engine.buckets import route
 from kembed.engine.jobs import Jobs
 from kembed.engine.responder import Outbox
-from kembed.engine.work import Chunk, Job
+from kembed.engine.units import Chunk, Job
 from kembed.errors import EmbedError, Failure
 from kembed.inputs import Sequences
 from kembed.metrics import EngineMetrics

@@ -5,7 +5,7 @@ nowhere else."""
 from __future__ import annotations
 
 from kembed.engine.buckets import BucketQueue
-from kembed.engine.work import Job
+from kembed.engine.units import Job
 
 
 class Jobs:

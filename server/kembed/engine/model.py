@@ -22,6 +22,7 @@ from kembed.config import Dtype, Graphs, Pooling, Settings
 from kembed.contract import env_name
 from kembed.engine.graphs import ShapeGuard, compile_graphs
 from kembed.engine.pooling import pool
+from kembed.engine.precision import loaded_first
 from kembed.inputs import Tokenizer, tokenizer_fingerprint
 
 log = logging.getLogger(__name__)
@@ -104,7 +105,7 @@ class EmbeddingModel:
     def load(cls, settings: Settings) -> EmbeddingModel:
         model_id, path = resolve_model_path(settings)
         device = _device(settings.device)
-        dtype = _DTYPES.get(settings.dtype) or (torch.bfloat16 if device.type == "cuda" else torch.float32)
+        dtype = _DTYPES[loaded_first(settings.dtype, device.type)]
         # Configuration mistakes fail here, before the (slow) weights load.
         hf_tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=settings.trust_remote_code)
         excluded = _control_token_ids(hf_tokenizer, settings.control_tokens)

@@ -23,14 +23,14 @@ from kembed.board import Board, Cell, ClassCell, FrontendCell
 from kembed.child import Child
 from kembed.config import Settings
 from kembed.contract import EXIT_FATAL, EXIT_STARTUP_FAILED
-from kembed.engine.batcher import Batcher
+from kembed.engine.batcher import Batcher, BatchPolicy
 from kembed.engine.buckets import BucketQueue
 from kembed.engine.intake import Intake
 from kembed.engine.jobs import Jobs
 from kembed.engine.model import ModelInfo
 from kembed.engine.responder import Responder
-from kembed.engine.work import Batch
-from kembed.engine.worker import Engine, LoadModel, Outcome, Worker
+from kembed.engine.units import Batch
+from kembed.engine.worker import LoadModel, ModelRunner, Outcome, Worker
 from kembed.errors import EmbedError
 from kembed.metrics import EngineMetrics
 from kembed.priority import Priority
@@ -48,7 +48,7 @@ from kembed.protocol import (
     receive,
     send,
 )
-from kembed.runtime import BOARD_FILE, ENGINE_SOCKET
+from kembed.runtime import BOARD_FILE, ENGINE_SOCKET, write_serving
 
 log = logging.getLogger(__name__)
 
@@ -112,25 +112,26 @@ class Core:
     responder: Responder
 
     @classmethod
-    def build(cls, settings: Settings, worker: Worker, engine: Engine, links: Links, metrics: EngineMetrics) -> Core:
-        plan, model = engine.plan, engine.model
+    def build(
+        cls, settings: Settings, worker: Worker, runner: ModelRunner, links: Links, metrics: EngineMetrics
+    ) -> Core:
+        plan, model = runner.plan, runner.model
         load = MeasuredLoad(settings)
-        load.rate.seed(engine.warmup_tokens, engine.warmup_seconds)
+        load.rate.seed(runner.warmup_tokens, runner.warmup_seconds)
         admission = AdmissionController(settings, load)
         queue = BucketQueue(plan.bucket_lengths)
         jobs = Jobs(queue)
-        batcher = Batcher(
-            queue,
+        policy = BatchPolicy(
             plan.shapes,
-            worker.submit,
-            expire=jobs.expire,
             max_wait=settings.max_wait_ms / 1000,
-            naive=plan.naive,
             starved_after=settings.max_drain_ms / 1000,
+            packed=plan.packed,
+            overhead_tokens=runner.overhead_tokens,
         )
+        batcher = Batcher(queue, policy, worker.submit, expire=jobs.expire)
         intake = Intake(admission, batcher, jobs, links, metrics, model.info.pad_token_id)
         responder = Responder(batcher, load.rate, jobs, links, metrics)
-        return cls(_serving_info(engine), load, admission, batcher, jobs, intake, responder)
+        return cls(_serving_info(runner), load, admission, batcher, jobs, intake, responder)
 
 
 # What front ends learn of the model as it is (the torch-typed dtype and device go as names).
@@ -139,15 +140,15 @@ _MODEL_FIELDS = sorted(
 )
 
 
-def _serving_info(engine: Engine) -> ServingInfo:
-    info, plan = engine.model.info, engine.plan
+def _serving_info(runner: ModelRunner) -> ServingInfo:
+    info, plan = runner.model.info, runner.plan
     return ServingInfo(
         **{name: getattr(info, name) for name in _MODEL_FIELDS},
-        dtype=str(info.dtype).removeprefix("torch."),
+        dtype=runner.precision.dtype,
         device=str(info.device),
         bucket_lengths=list(plan.bucket_lengths),
         batch_sizes=list(plan.shapes.sizes),
-        tokenizer_json=engine.model.tokenizer.to_json(),
+        tokenizer_json=runner.model.tokenizer.to_json(),
     )
 
 
@@ -178,11 +179,11 @@ class EngineProcess:
         if not worker.warm.done():
             return 0  # stopped while warming up
         try:
-            engine = worker.warm.result()
+            runner = worker.warm.result()
         except Exception as error:
             log.error("start-up failed: %s", error)
             return EXIT_STARTUP_FAILED
-        core = self._open(worker, engine)
+        core = self._open(worker, runner)
         serving.set_result(core)
         ticker = asyncio.create_task(self._child.tick(TICK_S, lambda: self._beat(worker, core)))
         batcher = asyncio.create_task(core.batcher.run())
@@ -195,15 +196,18 @@ class EngineProcess:
         server.close()
         return 0
 
-    def _open(self, worker: Worker, engine: Engine) -> Core:
+    def _open(self, worker: Worker, runner: ModelRunner) -> Core:
         """Build the serving path and publish it; front ends hear READY from their links."""
-        core = Core.build(self._settings, worker, engine, self._links, self._metrics)
+        core = Core.build(self._settings, worker, runner, self._links, self._metrics)
 
         def deliver(batch: Batch, outcomes: list[Outcome], started: float, seconds: float) -> None:
             core.responder.deliver(batch, outcomes, started, seconds)
             self._publish(core)  # the backlog just shrank: front ends admit against it at once
 
         worker.serve(deliver)
+        served = runner.precision
+        self._metrics.serving_dtype.labels(dtype=served.dtype, reason=served.why).set(1)
+        write_serving(self._runtime, {"dtype": served.dtype, "dtype_reason": served.why})
         self._publish(core)
         self._board[Cell.DIMENSIONS] = core.info.dimensions
         self._board[Cell.ENGINE_READY] = 1.0

@@ -13,7 +13,7 @@ import numpy as np
 from kembed.admission import ServiceRate
 from kembed.engine.batcher import Batcher
 from kembed.engine.jobs import Jobs
-from kembed.engine.work import Batch, Chunk
+from kembed.engine.units import Batch, Chunk
 from kembed.engine.worker import Outcome
 from kembed.errors import EmbedError, Failure
 from kembed.metrics import EngineMetrics
@@ -55,10 +55,12 @@ class Responder:
         # compute time alone misses the gaps a busy event loop and shared cores put between batches.
         wall = now - max(started, self._last_done)
         self._last_done = now
-        padded = sum(outcome.padded_tokens for outcome in outcomes)
-        if padded:
-            self._rate.record(padded, max(seconds, wall))
-            real = sum(outcome.real_tokens for outcome in outcomes)
+        computed = [outcome for outcome in outcomes if outcome.padded_tokens]
+        if computed:
+            # In the backlog's unit (each item padded to its bucket), so the drain time it gives is right.
+            self._rate.record(sum(chunk.cost for outcome in computed for chunk in outcome.chunks), max(seconds, wall))
+            padded = sum(outcome.padded_tokens for outcome in computed)
+            real = sum(outcome.real_tokens for outcome in computed)
             self._metrics.observe_batch(batch.rows, padded, real, seconds)
         for outcome in outcomes:
             if outcome.embeddings is None:

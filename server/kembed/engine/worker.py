@@ -1,4 +1,5 @@
-"""The model's own thread: it loads the model, warms up every batch shape, then computes batches.
+"""The model's own thread: it loads the model, chooses its dtype, warms up every batch shape, then
+computes batches.
 
 One thread owns the model because CUDA graphs captured by ``torch.compile(mode="reduce-overhead")``
 live in thread-local state: the thread that warms up is the thread that replays. It never touches
@@ -9,28 +10,33 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import queue
 import threading
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 
 import numpy as np
 import torch
 
-from kembed.config import Batching, Settings, Warmup
-from kembed.engine import compile_cache, cpu
+from kembed.config import Dtype, Settings, Warmup
+from kembed.engine import compile_cache, cpu, precision
+from kembed.engine.buckets import route
 from kembed.engine.graphs import CompileCount, ShapeGuard, UnplannedShapeError
 from kembed.engine.model import EmbeddingModel
-from kembed.engine.work import Batch, Chunk
-from kembed.shapes import BatchShapes, batch_tokens, clip_buckets, compiles
+from kembed.engine.precision import PROBE_TEXTS, Precision
+from kembed.engine.units import Batch, Chunk
+from kembed.inputs import Sequences
+from kembed.shapes import BatchShapes, Queueing, batch_tokens
 
 log = logging.getLogger(__name__)
 
 # reduce-overhead records CUDA graphs on the first calls of a shape; eager mode's first call of a
-# shape pays one-off allocation costs. The last repeat is the one timed.
+# shape pays one-off allocation costs. The fastest repeat is the one timed.
 WARMUP_REPEATS_COMPILED = 3
 WARMUP_REPEATS_EAGER = 2
+OVERHEAD_REPEATS = 3  # a small batch's time is the most easily inflated by load elsewhere
 _STANCES = {"fail_on_recompile": "raises (that batch fails)", "none": "is possible (this torch has no stances)"}
 
 
@@ -41,7 +47,7 @@ class Plan:
     bucket_lengths: list[int]
     shapes: BatchShapes
     compiled: bool
-    naive: bool
+    packed: bool  # eager batches packed by length across neighbouring buckets
     warmup: Warmup
 
     def warmup_shapes(self) -> list[tuple[int, int]]:
@@ -68,13 +74,11 @@ LoadModel = Callable[[Settings], EmbeddingModel]
 
 
 def make_plan(settings: Settings, model: EmbeddingModel) -> Plan:
-    device = model.info.device
-    naive = settings.batching is Batching.NAIVE
-    compiled = compiles(settings, device.type)
-    max_tokens = model.info.max_input_tokens
-    lengths = [max_tokens] if naive else clip_buckets(settings.buckets, max_tokens)
-    shapes = BatchShapes.build(settings.max_batch_size, batch_tokens(settings, device.type), fixed=compiled)
-    return Plan(lengths, shapes, compiled, naive, settings.warmup)
+    device, queueing = model.info.device.type, Queueing.of(settings)
+    compiled = queueing.compiles(device)
+    lengths = queueing.ladder(settings.buckets, model.info.max_input_tokens)
+    shapes = BatchShapes.build(settings.max_batch_size, batch_tokens(settings, device), fixed=compiled)
+    return Plan(lengths, shapes, compiled, queueing.packs(device), settings.warmup)
 
 
 def warmup_order(shapes: list[tuple[int, int]]) -> list[tuple[int, int]]:
@@ -110,31 +114,27 @@ def is_fatal(error: BaseException) -> bool:
     return isinstance(error, RuntimeError) and "CUDA error" in str(error)
 
 
-class Engine:
+class ModelRunner:
     """The loaded model and its serving plan: warmup and batch compute, on the worker thread."""
 
-    def __init__(self, model: EmbeddingModel, plan: Plan, graphs: ShapeGuard | None = None) -> None:
+    def __init__(
+        self, model: EmbeddingModel, plan: Plan, graphs: ShapeGuard | None = None, why: str = "as loaded"
+    ) -> None:
         self.model = model
         self.plan = plan
         self.graphs = graphs  # when compiled: which shapes have a graph, sealed after warmup
+        self.why = why  # why the model serves in its dtype
         self.warmup_tokens = 0  # of the largest batch of each bucket: what seeds the service rate
         self.warmup_seconds = 0.0
+        self.overhead_tokens = 0.0  # packed: what a batch costs beyond its padded tokens
+
+    @property
+    def precision(self) -> Precision:
+        return Precision(str(self.model.info.dtype).removeprefix("torch."), self.why)
 
     def warm_up(self, beat: Callable[[], None]) -> None:
         """Run every shape (capturing its CUDA graph when compiled); time the largest per bucket."""
-        plan, info = self.plan, self.model.info
-        repeats = WARMUP_REPEATS_COMPILED if plan.compiled else WARMUP_REPEATS_EAGER
-        generator = torch.Generator().manual_seed(0)
-        for seq_len, rows in plan.warmup_shapes():
-            ids, mask = warmup_batch(rows, seq_len, info.vocab_size, info.pad_token_id, generator)
-            for _ in range(repeats):
-                started = time.perf_counter()
-                self._pooled(ids, mask)
-                seconds = time.perf_counter() - started
-                beat()
-            if rows == plan.shapes.max_rows(seq_len):
-                self.warmup_tokens += rows * seq_len
-                self.warmup_seconds += seconds
+        warm_up_together([self], beat)
         if self.graphs is not None:  # readiness waits on this: every planned shape has its graph
             stance = self.graphs.seal()
             compiled = CompileCount.total(self.graphs.compiles.values())
@@ -144,6 +144,23 @@ class Engine:
                 compiled,
                 _STANCES[stance],
             )
+
+    def timed(self, ids: torch.Tensor, mask: torch.Tensor, repeats: int, beat: Callable[[], None]) -> float:
+        """The fastest of ``repeats`` runs of a batch, in seconds (the first pays one-off costs:
+        allocations, or a graph's compile and capture)."""
+        fastest = math.inf
+        for _ in range(repeats):
+            started = time.perf_counter()
+            self._pooled(ids, mask)
+            fastest = min(fastest, time.perf_counter() - started)
+            beat()
+        return fastest
+
+    def embed(self, seqs: Sequences) -> np.ndarray:
+        """Pooled rows of sequences, in one batch padded to the longest."""
+        (routed,) = route(seqs, [int(seqs.lengths.max())], self.model.info.pad_token_id)
+        mask = np.arange(routed.ids.shape[1])[None, :] < routed.lengths[:, None]
+        return self._pooled(torch.from_numpy(routed.ids), torch.from_numpy(mask.astype(np.int32)))
 
     def compute(self, chunks: list[Chunk], seq_len: int) -> list[Outcome]:
         """Compute chunks as one batch; if that fails, each half on its own, so only the
@@ -178,38 +195,133 @@ class Engine:
         return self.model.forward(ids, mask).float().cpu().numpy()
 
 
-def start_engine(settings: Settings, load_model: LoadModel, beat: Callable[[], None]) -> Engine:
-    """Load, compile (through the compile cache when set) and warm up every planned shape."""
+def warm_up_together(runners: Sequence[ModelRunner], beat: Callable[[], None]) -> None:
+    """Run every planned shape on each runner in turn, on the same batches (so their timings
+    compare, and a burst of load elsewhere slows each alike); time the largest batch per bucket.
+    Packed, also time a small batch (an eighth of the shortest bucket's largest): against the large
+    ones, what a batch costs beyond its tokens, where packing weighs it."""
+    plan, info = runners[0].plan, runners[0].model.info
+    repeats = WARMUP_REPEATS_COMPILED if plan.compiled else WARMUP_REPEATS_EAGER
+    generator = torch.Generator().manual_seed(0)
+    for seq_len, rows in plan.warmup_shapes():
+        ids, mask = warmup_batch(rows, seq_len, info.vocab_size, info.pad_token_id, generator)
+        for runner in runners:
+            seconds = runner.timed(ids, mask, repeats, beat)
+            if rows == plan.shapes.max_rows(seq_len):
+                runner.warmup_tokens += rows * seq_len
+                runner.warmup_seconds += seconds
+    if not plan.packed:
+        return
+    shortest = plan.bucket_lengths[0]
+    rows = max(1, plan.shapes.max_rows(shortest) // 8)
+    ids, mask = warmup_batch(rows, shortest, info.vocab_size, info.pad_token_id, generator)
+    for runner in runners:
+        per_token = runner.warmup_seconds / max(runner.warmup_tokens, 1)
+        small = runner.timed(ids, mask, OVERHEAD_REPEATS, beat)
+        runner.overhead_tokens = batch_overhead(small, rows * shortest, per_token, plan.shapes.max_tokens)
+
+
+# A batch's overhead is taken within these shares of the token budget. The batch curve
+# (bench.ceiling) fitted 30 (fp32) and 74 (bf16) tokens on a 2-core EPYC, against the 2048-token
+# default; a timing outside is one that load elsewhere skewed. Packing is not sensitive within
+# them (bench.packing: within 0.02 of its best from 40 to 128 tokens), but at 0 it would compute
+# every item alone, and far above it pads batches past what they are worth.
+OVERHEAD_SHARES = (1 / 64, 1 / 16)
+
+
+def batch_overhead(seconds: float, tokens: int, per_token: float, max_tokens: int) -> float:
+    """What a batch costs beyond its tokens, in tokens: a small batch's time less its tokens' share
+    at a full batch's rate, within ``OVERHEAD_SHARES`` of the budget."""
+    least, most = (max_tokens * share for share in OVERHEAD_SHARES)
+    measured = seconds / per_token - tokens if per_token > 0 else least
+    return min(max(least, measured), most)
+
+
+def probe_vectors(runner: ModelRunner) -> np.ndarray:
+    """The runner's vectors of the probe texts (real text, not random ids)."""
+    return runner.embed(runner.model.tokenizer.from_texts(list(PROBE_TEXTS), truncate=True))
+
+
+def min_cosine(a: np.ndarray, b: np.ndarray) -> float:
+    """The least cosine between matching rows (0 where either is a zero vector)."""
+    norms = np.linalg.norm(a, axis=1) * np.linalg.norm(b, axis=1)
+    cosines = np.where(norms > 0, np.sum(a * b, axis=1) / np.where(norms > 0, norms, 1.0), 0.0)
+    return float(cosines.min())
+
+
+def _graphs(settings: Settings, model: EmbeddingModel, plan: Plan) -> ShapeGuard | None:
+    """Compiled: graphs prepared through the compile cache (when set) as warmup runs each shape."""
+    if not plan.compiled:
+        return None
+    info, shapes = model.info, plan.warmup_shapes()
+    ident = compile_cache.identity(info.device, info.path, info.dtype, info.pooling, settings.graphs)
+    compile_cache.use(settings.compile_cache_dir, ident, shapes)
+    return model.compile(settings.graphs, len(shapes))
+
+
+def measured_runner(
+    settings: Settings, fp32: EmbeddingModel, plan: Plan, load_model: LoadModel, beat: Callable[[], None]
+) -> ModelRunner | None:
+    """Auto on a CPU with bf16 units (eager): warm up fp32 and bf16 side by side on the same batches,
+    check bf16's vectors against fp32's on real text, and keep the runner :func:`precision.measured`
+    picks, warm. None where the dtype needs no measuring."""
+    device = fp32.info.device.type
+    if plan.compiled or not precision.measures(settings.dtype, device, bf16_units(device)):
+        return None
+    candidate = load_model(settings.model_copy(update={"dtype": Dtype.BFLOAT16}))
+    if candidate.info.dtype != torch.bfloat16:  # a loader that ignores the dtype asked for
+        return _warm(ModelRunner(fp32, plan, why=f"auto: bf16 asked, the loader gave {candidate.info.dtype}"), beat)
+    runners = [ModelRunner(fp32, plan), ModelRunner(candidate, plan)]
+    warm_up_together(runners, beat)
+    cosine = min_cosine(*map(probe_vectors, runners))
+    choice = precision.measured(runners[0].warmup_seconds, runners[1].warmup_seconds, cosine)
+    kept = runners[1] if choice.dtype == Dtype.BFLOAT16.value else runners[0]
+    kept.why = choice.why
+    return kept
+
+
+def bf16_units(device_type: str) -> tuple[str, ...]:
+    """The bf16 units of the device the model runs on, if it is a CPU (a GPU is not asked)."""
+    return precision.bf16_units() if device_type == "cpu" else ()
+
+
+def _warm(runner: ModelRunner, beat: Callable[[], None]) -> ModelRunner:
+    runner.warm_up(beat)
+    return runner
+
+
+def start_runner(settings: Settings, load_model: LoadModel, beat: Callable[[], None]) -> ModelRunner:
+    """Load, choose the dtype (see :mod:`kembed.engine.precision`), compile (through the compile
+    cache when set) and warm up every planned shape."""
     started = time.monotonic()
     model = load_model(settings)
-    if model.info.device.type == "cpu":
+    device = model.info.device
+    if device.type == "cpu":
         cpu.share_cores(settings.cpus(), settings.compute_nice)
     plan = make_plan(settings, model)
-    shapes = plan.warmup_shapes()
-    graphs = None
-    if plan.compiled:
-        info = model.info
-        ident = compile_cache.identity(info.device, info.path, info.dtype, info.pooling, settings.graphs)
-        compile_cache.use(settings.compile_cache_dir, ident, shapes)
-        graphs = model.compile(settings.graphs, len(shapes))
-    engine = Engine(model, plan, graphs)
-    engine.warm_up(beat)
+    runner = measured_runner(settings, model, plan, load_model, beat)
+    if runner is None:
+        why = precision.unmeasured(settings.dtype, device.type, bf16_units(device.type)).why
+        runner = _warm(ModelRunner(model, plan, _graphs(settings, model, plan), why), beat)
     log.info(
-        "warm: %d shapes in %.1f s, %.0f padded tokens/s (%s, %s, compiled=%s, graphs=%s, torch %s)",
-        len(shapes),
+        "warm: %d shapes in %.1f s, %.0f padded tokens/s, batch overhead %.0f tokens (%s, %s: %s; compiled=%s, "
+        "graphs=%s, torch %s)",
+        len(plan.warmup_shapes()),
         time.monotonic() - started,
-        engine.warmup_tokens / max(engine.warmup_seconds, 1e-9),
-        model.info.device,
-        model.info.dtype,
+        runner.warmup_tokens / max(runner.warmup_seconds, 1e-9),
+        runner.overhead_tokens,
+        device,
+        runner.precision.dtype,
+        runner.why,
         plan.compiled,
         settings.graphs if plan.compiled else "none",
         torch.__version__,
     )
-    return engine
+    return runner
 
 
 class Worker:
-    """The thread around the Engine. It loads and warms up at once: ``warm`` resolves to the Engine,
+    """The thread around the ModelRunner. It loads and warms up at once: ``warm`` resolves to the ModelRunner,
     or to the error that stopped it. Batches flow once ``serve`` hands it the way back. Once warm, a
     thread that ends other than by ``stop`` tells ``on_fatal`` why, on the loop."""
 
@@ -227,7 +339,7 @@ class Worker:
         self._inbox: queue.SimpleQueue[Batch | None] = queue.SimpleQueue()
         self._way_back: queue.SimpleQueue[Deliver | None] = queue.SimpleQueue()  # None: stopped before serving
         self._thread = threading.Thread(target=self._main, name="kembed-worker", daemon=True)
-        self.warm: asyncio.Future[Engine] = loop.create_future()
+        self.warm: asyncio.Future[ModelRunner] = loop.create_future()
         self.heartbeat = time.monotonic()
 
     def start(self) -> None:
@@ -249,7 +361,7 @@ class Worker:
 
     def _main(self) -> None:
         try:
-            engine = start_engine(self._settings, self._load_model, self._beat)
+            engine = start_runner(self._settings, self._load_model, self._beat)
         except BaseException as error:  # reported to the engine process, which exits non-zero
             log.exception("model start-up failed")
             self._loop.call_soon_threadsafe(self._resolve_warm, None, error)
@@ -263,7 +375,7 @@ class Worker:
             log.critical("worker thread failed, exiting: %r", error, exc_info=True)
             self._loop.call_soon_threadsafe(self._on_fatal, error)
 
-    def _resolve_warm(self, engine: Engine | None, error: BaseException | None) -> None:
+    def _resolve_warm(self, engine: ModelRunner | None, error: BaseException | None) -> None:
         if self.warm.done():
             return
         if engine is not None:
@@ -271,7 +383,7 @@ class Worker:
         else:
             self.warm.set_exception(error or RuntimeError("start-up failed"))
 
-    def _serve(self, engine: Engine, deliver: Deliver) -> None:
+    def _serve(self, engine: ModelRunner, deliver: Deliver) -> None:
         while True:
             try:
                 batch = self._inbox.get(timeout=1.0)  # the timeout only refreshes the heartbeat

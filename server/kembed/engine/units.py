@@ -2,8 +2,9 @@
 
 Words used throughout the engine: an *item* is one text or sequence of a request; its *slot* is
 its index within that request; a Chunk is a run of one request's items that share a bucket (kept
-together so nothing downstream loops per item); a Batch is Chunks from one bucket computed as one
-tensor of ``rows`` rows (padding rows included) by ``seq_len`` tokens.
+together so nothing downstream loops per item); a Batch is Chunks computed as one tensor of
+``rows`` rows (padding rows included) by ``seq_len`` tokens. An item's *cost* is its length padded
+to its bucket: the unit admission counts the backlog in, and the service rate is measured in.
 """
 
 from __future__ import annotations
@@ -48,16 +49,28 @@ class Chunk:
     def items(self) -> int:
         return len(self.slots)
 
+    @property
+    def cost(self) -> int:
+        """Its items padded to its bucket."""
+        return int(self.ids.size)
+
     def split(self, n: int) -> tuple[Chunk, Chunk]:
         """The first ``n`` items and the rest (views, no copies)."""
         head = Chunk(self.job, self.slots[:n], self.ids[:n], self.lengths[:n], self.enqueued)
         tail = Chunk(self.job, self.slots[n:], self.ids[n:], self.lengths[n:], self.enqueued)
         return head, tail
 
+    def select(self, mask: np.ndarray) -> tuple[Chunk, Chunk]:
+        """The items ``mask`` marks and the rest."""
+        rest = ~mask
+        chosen = Chunk(self.job, self.slots[mask], self.ids[mask], self.lengths[mask], self.enqueued)
+        return chosen, Chunk(self.job, self.slots[rest], self.ids[rest], self.lengths[rest], self.enqueued)
+
 
 @dataclass(eq=False)
 class Batch:
-    """Chunks from one bucket, computed together as one [rows, seq_len] tensor."""
+    """Chunks computed together as one [rows, seq_len] tensor: from one bucket in a fixed shape, or
+    packed from neighbouring buckets and padded to the longest item."""
 
     chunks: list[Chunk]
     seq_len: int  # padded sequence length the model sees
@@ -73,7 +86,13 @@ class Batch:
 
     @property
     def padded_tokens(self) -> int:
+        """What the model computes."""
         return self.rows * self.seq_len
+
+    @property
+    def cost(self) -> int:
+        """What it took from the backlog."""
+        return sum(chunk.cost for chunk in self.chunks)
 
     def assemble(self, pad_id: int) -> tuple[np.ndarray, np.ndarray]:
         """Token ids and attention mask as [rows, seq_len] arrays (one copy per chunk)."""
@@ -81,7 +100,8 @@ class Batch:
         lengths = np.zeros(self.rows, dtype=np.int32)
         offset = 0
         for chunk in self.chunks:
-            ids[offset : offset + chunk.items] = chunk.ids[:, : self.seq_len]
+            width = min(self.seq_len, chunk.ids.shape[1])  # a shorter bucket's chunk pads to the batch
+            ids[offset : offset + chunk.items, :width] = chunk.ids[:, :width]
             lengths[offset : offset + chunk.items] = chunk.lengths
             offset += chunk.items
         mask = (np.arange(self.seq_len)[None, :] < lengths[:, None]).astype(np.int32)

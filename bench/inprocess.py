@@ -1,7 +1,8 @@
 """The model as the benchmarks see it: tokenize and forward, nothing else.
 
 ``load`` is the one place that knows how the model is loaded, so the in-process ceiling runs
-exactly the forward pass (and pooling) the server runs.
+exactly the forward pass (and pooling) the server runs, in the dtype the server would serve in
+(``KEMBED_DTYPE=auto`` measures bf16 against fp32 on a CPU with bf16 units, as the server's warmup does).
 """
 
 from __future__ import annotations
@@ -23,10 +24,11 @@ Forward = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
 
 
 @dataclass(frozen=True)
-class Engine:
+class InProcessModel:
     model: str
     device: torch.device
     dtype: torch.dtype
+    dtype_reason: str  # why the server would serve in this dtype
     compiled: bool
     buckets: list[int]  # the server's bucket lengths for this model
     shapes: BatchShapes  # the server's batch row counts
@@ -41,16 +43,23 @@ def bundled_model_dir() -> Path:
     return Path(get_model_path())
 
 
-def load(overrides: Mapping[str, str]) -> Engine:
+def load(overrides: Mapping[str, str]) -> InProcessModel:
     """Load as the server would with these settings (names without ``KEMBED_``; unset = default)."""
     from kembed.config import Settings
+    from kembed.engine import precision
     from kembed.engine.model import EmbeddingModel
-    from kembed.engine.worker import make_plan
+    from kembed.engine.worker import bf16_units, make_plan, measured_runner
 
     settings = Settings.from_env({env_name(k): v for k, v in overrides.items()})
     loaded = EmbeddingModel.load(settings)
-    info = loaded.info
     plan = make_plan(settings, loaded)  # the server's own choice of compilation and shapes
+    device = loaded.info.device.type
+    runner = measured_runner(settings, loaded, plan, EmbeddingModel.load, lambda: None)
+    if runner is not None:
+        loaded, why = runner.model, runner.why
+    else:
+        why = precision.unmeasured(settings.dtype, device, bf16_units(device)).why
+    info = loaded.info
     if plan.compiled:  # graphs are prepared as shapes come, and never sealed: the bench picks its shapes
         loaded.compile(settings.graphs, len(plan.shapes.grid(plan.bucket_lengths)))
 
@@ -59,10 +68,11 @@ def load(overrides: Mapping[str, str]) -> Engine:
         parts = [loaded.tokenizer.from_texts(texts[i : i + step], truncate) for i in range(0, len(texts), step)]
         return np.concatenate([p.ids for p in parts]), np.concatenate([p.lengths for p in parts])
 
-    return Engine(
+    return InProcessModel(
         model=info.model_id,
         device=info.device,
         dtype=info.dtype,
+        dtype_reason=why,
         compiled=plan.compiled,
         buckets=plan.bucket_lengths,
         shapes=plan.shapes,
