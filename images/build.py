@@ -18,6 +18,7 @@ from __future__ import annotations
 import argparse
 import ast
 import contextlib
+import functools
 import http.server
 import re
 import shutil
@@ -25,6 +26,7 @@ import socket
 import stat
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 import urllib.parse
@@ -62,6 +64,7 @@ def podman(*args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
     return subprocess.run(["podman", *args], capture_output=True, text=True, check=check)
 
 
+@functools.cache
 def base_image(default: str) -> str:
     """``default`` when podman has it or can pull it, else the mmdebstrap stand-in's name."""
     if podman("image", "exists", default, check=False).returncode == 0:
@@ -247,14 +250,14 @@ def build(name: str, torch_build: str) -> float:
         if not reachable(index):
             print(f"images: {index} does not answer: torch must come from pip's own settings", flush=True)
             args["TORCH_INDEX"] = ""
-    WORK.mkdir(parents=True, exist_ok=True)
-    conf = WORK / "pip.conf"
     command = ["buildah", "bud", "--isolation", "chroot", "--format", "docker", "--layers"]
     command += [f"--build-arg={key}={value}" for key, value in args.items()]
     command += ["-f", str(ROOT / image.dockerfile), "-t", image.tag]
     started = time.monotonic()
-    with serving() as (url, served):
+    # The pip.conf lives as long as the build: the secret's source, nowhere else.
+    with serving() as (url, served), tempfile.TemporaryDirectory(prefix="kembed-pip-") as folder:
         text, secrets = carry(pip_settings(), url, served)
+        conf = Path(folder) / CONF_SECRET
         conf.write_text(text)
         secrets[CONF_SECRET] = conf
         run([*command, *(f"--secret=id={key},src={path}" for key, path in secrets.items()), str(ROOT)])
