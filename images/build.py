@@ -36,7 +36,7 @@ from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
 WORK = ROOT / "build" / "images"
-SECRETS_DIR = "/run/secrets"  # where a RUN --mount=type=secret puts a secret by default
+MOUNTS = "/tmp"  # where the Dockerfiles mount pip's secrets: in every base, so no mount point is left
 
 
 @dataclass(frozen=True)
@@ -157,7 +157,7 @@ def carry(settings: dict[str, dict[str, str]], url: str, served: dict[str, Path]
         for key, value in values.items():
             if key in FILE_KEYS:
                 secrets[CERT_SECRET] = Path(value)
-                value = f"{SECRETS_DIR}/{CERT_SECRET}"
+                value = f"{MOUNTS}/{CERT_SECRET}"
             elif key in LOCATION_KEYS:
                 value = " ".join(_served(item, key, url, served) for item in value.split())
             carried.setdefault(section, {})[key] = value
@@ -250,7 +250,7 @@ def build(name: str, torch_build: str) -> float:
         if not reachable(index):
             print(f"images: {index} does not answer: torch must come from pip's own settings", flush=True)
             args["TORCH_INDEX"] = ""
-    command = ["buildah", "bud", "--isolation", "chroot", "--format", "docker", "--layers"]
+    command = ["buildah", "bud", "--isolation", "chroot", "--format", "docker", "--layers", "--jobs", "2"]
     command += [f"--build-arg={key}={value}" for key, value in args.items()]
     command += ["-f", str(ROOT / image.dockerfile), "-t", image.tag]
     started = time.monotonic()

@@ -50,7 +50,7 @@ def test_settings_become_secrets_and_loopback_urls(machine: dict[str, dict[str, 
     conf = configparser.ConfigParser()
     conf.read_string(text)
     assert secrets == {build.CERT_SECRET: tmp_path / "ca.crt"}
-    assert conf["global"]["cert"] == f"/run/secrets/{build.CERT_SECRET}"
+    assert conf["global"]["cert"] == f"/tmp/{build.CERT_SECRET}"
     assert conf["global"]["find-links"] == "http://127.0.0.1:9/0/"
     assert conf["global"]["extra-index-url"] == "http://127.0.0.1:9/1/simple/ https://example.org/simple"
     assert conf["global"]["constraint"] == "http://127.0.0.1:9/2/constraints.txt"

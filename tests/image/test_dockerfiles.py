@@ -22,7 +22,7 @@ from typing import Any
 import pytest
 import yaml
 
-from images import venv
+from images import deps
 from kembed.config import Settings
 from kembed.contract import GRPC_PORT, HTTP_PORT, LIVEZ_PATH, METRICS_PATH, REST_PORT
 from kembed_operator import kinds, render
@@ -33,7 +33,6 @@ from tests.operator.conftest import CHART, chart_operator, render_chart
 ROOT = Path(__file__).resolve().parents[2]
 DOCKERFILES = ["Dockerfile.server", "Dockerfile.operator"]
 INSTRUCTIONS = {"ARG", "FROM", "ENV", "RUN", "WORKDIR", "COPY", "EXPOSE", "USER", "HEALTHCHECK", "ENTRYPOINT", "CMD"}
-SECRET_MOUNT = "--mount=type=secret"
 
 
 @dataclass
@@ -108,18 +107,21 @@ def test_copies_exist_and_the_context_keeps_them(name: str) -> None:
 
 @pytest.mark.parametrize("name", DOCKERFILES)
 def test_runs_as_the_deployments_user_and_nothing_of_the_build_reaches_the_image(name: str) -> None:
-    """pip's settings come in as secrets only in stages the last one copies from, never descends from;
-    the last stage runs nothing as root after it names its user, and that user is the one the operator
-    and the chart run pods as."""
+    """pip's settings and the build's inputs come in as mounts only, each directly below /tmp (in every
+    base, so buildah leaves no mount point behind), never as ENV; the last stage runs nothing after it
+    names its user, and that user is the one the operator and the chart run pods as."""
     defaults, stages = parse(name)
-    builds = ["cpu", "cu130"] if "TORCH_BUILD" in defaults else [""]
-    for args in ({**defaults, "TORCH_BUILD": build} for build in builds):
-        assert not [run for stage in lineage(stages, args) for run in stage.args("RUN") if SECRET_MOUNT in run]
-    assert [run for stage in stages for run in stage.args("RUN") if SECRET_MOUNT in run], "the build uses pip's secrets"
+    mounts = [m for stage in stages for run in stage.args("RUN") for m in run.split() if m.startswith("--mount=")]
+    assert [m for m in mounts if "type=secret" in m], "the build reads pip's settings from secrets"
+    for mount in mounts:
+        options = dict(option.split("=", 1) for option in mount.removeprefix("--mount=").split(","))
+        assert Path(options["target"]).parent == Path("/tmp"), mount
+    assert not [env for stage in stages for env in stage.args("ENV") if "PIP_" in env]
     final = lineage(stages, defaults)
+    kinds = [kind for kind, _ in final[0].instructions]
+    assert "RUN" not in kinds[kinds.index("USER") :]
     (user,) = final[0].args("USER")
     assert user == f"{render.RUN_AS}:{render.RUN_AS}"
-    assert not final[0].args("RUN")
     assert f"--uid {render.RUN_AS}" in " ".join(run for stage in final for run in stage.args("RUN"))
 
 
@@ -191,15 +193,15 @@ def test_server_builds_what_ci_builds() -> None:
     assert makefile_command(r"python -m grpc_tools\.protoc [^\n]+?embedder\.proto") in runs
     torch = re.search(r"^TORCH\s*:=\s*(\S+)", (ROOT / "Makefile").read_text(), re.M)
     assert torch is not None
-    (pin,) = [line for line in venv.requirements(ROOT / "pyproject.toml", ["server"]) if venv.name(line) == "torch"]
+    (pin,) = [line for line in deps.requirements(ROOT / "pyproject.toml", ["server"]) if deps.name(line) == "torch"]
     assert pin == torch.group(1)
-    assert venv.requirements(ROOT / "pyproject.toml", ["server"], "cpu").count(f"{pin}+cpu") == 1
+    assert deps.requirements(ROOT / "pyproject.toml", ["server"], "cpu").count(f"{pin}+cpu") == 1
 
 
 def test_installed_without_dependencies_is_still_a_dependency() -> None:
     """A NO_DEPS entry that pyproject.toml no longer names would silently install nothing."""
-    names = {venv.name(line) for line in venv.requirements(ROOT / "pyproject.toml", ["server"])}
-    assert set(venv.NO_DEPS) <= names
+    names = {deps.name(line) for line in deps.requirements(ROOT / "pyproject.toml", ["server"])}
+    assert set(deps.NO_DEPS) <= names
 
 
 def test_gpu_variant_brings_the_compiler_and_headers_triton_needs() -> None:

@@ -2,8 +2,8 @@
 base dependencies and the named extras, then trim what the image never runs. Runs inside image
 builds with the build stage's venv active (stdlib only):
 
-    python3 venv.py /src/pyproject.toml server --torch cpu [--index URL] [--drop kubernetes/aio]
-    python3 venv.py /src/pyproject.toml proto --print   # only the requirements, one a line
+    python3 deps.py /src/pyproject.toml server --torch cpu [--index URL] [--drop kubernetes/aio]
+    python3 deps.py /src/pyproject.toml proto --print   # only the requirements, one a line
 
 torch is pinned to its local build (``torch==2.13.0`` becomes ``torch==2.13.0+cpu``) so no resolver
 can swap in another build of the same version.
@@ -12,6 +12,7 @@ can swap in another build of the same version.
 from __future__ import annotations
 
 import argparse
+import compileall
 import re
 import shutil
 import subprocess
@@ -88,13 +89,18 @@ def main() -> None:
     if args.print:
         print("\n".join(wanted))
         return
-    pip("install", *(["--extra-index-url", args.index] if args.index else []), *_without(wanted, NO_DEPS))
+    index = ["--extra-index-url", args.index] if args.index else []
+    pip("install", "--no-compile", *index, *_without(wanted, NO_DEPS))
     if alone := [line for line in wanted if name(line) in NO_DEPS]:
-        pip("install", "--no-deps", *alone)
+        pip("install", "--no-compile", "--no-deps", *alone)
     pip("uninstall", "--yes", "pip")  # no installer in the image
     site = Path(sysconfig.get_paths()["purelib"])
     (site / "kembed.pth").write_text(APP + "\n")
     trim(site, args.drop, args.torch)
+    # Bytecode for what is left, on every core (pip compiles one file at a time): the image's root is
+    # read-only, so without it every start would compile torch and transformers in memory again.
+    # Quiet as pip is: torch ships modules for newer Pythons, which no 3.11 can compile.
+    compileall.compile_dir(site, quiet=2, workers=0)
 
 
 if __name__ == "__main__":
