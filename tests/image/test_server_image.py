@@ -5,7 +5,8 @@ no privilege escalation, the Deployment's environment and memory limit.
 It becomes ready, serves the same vectors over gRPC and the OpenAI API as a server started from the
 working tree, reports healthy, and drains on SIGTERM without losing a call it accepted. The spec
 turns admission off, so that every call of the drain test is accepted and still in flight when
-SIGTERM arrives (with admission on, a burst is mostly refused and the rest done in a second).
+SIGTERM arrives (with admission on, a burst is mostly refused and the rest done in a second), and
+asks for the reference server's small shapes, so that both warm up quickly.
 """
 
 from __future__ import annotations
@@ -31,11 +32,14 @@ from kembed_operator import kinds, render
 from kembed_operator.config import OperatorConfig
 from kembed_operator.spec import parse_spec
 from tests.image.podman import Container, http_status, image_files, podman
-from tests.server.serving import ServerProcess, free_port, wait_until
+from tests.server.serving import FAST, ServerProcess, free_port, wait_until
 
 pytestmark = [pytest.mark.image, pytest.mark.timeout(900)]
 
-SPEC = {"resources": {"gpu": 0, "cpu": "2", "memory": "4Gi"}, "admission": {"strategies": []}}
+# The reference server's small shapes (quick warmups on a shared machine), in the spec's words.
+BATCHING = {"buckets": [int(b) for b in str(FAST["buckets"]).split(",")], "maxBatchSize": FAST["max_batch_size"]}
+BATCHING["maxTokensPerBatch"] = FAST["max_tokens_per_batch"]
+SPEC = {"resources": {"gpu": 0, "cpu": "2", "memory": "4Gi"}, "admission": {"strategies": []}, "batching": BATCHING}
 TEXTS = ["hello world", "Kubernetes schedules pods onto nodes.", "naïve café, 東京, emoji 🚀", "A short one."]
 PARAGRAPH = "Readiness goes false at once, and everything accepted is finished and answered. " * 6
 MAX_SIZE_BYTES = 1_200_000_000
