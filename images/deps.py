@@ -1,9 +1,9 @@
-"""Fill an image's venv with the third-party packages an image needs, read from pyproject.toml: the
-base dependencies and the named extras, then trim what the image never runs. Runs inside image
-builds with the build stage's venv active (stdlib only):
+"""Fill an image's venv with the third-party packages it needs, read from pyproject.toml: the base
+dependencies and the named extras, then trim what the image never runs. Runs inside image builds,
+by the venv's own interpreter (stdlib only):
 
-    python3 deps.py /src/pyproject.toml server --torch cpu [--index URL] [--drop kubernetes/aio]
-    python3 deps.py /src/pyproject.toml proto --print   # only the requirements, one a line
+    /opt/venv/bin/python deps.py pyproject.toml server --torch cpu [--index URL] [--drop kubernetes/aio]
+    python3 deps.py pyproject.toml proto --print   # only the requirements, one a line
 
 torch is pinned to its local build (``torch==2.13.0`` becomes ``torch==2.13.0+cpu``) so no resolver
 can swap in another build of the same version.
@@ -54,10 +54,6 @@ def _pin_torch(line: str, build: str) -> str:
     return f"torch=={match.group(1)}+{build}"
 
 
-def _without(lines: list[str], names: dict[str, str]) -> list[str]:
-    return [line for line in lines if name(line) not in names]
-
-
 def pip(*args: str) -> None:
     subprocess.run([sys.executable, "-m", "pip", *args], check=True)
 
@@ -90,8 +86,9 @@ def main() -> None:
         print("\n".join(wanted))
         return
     index = ["--extra-index-url", args.index] if args.index else []
-    pip("install", "--no-compile", *index, *_without(wanted, NO_DEPS))
-    if alone := [line for line in wanted if name(line) in NO_DEPS]:
+    alone = [line for line in wanted if name(line) in NO_DEPS]
+    pip("install", "--no-compile", *index, *(line for line in wanted if line not in alone))
+    if alone:
         pip("install", "--no-compile", "--no-deps", *alone)
     pip("uninstall", "--yes", "pip")  # no installer in the image
     site = Path(sysconfig.get_paths()["purelib"])
