@@ -6,7 +6,7 @@ BIN    := $(VENV)/bin
 TORCH  := torch==2.13.0
 PROTO_OUT := server/kembed/v1/embedder_pb2.py
 
-.PHONY: serve test lint typecheck unit proto bench clean env-table crds
+.PHONY: serve test lint typecheck unit proto bench clean env-table crds image image-test
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -48,6 +48,15 @@ bench: $(VENV)/.test $(PROTO_OUT)
 # The CRDs in crds/ and the chart's crds/, generated from the operator's spec models.
 crds: $(VENV)/.test
 	$(BIN)/python -m kembed_operator.crd
+
+# The server (CPU) and operator images, built with buildah (docs/images.md): a Debian base from
+# mmdebstrap where no registry answers, this machine's pip settings carried in as build secrets.
+image:
+	$(PYTHON) -m images.build
+
+# Starts what `make image` built, with podman: never part of `make test`.
+image-test: image $(VENV)/.test $(PROTO_OUT)
+	$(BIN)/python -m pytest -m image tests/image $(PYTEST_ARGS)
 
 env-table: $(VENV)/.serve
 	$(BIN)/python -m kembed --env-table

@@ -21,17 +21,9 @@ from bench.machine import read_result
 ROOT = Path(__file__).resolve().parents[1]
 FRONT_PAGE = ROOT / "README.md"
 FRONT_PAGE_MAX_LINES = 200
-# Notes other branches leave for the integrator, not pages: their links point into the old README.
-SKIPPED_DIRS = {"_pending", "node_modules", "__pycache__"}
+SKIPPED_DIRS = {"node_modules", "__pycache__"}
 # bench.plot's copy of bench/README.md's results block, links and all (they are relative to bench/).
 SKIPPED_FILES = {ROOT / "bench" / "results" / "summary.md"}
-
-# Pages being written on other branches, linked from here before they exist: a link to one is
-# accepted while it is missing. The integrator empties this list once they are merged
-# (test_pending_pages_are_still_missing says when).
-PENDING_PAGES = {
-    "docs/images.md",  # branch images: the server and operator images
-}
 
 FENCE = re.compile(r"^\s*(```|~~~)")
 HEADING = re.compile(r"^#{1,6}\s+(.+?)\s*#*\s*$")
@@ -111,7 +103,7 @@ def broken_link(page: Path, target: str) -> str | None:
     else:
         file = (page.parent / path).resolve()
     if not file.exists():
-        return None if relative(file) in PENDING_PAGES else f"{relative(file)} does not exist"
+        return f"{relative(file)} does not exist"
     if anchor and file.suffix == ".md" and anchor not in anchors(file):
         return f"no heading in {relative(file)} has the anchor #{anchor}"
     return None
@@ -141,11 +133,6 @@ def test_every_docs_page_is_reachable_from_the_front_page() -> None:
                 queue.append((page.parent / path).resolve())
     pages = {page for page in markdown_files() if page.is_relative_to(ROOT / "docs")}
     assert not sorted(relative(p) for p in pages - reached), "pages no link from README.md leads to"
-
-
-def test_pending_pages_are_still_missing() -> None:
-    merged = sorted(page for page in PENDING_PAGES if (ROOT / page).exists())
-    assert not merged, f"{merged} exist now: remove them from PENDING_PAGES, so their links are checked"
 
 
 def test_the_front_page_stays_short() -> None:
