@@ -285,7 +285,7 @@ class Settings(BaseModel):
         100_000, ge=1, description="Longest text in characters (bounds tokenization work)", json_schema_extra=TUNING
     )
     max_message_bytes: int = Field(
-        4 * 1024 * 1024,
+        2 * 1024 * 1024,
         ge=1024,
         description="Largest request: a gRPC message or a REST body (answers may be up to 16 MiB)",
         json_schema_extra=TUNING,
