@@ -6,8 +6,10 @@ off with the right code, in the edge's own shape, counted, and everyone else is 
 from __future__ import annotations
 
 import json
+import select
 import signal
 import socket
+import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -19,6 +21,7 @@ import pytest
 
 from kembed.frontend.budget import frontend_budget, growth_bound
 from kembed.frontend.process import TOKENIZER_THREADS
+from kembed.frontend.rest import IDLE_GRACE_S
 from kembed.v1 import embedder_pb2 as pb
 from kembed.v1 import embedder_pb2_grpc as pb_grpc
 from tests.server.serving import ServerProcess, peer_ports, reset_peak_rss, rss_bytes, wait_until
@@ -155,9 +158,12 @@ def test_slow_bodies_are_cut_off_at_the_requests_deadline(server: ServerProcess)
 
 
 def test_past_the_connection_cap_the_oldest_idle_connection_is_closed(server: ServerProcess):
-    idle = [connect(server) for _ in range(16 + 1)]
+    idle = [connect(server) for _ in range(16)]
     try:
+        time.sleep(IDLE_GRACE_S + 0.5)  # a connection is closed for being idle only once idle this long
+        idle.append(connect(server))
         assert closed(idle[0])
+        assert still_open(idle[1]) and still_open(idle[-1])  # not the idle timeout: only the oldest went
         with connect(server) as sock:  # a newcomer is served: another idle one made room
             sock.sendall(head(len(b'{"input": "x"}')) + b'{"input": "x"}')
             assert answer(sock)[0] == 200
@@ -165,6 +171,12 @@ def test_past_the_connection_cap_the_oldest_idle_connection_is_closed(server: Se
     finally:
         for sock in idle:
             sock.close()
+
+
+def still_open(sock: socket.socket) -> bool:
+    """Not closed by the server: nothing to read on it, not even its end."""
+    readable, _, _ = select.select([sock], [], [], 0)
+    return not readable
 
 
 MALFORMED = {

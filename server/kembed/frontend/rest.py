@@ -20,8 +20,8 @@ What one client can hold here is bounded (``docs/decisions/hostile-clients.md``)
   its answer must then be taken within as long again; a draining front end cuts off bodies still
   arriving;
 - connections: at most ``KEMBED_MAX_REST_CONNECTIONS`` and half the file descriptors this process
-  may open, so gRPC keeps room; past it the oldest idle connection is closed, else the oldest still
-  sending its request, else the new one;
+  may open, so gRPC keeps room; past it the connection idle the longest is closed (once idle a
+  second), else the one sending its request the longest, else the new one;
 - a client that leaves cancels its call (the engine drops its work), logged in one line.
 
 Every answer, aiohttp's own refusals of malformed requests included, is in OpenAI's error shape and
@@ -57,10 +57,11 @@ JSON = "application/json"
 EMBEDDINGS_PATH = "/v1/embeddings"
 MODELS_PATH = "/v1/models"
 IDLE_S = 60.0  # a connection with no request, or whose request's head is still arriving, is closed after this
+IDLE_GRACE_S = 1.0  # past the connection cap, an idle connection is closed first only once idle this long
 LINGER_S = 2.0  # a body refused part-read is read and dropped this long, so that its client can read the answer
 STOP_S = 1.0  # stopping: the drain has waited for every call; answers still being written get this long
 READ_CHUNK = 16384  # a body is parsed this much at a time: well under a millisecond of the event loop
-MAX_BACKLOG = 1024
+MAX_BACKLOG = 128  # asyncio accepts up to a backlog's worth of connections in one turn of the event loop
 # Descriptors this process keeps apart from its REST connections: the engine's socket, files,
 # gRPC's poller. What is left is halved: REST connections may take one half, gRPC's the other. Of
 # the REST half, asyncio accepts up to a backlog's worth of connections at once, before any can be
@@ -155,7 +156,7 @@ class RestEdge:
             return self._refuse(ApiError(404, f"{path}: no such route", "invalid_request_error", None, "not_found"))
         except asyncio.CancelledError:
             if request.transport is None or request.transport.is_closing():
-                when = "while sending its request" if self._server.is_reading(request.protocol) else "before its answer"
+                when = "before its answer" if request.content.is_eof() else "while sending its request"
                 log.info("rest: %s left %s; its call is dropped", _peer(request), when)
             raise
         except Exception:  # a bug: logged with its traceback, and the client still gets an answer in its API's shape
@@ -279,11 +280,12 @@ class RestEdge:
 
 
 class Connections(web.Server):
-    """aiohttp's low-level server, holding at most ``limit`` connections: past it, the oldest idle
-    one is closed (a request's head still arriving counts as idle), else the oldest still sending
-    its request, else the new one (every other is working on an accepted call). A client that
-    leaves cancels its handler, so its call is dropped. Malformed requests are answered by ``error``;
-    ``kwargs`` go to each connection's :class:`~aiohttp.web.RequestHandler`."""
+    """aiohttp's low-level server, holding at most ``limit`` connections: past it, the one idle the
+    longest is closed if it has been idle ``IDLE_GRACE_S`` (no request, or a head still arriving;
+    a new connection gets that long to send one), else the one that has been sending its request
+    the longest, else the new one (every other is working on an accepted call). A client that
+    leaves cancels its handler, so its call is dropped. Malformed requests are answered by
+    ``error``; ``kwargs`` go to each connection's :class:`~aiohttp.web.RequestHandler`."""
 
     def __init__(
         self,
@@ -297,39 +299,50 @@ class Connections(web.Server):
         self._limit = limit
         self._error = error
         self._handler_args = kwargs
-        self._open: dict[RequestHandler, None] = {}  # in the order they opened
-        self._busy: dict[RequestHandler, bool] = {}  # in a handler: False while reading its request, True once working
+        # Every open connection is in one of these, each in the order its connections entered it.
+        self._idle: dict[RequestHandler, float] = {}  # since when
+        self._reading: dict[RequestHandler, None] = {}
+        self._working: set[RequestHandler] = set()
 
     def __call__(self) -> RequestHandler:
         return _Connection(self, self._error, loop=asyncio.get_running_loop(), **self._handler_args)
 
     def connection_made(self, handler: RequestHandler, transport: asyncio.Transport) -> None:
         super().connection_made(handler, transport)
-        self._open[handler] = None
-        if len(self._open) > self._limit:
+        self._idle[handler] = asyncio.get_running_loop().time()
+        if len(self._idle) + len(self._reading) + len(self._working) > self._limit:
             self._close_one(handler)
 
     def connection_lost(self, handler: RequestHandler, exc: BaseException | None = None) -> None:
         super().connection_lost(handler, exc)
-        self._open.pop(handler, None)
+        self._forget(handler)
 
     def reading(self, handler: RequestHandler) -> None:
-        self._busy[handler] = False
+        if self._idle.pop(handler, None) is not None:
+            self._reading[handler] = None
 
     def working(self, handler: RequestHandler) -> None:
-        self._busy[handler] = True
-
-    def is_reading(self, handler: RequestHandler) -> bool:
-        return self._busy.get(handler) is False
+        if self._reading.pop(handler, False) is None:
+            self._working.add(handler)
 
     def done(self, handler: RequestHandler) -> None:
-        self._busy.pop(handler, None)
+        """Its request answered (or refused): idle from now, if it is still open."""
+        if self._reading.pop(handler, False) is None or handler in self._working:
+            self._working.discard(handler)
+            self._idle[handler] = asyncio.get_running_loop().time()
+
+    def _forget(self, handler: RequestHandler) -> None:
+        self._idle.pop(handler, None)
+        self._reading.pop(handler, None)
+        self._working.discard(handler)
 
     def _close_one(self, newest: RequestHandler) -> None:
-        busy = self._busy
-        idle = next((c for c in self._open if c not in busy), None)
-        victim = idle or next((c for c in self._open if busy.get(c) is False), newest)
-        self._open.pop(victim, None)
+        idle = next(iter(self._idle.items()), None)
+        if idle is not None and asyncio.get_running_loop().time() - idle[1] >= IDLE_GRACE_S:
+            victim = idle[0]
+        else:
+            victim = next(iter(self._reading), newest)
+        self._forget(victim)
         victim.force_close()
 
 
