@@ -241,6 +241,8 @@ class GrpcEdge:
             ),
         }
         self._server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(GRPC_SERVICE, handlers),))
+        # Matched by gRPC's core rather than in Python, as the generated code does (grpc-stubs lack it).
+        self._server.add_registered_method_handlers(GRPC_SERVICE, handlers)  # type: ignore[attr-defined]
 
     async def set_serving(self, serving: bool) -> None:
         status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
