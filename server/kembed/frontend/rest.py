@@ -60,6 +60,7 @@ IDLE_S = 60.0  # a connection with no request, or whose request's head is still 
 IDLE_GRACE_S = 1.0  # past the connection cap, an idle connection is closed first only once idle this long
 LINGER_S = 2.0  # a body refused part-read is read and dropped this long, so that its client can read the answer
 STOP_S = 1.0  # stopping: the drain has waited for every call; answers still being written get this long
+WRITE_BUFFER_BYTES = 65536  # aiohttp's writer waits for the client only past this much unsent (its LIMIT)
 READ_CHUNK = 16384  # a body is parsed this much at a time: well under a millisecond of the event loop
 MAX_BACKLOG = 128  # asyncio accepts up to a backlog's worth of connections in one turn of the event loop
 # Descriptors this process keeps apart from its REST connections: the engine's socket, files,
@@ -244,8 +245,12 @@ class RestEdge:
         return parsed.call.count * dimensions * ANSWER_BYTES_PER_VALUE[parsed.encoding] + ANSWER_ENVELOPE
 
     async def _write(self, request: web.BaseRequest, status: int, body: bytes) -> web.StreamResponse:
-        """The answer, written here while its bytes are still weighed, within the request's timeout."""
+        """The answer, written here while its bytes are still weighed, within the request's timeout.
+        One that fits the transport's buffer is left to aiohttp: writing it does not wait (a client that
+        never reads it leaves its connection idle, the first closed when room is needed)."""
         response = self._reply(status, body)
+        if len(body) <= WRITE_BUFFER_BYTES:
+            return response
         try:
             async with asyncio.timeout(self._timeout_s):
                 await response.prepare(request)
