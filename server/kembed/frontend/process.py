@@ -88,8 +88,12 @@ class FrontendProcess:
 
     async def _listen(self) -> None:
         await self._grpc.start()
+        rest = ""
         if self._rest is not None:
             await self._rest.start()
+            rest = f", REST holds {self._rest.max_connections} connections"
+        mib = self._budget.capacity // 2**20
+        log.info("memory budget %d MiB; gRPC takes %d calls at once%s", mib, self._grpc.max_calls, rest)
 
     async def _open(self, link: EngineLink) -> None:
         """The engine is warm: build the serving path and start answering."""

@@ -113,7 +113,7 @@ class EmbedService:
         gate: Gate,
         metrics: FrontendMetrics,
         executor: Executor,
-        budget: MemoryBudget,
+        memory: MemoryBudget,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         info = link.info
@@ -124,7 +124,7 @@ class EmbedService:
         self._gate = gate
         self._metrics = metrics
         self._executor = executor
-        self._budget = budget
+        self._memory = memory
         self._clock = clock
         self._bucket_lengths = np.asarray(info.bucket_lengths)
         self._pushback = ConnectionPushback(clock)
@@ -140,11 +140,11 @@ class EmbedService:
         """The call's pushback is enforced on its ``peer``; what it holds is weighed against the
         front end's memory budget from its arrival until it is answered."""
         arrival = self._clock()
-        allowed_s = self._settings.default_timeout_ms / 1000 if call.timeout_s is None else call.timeout_s
+        budget = self._settings.default_timeout_ms / 1000 if call.timeout_s is None else call.timeout_s
         self._gate.enter()
         try:
-            with self._budget.reserve(call_weight(call.nbytes, call.count, self._info.dimensions)):
-                return await self._embed(call, arrival, arrival + allowed_s)
+            with self._memory.reserve(call_weight(call.nbytes, call.count, self._info.dimensions)):
+                return await self._embed(call, arrival, arrival + budget)
         except EmbedError as error:
             if error.retry_after_ms:
                 self._pushback.refused((call.peer, call.priority), error.retry_after_ms)
