@@ -17,8 +17,8 @@ What one client can hold here is bounded (``docs/decisions/hostile-clients.md``)
   limit;
 - time: a request's head must arrive within the idle timeout; from its head on, one deadline
   (``KEMBED_DEFAULT_TIMEOUT_MS``) covers its body's arrival (else 408) and its call (else 504), and
-  its answer must then be taken within as long again; a draining front end cuts off bodies still
-  arriving;
+  an answer larger than the transport's buffer must then be taken within as long again; a draining
+  front end cuts off bodies still arriving;
 - connections: at most ``KEMBED_MAX_REST_CONNECTIONS`` and half the file descriptors this process
   may open, so gRPC keeps room; past it the connection idle the longest is closed (once idle a
   second), else the one sending its request the longest, else the new one;
