@@ -482,3 +482,33 @@ def _by_class(rejections: dict[str, dict[str, float]]) -> str:
         if any(reasons.values())
     ]
     return "; ".join(counted) or "—"
+
+
+ABUSE_PHASES = ("idle", "bad_bodies", "slow_bodies")
+ABUSE_TARGET = "<= 3.00"  # a ping's p99 beside a hostile client, over its idle p99
+
+
+def abuse_ratios(result: dict[str, Any]) -> list[Ratio]:
+    """Each abused phase's ping p99 over the idle phase's, per kind of ping."""
+    phases, rows = result["phases"], []
+    for name, label in (("bad_bodies", "maximal bad REST bodies back to back"), ("slow_bodies", "slow bodies held")):
+        for kind, ping_name in (("models", "GET /v1/models"), ("info", "gRPC Info")):
+            idle = phases["idle"]["pings"][kind]["latency_ms"]["p99"]
+            abused = phases[name]["pings"][kind]["latency_ms"]["p99"]
+            value = _exact(abused / idle)
+            rows.append(Ratio(f"{ping_name} p99 beside {label} / idle", value, ABUSE_TARGET))
+    return rows
+
+
+def abuse_table(result: dict[str, Any]) -> str:
+    """Every phase's pings and what its abuser got."""
+    lines = ["| Phase | Ping | Pings | p50 / p95 / p99 ms | Codes | Abuser |", "| --- " * 6 + "|"]
+    for name in ABUSE_PHASES:
+        phase = result["phases"][name]
+        abuser = ", ".join(f"{key} {value}" for key, value in phase.get("abuser", {}).items()) or "—"
+        for kind in ("models", "info"):
+            ping = phase["pings"][kind]
+            ms = " / ".join(f"{ping['latency_ms'][q]:.1f}" for q in ("p50", "p95", "p99"))
+            codes = ", ".join(f"{code} {n}" for code, n in sorted(ping["codes"].items()))
+            lines.append(f"| {name} | {kind} | {ping['pings']} | {ms} | {codes} | {abuser} |")
+    return "\n".join(lines)

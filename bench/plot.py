@@ -118,6 +118,14 @@ def priority_text(priority: dict[str, Any] | None) -> str:
     return _judged("Queries beside an ingest, one server,", priority, rows, table)
 
 
+def abuse_text(abuse: dict[str, Any] | None) -> str:
+    """Pings beside a hostile client (``bench.abuse``), or why there are none."""
+    if not abuse:
+        return "Pings beside a hostile client: not run (no results/abuse.json; `python -m bench.abuse`)."
+    rows, table = headline.abuse_ratios(abuse), headline.abuse_table(abuse)
+    return _judged("Pings beside a hostile client, one front end,", abuse, rows, table)
+
+
 def _judged(what: str, result: dict[str, Any], rows: list[headline.Ratio], table: str) -> str:
     """A result's heading (when, under what load, which commit), its ratios and its table."""
     m = result["machine"]
@@ -132,6 +140,7 @@ def markdown(
     gpu: dict[str, Any] | None,
     hostpath: dict[str, Any] | None,
     priority: dict[str, Any] | None,
+    abuse: dict[str, Any] | None = None,
 ) -> str:
     m = ceiling["machine"]
     runs = "; ".join(
@@ -152,6 +161,7 @@ def markdown(
             headline.workload_text(ceiling["workload"]),
             hostpath_text(hostpath),
             priority_text(priority),
+            abuse_text(abuse),
             headline.gpu_table(gpu),
         ]
     )
@@ -185,15 +195,15 @@ def headline_block(ceiling: dict[str, Any], token_bucket: dict[str, Any], naive:
 
 
 def main() -> None:
-    names = ("ceiling", "serve_token_bucket", "serve_naive", "gpu", "hostpath", "priority")
-    ceiling, token_bucket, naive, gpu, hostpath, priority = map(read_result, names)
+    names = ("ceiling", "serve_token_bucket", "serve_naive", "gpu", "hostpath", "priority", "abuse")
+    ceiling, token_bucket, naive, gpu, hostpath, priority, abuse = map(read_result, names)
     if ceiling is None or token_bucket is None:
         raise SystemExit("need bench/results/ceiling.json and serve_token_bucket.json: run python -m bench.run_all")
     serves = [token_bucket] + ([naive] if naive else [])
     throughput(ceiling, serves, RESULTS_DIR / "throughput.png")
     latency(serves, RESULTS_DIR / "latency.png")
     padding(ceiling, serves, RESULTS_DIR / "padding.png")
-    block = markdown(ceiling, serves, naive, gpu, hostpath, priority)
+    block = markdown(ceiling, serves, naive, gpu, hostpath, priority, abuse)
     (RESULTS_DIR / "summary.md").write_text(block + "\n")
     README.write_text(splice(README.read_text(), block, RESULTS_MARKERS))
     top = TOP_README.read_text()

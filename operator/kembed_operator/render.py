@@ -44,8 +44,10 @@ CACHE_DIR = "/cache"
 COMPILE_CACHE_DIR = "/compile-cache"
 GPU_RESOURCE = "nvidia.com/gpu"
 CONTAINER = "server"
-# The server sizes its front ends from the CPU request (no CPU limit: see _resources), in millicores.
+# The server sizes its front ends from the CPU request (no CPU limit: see _resources), in millicores,
+# and their memory budgets from the memory limit, in bytes.
 CPU_REQUEST_VAR = env_name("cpu_request_millicores")
+MEMORY_LIMIT_VAR = env_name("memory_limit_bytes")
 # inductor's compile workers; unset, it starts one per core of the node (up to its own cap of 32).
 COMPILE_THREADS_VAR = "TORCHINDUCTOR_COMPILE_THREADS"
 INDUCTOR_MAX_COMPILE_THREADS = 32
@@ -70,6 +72,7 @@ OPERATOR_SETTINGS = frozenset(
         "rest_port",
         "device",
         "cpu_request_millicores",
+        "memory_limit_bytes",
     }
 )
 
@@ -291,11 +294,15 @@ def _text(value: Any) -> str:
 
 
 def sizing_env(spec: EmbeddingServiceSpec) -> list[Manifest]:
-    """Size from the pod, not the node: the CPU request, passed down by the kubelet (Downward API),
-    and inductor's compile workers bounded by it (each is a process with memory of its own), unless
-    ``spec.env`` sets them."""
+    """Size from the pod, not the node: the CPU request and the memory limit, passed down by the
+    kubelet (Downward API), and inductor's compile workers bounded by the CPUs (each is a process with
+    memory of its own), unless ``spec.env`` sets them."""
     request = {"containerName": CONTAINER, "resource": "requests.cpu", "divisor": "1m"}
-    entries: list[Manifest] = [{"name": CPU_REQUEST_VAR, "valueFrom": {"resourceFieldRef": request}}]
+    memory = {"containerName": CONTAINER, "resource": "limits.memory", "divisor": "1"}
+    entries: list[Manifest] = [
+        {"name": CPU_REQUEST_VAR, "valueFrom": {"resourceFieldRef": request}},
+        {"name": MEMORY_LIMIT_VAR, "valueFrom": {"resourceFieldRef": memory}},
+    ]
     if not any(var.name == COMPILE_THREADS_VAR for var in spec.env):
         entries.append({"name": COMPILE_THREADS_VAR, "value": str(compile_threads(spec.resources.cpu))})
     return entries

@@ -289,12 +289,23 @@ class Settings(BaseModel):
         json_schema_extra=TUNING,
     )
     max_message_bytes: int = Field(
-        16 * 1024 * 1024, ge=1024, description="gRPC max receive/send message size", json_schema_extra=TUNING
+        2 * 1024 * 1024,
+        ge=1024,
+        description="Largest request: a gRPC message or a REST body (answers may be up to 16 MiB)",
+        json_schema_extra=TUNING,
     )
     max_concurrent_rpcs: int = Field(
         1024,
         ge=1,
-        description="RPCs handled at once; beyond it gRPC answers RESOURCE_EXHAUSTED (bounds memory)",
+        description="gRPC calls handled at once, lowered to what the memory budget holds of the largest "
+        "(docs/operations.md); beyond it gRPC answers RESOURCE_EXHAUSTED",
+        json_schema_extra=TUNING,
+    )
+    max_rest_connections: int = Field(
+        1024,
+        ge=1,
+        description="Open REST connections per front end, lowered to half the file descriptors it may "
+        "open; past it the oldest idle one is closed",
         json_schema_extra=TUNING,
     )
     max_connection_age_ms: int = Field(
@@ -330,6 +341,13 @@ class Settings(BaseModel):
         0,
         ge=0,
         description="CPU request in millicores (the operator passes the container's down); caps auto's CPUs; 0 = none",
+        json_schema_extra=OPERATOR,
+    )
+    memory_limit_bytes: int = Field(
+        0,
+        ge=0,
+        description="The container's memory limit in bytes (the operator passes it down): a quarter of it is "
+        "the front ends' memory budget (docs/operations.md); 0 = the cgroup's limit, else the machine's memory",
         json_schema_extra=OPERATOR,
     )
 

@@ -7,8 +7,10 @@ that outlives container restarts, so every start removes the folders whose lock 
 A lock rather than a PID: the kernel drops it when its holder dies, however it dies, whereas a PID
 is reused (a restarted container's supervisor may get its predecessor's) and means nothing in
 another PID namespace. A folder without a lock file is not touched (it is not one of ours, or an
-older kembed's, which would not have locked it). Making a folder and looking for stale ones both
-happen under a lock on the parent directory, so a start never sees another's folder unlocked.
+older kembed's, which would not have locked it), and neither is one being made: its lock file is
+created under another name, locked, and only then renamed into place, so a lock file that exists
+is locked by a living supervisor or by nobody. No lock is taken on the parent directory itself: on
+a shared host anyone may lock ``/tmp``, and a start must not wait for them.
 """
 
 from __future__ import annotations
@@ -28,6 +30,7 @@ log = logging.getLogger(__name__)
 
 PREFIX = "kembed-"
 LOCK_FILE = "supervisor.lock"
+NEW_LOCK_FILE = ".supervisor.lock.new"  # the lock file until it is locked
 # What lives in it: the engine's socket front ends connect to, the board, prometheus-client's files.
 ENGINE_SOCKET = "engine.sock"
 BOARD_FILE = "board"
@@ -46,11 +49,11 @@ class RuntimeDir:
     def create(cls, parent: Path | None = None) -> RuntimeDir:
         """Remove the folders their supervisors left behind, then make and lock a new one."""
         parent = parent or Path(tempfile.gettempdir())
-        with _locked(parent, os.O_RDONLY | os.O_DIRECTORY, blocking=True):
-            remove_stale(parent)
-            path = Path(tempfile.mkdtemp(prefix=PREFIX, dir=parent))
-            lock = os.open(path / LOCK_FILE, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)  # not inherited
-            fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)  # new and ours: nobody else can hold it
+        remove_stale(parent)
+        path = Path(tempfile.mkdtemp(prefix=PREFIX, dir=parent))  # 0700: only this user can open its files
+        lock = os.open(path / NEW_LOCK_FILE, os.O_RDWR | os.O_CREAT | os.O_EXCL, 0o600)  # not inherited
+        fcntl.flock(lock, fcntl.LOCK_EX | fcntl.LOCK_NB)  # new and ours: nobody else can hold it
+        os.rename(path / NEW_LOCK_FILE, path / LOCK_FILE)  # the same file, so the lock goes with it
         return cls(path, lock)
 
     def remove(self) -> None:
@@ -69,7 +72,7 @@ def remove_stale(parent: Path) -> list[Path]:
     removed = []
     for path in sorted(parent.glob(f"{PREFIX}*")):
         # FileNotFoundError: no lock file, not ours; BlockingIOError: its supervisor lives.
-        with contextlib.suppress(OSError), _locked(path / LOCK_FILE, os.O_RDWR, blocking=False):
+        with contextlib.suppress(OSError), _locked(path / LOCK_FILE):
             shutil.rmtree(path, ignore_errors=True)
             removed.append(path)
     if removed:
@@ -78,11 +81,11 @@ def remove_stale(parent: Path) -> list[Path]:
 
 
 @contextlib.contextmanager
-def _locked(path: Path, flags: int, blocking: bool) -> Iterator[None]:
-    """Hold ``path``'s lock; without ``blocking``, raise BlockingIOError if someone else holds it."""
-    fd = os.open(path, flags)
+def _locked(path: Path) -> Iterator[None]:
+    """Hold ``path``'s lock, or raise BlockingIOError at once if someone else holds it."""
+    fd = os.open(path, os.O_RDWR)
     try:
-        fcntl.flock(fd, fcntl.LOCK_EX if blocking else fcntl.LOCK_EX | fcntl.LOCK_NB)
+        fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
         yield
     finally:
         os.close(fd)  # closing drops the lock

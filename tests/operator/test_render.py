@@ -222,6 +222,18 @@ def test_the_server_sizes_from_the_cpu_request(cpu: Any, millicores: int, compil
     assert variables[render.COMPILE_THREADS_VAR] == str(compile_threads)
 
 
+@pytest.mark.parametrize(("memory", "limit_bytes"), [("16Gi", 16 * 2**30), ("1500M", 1_500_000_000)])
+def test_the_server_sizes_its_memory_budget_from_the_memory_limit(memory: str, limit_bytes: int) -> None:
+    """The limit reaches the server through the Downward API, in bytes (KEMBED_MEMORY_LIMIT_BYTES)."""
+    server = container({"resources": {"cpu": "4", "memory": memory}})
+    (entry,) = [e for e in server["env"] if e["name"] == render.MEMORY_LIMIT_VAR]
+    assert entry["valueFrom"]["resourceFieldRef"]["containerName"] == server["name"]
+    variables = {**env({"resources": {"cpu": "4", "memory": memory}})}
+    variables[entry["name"]] = kubelet_resolves(entry, server["resources"])
+    settings = Settings.from_env({k: v for k, v in variables.items() if k.startswith("KEMBED_")})
+    assert settings.memory_limit_bytes == limit_bytes
+
+
 def test_compile_threads_are_bounded_and_env_may_set_them() -> None:
     assert env({"resources": {"cpu": 96}})[render.COMPILE_THREADS_VAR] == str(render.INDUCTOR_MAX_COMPILE_THREADS)
     mine = {"env": [{"name": render.COMPILE_THREADS_VAR, "value": "2"}]}

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import resource
 import signal
 import socket
 import subprocess
@@ -52,6 +53,8 @@ class ServerProcess:
     (the real model computes them once released)."""
 
     def __init__(self, log: Path, module: str = "kembed", held: bool = False, **settings: Any) -> None:
+        """``nofile=N`` among the settings: the file descriptors each process may open (``ulimit -n``)."""
+        nofile = int(settings.pop("nofile", 0))
         self.grpc_port = int(settings.pop("grpc_port", 0)) or free_port()
         self.http_port = int(settings.pop("http_port", 0)) or free_port()
         self.rest_port = int(settings.pop("rest_port", 0)) or free_port()
@@ -66,8 +69,9 @@ class ServerProcess:
             env[HOLD_ENV] = str(self.engine.path)
         self.log = log
         self._out = log.open("wb")
+        limit = (lambda: resource.setrlimit(resource.RLIMIT_NOFILE, (nofile, nofile))) if nofile else None
         self.process = subprocess.Popen(
-            [sys.executable, "-m", module], env=env, stdout=self._out, stderr=subprocess.STDOUT
+            [sys.executable, "-m", module], env=env, stdout=self._out, stderr=subprocess.STDOUT, preexec_fn=limit
         )
 
     def wait_ready(self, timeout: float = 300) -> ServerProcess:
@@ -143,12 +147,17 @@ class ServerProcess:
         self._out.close()
 
 
-def rss_bytes(pid: int) -> int:
-    """A process's resident memory."""
+def rss_bytes(pid: int, field: str = "VmRSS") -> int:
+    """A process's resident memory (``VmHWM``: its peak since :func:`reset_peak_rss`)."""
     for line in Path(f"/proc/{pid}/status").read_text().splitlines():
-        if line.startswith("VmRSS:"):
+        if line.startswith(f"{field}:"):
             return int(line.split()[1]) * 1024
-    raise AssertionError(f"no VmRSS for {pid}")
+    raise AssertionError(f"no {field} for {pid}")
+
+
+def reset_peak_rss(pid: int) -> None:
+    """Start ``VmHWM`` again from the present resident memory (Linux's clear_refs)."""
+    Path(f"/proc/{pid}/clear_refs").write_text("5")
 
 
 def all_decided(server: ServerProcess, futures: list[grpc.Future]) -> bool:

@@ -1,6 +1,7 @@
-"""The OpenAI edge's mapping, pure: JSON to the domain's call (every limit checked while the JSON
-is walked, before anything proportional to it is built), a result back to OpenAI's JSON, and every
-failure in OpenAI's error shape with the JSON's own field as ``param``. End to end: test_rest."""
+"""The OpenAI edge's mapping, pure: a JSON body to the domain's call (every limit checked while the
+body is read, chunk by chunk, before anything proportional to it is built), a result back to
+OpenAI's JSON, and every failure in OpenAI's error shape with the JSON's own field as ``param``.
+End to end: test_rest."""
 
 from __future__ import annotations
 
@@ -15,7 +16,7 @@ import pytest
 from kembed.errors import EmbedError, Failure, Field, InvalidInput
 from kembed.frontend import openai_api
 from kembed.frontend.call import EmbedResult, Limits, Texts, Timings
-from kembed.frontend.openai_api import ApiError, Embeddings, failed, from_json, parse
+from kembed.frontend.openai_api import MAX_FIELDS, ApiError, Body, Embeddings, failed, parse
 from kembed.inputs import Sequences
 from kembed.priority import Priority
 
@@ -23,10 +24,14 @@ SERVED = ("minilm", "sentence-transformers/all-MiniLM-L6-v2")
 LIMITS = Limits(max_items=8, max_text_chars=500)
 
 
+def from_json(data: Any) -> Embeddings:
+    return parse(orjson.dumps(data), SERVED, LIMITS)
+
+
 def refusal(data: Any) -> ApiError:
     """The error a client reads for this JSON body, whichever step refused it."""
     try:
-        from_json(data, SERVED, LIMITS)
+        from_json(data)
     except ApiError as error:
         return error
     except EmbedError as error:
@@ -45,7 +50,7 @@ def test_texts_and_options_map_to_the_call() -> None:
 
 
 def test_a_lone_string_is_one_text() -> None:
-    inputs = from_json({"input": "hello", "model": SERVED[1]}, SERVED, LIMITS).call.inputs
+    inputs = from_json({"input": "hello", "model": SERVED[1]}).call.inputs
     assert isinstance(inputs, Texts) and list(inputs.items) == ["hello"]
 
 
@@ -53,7 +58,7 @@ def test_a_lone_string_is_one_text() -> None:
     ("value", "nested", "lengths"), [([101, 7, 102], False, [3]), ([[101, 102], [101, 7, 8, 102]], True, [2, 4])]
 )
 def test_token_ids_map_to_sequences(value: list[Any], nested: bool, lengths: list[int]) -> None:
-    parsed = from_json({"input": value}, SERVED, LIMITS)
+    parsed = from_json({"input": value})
     inputs = parsed.call.inputs
     assert isinstance(inputs, Sequences) and parsed.nested is nested
     assert inputs.lengths.tolist() == lengths and inputs.ids.dtype == np.int32
@@ -74,8 +79,14 @@ BAD_BODIES: dict[str, tuple[Any, int, str | None, str]] = {
     "an empty sequence": ({"input": [[101, 102], []]}, 400, "input[1]", "input[1]: an empty array of token ids"),
     "a sequence among texts": ({"input": [[101], "text"]}, 400, "input", "input: must be"),
     "over-long text": ({"input": ["fine", "x" * 501]}, 400, "input[1]", "input[1]: 501 characters, more than 500"),
-    "too many texts": ({"input": ["a"] * 9}, 400, "input", "input: 9 inputs, at most 8 per request"),
-    "too many sequences": ({"input": [[1]] * 9}, 400, "input", "input: 9 inputs, at most 8 per request"),
+    "too many texts": ({"input": ["a"] * 9}, 400, "input", "input: more than 8 inputs, at most 8 per request"),
+    "too many sequences": ({"input": [[1]] * 9}, 400, "input", "input: more than 8 inputs, at most 8 per request"),
+    "a sequence over the cap": ({"input": [[1], [7] * 501]}, 400, "input[1]", "input[1]: more than 500 token ids"),
+    "ids nested too deep": ({"input": [[[101]]]}, 400, "input", "input: token ids must be whole numbers"),
+    "an object among texts": ({"input": ["a", {"b": 1}]}, 400, "input", "input: must be"),
+    "an array in another field": ({"input": "x", "user": ["u"]}, 400, "user", "user: an object or array"),
+    "a long field": ({"input": "x", "user": "u" * 1025}, 400, "user", "user: longer than 1024"),
+    "too many fields": ({"input": "x", **{f"f{i}": 0 for i in range(MAX_FIELDS)}}, 400, None, "the body has more"),
     "unknown encoding": ({"input": "x", "encoding_format": "hex"}, 400, "encoding_format", "encoding_format: 'hex'"),
     "dimensions zero": ({"input": "x", "dimensions": 0}, 400, "dimensions", "dimensions: must be a whole number"),
     "dimensions a string": ({"input": "x", "dimensions": "64"}, 400, "dimensions", "dimensions: must be"),
@@ -104,16 +115,65 @@ def test_a_body_that_is_not_json_is_refused() -> None:
 
 
 @pytest.mark.parametrize("item", [[0], "a"], ids=["sequences", "texts"])
-def test_a_huge_list_is_refused_at_its_length_before_anything_is_built(item: Any) -> None:
-    """4 million items (what a 16 MiB body holds): refused naming ``input``, without walking the items."""
-    data = {"input": [item] * 4_000_000}
+def test_a_huge_list_is_refused_at_the_item_past_the_limit_before_the_rest_is_read(item: Any) -> None:
+    """4 million items (what a 16 MiB body holds), fed as the REST edge feeds it: refused naming
+    ``input`` within the first chunk, nothing sized by the items built."""
+    body = orjson.dumps({"input": [item] * 4_000_000})
+    reader = Body(LIMITS)
     tracemalloc.start()
-    error = refusal(data)
+    fed: list[int] = []
+
+    def feed_as_it_arrives() -> None:
+        for start in range(0, len(body), 16384):
+            fed.append(start)
+            reader.feed(body[start : start + 16384])
+
+    with pytest.raises(InvalidInput) as caught:
+        feed_as_it_arrives()
     peak = tracemalloc.get_traced_memory()[1]
     tracemalloc.stop()
-    assert (error.status, error.param) == (400, "input")
-    assert error.message == "input: 4000000 inputs, at most 8 per request"
-    assert peak < 1 << 20  # nothing sized by the items: no array, no list of lengths
+    assert fed == [0] and peak < 1 << 20
+    assert (failed(caught.value).param, caught.value.reason) == ("input", "more than 8 inputs, at most 8 per request")
+
+
+def test_a_body_reads_the_same_however_it_is_split() -> None:
+    data = {"input": [[101, 2023, 102], [101, 7, 8, 102]], "model": "minilm", "dimensions": 64, "truncate": True}
+    body = orjson.dumps(data)
+    for size in (1, 2, 3, 7):
+        reader = Body(LIMITS)
+        for start in range(0, len(body), size):
+            reader.feed(body[start : start + size])
+        call = reader.finish(SERVED).call
+        assert isinstance(call.inputs, Sequences) and call.inputs.lengths.tolist() == [3, 4]
+        assert call.inputs.ids.tolist() == [101, 2023, 102, 101, 7, 8, 102] and (call.dimensions, call.truncate) == (
+            64,
+            True,
+        )
+
+
+@pytest.mark.parametrize("truncate_first", [True, False], ids=["truncate before input", "truncate after input"])
+def test_with_truncate_a_text_over_the_character_limit_is_cut_in_either_field_order(truncate_first: bool) -> None:
+    texts = ["ok", "x" * 501, "y" * 9000]
+    fields = [("truncate", True), ("input", texts)]
+    body = orjson.dumps(dict(fields if truncate_first else fields[::-1]))
+    for size in (len(body), 64):  # whole, and fed in pieces
+        reader = Body(LIMITS)
+        for start in range(0, len(body), size):
+            reader.feed(body[start : start + size])
+        inputs = reader.finish(SERVED).call.inputs
+        assert isinstance(inputs, Texts) and list(inputs.items) == ["ok", "x" * 500, "y" * 500]
+        assert inputs.chars == 1002
+    error = refusal({"input": texts})  # without truncate the first one over the limit is named
+    assert (error.status, error.param) == (400, "input[1]") and "501 characters, more than 500" in error.message
+
+
+@pytest.mark.parametrize(
+    "body", [b'{"input": ["a"]', b'{"input": ["a"]} {}', b'{"input": "\xff"}'], ids=["cut", "trailing", "not UTF-8"]
+)
+def test_a_truncated_or_trailing_body_is_not_json(body: bytes) -> None:
+    with pytest.raises(ApiError) as caught:
+        parse(body, SERVED, LIMITS)
+    assert caught.value.message.startswith("the body is not JSON: ") and "\n" not in caught.value.message
 
 
 LOCATED = {
@@ -151,7 +211,7 @@ def test_other_failures_have_no_param(failure: Failure, status: int, kind: str) 
 @pytest.mark.parametrize("encoding", ["float", "base64"])
 def test_a_result_is_answered_in_openai_shape(encoding: str) -> None:
     rows = np.array([[0.6, 0.8], [1.0, 0.0]], dtype=np.float32)
-    request = Embeddings(from_json({"input": ["a", "b"]}, SERVED, LIMITS).call, encoding, "minilm")
+    request = Embeddings(from_json({"input": ["a", "b"]}).call, encoding, "minilm")
     result = EmbedResult(rows, np.array([3, 4], dtype=np.int32), "", Timings(0, 0, 0, 0))
     body = orjson.loads(openai_api.answer(request, result))
     assert (body["object"], body["model"], body["usage"]) == ("list", "minilm", {"prompt_tokens": 7, "total_tokens": 7})

@@ -3,15 +3,18 @@ died, and never while its owner lives. Owners here are real processes, killed fo
 
 from __future__ import annotations
 
+import fcntl
+import os
 import signal
 import subprocess
 import sys
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
 
-from kembed.runtime import LOCK_FILE, PREFIX, RuntimeDir, remove_stale
+from kembed.runtime import LOCK_FILE, NEW_LOCK_FILE, PREFIX, RuntimeDir, remove_stale
 
 OWNER = "import sys; from pathlib import Path; from kembed.runtime import RuntimeDir; " + (
     "print(RuntimeDir.create(Path(sys.argv[1])).path, flush=True); sys.stdin.read()"
@@ -60,3 +63,26 @@ def test_a_new_folder_replaces_the_stale_ones_and_goes_with_its_owner(tmp_path: 
         assert list(tmp_path.iterdir()) == [runtime.path]
         assert remove_stale(tmp_path) == []  # held by this process
     assert list(tmp_path.iterdir()) == []
+
+
+def test_another_users_lock_on_the_parent_cannot_block_a_start(tmp_path: Path):
+    # Anyone who can open /tmp can flock it: a start must not wait for the lock on the parent itself.
+    parent = os.open(tmp_path, os.O_RDONLY | os.O_DIRECTORY)
+    fcntl.flock(parent, fcntl.LOCK_EX)
+    try:
+        with ThreadPoolExecutor(1) as pool:
+            made = pool.submit(RuntimeDir.create, tmp_path)
+            runtime = made.result(timeout=60)  # only bounds a failure: a blocked start never returns
+        assert (runtime.path / LOCK_FILE).exists()
+        runtime.remove()
+    finally:
+        os.close(parent)
+
+
+def test_a_folder_still_being_made_is_not_removed(tmp_path: Path):
+    # Its lock file is locked under another name before it is renamed into place.
+    being_made = tmp_path / f"{PREFIX}being-made"
+    being_made.mkdir()
+    (being_made / NEW_LOCK_FILE).touch()
+    assert remove_stale(tmp_path) == []
+    assert being_made.exists()

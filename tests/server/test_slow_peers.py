@@ -14,8 +14,9 @@ from pathlib import Path
 import grpc
 import pytest
 
+from kembed.config import Settings
 from kembed.contract import Metric
-from kembed.frontend.grpc_api import MAX_STREAM_REQUESTS, MAX_STREAM_ROWS
+from kembed.frontend.grpc_api import MAX_STREAM_REQUESTS
 from kembed.http import MAX_CONNECTIONS
 from kembed.protocol import PROTOCOL_VERSION, Hello, send
 from kembed.runtime import ENGINE_SOCKET
@@ -46,10 +47,12 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
     running.stop()
 
 
-@pytest.mark.parametrize("texts", [1, MAX_ITEMS], ids=["requests bound", "rows bound"])
+@pytest.mark.parametrize("texts", [1, MAX_ITEMS], ids=["requests bound", "bytes bound"])
 def test_a_client_that_never_reads_holds_a_bounded_stream(server: ServerProcess, texts: int):
     request = pb.EmbedRequest(texts=["nobody reads this"] * texts)
-    held = min(MAX_STREAM_REQUESTS, MAX_STREAM_ROWS // texts)
+    # A stream's window: one of the largest messages, of requests and their answers' float32 rows.
+    weight = request.ByteSize() + texts * 384 * 4
+    held = min(MAX_STREAM_REQUESTS, Settings().max_message_bytes // weight)
     with grpc.insecure_channel(server.target) as channel:
         in_window = CLIENT_WINDOW_BYTES // pb_grpc.EmbedderStub(channel).Embed(request).ByteSize() + 2
     offered = 4 * (held + in_window)  # without the bound, the server would compute all of them

@@ -99,6 +99,15 @@ class Limits:
         if count > self.max_items:
             raise InvalidInput(Field.INPUT, f"{count} inputs, at most {self.max_items} per request")
 
+    def check_item(self, index: int) -> None:
+        """Check before reading item ``index`` of a list whose length is not known yet."""
+        if index == self.max_items:
+            raise InvalidInput(Field.INPUT, f"more than {self.max_items} inputs, at most {self.max_items} per request")
+
+    def check_chars(self, chars: int, index: int) -> None:
+        if chars > self.max_text_chars:
+            raise InvalidInput(Field.INPUT, f"{chars} characters, more than {self.max_text_chars}", index)
+
     def texts(self, items: Sequence[str], truncate: bool = False) -> Texts:
         """``items`` (strings) as a call's texts, their count and each one's characters checked. With
         ``truncate`` a text over the character limit is cut to it rather than refused: the limit
@@ -111,5 +120,5 @@ class Limits:
                 items = [text[:limit] for text in items]
                 return Texts(items, sum(min(size, limit) for size in sizes))
             index = next(i for i, chars in enumerate(sizes) if chars > limit)
-            raise InvalidInput(Field.INPUT, f"{sizes[index]} characters, more than {limit}", index)
+            self.check_chars(sizes[index], index)
         return Texts(items, sum(sizes))

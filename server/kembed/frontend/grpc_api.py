@@ -3,10 +3,18 @@
 the proto's messages and the domain's call and result, and the one place failures become gRPC
 status codes. The only module of the front end that knows the proto.
 
-A request is checked against the limits before anything proportional to it is built: its item count
-before its texts are measured, its ids' byte count and lengths before they are read as an array.
-Admission refusals are RESOURCE_EXHAUSTED with a ``grpc-retry-pushback-ms`` trailer (gRFC A6);
-every answer is counted by its status code.
+A request is checked against the limits before anything proportional to it is built. gRPC reads
+a whole message before a handler runs, and protobuf parses it whole, so a message of more than
+:data:`WHOLE_MESSAGE_BYTES` is first walked on the wire (:func:`scan`: a bounded number of steps,
+each a few bytes) and refused there if it holds more items than a request may: five million texts
+are never parsed. Once parsed: its item count before its texts are measured, its ids' byte count and
+lengths before they are read as an array. Admission refusals are RESOURCE_EXHAUSTED with a
+``grpc-retry-pushback-ms`` trailer (gRFC A6); every answer is counted by its status code, an
+unexpected failure as INTERNAL.
+
+What gRPC holds unweighed (messages read before their handler runs, a stream's window) is bounded
+by the number of calls it takes at once, lowered so that that many of the largest messages fit one
+memory budget (:func:`kembed.frontend.budget.grpc_calls`).
 """
 
 from __future__ import annotations
@@ -14,10 +22,11 @@ from __future__ import annotations
 import asyncio
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
-from dataclasses import fields
+from dataclasses import dataclass, fields
 
 import grpc
 import numpy as np
+from google.protobuf.message import DecodeError
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1.health import aio as health_aio  # type: ignore[attr-defined]  # no stub
 from grpc_reflection.v1alpha import reflection
@@ -26,6 +35,7 @@ from kembed import tls
 from kembed.config import Settings
 from kembed.contract import GRPC_SERVICE, RETRY_PUSHBACK_KEY
 from kembed.errors import EmbedError, Failure, Field, InvalidInput
+from kembed.frontend.budget import MemoryBudget, grpc_calls
 from kembed.frontend.call import EmbedCall, EmbedResult, Limits, ServerInfo
 from kembed.frontend.service import Gate, Service
 from kembed.inputs import Sequences
@@ -46,56 +56,155 @@ STATUS = {
 }
 # What Info tells of the serving engine, by the names the protocol and the proto share.
 _INFO_FIELDS = sorted({f.name for f in fields(ServingInfo)} & set(pb.InfoResponse.DESCRIPTOR.fields_by_name))
-# What one EmbedStream may hold, from reading a request until its answer is written: requests,
-# and answer rows (6 MiB of float32 at 384 dimensions). Past either, the stream stops reading.
+# What one EmbedStream may hold, from reading a request until its answer is written: requests, and
+# bytes (the requests' and their answers'), at most one of the largest messages. Past either, the
+# stream stops reading.
 MAX_STREAM_REQUESTS = 256
-MAX_STREAM_ROWS = 4096
+MAX_ANSWER_BYTES = 16 * 1024 * 1024  # the client's receive limit: 1,024 rows of 4,096 float32
+# A message up to this size is parsed without a scan: at most a few thousand fields, well under a millisecond.
+WHOLE_MESSAGE_BYTES = 8192
+# EmbedRequest's fields besides texts: a message with more fields than texts may hold and these is refused.
+OTHER_FIELDS = 16
+TEXTS_FIELD, TOKENS_FIELD, LENGTHS_FIELD = 1, 2, 2  # EmbedRequest.texts, .tokens; TokenIds.lengths
+_LOW_BYTES = bytes(range(128))  # a varint's last byte: one per varint in a packed field
 
 
 class StreamWindow:
     """What one EmbedStream holds, from reading a request until its answer is written: at most
-    ``requests`` requests and ``rows`` answer rows (a larger request goes alone). A client that
-    stops reading fills it, and the stream stops reading its requests, so gRPC's flow control
-    stops the client."""
+    ``requests`` requests and ``nbytes`` bytes of requests and answers (a larger request goes
+    alone). A client that stops reading fills it, and the stream stops reading its requests, so
+    gRPC's flow control stops the client."""
 
-    def __init__(self, requests: int = MAX_STREAM_REQUESTS, rows: int = MAX_STREAM_ROWS) -> None:
+    def __init__(self, nbytes: int, requests: int = MAX_STREAM_REQUESTS) -> None:
+        self._max_bytes = nbytes
         self._max_requests = requests
-        self._max_rows = rows
         self._requests = 0
-        self._rows = 0
+        self._bytes = 0
         self._room = asyncio.Event()
 
-    async def take(self, rows: int) -> None:
-        """Wait for room for a request of ``rows``, and hold it."""
-        while self._requests and (self._requests >= self._max_requests or self._rows + rows > self._max_rows):
+    async def take(self, nbytes: int) -> None:
+        """Wait for room for a request of ``nbytes``, and hold it."""
+        while self._requests and (self._requests >= self._max_requests or self._bytes + nbytes > self._max_bytes):
             self._room.clear()
             await self._room.wait()
         self._requests += 1
-        self._rows += rows
+        self._bytes += nbytes
 
-    def give_back(self, rows: int) -> None:
-        """A request's answer was written."""
+    def give_back(self, nbytes: int) -> None:
+        """A request's answer was written: it, and the request, held ``nbytes``."""
         self._requests -= 1
-        self._rows -= rows
+        self._bytes -= nbytes
         self._room.set()
+
+
+@dataclass(frozen=True, slots=True)
+class Refused:
+    """A request refused on the wire, before it was parsed (what the handler then answers)."""
+
+    error: EmbedError
+
+
+def scan(data: bytes, limits: Limits) -> str | None:
+    """Why a serialized EmbedRequest must not be parsed, or None. Walks its fields without reading
+    them: at most ``max_items`` texts and lengths, and a bounded number of fields in all."""
+    texts, fields_left, position, end = 0, limits.max_items + OTHER_FIELDS, 0, len(data)
+    while position < end:
+        fields_left -= 1
+        if fields_left < 0:
+            return f"more than {limits.max_items + OTHER_FIELDS} fields"
+        number, wire, position = _key(data, position)
+        if wire != 2:
+            position = _skip(data, position, wire)
+            continue
+        size, position = _varint(data, position)
+        if number == TEXTS_FIELD:
+            texts += 1
+            if texts > limits.max_items:
+                return f"texts: more than {limits.max_items} texts, at most {limits.max_items} per request"
+        elif number == TOKENS_FIELD and _lengths(data[position : position + size], limits.max_items) > limits.max_items:
+            return f"tokens.lengths: more than {limits.max_items} sequences, at most {limits.max_items} per request"
+        position += size
+    return None
+
+
+def _lengths(tokens: bytes, bound: int) -> int:
+    """How many lengths a serialized TokenIds holds, packed or not; past ``bound``, a number above it."""
+    count, position, end, steps = 0, 0, len(tokens), bound + OTHER_FIELDS
+    while position < end and count <= bound:
+        steps -= 1
+        if steps < 0:
+            return bound + 1
+        number, wire, position = _key(tokens, position)
+        if number == LENGTHS_FIELD and wire == 0:
+            count += 1
+            position = _skip(tokens, position, 0)
+        elif wire == 2:
+            size, position = _varint(tokens, position)
+            if number == LENGTHS_FIELD:  # packed: one varint per byte under 128
+                count += size - len(tokens[position : position + size].translate(None, _LOW_BYTES))
+            position += size
+        else:
+            position = _skip(tokens, position, wire)
+    return count
+
+
+def _key(data: bytes, position: int) -> tuple[int, int, int]:
+    key, position = _varint(data, position)
+    return key >> 3, key & 7, position
+
+
+def _varint(data: bytes, position: int) -> tuple[int, int]:
+    value, shift = 0, 0
+    for _ in range(10):
+        byte = data[position] if position < len(data) else 0
+        position += 1
+        value |= (byte & 0x7F) << shift
+        if byte < 0x80:
+            break
+        shift += 7
+    return value, position
+
+
+def _skip(data: bytes, position: int, wire: int) -> int:
+    if wire == 0:
+        return _varint(data, position)[1]
+    return position + {1: 8, 5: 4}.get(wire, len(data))  # any other wire type ends the walk: protobuf judges it
+
+
+def read_request(data: bytes, limits: Limits) -> pb.EmbedRequest | Refused:
+    """A serialized EmbedRequest, parsed if it is safe to parse (the deserializer gRPC calls)."""
+    reason = scan(data, limits) if len(data) > WHOLE_MESSAGE_BYTES else None
+    if reason is None:
+        try:
+            return pb.EmbedRequest.FromString(data)
+        except DecodeError:
+            reason = "the message is not an EmbedRequest"
+    return Refused(EmbedError(Failure.INVALID_ARGUMENT, reason))
 
 
 class GrpcEdge:
     """The gRPC port: the Embedder service, gRPC health and reflection, plaintext or TLS."""
 
     def __init__(
-        self, settings: Settings, metrics: FrontendMetrics, gate: Gate, service: Callable[[], Service]
+        self,
+        settings: Settings,
+        metrics: FrontendMetrics,
+        gate: Gate,
+        budget: MemoryBudget,
+        service: Callable[[], Service],
     ) -> None:
         """``service`` gives the call path of the moment (a refusal while warming up)."""
         self._settings = settings
-        self._servicer = EmbedderServicer(metrics, gate, Limits.of(settings), service)
+        self._limits = Limits.of(settings)
+        self._servicer = EmbedderServicer(metrics, gate, self._limits, service, settings.max_message_bytes)
         self._health = health_aio.HealthServicer()
+        self.max_calls = grpc_calls(budget.capacity, settings.max_message_bytes, settings.max_concurrent_rpcs)
         self._server = grpc.aio.server(
-            maximum_concurrent_rpcs=settings.max_concurrent_rpcs,
+            maximum_concurrent_rpcs=self.max_calls,
             options=[
                 ("grpc.so_reuseport", 1),
                 ("grpc.max_receive_message_length", settings.max_message_bytes),
-                ("grpc.max_send_message_length", settings.max_message_bytes),
+                ("grpc.max_send_message_length", MAX_ANSWER_BYTES),
                 ("grpc.max_connection_age_ms", settings.max_connection_age_ms),
                 ("grpc.max_connection_age_grace_ms", int(settings.drain_timeout_s * 1000)),
             ],
@@ -103,7 +212,7 @@ class GrpcEdge:
 
     async def start(self) -> None:
         """Listen on the shared gRPC port, NOT_SERVING until :meth:`set_serving`."""
-        pb_grpc.add_EmbedderServicer_to_server(self._servicer, self._server)
+        self._add_embedder()
         health_pb2_grpc.add_HealthServicer_to_server(self._health, self._server)
         service_names = (
             pb.DESCRIPTOR.services_by_name["Embedder"].full_name,
@@ -114,6 +223,26 @@ class GrpcEdge:
         tls.add_port(self._server, f"{self._settings.grpc_host}:{self._settings.grpc_port}", self._settings)
         await self.set_serving(False)
         await self._server.start()
+
+    def _add_embedder(self) -> None:
+        """The Embedder service, its requests read by :func:`read_request` (what the generated
+        ``add_EmbedderServicer_to_server`` does, with protobuf's own parser)."""
+        servicer, limits = self._servicer, self._limits
+
+        def deserialize(data: bytes) -> pb.EmbedRequest | Refused:
+            return read_request(data, limits)
+
+        answer = pb.EmbedResponse.SerializeToString
+        handlers = {
+            "Embed": grpc.unary_unary_rpc_method_handler(servicer.Embed, deserialize, answer),
+            "EmbedStream": grpc.stream_stream_rpc_method_handler(servicer.EmbedStream, deserialize, answer),
+            "Info": grpc.unary_unary_rpc_method_handler(
+                servicer.Info, pb.InfoRequest.FromString, pb.InfoResponse.SerializeToString
+            ),
+        }
+        self._server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(GRPC_SERVICE, handlers),))
+        # Matched by gRPC's core rather than in Python, as the generated code does (grpc-stubs lack it).
+        self._server.add_registered_method_handlers(GRPC_SERVICE, handlers)  # type: ignore[attr-defined]
 
     async def set_serving(self, serving: bool) -> None:
         status = health_pb2.HealthCheckResponse.SERVING if serving else health_pb2.HealthCheckResponse.NOT_SERVING
@@ -127,13 +256,21 @@ class GrpcEdge:
 class EmbedderServicer(pb_grpc.EmbedderServicer):
     """The RPC shapes around the service; counts every answer by status code."""
 
-    def __init__(self, metrics: FrontendMetrics, gate: Gate, limits: Limits, service: Callable[[], Service]) -> None:
+    def __init__(
+        self,
+        metrics: FrontendMetrics,
+        gate: Gate,
+        limits: Limits,
+        service: Callable[[], Service],
+        stream_window_bytes: int,
+    ) -> None:
         self._metrics = metrics
         self._gate = gate
         self._limits = limits
         self._service = service
+        self._stream_window_bytes = stream_window_bytes
 
-    async def Embed(self, request: pb.EmbedRequest, context: grpc.aio.ServicerContext) -> pb.EmbedResponse:
+    async def Embed(self, request: pb.EmbedRequest | Refused, context: grpc.aio.ServicerContext) -> pb.EmbedResponse:
         try:
             result = await self._embed(request, context)
         except EmbedError as error:
@@ -141,31 +278,35 @@ class EmbedderServicer(pb_grpc.EmbedderServicer):
             if error.retry_after_ms:
                 context.set_trailing_metadata(((RETRY_PUSHBACK_KEY, str(error.retry_after_ms)),))
             await context.abort(status, message(error, request))
+        except Exception:  # a bug: logged, and answered INTERNAL like any failure, counted
+            log.exception("Embed failed")
+            self._count(grpc.StatusCode.INTERNAL)
+            await context.abort(grpc.StatusCode.INTERNAL, "internal error")
         self._count(grpc.StatusCode.OK)
         return response(result)
 
     async def EmbedStream(
-        self, request_iterator: AsyncIterator[pb.EmbedRequest], context: grpc.aio.ServicerContext
+        self, request_iterator: AsyncIterator[pb.EmbedRequest | Refused], context: grpc.aio.ServicerContext
     ) -> AsyncIterator[pb.EmbedResponse]:
-        window = StreamWindow()
+        window = StreamWindow(self._stream_window_bytes)
         answers: asyncio.Queue[tuple[pb.EmbedResponse, int] | None] = asyncio.Queue()
         tasks: set[asyncio.Task[None]] = set()
         unwritten = 0  # computed answers not yet written: each holds the gate, so a drain waits for it
 
-        async def answer(request: pb.EmbedRequest, rows: int) -> None:
+        async def answer(request: pb.EmbedRequest | Refused, nbytes: int) -> None:
             nonlocal unwritten
             response = await self._stream_one(request, context)
             if not response.HasField("error"):
                 unwritten += 1
                 self._gate.hold()
-            answers.put_nowait((response, rows))
+            answers.put_nowait((response, nbytes))
 
         async def read() -> None:
             try:
                 async for request in request_iterator:
-                    rows = _item_count(request)
-                    await window.take(rows)
-                    task = asyncio.create_task(answer(request, rows))
+                    nbytes = self._weight(request)
+                    await window.take(nbytes)
+                    task = asyncio.create_task(answer(request, nbytes))
                     tasks.add(task)
                     task.add_done_callback(tasks.discard)
                 await asyncio.gather(*list(tasks))
@@ -175,9 +316,9 @@ class EmbedderServicer(pb_grpc.EmbedderServicer):
         reader = asyncio.create_task(read())
         try:
             while (done := await answers.get()) is not None:
-                response, rows = done
+                response, nbytes = done
                 yield response  # returns once gRPC has taken the answer, within the client's window
-                window.give_back(rows)
+                window.give_back(nbytes)
                 if not response.HasField("error"):
                     unwritten -= 1
                     self._gate.leave()
@@ -192,17 +333,25 @@ class EmbedderServicer(pb_grpc.EmbedderServicer):
                     self._metrics.stream_answers_dropped.inc(unwritten)
                     log.warning("drain: dropped %d computed answers its stream's client had not read", unwritten)
 
-    async def _stream_one(self, request: pb.EmbedRequest, context: grpc.aio.ServicerContext) -> pb.EmbedResponse:
+    async def _stream_one(
+        self, request: pb.EmbedRequest | Refused, context: grpc.aio.ServicerContext
+    ) -> pb.EmbedResponse:
+        request_id = "" if isinstance(request, Refused) else request.request_id
         try:
             result = await self._embed(request, context)
         except EmbedError as error:
             status = self._count_failure(error)
             return pb.EmbedResponse(
-                request_id=request.request_id,
+                request_id=request_id,
                 error=pb.Error(
                     code=status.value[0], message=message(error, request), retry_after_ms=error.retry_after_ms
                 ),
             )
+        except Exception:  # a bug: this request's answer says so, and the stream carries on
+            log.exception("EmbedStream request failed")
+            self._count(grpc.StatusCode.INTERNAL)
+            code = grpc.StatusCode.INTERNAL.value[0]
+            return pb.EmbedResponse(request_id=request_id, error=pb.Error(code=code, message="internal error"))
         self._count(grpc.StatusCode.OK)
         return response(result)
 
@@ -212,7 +361,21 @@ class EmbedderServicer(pb_grpc.EmbedderServicer):
         except EmbedError as error:
             await context.abort(STATUS[error.failure], error.message)
 
-    def _embed(self, request: pb.EmbedRequest, context: grpc.aio.ServicerContext) -> Awaitable[EmbedResult]:
+    def _weight(self, request: pb.EmbedRequest | Refused) -> int:
+        """What a stream holds for a request until its answer is written: the request, and its
+        answer's float32 rows."""
+        if isinstance(request, Refused):
+            return 0
+        try:
+            dimensions = self._service().info().serving.dimensions
+        except EmbedError:  # warming up: it will be refused
+            dimensions = 0
+        rows = len(request.tokens.lengths) if request.HasField("tokens") else len(request.texts)
+        return request.ByteSize() + rows * 4 * min(request.dimensions or dimensions, dimensions)
+
+    def _embed(self, request: pb.EmbedRequest | Refused, context: grpc.aio.ServicerContext) -> Awaitable[EmbedResult]:
+        if isinstance(request, Refused):
+            raise request.error
         return self._service().embed(to_call(request, self._limits, context.time_remaining(), context.peer()))
 
     def _count_failure(self, error: EmbedError) -> grpc.StatusCode:
@@ -269,9 +432,9 @@ def _invalid(message: str) -> EmbedError:
     return EmbedError(Failure.INVALID_ARGUMENT, message)
 
 
-def message(error: EmbedError, request: pb.EmbedRequest) -> str:
+def message(error: EmbedError, request: pb.EmbedRequest | Refused) -> str:
     """The error's message, bad input named by the request's own fields."""
-    if not isinstance(error, InvalidInput):
+    if not isinstance(error, InvalidInput) or isinstance(request, Refused):
         return error.message
     return f"{_place(error, request)}: {error.reason}"
 
@@ -315,7 +478,3 @@ def info_response(info: ServerInfo) -> pb.InfoResponse:
         max_text_chars=info.max_text_chars,
         max_message_bytes=info.max_message_bytes,
     )
-
-
-def _item_count(request: pb.EmbedRequest) -> int:
-    return len(request.tokens.lengths) if request.HasField("tokens") else len(request.texts)

@@ -3,21 +3,29 @@
 OpenAI's JSON, and every failure in OpenAI's error shape (``{"error": {"message", "type", "param",
 "code"}}``) with the HTTP status peers use.
 
-Pure (no HTTP here: ``rest.py`` serves it), so every mapping is tested without a server. The walk
-over the parsed JSON is the one place REST input meets the limits: each list's length before its
-items are looked at, each text's characters, each id's range, no empty item. Bad input the service
-finds (``InvalidInput``: the vocabulary, lengths in tokens, dimensions) is named from its location
-by the JSON's own paths (``input[3]``, ``input[1][4]``), so a REST client reads the field it sent.
+No HTTP here (``rest.py`` serves it), so every mapping is tested without a server. A body is read
+by :class:`Body` as its bytes arrive, chunk by chunk: yajl (ijson's C backend) turns each chunk into
+events, and the walk over them is the one place REST input meets the limits. Each item is checked
+as it comes (the item count, each text's characters, each id's range and each sequence's length,
+no empty item, no nesting past an array of arrays of ids, a bounded number of fields), so a body
+that breaks a limit is refused at the item that breaks it, before the rest is read or anything
+sized by it is built; texts are kept as strings, ids straight in an int32 buffer. Bad input the
+service finds (``InvalidInput``: the vocabulary, lengths in tokens, dimensions) is named from its
+location by the JSON's own paths (``input[3]``, ``input[1][4]``), so a REST client reads the field
+it sent.
 """
 
 from __future__ import annotations
 
 import base64
 import math
+from array import array
+from collections.abc import Iterable, Iterator
 from dataclasses import dataclass
-from itertools import chain
+from enum import Enum
 from typing import Any
 
+import ijson
 import numpy as np
 import orjson
 
@@ -30,6 +38,12 @@ ENCODINGS = ("float", "base64")
 PRIORITIES = {"interactive": Priority.INTERACTIVE, "batch": Priority.BATCH}
 MAX_TOKEN_ID = 2**31 - 1  # ids are int32 on the way to the model
 INPUT_SHAPES = "a string, an array of strings, an array of token ids, or an array of arrays of token ids"
+MAX_FIELDS = 64  # the API has seven: more is not a client of it
+MAX_FIELD_CHARS = 1024  # a field other than input: a model name, an encoding, a user id
+# A body up to this size that has arrived whole is parsed at once by orjson (at worst 2,000 values:
+# a fraction of a millisecond); larger ones, or ones still arriving, are read chunk by chunk by yajl.
+WHOLE_BODY_BYTES = 8192
+_YAJL = ijson.get_backend("yajl2_c")  # C: a Python backend would cost ten times as much per event
 
 
 class ApiError(Exception):
@@ -63,39 +77,237 @@ class Embeddings:
     nested: bool = False  # token ids came as an array of arrays: an id is named input[i][j], else input[j]
 
 
-def parse(body: bytes, served: tuple[str, ...], limits: Limits, peer: str = "") -> Embeddings:
-    """The body, loaded and mapped by :func:`from_json`."""
+def parse(
+    body: bytes, served: tuple[str, ...], limits: Limits, peer: str = "", timeout_s: float | None = None
+) -> Embeddings:
+    """A small body that has arrived whole (at most :data:`WHOLE_BODY_BYTES`): parsed at once by
+    orjson, then walked as :class:`Body` walks the events of one that arrives in chunks."""
     try:
         data = orjson.loads(body)
     except orjson.JSONDecodeError as error:
         raise invalid(f"the body is not JSON: {error}", None) from None
-    return from_json(data, served, limits, peer)
+    reader = Body(limits)
+    reader.walk(_events(data))
+    return reader.finish(served, peer, timeout_s)
 
 
-def from_json(data: Any, served: tuple[str, ...], limits: Limits, peer: str = "") -> Embeddings:
-    """The request, checked field by field; ``served`` are the model names this server answers to
-    (the first is the one answers carry when the request names none); ``peer`` the caller's
-    connection. Raises :class:`ApiError`, or :class:`InvalidInput` for :func:`failed` to name."""
-    if not isinstance(data, dict):
-        raise invalid("the body must be a JSON object", None)
-    model = data.get("model", served[0])
+def _events(value: Any) -> Iterator[tuple[str, Any]]:
+    """The events yajl gives for a parsed JSON value."""
+    if isinstance(value, dict):
+        yield "start_map", None
+        for key, item in value.items():
+            yield "map_key", key
+            yield from _events(item)
+        yield "end_map", None
+    elif isinstance(value, list):
+        yield "start_array", None
+        for item in value:
+            yield from _events(item)
+        yield "end_array", None
+    else:
+        yield _SCALAR_EVENTS.get(type(value), "number"), value
+
+
+_SCALAR_EVENTS = {str: "string", bool: "boolean", type(None): "null"}  # the rest are numbers
+
+
+class _Kind(Enum):
+    TEXTS = "texts"
+    IDS = "ids"  # one array of token ids
+    NESTED = "nested"  # an array of arrays of token ids
+
+
+class Body:
+    """One ``POST /v1/embeddings`` body, walked as it arrives: :meth:`feed` each chunk (it raises at
+    the first item that breaks a limit), then :meth:`finish`. The work per chunk is bounded by the
+    chunk's size, and what is kept by the limits. Raises :class:`ApiError`, or
+    :class:`InvalidInput` for :func:`failed` to name."""
+
+    def __init__(self, limits: Limits) -> None:
+        self._limits = limits
+        self._events: list[tuple[str, Any]] = ijson.sendable_list()
+        self._parser: Any = None  # yajl's, from the first chunk: a body parsed whole needs none
+        self._depth = 0  # containers open: the body's object is 1, input's array 2, a sequence 3
+        self._fields: dict[str, Any] = {}
+        self._key = ""
+        self._kind: _Kind | None = None  # what input holds, decided by its first item
+        self._texts: list[str] = []
+        self._chars = 0
+        self._too_long: tuple[int, int] | None = None  # the first text over the limit: (its characters, index)
+        self._ids = array("i")  # int32: ids are checked to fit before they are stored
+        self._lengths: list[int] = []
+        self._length = 0  # ids so far in the sequence being read
+
+    def feed(self, chunk: bytes) -> None:
+        if self._parser is None:
+            self._parser = _YAJL.basic_parse_coro(self._events)
+        try:
+            self._parser.send(chunk)
+        except ijson.JSONError as error:
+            raise _not_json(error) from None
+        try:
+            self.walk(self._events)
+        finally:
+            del self._events[:]
+
+    def walk(self, events: Iterable[tuple[str, Any]]) -> None:
+        """Check and keep what these events of the body say (yajl's, or :func:`_events`)."""
+        for event, value in events:
+            if self._depth >= 2:
+                self._item(event, value)
+            elif self._depth == 1:
+                self._field(event, value)
+            elif event == "start_map":
+                self._depth = 1
+            else:
+                raise invalid("the body must be a JSON object", None)
+
+    def finish(self, served: tuple[str, ...], peer: str = "", timeout_s: float | None = None) -> Embeddings:
+        """The whole body has been fed: the request, checked field by field; ``served`` are the model
+        names this server answers to (the first is the one answers carry when the request names
+        none); ``peer`` the caller's connection; ``timeout_s`` what is left of its deadline."""
+        try:
+            if self._parser is not None:
+                self._parser.close()
+        except ijson.JSONError as error:
+            raise _not_json(error) from None
+        if "input" not in self._fields:
+            raise invalid("input: missing", "input")
+        if self._too_long is not None and self._fields.get("truncate") is not True:
+            self._limits.check_chars(*self._too_long)
+        inputs, nested = self._inputs(), self._kind is _Kind.NESTED
+        return _embeddings(self._fields, inputs, nested, served, peer, timeout_s)
+
+    def _field(self, event: str, value: Any) -> None:
+        """An event in the body's object: a field's name, or its value."""
+        if event == "map_key":
+            if len(self._fields) == MAX_FIELDS:
+                raise invalid(f"the body has more than {MAX_FIELDS} fields", None)
+            if len(value) > MAX_FIELD_CHARS or value in self._fields:
+                raise invalid(f"{value[:64]!r}: a field name given twice, or too long", None)
+            self._key = value
+            self._fields[value] = None
+        elif event == "end_map":
+            self._depth = 0
+        elif self._key == "input":
+            if event == "start_array":
+                self._depth = 2
+            elif event == "string":
+                self._text(value)
+            else:
+                raise invalid(f"input: must be {INPUT_SHAPES}", "input")
+        elif event in ("start_map", "start_array"):
+            raise invalid(f"{self._key}: an object or array is not accepted here", self._key)
+        elif event == "string" and len(value) > MAX_FIELD_CHARS:
+            raise invalid(f"{self._key}: longer than {MAX_FIELD_CHARS} characters", self._key)
+        else:
+            self._fields[self._key] = value
+
+    def _item(self, event: str, value: Any) -> None:
+        """An event inside input's array: an item, an id, or where one begins or ends."""
+        if self._depth == 3:  # inside one of an array of arrays of ids
+            if event == "number":
+                self._id(value, len(self._lengths))
+            elif event == "end_array":
+                if not self._length:
+                    index = len(self._lengths)
+                    raise invalid(f"input[{index}]: an empty array of token ids", f"input[{index}]")
+                self._lengths.append(self._length)
+                self._length = 0
+                self._depth = 2
+            else:
+                raise _bad_ids()
+            return
+        if event == "end_array":
+            self._depth = 1
+            if self._kind is None:
+                raise invalid(f"input: must be {INPUT_SHAPES}, not empty", "input")
+            if self._kind is _Kind.IDS:
+                self._lengths.append(self._length)
+            return
+        if self._kind is None:
+            self._kind = {"string": _Kind.TEXTS, "number": _Kind.IDS, "start_array": _Kind.NESTED}.get(event)
+        if self._kind is _Kind.TEXTS and event == "string":
+            self._text(value)
+        elif self._kind is _Kind.IDS:
+            if event != "number":
+                raise _bad_ids()
+            self._id(value, 0)
+        elif self._kind is _Kind.NESTED and event == "start_array":
+            self._limits.check_item(len(self._lengths))
+            self._depth = 3
+        else:
+            raise invalid(f"input: must be {INPUT_SHAPES}", "input")
+
+    def _text(self, text: str) -> None:
+        index = len(self._texts)
+        self._limits.check_item(index)
+        if not text:
+            raise invalid(f"input[{index}]: an empty string", f"input[{index}]")
+        limit = self._limits.max_text_chars
+        if len(text) > limit:  # kept cut to the limit: whether it is refused, truncate says, which may come later
+            self._too_long = self._too_long or (len(text), index)
+            text = text[:limit]
+        self._texts.append(text)
+        self._chars += len(text)
+
+    def _id(self, value: Any, index: int) -> None:
+        if type(value) is not int or not 0 <= value <= MAX_TOKEN_ID:  # a non-integer is a Decimal here
+            raise _bad_ids()
+        if self._length == self._limits.max_text_chars:  # a sequence is bounded as a text is
+            raise InvalidInput(Field.INPUT, f"more than {self._length} token ids", index)
+        self._ids.append(value)
+        self._length += 1
+
+    def _inputs(self) -> Texts | Sequences:
+        if self._kind is _Kind.TEXTS or self._kind is None:  # None: a lone string, or nothing
+            return Texts(self._texts, self._chars)
+        ids = np.frombuffer(self._ids, dtype=np.int32) if self._ids else np.empty(0, dtype=np.int32)
+        return Sequences(ids=ids, lengths=np.asarray(self._lengths, dtype=np.int32))
+
+
+def _embeddings(
+    fields: dict[str, Any],
+    inputs: Texts | Sequences,
+    nested: bool,
+    served: tuple[str, ...],
+    peer: str,
+    timeout_s: float | None,
+) -> Embeddings:
+    """The fields other than input, checked, around the inputs read."""
+    model = fields.get("model", served[0])
     if not isinstance(model, str):
         raise invalid("model: must be a string", "model")
     if model not in served:
         message = f"model: {model!r} is not served here (served: {', '.join(served)})"
         raise ApiError(404, message, "invalid_request_error", "model", "model_not_found")
-    encoding = data.get("encoding_format") or "float"
+    encoding = fields.get("encoding_format") or "float"
     if encoding not in ENCODINGS:
         raise invalid(f"encoding_format: {encoding!r} is not one of {', '.join(ENCODINGS)}", "encoding_format")
-    truncate, priority = _flag(data, "truncate"), _priority(data)
-    dimensions = data.get("dimensions")
+    truncate, priority = _flag(fields, "truncate"), _priority(fields)
+    dimensions = fields.get("dimensions")
     if dimensions is not None and (not _is_int(dimensions) or dimensions < 1):
         raise invalid("dimensions: must be a whole number of at least 1", "dimensions")
-    if "input" not in data:
-        raise invalid("input: missing", "input")
-    inputs, nested = _inputs(data["input"], limits, truncate)
-    call = EmbedCall(inputs=inputs, truncate=truncate, dimensions=dimensions or 0, priority=priority, peer=peer)
+    call = EmbedCall(
+        inputs=inputs,
+        truncate=truncate,
+        dimensions=dimensions or 0,
+        priority=priority,
+        timeout_s=timeout_s,
+        peer=peer,
+    )
     return Embeddings(call, encoding, model, nested)
+
+
+def _not_json(error: ijson.JSONError) -> ApiError:
+    """yajl's message, its first line (the rest draws where it is in the text)."""
+    reason = error.args[0] if error.args else ""
+    text = reason.decode(errors="replace") if isinstance(reason, bytes) else str(reason)
+    return invalid(f"the body is not JSON: {text.strip().splitlines()[0] if text.strip() else 'incomplete'}", None)
+
+
+def _bad_ids() -> ApiError:
+    return invalid(f"input: token ids must be whole numbers from 0 to {MAX_TOKEN_ID}", "input")
 
 
 def answer(request: Embeddings, result: EmbedResult) -> bytes:
@@ -156,41 +368,6 @@ def _param(error: InvalidInput, nested: bool) -> str:
     if error.position is None:
         return f"input[{error.index}]"
     return f"input[{error.index}][{error.position}]" if nested else f"input[{error.position}]"
-
-
-def _inputs(value: Any, limits: Limits, truncate: bool) -> tuple[Texts | Sequences, bool]:
-    """Texts, or token-id sequences (the pre-tokenized path), and whether the ids came as an array
-    of arrays; decided by the first item, each list's length checked before its items are read."""
-    if isinstance(value, str):
-        value = [value]
-    if not isinstance(value, list) or not value:
-        raise invalid(f"input: must be {INPUT_SHAPES}, not empty", "input")
-    if isinstance(value[0], list):
-        return _sequences(value, limits), True
-    if _is_int(value[0]):
-        return _sequences([value], limits), False
-    limits.check_count(len(value))
-    if not all(isinstance(item, str) for item in value):
-        raise invalid(f"input: must be {INPUT_SHAPES}", "input")
-    empty = next((i for i, text in enumerate(value) if not text), None)
-    if empty is not None:
-        raise invalid(f"input[{empty}]: an empty string", f"input[{empty}]")
-    return limits.texts(value, truncate), False
-
-
-def _sequences(sequences: list[Any], limits: Limits) -> Sequences:
-    limits.check_count(len(sequences))
-    lengths = np.empty(len(sequences), dtype=np.int32)
-    for i, sequence in enumerate(sequences):
-        if not isinstance(sequence, list):
-            raise invalid(f"input: must be {INPUT_SHAPES}", "input")
-        if not sequence:
-            raise invalid(f"input[{i}]: an empty array of token ids", f"input[{i}]")
-        lengths[i] = len(sequence)
-    if not all(type(i) is int and 0 <= i <= MAX_TOKEN_ID for i in chain.from_iterable(sequences)):
-        raise invalid(f"input: token ids must be whole numbers from 0 to {MAX_TOKEN_ID}", "input")
-    ids = np.fromiter(chain.from_iterable(sequences), dtype=np.int32, count=int(lengths.sum()))
-    return Sequences(ids=ids, lengths=lengths)
 
 
 def _priority(data: dict[str, Any]) -> Priority:

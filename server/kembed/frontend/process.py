@@ -18,9 +18,10 @@ from kembed.board import Board, Cell, FrontendCell
 from kembed.child import Child
 from kembed.config import Settings
 from kembed.contract import EXIT_FATAL
+from kembed.frontend import budget
 from kembed.frontend.grpc_api import GrpcEdge
 from kembed.frontend.link import EngineLink
-from kembed.frontend.rest import RestEdge
+from kembed.frontend.rest import RestEdge, raise_fd_limit
 from kembed.frontend.screen import Screen
 from kembed.frontend.service import EmbedService, Gate, Service, WarmingUp
 from kembed.metrics import FrontendMetrics
@@ -42,8 +43,17 @@ class FrontendProcess:
         self._metrics = FrontendMetrics()
         self._gate = Gate(lambda: self._board[Cell.DRAINING] == 1.0)
         self._service: Service = WarmingUp()  # replaced, once, when the engine is warm
-        self._grpc = GrpcEdge(settings, self._metrics, self._gate, lambda: self._service)
-        self._rest = RestEdge(settings, self._metrics, lambda: self._service) if settings.rest_port else None
+        memory = budget.pod_memory(settings.memory_limit_bytes)
+        self._budget = budget.MemoryBudget(
+            budget.frontend_budget(memory, settings.frontend_count(), settings.max_message_bytes)
+        )
+        raise_fd_limit()
+        self._grpc = GrpcEdge(settings, self._metrics, self._gate, self._budget, lambda: self._service)
+        self._rest = (
+            RestEdge(settings, self._metrics, self._gate, self._budget, lambda: self._service)
+            if settings.rest_port
+            else None
+        )
         self._executor = ThreadPoolExecutor(TOKENIZER_THREADS, thread_name_prefix="kembed-tokenize")
         self._child = Child()
 
@@ -78,15 +88,21 @@ class FrontendProcess:
 
     async def _listen(self) -> None:
         await self._grpc.start()
+        rest = ""
         if self._rest is not None:
             await self._rest.start()
+            rest = f", REST holds {self._rest.max_connections} connections"
+        mib = self._budget.capacity // 2**20
+        log.info("memory budget %d MiB; gRPC takes %d calls at once%s", mib, self._grpc.max_calls, rest)
 
     async def _open(self, link: EngineLink) -> None:
         """The engine is warm: build the serving path and start answering."""
         screen = Screen(self._settings, self._board, self._index, link.in_transit, link.add_latency)
-        self._service = EmbedService(self._settings, link, screen, self._gate, self._metrics, self._executor)
+        self._service = EmbedService(
+            self._settings, link, screen, self._gate, self._metrics, self._executor, self._budget
+        )
         if self._rest is not None:
-            self._rest.serve_model(link.info.model_id)
+            self._rest.serve_model(link.info.model_id, link.info.dimensions)
         await self._grpc.set_serving(True)
         self._board.set_frontend(self._index, FrontendCell.SERVING, 1.0)
         self._child.freeze_heap()
@@ -96,6 +112,8 @@ class FrontendProcess:
         self._gate.draining = True
         if isinstance(self._service, EmbedService):
             self._service.release_held()
+        if self._rest is not None:
+            self._rest.drain()
         self._board.set_frontend(self._index, FrontendCell.SERVING, 0.0)
         await self._grpc.set_serving(False)
         log.info("draining: %d requests in progress", self._gate.active)

@@ -1,32 +1,54 @@
 """The REST edge of a front end: the OpenAI embeddings API (``POST /v1/embeddings``, ``GET
-/v1/models``) on aiohttp, on the front end's event loop beside ``grpc.aio``, on a port every front
-end shares through SO_REUSEPORT, as they share the gRPC port.
+/v1/models``) on aiohttp's low-level server, on the front end's event loop beside ``grpc.aio``, on a
+port every front end shares through SO_REUSEPORT, as they share the gRPC port.
 
 A REST call takes the same path as a gRPC call (the same service: validation, pushback, admission,
 the same batches, the same metrics), its JSON mapped to the domain's call by
-:mod:`kembed.frontend.openai_api`. aiohttp was chosen
-by measurement (``bench/README.md``, "REST edge: the HTTP stack") and for being the field's
-library: a third of the gRPC echo's CPU per call, and it bounds bodies (413), headers, idle and
-slow connections itself. With TLS configured the port serves TLS only, from the same files as the
-gRPC port, reloaded when they change.
+:mod:`kembed.frontend.openai_api`. aiohttp was chosen by measurement (``docs/decisions/rest-stack.md``).
+With TLS configured the port serves TLS only, from the same files as the gRPC port, reloaded when
+they change.
+
+What one client can hold here is bounded (``docs/decisions/hostile-clients.md``):
+
+- a body only as ``application/json`` (415 otherwise: a browser's cross-site "simple" POST is
+  ``text/plain``), uncompressed, of at most ``KEMBED_MAX_MESSAGE_BYTES``, weighed against the front
+  end's memory budget before a byte of it is read (429 when it does not fit), then parsed as it
+  arrives, chunk by chunk, each chunk's work bounded, and refused at the first item that breaks a
+  limit;
+- time: a request's head must arrive within the idle timeout; from its head on, one deadline
+  (``KEMBED_DEFAULT_TIMEOUT_MS``) covers its body's arrival (else 408) and its call (else 504), and
+  an answer larger than the transport's buffer must then be taken within as long again; a draining
+  front end cuts off bodies still arriving;
+- connections: at most ``KEMBED_MAX_REST_CONNECTIONS`` and half the file descriptors this process
+  may open, so gRPC keeps room; past it the connection idle the longest is closed (once idle a
+  second), else the one sending its request the longest, else the new one;
+- a client that leaves cancels its call (the engine drops its work), logged in one line.
+
+Every answer, aiohttp's own refusals of malformed requests included, is in OpenAI's error shape and
+counted in ``kembed_requests_total``.
 """
 
 from __future__ import annotations
 
+import asyncio
 import logging
+import resource
 import socket
 import time
 from collections.abc import Callable
+from typing import Any
 
 from aiohttp import web
+from aiohttp.web import RequestHandler
 
 from kembed import tls
 from kembed.config import Settings
-from kembed.errors import EmbedError
+from kembed.errors import EmbedError, Failure
 from kembed.frontend import openai_api
+from kembed.frontend.budget import BODY_WEIGHT, MemoryBudget, Reservation
 from kembed.frontend.call import Limits
-from kembed.frontend.openai_api import ApiError, Embeddings
-from kembed.frontend.service import Service, warming_up
+from kembed.frontend.openai_api import WHOLE_BODY_BYTES, ApiError, Body, Embeddings
+from kembed.frontend.service import Gate, Service, warming_up
 from kembed.metrics import FrontendMetrics
 
 log = logging.getLogger(__name__)
@@ -34,77 +56,334 @@ log = logging.getLogger(__name__)
 JSON = "application/json"
 EMBEDDINGS_PATH = "/v1/embeddings"
 MODELS_PATH = "/v1/models"
-IDLE_S = 60.0  # a keep-alive connection with no request open is closed after this
-BACKLOG = 1024
+IDLE_S = 60.0  # a connection with no request, or whose request's head is still arriving, is closed after this
+IDLE_GRACE_S = 1.0  # past the connection cap, an idle connection is closed first only once idle this long
+LINGER_S = 2.0  # a body refused part-read is read and dropped this long, so that its client can read the answer
+STOP_S = 1.0  # stopping: the drain has waited for every call; answers still being written get this long
+WRITE_BUFFER_BYTES = 65536  # aiohttp's writer waits for the client only past this much unsent (its LIMIT)
+READ_CHUNK = 16384  # a body is parsed this much at a time: well under a millisecond of the event loop
+MAX_BACKLOG = 128  # asyncio accepts up to a backlog's worth of connections in one turn of the event loop
+# Descriptors this process keeps apart from its REST connections: the engine's socket, files,
+# gRPC's poller. What is left is halved: REST connections may take one half, gRPC's the other. Of
+# the REST half, asyncio accepts up to a backlog's worth of connections at once, before any can be
+# closed to make room: that many are kept free.
+FD_RESERVE = 64
+# Bytes of an answer per value (a float written as JSON text, or base64's 5.3), and its envelope.
+ANSWER_BYTES_PER_VALUE = {"float": 14, "base64": 6}
+ANSWER_ENVELOPE = 256
 
 
 class RestEdge:
-    def __init__(self, settings: Settings, metrics: FrontendMetrics, service: Callable[[], Service]) -> None:
+    def __init__(
+        self,
+        settings: Settings,
+        metrics: FrontendMetrics,
+        gate: Gate,
+        budget: MemoryBudget,
+        service: Callable[[], Service],
+    ) -> None:
         """``service`` gives the request path of the moment (a refusal while warming up)."""
         self._settings = settings
         self._metrics = metrics
+        self._gate = gate
+        self._budget = budget
         self._service = service
         self._limits = Limits.of(settings)
+        self._timeout_s = settings.default_timeout_ms / 1000  # a request's, from its head
         self._served: tuple[str, ...] = ()  # the model names answered to, once the engine is warm
+        self._dimensions = 0  # the model's, once warm
         self._created = int(time.time())
+        self._draining = False
+        self._reading: set[asyncio.Timeout] = set()  # the deadlines of bodies still arriving
         self._tls = tls.ServerContext(files) if (files := tls.TlsFiles.of(settings)) else None
-        app = web.Application(client_max_size=settings.max_message_bytes)
-        app.router.add_post(EMBEDDINGS_PATH, self._embeddings)
-        app.router.add_get(MODELS_PATH, self._models)
-        self._runner = web.AppRunner(
-            app,
-            handle_signals=False,
-            access_log=None,
+        allowed, self._backlog = fd_budget()
+        self.max_connections = min(settings.max_rest_connections, allowed)
+        self._server = Connections(
+            self._handle,
+            limit=self.max_connections,
+            error=self._malformed,
             keepalive_timeout=IDLE_S,
-            shutdown_timeout=settings.drain_timeout_s,
+            lingering_time=LINGER_S,
+            auto_decompress=False,  # a compressed body is refused: its size would say nothing
+            access_log=None,
         )
+        self._runner = web.ServerRunner(self._server, handle_signals=False, shutdown_timeout=STOP_S)
 
     async def start(self) -> None:
         """Listen on the shared REST port (plaintext, or TLS only when TLS is configured)."""
         await self._runner.setup()
         sock = _shared_socket(self._settings.grpc_host, self._settings.rest_port)
         context = self._tls.context if self._tls else None
-        await web.SockSite(self._runner, sock, ssl_context=context, backlog=BACKLOG).start()
+        await web.SockSite(self._runner, sock, ssl_context=context, backlog=self._backlog).start()
 
-    def serve_model(self, model_id: str) -> None:
+    def serve_model(self, model_id: str, dimensions: int) -> None:
         """The engine is warm: answer to its model id, and to the configured alias first."""
         alias = self._settings.served_model_name
         self._served = tuple(dict.fromkeys(name for name in (alias, model_id) if name))
+        self._dimensions = dimensions
 
     def refresh_tls(self) -> None:
         """Pick up rotated certificate files (every front-end tick)."""
         if self._tls is not None:
             self._tls.refresh()
 
+    def drain(self) -> None:
+        """Take no more requests, and cut off the bodies still arriving: none is accepted work."""
+        self._draining = True
+        now = asyncio.get_running_loop().time()
+        for deadline in self._reading:
+            deadline.reschedule(now)
+
     async def stop(self) -> None:
-        """Stop listening and let calls in flight finish (the front end's drain has waited for them)."""
+        """Stop listening and close every connection (the front end's drain has waited for its calls)."""
         await self._runner.cleanup()
 
-    async def _embeddings(self, request: web.Request) -> web.Response:
-        parsed: Embeddings | None = None
+    async def _handle(self, request: web.BaseRequest) -> web.StreamResponse:
+        path, method = request.path, request.method
+        self._server.reading(request.protocol)
         try:
-            body = await request.read()
-            if not self._served:
-                raise warming_up()
-            peer = request.transport.get_extra_info("peername") if request.transport else None
-            parsed = openai_api.parse(body, self._served, self._limits, f"rest:{peer}")
+            if path == EMBEDDINGS_PATH and method == "POST":
+                return await self._embeddings(request)
+            if path == MODELS_PATH and method == "GET":
+                self._server.working(request.protocol)
+                return self._reply(200, openai_api.models(self._served, self._created))
+            if path in (EMBEDDINGS_PATH, MODELS_PATH):
+                allowed = "POST" if path == EMBEDDINGS_PATH else "GET"
+                error = ApiError(
+                    405, f"{method} {path}: only {allowed}", "invalid_request_error", None, "method_not_allowed"
+                )
+                error.headers["Allow"] = allowed
+                return self._refuse(error)
+            return self._refuse(ApiError(404, f"{path}: no such route", "invalid_request_error", None, "not_found"))
+        except asyncio.CancelledError:
+            if request.transport is None or request.transport.is_closing():
+                when = "before its answer" if request.content.is_eof() else "while sending its request"
+                log.info("rest: %s left %s; its call is dropped", _peer(request), when)
+            raise
+        except Exception:  # a bug: logged with its traceback, and the client still gets an answer in its API's shape
+            log.exception("rest: %s %s failed", method, path)
+            return self._refuse(ApiError(500, "internal error", "server_error", None, "internal_error"))
+        finally:
+            self._server.done(request.protocol)
+
+    async def _embeddings(self, request: web.BaseRequest) -> web.StreamResponse:
+        deadline = asyncio.get_running_loop().time() + self._timeout_s
+        parsed: Embeddings | None = None
+        reservation: Reservation | None = None
+        try:
+            self._check_head(request)
+            # The body's bytes are held from now until it is parsed, then its answer's until written.
+            reservation = self._budget.reserve(BODY_WEIGHT * (request.content_length or 0))
+            if request.headers.get("Expect", "").lower() == "100-continue":
+                await request.writer.write(b"HTTP/1.1 100 Continue\r\n\r\n")  # its body is welcome
+                request.writer.output_size = 0
+            parsed = await self._read(request, reservation, deadline)
+            reservation.release()
+            reservation.grow(self._answer_bytes(parsed))
+            self._server.working(request.protocol)
             result = await self._service().embed(parsed.call)
-            return self._reply(200, openai_api.answer(parsed, result))
-        except web.HTTPRequestEntityTooLarge:
-            limit = self._settings.max_message_bytes
-            error = ApiError(413, f"the body is over {limit} bytes", "invalid_request_error", None, "request_too_large")
+            return await self._write(request, 200, openai_api.answer(parsed, result))
         except ApiError as api_error:
             error = api_error
         except EmbedError as embed_error:
             error = openai_api.failed(embed_error, parsed is not None and parsed.nested)
-        return self._reply(error.status, error.body(), error.headers)
+        except TimeoutError:
+            if self._draining:
+                error = openai_api.failed(self._draining_now())
+            else:
+                message = f"the body did not arrive within {self._timeout_s:g} s of its head"
+                error = ApiError(408, message, "invalid_request_error", None, "request_timeout")
+        except (ConnectionError, web.RequestPayloadError):  # gone mid-body: nobody to answer
+            log.info("rest: %s left while sending its request", _peer(request))
+            return web.Response(status=400)
+        finally:
+            if reservation is not None:
+                reservation.release()
+        return self._refuse(error, close=not request.content.is_eof())
 
-    async def _models(self, request: web.Request) -> web.Response:
-        return self._reply(200, openai_api.models(self._served, self._created))
+    def _check_head(self, request: web.BaseRequest) -> None:
+        """What the head alone decides, before a byte of the body is read."""
+        if request.content_type != JSON:
+            message = f"Content-Type: {request.content_type!r}, but the body must be {JSON}"
+            raise ApiError(415, message, "invalid_request_error", None, "unsupported_media_type")
+        if request.headers.get("Content-Encoding", "identity").lower() != "identity":
+            message = "Content-Encoding: the body must be sent uncompressed"
+            raise ApiError(415, message, "invalid_request_error", None, "unsupported_media_type")
+        if self._draining:
+            raise self._draining_now()
+        self._gate.check_open()  # the whole pod is draining
+        if not self._served:
+            raise warming_up()
+        if (request.content_length or 0) > self._settings.max_message_bytes:
+            raise self._too_large()
+
+    async def _read(self, request: web.BaseRequest, reservation: Reservation, deadline: float) -> Embeddings:
+        """The body, parsed as it arrives, by ``deadline``; the call gets what is left of it. A small
+        one already here is parsed at once; any other is fed chunk by chunk, the event loop free
+        between chunks."""
+        content, peer, loop = request.content, f"rest:{_peer(request)}", asyncio.get_running_loop()
+        if content.is_eof() and content.total_bytes <= WHOLE_BODY_BYTES:
+            body = content.read_nowait()
+            return openai_api.parse(body, self._served, self._limits, peer, deadline - loop.time())
+        reader, limit, chunked = Body(self._limits), self._settings.max_message_bytes, request.content_length is None
+        async with asyncio.timeout_at(deadline) as timeout:
+            self._reading.add(timeout)
+            try:
+                while chunk := await content.read(READ_CHUNK):
+                    if content.total_bytes > limit:
+                        raise self._too_large()
+                    if chunked:
+                        reservation.grow(BODY_WEIGHT * len(chunk))
+                    reader.feed(chunk)
+                    await asyncio.sleep(0)  # others' turn, even when the rest of the body is here already
+            finally:
+                self._reading.discard(timeout)
+        return reader.finish(self._served, peer, deadline - loop.time())
+
+    def _answer_bytes(self, parsed: Embeddings) -> int:
+        dimensions = min(parsed.call.dimensions or self._dimensions, self._dimensions)
+        return parsed.call.count * dimensions * ANSWER_BYTES_PER_VALUE[parsed.encoding] + ANSWER_ENVELOPE
+
+    async def _write(self, request: web.BaseRequest, status: int, body: bytes) -> web.StreamResponse:
+        """The answer, written here while its bytes are still weighed, within the request's timeout.
+        One that fits the transport's buffer is left to aiohttp: writing it does not wait (a client that
+        never reads it leaves its connection idle, the first closed when room is needed)."""
+        response = self._reply(status, body)
+        if len(body) <= WRITE_BUFFER_BYTES:
+            return response
+        try:
+            async with asyncio.timeout(self._timeout_s):
+                await response.prepare(request)
+                await response.write_eof()
+        except TimeoutError:
+            log.info("rest: %s did not read its answer within %g s: closed", _peer(request), self._timeout_s)
+            request.protocol.force_close()
+        return response
+
+    def _too_large(self) -> ApiError:
+        limit = self._settings.max_message_bytes
+        return ApiError(413, f"the body is over {limit} bytes", "invalid_request_error", None, "request_too_large")
+
+    @staticmethod
+    def _draining_now() -> EmbedError:
+        return EmbedError(Failure.UNAVAILABLE, "server is draining: retry on another replica")
+
+    def _malformed(self, status: int, reason: str) -> web.Response:
+        """aiohttp refused a request it could not parse (its head): one log line, OpenAI's shape."""
+        log.info("rest: a malformed request refused: %s", reason)
+        return self._refuse(ApiError(status, f"malformed request: {reason}", "invalid_request_error"), close=True)
+
+    def _refuse(self, error: ApiError, close: bool = False) -> web.Response:
+        response = self._reply(error.status, error.body(), error.headers)
+        if close:  # the rest of its body is not read: the connection cannot carry another request
+            response.force_close()
+        return response
 
     def _reply(self, status: int, body: bytes, headers: dict[str, str] | None = None) -> web.Response:
         self._metrics.requests.labels(api="rest", code=str(status)).inc()
         return web.Response(status=status, body=body, content_type=JSON, headers=headers)
+
+
+class Connections(web.Server):
+    """aiohttp's low-level server, holding at most ``limit`` connections: past it, the one idle the
+    longest is closed if it has been idle ``IDLE_GRACE_S`` (no request, or a head still arriving;
+    a new connection gets that long to send one), else the one that has been sending its request
+    the longest, else the new one (every other is working on an accepted call). A client that
+    leaves cancels its handler, so its call is dropped. Malformed requests are answered by
+    ``error``; ``kwargs`` go to each connection's :class:`~aiohttp.web.RequestHandler`."""
+
+    def __init__(
+        self,
+        handler: Callable[[web.BaseRequest], Any],
+        *,
+        limit: int,
+        error: Callable[[int, str], web.Response],
+        **kwargs: Any,
+    ) -> None:
+        super().__init__(handler, handler_cancellation=True, **kwargs)
+        self._limit = limit
+        self._error = error
+        self._handler_args = kwargs
+        # Every open connection is in one of these, each in the order its connections entered it.
+        self._idle: dict[RequestHandler, float] = {}  # since when
+        self._reading: dict[RequestHandler, None] = {}
+        self._working: set[RequestHandler] = set()
+
+    def __call__(self) -> RequestHandler:
+        return _Connection(self, self._error, loop=asyncio.get_running_loop(), **self._handler_args)
+
+    def connection_made(self, handler: RequestHandler, transport: asyncio.Transport) -> None:
+        super().connection_made(handler, transport)
+        self._idle[handler] = asyncio.get_running_loop().time()
+        if len(self._idle) + len(self._reading) + len(self._working) > self._limit:
+            self._close_one(handler)
+
+    def connection_lost(self, handler: RequestHandler, exc: BaseException | None = None) -> None:
+        super().connection_lost(handler, exc)
+        self._forget(handler)
+
+    def reading(self, handler: RequestHandler) -> None:
+        if self._idle.pop(handler, None) is not None:
+            self._reading[handler] = None
+
+    def working(self, handler: RequestHandler) -> None:
+        if self._reading.pop(handler, False) is None:
+            self._working.add(handler)
+
+    def done(self, handler: RequestHandler) -> None:
+        """Its request answered (or refused): idle from now, if it is still open."""
+        if self._reading.pop(handler, False) is None or handler in self._working:
+            self._working.discard(handler)
+            self._idle[handler] = asyncio.get_running_loop().time()
+
+    def _forget(self, handler: RequestHandler) -> None:
+        self._idle.pop(handler, None)
+        self._reading.pop(handler, None)
+        self._working.discard(handler)
+
+    def _close_one(self, newest: RequestHandler) -> None:
+        idle = next(iter(self._idle.items()), None)
+        if idle is not None and asyncio.get_running_loop().time() - idle[1] >= IDLE_GRACE_S:
+            victim = idle[0]
+        else:
+            victim = next(iter(self._reading), newest)
+        self._forget(victim)
+        victim.force_close()
+
+
+class _Connection(RequestHandler):
+    """One connection; a request aiohttp cannot parse is answered by the edge, not by aiohttp's
+    text/plain page and traceback."""
+
+    def __init__(self, manager: Connections, error: Callable[[int, str], web.Response], **kwargs: Any) -> None:
+        super().__init__(manager, **kwargs)
+        self._error = error
+
+    def handle_error(
+        self, request: web.BaseRequest, status: int = 500, exc: BaseException | None = None, message: str | None = None
+    ) -> web.StreamResponse:
+        return self._error(status, message or (type(exc).__name__ if exc else "unknown"))
+
+
+def fd_budget() -> tuple[int, int]:
+    """How many REST connections this process may hold, and accept at once (its listen backlog):
+    together half the file descriptors it may open past its reserve, so that gRPC keeps the other."""
+    soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+    half = max(2, (soft - FD_RESERVE) // 2)
+    backlog = max(1, min(MAX_BACKLOG, half // 4))
+    return max(1, half - backlog), backlog
+
+
+def raise_fd_limit() -> None:
+    """Up to the hard limit: the soft one is often lower than a server needs, and nobody's to lose."""
+    soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft != hard:
+        resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+
+
+def _peer(request: web.BaseRequest) -> Any:
+    transport = request.transport
+    return transport.get_extra_info("peername") if transport is not None else request.remote
 
 
 def _shared_socket(host: str, port: int) -> socket.socket:

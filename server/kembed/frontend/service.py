@@ -24,6 +24,7 @@ from kembed import __version__
 from kembed.admission import Rejection
 from kembed.config import Settings
 from kembed.errors import EmbedError, Failure, Field, InvalidInput
+from kembed.frontend.budget import MemoryBudget, call_weight
 from kembed.frontend.call import EmbedCall, EmbedResult, ServerInfo, Texts, Timings
 from kembed.frontend.inbox import Pending
 from kembed.frontend.link import EngineLink
@@ -112,6 +113,7 @@ class EmbedService:
         gate: Gate,
         metrics: FrontendMetrics,
         executor: Executor,
+        memory: MemoryBudget,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         info = link.info
@@ -122,6 +124,7 @@ class EmbedService:
         self._gate = gate
         self._metrics = metrics
         self._executor = executor
+        self._memory = memory
         self._clock = clock
         self._bucket_lengths = np.asarray(info.bucket_lengths)
         self._pushback = ConnectionPushback(clock)
@@ -134,12 +137,14 @@ class EmbedService:
         )
 
     async def embed(self, call: EmbedCall) -> EmbedResult:
-        """The call's pushback is enforced on its ``peer``."""
+        """The call's pushback is enforced on its ``peer``; what it holds is weighed against the
+        front end's memory budget from its arrival until it is answered."""
         arrival = self._clock()
         budget = self._settings.default_timeout_ms / 1000 if call.timeout_s is None else call.timeout_s
         self._gate.enter()
         try:
-            return await self._embed(call, arrival, arrival + budget)
+            with self._memory.reserve(call_weight(call.nbytes, call.count, self._info.dimensions)):
+                return await self._embed(call, arrival, arrival + budget)
         except EmbedError as error:
             if error.retry_after_ms:
                 self._pushback.refused((call.peer, call.priority), error.retry_after_ms)
