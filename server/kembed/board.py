@@ -34,6 +34,7 @@ class Cell(IntEnum):
     IN_FLIGHT_TOKENS = 9  # padded tokens in batches handed to the worker
     DISPLACEABLE_TOKENS = 10  # queued batch tokens of requests none of whose items started
     SATURATION = 11  # 0 to 1: the share of the admission budget the backlog fills
+    IN_FLIGHT_INTERACTIVE_TOKENS = 12  # of IN_FLIGHT_TOKENS: the rows of interactive items
 
 
 class ClassCell(IntEnum):

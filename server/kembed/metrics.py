@@ -59,7 +59,17 @@ class FrontendMetrics:
         )
         self.rejected = _rejected(r)
         self.pushback_waits = Counter(
-            Metric.PUSHBACK_WAITS, "Calls that came within their connection's pushback and waited it out", registry=r
+            Metric.PUSHBACK_WAITS, "Calls that came within their client's pushback and waited it out", registry=r
+        )
+        self.pushback_shared = Counter(
+            Metric.PUSHBACK_SHARED,
+            "Refusals whose pushback went to the window clients share once the table of windows is full",
+            registry=r,
+        )
+        self.demoted = Counter(
+            Metric.DEMOTED,
+            "Interactive requests served as batch work: too large for their share of the interactive budget",
+            registry=r,
         )
         self.stream_answers_dropped = Counter(
             Metric.STREAM_ANSWERS_DROPPED,
@@ -165,3 +175,10 @@ def drain_seconds(board: Board) -> float:
     """The backlog over the measured rate (0 before any rate is known)."""
     rate = board[Cell.TOKENS_PER_SECOND]
     return board[Cell.BACKLOG_TOKENS] / rate if rate > 0 else 0.0
+
+
+def interactive_drain_seconds(board: Board) -> float:
+    """What a query waits behind, over the measured rate: interactive work queued and in the worker."""
+    rate = board[Cell.TOKENS_PER_SECOND]
+    ahead = board.of_class(Priority.INTERACTIVE, ClassCell.QUEUED_TOKENS) + board[Cell.IN_FLIGHT_INTERACTIVE_TOKENS]
+    return ahead / rate if rate > 0 else 0.0

@@ -127,6 +127,11 @@ def next_stale_time(queue: BucketQueue, max_wait: float) -> float | None:
     return min(lead.oldest for lead in leads.values()) + max_wait if leads else None
 
 
+def interactive_tokens(batch: Batch) -> int:
+    """The padded tokens of a batch's interactive items (its padding rows are not theirs)."""
+    return batch.seq_len * sum(chunk.items for chunk in batch.chunks if chunk.job.priority is Priority.INTERACTIVE)
+
+
 class Batcher:
     """Owns the bucket queue; wakes on new work, a finished batch, or the next stale deadline."""
 
@@ -155,6 +160,7 @@ class Batcher:
         self._in_flight_limit = IN_FLIGHT_FIXED if shapes.fixed else IN_FLIGHT_EAGER
         self.in_flight = 0
         self.in_flight_tokens = 0
+        self.in_flight_interactive = 0  # of in_flight_tokens: interactive items' rows, what queries wait behind
 
     @property
     def backlog_tokens(self) -> int:
@@ -169,6 +175,7 @@ class Batcher:
             batch=self.queue.tokens(Priority.BATCH),
             in_flight=self.in_flight_tokens,
             displaceable=self.queue.waiting_tokens(Priority.BATCH),
+            in_flight_interactive=self.in_flight_interactive,
         )
 
     def submit(self, parts: list[tuple[int, Chunk]]) -> None:
@@ -180,6 +187,7 @@ class Batcher:
     def batch_done(self, batch: Batch) -> None:
         self.in_flight -= 1
         self.in_flight_tokens -= batch.padded_tokens
+        self.in_flight_interactive -= interactive_tokens(batch)
         self._wake.set()
 
     async def run(self) -> None:
@@ -225,4 +233,5 @@ class Batcher:
             batch = Batch(chunks, seq_len, self.shapes.rows_for(items))
             self.in_flight += 1
             self.in_flight_tokens += batch.padded_tokens
+            self.in_flight_interactive += interactive_tokens(batch)
             self._dispatch(batch)

@@ -16,7 +16,7 @@ from collections.abc import Callable
 
 import numpy as np
 
-from kembed.admission import AdmissionController, Backlog
+from kembed.admission import AdmissionController, Backlog, MeasuredLoad
 from kembed.engine.batcher import Batcher
 from kembed.engine.buckets import route
 from kembed.engine.jobs import Jobs
@@ -36,6 +36,7 @@ class Intake:
     def __init__(
         self,
         admission: AdmissionController,
+        load: MeasuredLoad,
         batcher: Batcher,
         jobs: Jobs,
         outbox: Outbox,
@@ -44,6 +45,7 @@ class Intake:
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self._admission = admission
+        self._load = load  # the measurements admission weighs against, where latency samples go
         self._batcher = batcher
         self._jobs = jobs
         self._outbox = outbox
@@ -53,8 +55,13 @@ class Intake:
         self._clock = clock
 
     def accept(self, link: int, work: Work) -> None:
-        for seconds, priority in zip(work.latencies.tolist(), work.sample_priorities.tolist(), strict=True):
-            self._admission.load.add_latency(seconds, BY_VALUE[priority])
+        load = self._load
+        kinds = zip(work.sample_priorities.tolist(), work.sample_refused.tolist(), strict=True)
+        for seconds, (priority, refused) in zip(work.latencies.tolist(), kinds, strict=True):
+            if refused:
+                load.add_refusal(seconds, BY_VALUE[priority])
+            else:
+                load.add_latency(seconds, BY_VALUE[priority])
         for tag in work.cancels.tolist():
             self._jobs.cancel(link, tag)
         if work.tags.size:

@@ -26,6 +26,7 @@ from kembed.errors import EmbedError
 from kembed.frontend import openai_api
 from kembed.frontend.call import Limits
 from kembed.frontend.openai_api import ApiError, Embeddings
+from kembed.frontend.pushback import rest_client
 from kembed.frontend.service import Service, warming_up
 from kembed.metrics import FrontendMetrics
 
@@ -86,8 +87,8 @@ class RestEdge:
             body = await request.read()
             if not self._served:
                 raise warming_up()
-            peer = request.transport.get_extra_info("peername") if request.transport else None
-            parsed = openai_api.parse(body, self._served, self._limits, f"rest:{peer}")
+            # Pushback is enforced per client address: a new connection per call does not evade it.
+            parsed = openai_api.parse(body, self._served, self._limits, f"rest:{rest_client(request.remote or '')}")
             result = await self._service().embed(parsed.call)
             return self._reply(200, openai_api.answer(parsed, result))
         except web.HTTPRequestEntityTooLarge:
