@@ -95,6 +95,10 @@ class Backlog:
     in_flight: int = 0  # in batches handed to the worker, every class
     displaceable: int = 0  # of ``batch``: requests none of whose items has started
     in_flight_interactive: int = 0  # of ``in_flight``: the rows of interactive items
+    # Of the queued work, what will have expired before the worker could reach it (see ``lapsing``):
+    # held in memory, but nobody waits behind it.
+    interactive_lapsing: int = 0
+    batch_lapsing: int = 0
 
     @property
     def total(self) -> int:
@@ -106,8 +110,8 @@ class Backlog:
         query by at most that batch, and refusing the query would not shorten it); batch work
         waits for everything."""
         if priority is Priority.INTERACTIVE:
-            return self.interactive + self.in_flight_interactive
-        return self.total
+            return self.interactive - self.interactive_lapsing + self.in_flight_interactive
+        return self.total - self.interactive_lapsing - self.batch_lapsing
 
     def blocking(self, priority: Priority) -> int:
         """What keeps a request too large for the budget out: work of its own class, queued or in
@@ -115,7 +119,7 @@ class Backlog:
         steady flow of queries never keeps an ingest out)."""
         if priority is Priority.INTERACTIVE:
             return self.ahead(priority)
-        return self.batch + self.in_flight - self.in_flight_interactive
+        return self.batch - self.batch_lapsing + self.in_flight - self.in_flight_interactive
 
     def held(self, priority: Priority) -> int:
         """What counts against the queue cap: an interactive request may displace batch work not started."""
@@ -125,14 +129,25 @@ class Backlog:
         """With a request admitted (not yet queued, so not displaceable). Built directly: this runs
         per admitted request, and ``dataclasses.replace`` costs several times more."""
         i, b, f, d, fi = self.interactive, self.batch, self.in_flight, self.displaceable, self.in_flight_interactive
+        il, bl = self.interactive_lapsing, self.batch_lapsing
         if priority is Priority.INTERACTIVE:
-            return Backlog(i + tokens, b, f, d, fi)
-        return Backlog(i, b + tokens, f, d, fi)
+            return Backlog(i + tokens, b, f, d, fi, il, bl)
+        return Backlog(i, b + tokens, f, d, fi, il, bl)
 
     def without_batch(self, tokens: int) -> Backlog:
-        """With this much batch work not started displaced."""
+        """With this much batch work not started displaced (it may have been what lapses)."""
         i, b, f, d, fi = self.interactive, self.batch, self.in_flight, self.displaceable, self.in_flight_interactive
-        return Backlog(i, b - tokens, f, d - tokens, fi)
+        return Backlog(i, b - tokens, f, d - tokens, fi, self.interactive_lapsing, min(self.batch_lapsing, b - tokens))
+
+
+def lapsing(queued_tokens: int, tokens_per_second: float, latest_deadline: float, now: float) -> int:
+    """Of a class's queued tokens, those that will have expired before the worker could reach them:
+    every job of the class is gone by its latest deadline, and the worker computes at most the
+    rate's worth of tokens until then (fewer, with other work before them: so this is a lower
+    bound). Work that expires in 6 s is weighed as 6 s of backlog, not as the minute it would take."""
+    if tokens_per_second <= 0 or math.isinf(latest_deadline):
+        return 0
+    return max(0, queued_tokens - int(tokens_per_second * max(0.0, latest_deadline - now)))
 
 
 class ServiceRate:

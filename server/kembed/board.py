@@ -42,7 +42,8 @@ class ClassCell(IntEnum):
 
     QUEUED_TOKENS = 0  # padded tokens queued, not yet in a batch
     WAITING_REQUESTS = 1  # admitted, none of their items started
-    P95_SECONDS = 2
+    P95_SECONDS = 2  # of served requests
+    LAPSING_TOKENS = 3  # of QUEUED_TOKENS: what will have expired before the worker could reach it
 
 
 class FrontendCell(IntEnum):

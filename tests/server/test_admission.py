@@ -12,6 +12,7 @@ from kembed.admission import (
     Backlog,
     MeasuredLoad,
     Rejection,
+    lapsing,
 )
 from kembed.config import Settings
 from kembed.priority import Priority
@@ -388,3 +389,29 @@ def test_interactive_work_may_use_a_reserve_over_the_queue_cap():
     reserve = int(8000 * INTERACTIVE_RESERVE)
     assert admission.admit(reserve, started, INTERACTIVE) is None
     assert reason(admission.admit(reserve + 1, started, INTERACTIVE)) == "queue_full"
+
+
+@pytest.mark.parametrize(
+    ("queued", "rate", "latest", "lapsing_tokens"),
+    [
+        (5800, 100.0, 106.0, 5200),  # 58 s of work expiring in 6 s: 6 s of it can run
+        (500, 100.0, 106.0, 0),  # it can all run in time
+        (5800, 100.0, 99.0, 5800),  # past its deadline: none of it runs
+        (5800, 0.0, 106.0, 0),  # no rate yet: nothing is known to lapse
+        (5800, 100.0, float("-inf"), 0),  # no open job
+    ],
+)
+def test_queued_work_lapses_by_what_the_worker_can_reach_before_its_deadline(
+    queued: int, rate: float, latest: float, lapsing_tokens: int
+):
+    assert lapsing(queued, rate, latest, now=100.0) == lapsing_tokens
+
+
+def test_lapsing_work_is_not_waited_behind_but_is_held():
+    admission, load = controller(FakeClock(), admission=["throughput"], max_drain_ms=2000, max_queued_tokens=6000)
+    load.rate.seed(tokens=100, seconds=1.0)
+    backlog = Backlog(interactive=5800, interactive_lapsing=5750)  # 0.5 s of it can still run
+    assert backlog.ahead(INTERACTIVE) == 50 and backlog.ahead(BATCH) == 50
+    assert admission.admit(16, backlog, INTERACTIVE) is None  # 2 x 66 / 100 = 1.32 s
+    assert reason(admission.admit(16, Backlog(interactive=5800), INTERACTIVE)) == "drain_time"  # 116 s
+    assert reason(admission.admit(1000, backlog, INTERACTIVE)) == "queue_full"  # the cap (and reserve) counts it all

@@ -215,7 +215,7 @@ def test_the_deadline_heap_stays_within_a_multiple_of_the_open_jobs(engine_path)
     for tag in range(1, 1000):
         intake.accept(1, work_frame([[4]], tags=[tag]))
         jobs.cancel(1, tag)  # closed long before its deadline
-    assert len(jobs) == 0 and len(jobs._deadlines) <= 64 + 1
+    assert len(jobs) == 0 and len(jobs._deadlines) <= 64 + 1 and len(jobs._latest[INTERACTIVE]) <= 64 + 1
     assert jobs.next_deadline() is None
 
 
@@ -250,3 +250,31 @@ async def test_an_ingest_at_a_low_rate_never_shuts_queries_out():
         assert batcher.backlog.interactive == 12 * 16
     finally:
         task.cancel()
+
+
+def test_work_that_will_expire_is_weighed_by_what_it_can_still_cost():
+    """58 s of queries queued at 100 tokens/s, all of them expiring in 6 s: weighed as the 6 s they
+    can still take, less as their deadline nears, until a query fits before it has passed."""
+    settings = Settings(admission=["throughput"], buckets=LENGTHS, max_drain_ms=2000)
+    clock = FakeClock()
+    load = MeasuredLoad(settings, clock=clock)
+    load.rate.seed(tokens=10_000, seconds=1.0)
+    admission = AdmissionController(settings, load, rng=random.Random(1))
+    queue = BucketQueue(LENGTHS)
+    jobs = Jobs(queue)
+    dispatched: list[Batch] = []
+    shapes = BatchShapes.build(8, 256, fixed=False)
+    batcher = Batcher(queue, shapes, dispatched.append, expire=jobs.expire, max_wait=0.02, naive=False)
+    outbox = Outbox()
+    intake = Intake(admission, load, batcher, jobs, outbox, EngineMetrics(), pad_token_id=0, clock=clock)
+    for tag in range(1, 363):  # 362 one-item requests of 16 tokens: 5,792 tokens, admitted at 10k tokens/s
+        intake.accept(1, work_frame([[4]], tags=[tag], deadline=clock.now + 6))
+    load.rate.seed(tokens=100, seconds=1.0)  # then the node slows down: 58 s of work
+    assert len(jobs) == 362 and intake.backlog().ahead(INTERACTIVE) == 600  # what 6 s can compute
+    intake.accept(2, work_frame([[4]], tags=[1000]))
+    [(_, [refused], [error])] = outbox.errors_sent
+    assert refused == 1000 and error.retry_after_ms <= 1.5 * 6160  # the 6 s it spared (+-50%), not 58 s
+    clock.now += 5.5
+    assert intake.backlog().ahead(INTERACTIVE) == 50  # what half a second can compute
+    intake.accept(2, work_frame([[4]], tags=[1001]))
+    assert len(outbox.errors_sent) == 1  # admitted half a second before the deadline passes

@@ -11,12 +11,13 @@ started, which are refused in its place.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Callable
 
 import numpy as np
 
-from kembed.admission import AdmissionController, Backlog, MeasuredLoad
+from kembed.admission import AdmissionController, Backlog, MeasuredLoad, lapsing
 from kembed.engine.batcher import Batcher
 from kembed.engine.buckets import route
 from kembed.engine.jobs import Jobs
@@ -67,10 +68,22 @@ class Intake:
         if work.tags.size:
             self._admit(link, work)
 
+    def backlog(self) -> Backlog:
+        """What admission weighs: the batcher's backlog, with the queued work of each class that
+        will expire before the worker could reach it (by the class's latest deadline) set apart."""
+        backlog, now, rate = self._batcher.backlog, self._clock(), self._load.tokens_per_second
+        return dataclasses.replace(
+            backlog,
+            interactive_lapsing=lapsing(
+                backlog.interactive, rate, self._jobs.latest_deadline(Priority.INTERACTIVE), now
+            ),
+            batch_lapsing=lapsing(backlog.batch, rate, self._jobs.latest_deadline(Priority.BATCH), now),
+        )
+
     def _admit(self, link: int, work: Work) -> None:
         jobs: list[Job | None] = [None] * work.tags.size
         refused, refusals = [], []
-        backlog = self._batcher.backlog
+        backlog = self.backlog()
         tags, deadlines, counts, costs, priorities = (
             part.tolist() for part in (work.tags, work.deadlines, work.counts, work.costs, work.priorities)
         )

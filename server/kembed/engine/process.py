@@ -281,11 +281,13 @@ class EngineProcess:
         self._arm_expiry(core)
 
     def _publish(self, core: Core) -> None:
-        board, backlog, queue = self._board, core.batcher.backlog, core.batcher.queue
+        board, backlog, queue = self._board, core.intake.backlog(), core.batcher.queue
         board[Cell.BACKLOG_TOKENS] = backlog.total
         board[Cell.IN_FLIGHT_TOKENS] = backlog.in_flight
         board[Cell.IN_FLIGHT_INTERACTIVE_TOKENS] = backlog.in_flight_interactive
         board[Cell.DISPLACEABLE_TOKENS] = backlog.displaceable
+        board.set_class(Priority.INTERACTIVE, ClassCell.LAPSING_TOKENS, backlog.interactive_lapsing)
+        board.set_class(Priority.BATCH, ClassCell.LAPSING_TOKENS, backlog.batch_lapsing)
         for priority in Priority:
             board.set_class(priority, ClassCell.QUEUED_TOKENS, queue.tokens(priority))
             board.set_class(priority, ClassCell.WAITING_REQUESTS, queue.waiting(priority))

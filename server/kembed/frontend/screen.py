@@ -98,4 +98,6 @@ class Screen:
             in_flight=int(board[Cell.IN_FLIGHT_TOKENS]),
             displaceable=int(board[Cell.DISPLACEABLE_TOKENS]),
             in_flight_interactive=int(board[Cell.IN_FLIGHT_INTERACTIVE_TOKENS]),
+            interactive_lapsing=int(board.of_class(Priority.INTERACTIVE, ClassCell.LAPSING_TOKENS)),
+            batch_lapsing=int(board.of_class(Priority.BATCH, ClassCell.LAPSING_TOKENS)),
         )
