@@ -8,8 +8,10 @@
    REST against gRPC and against the peer (Infinity, where ``bench.peers setup`` installed it), and
    (not with ``--quick``) the retry storm;
 6. queries beside an ingest, the priority classes (``bench.priority``);
-7. the front end → engine transports (``bench.ipc``);
-8. ``bench.plot``.
+7. admission one client cannot game (``bench.fairness``): queries beside a maximal ingest, and the
+   exported P95 beside refused maximal requests;
+8. the front end → engine transports (``bench.ipc``);
+9. ``bench.plot``.
 
 The token-bucket runs (ceiling and server) use a finer bucket ladder than the server's default
 powers of two: on this workload the defaults pad about 27% of computed tokens, the ladder about 13%
@@ -24,7 +26,7 @@ from __future__ import annotations
 import argparse
 from collections.abc import Sequence
 
-from bench import ceiling, gpu, hostpath, ipc, plot, priority, serve_load
+from bench import ceiling, fairness, gpu, hostpath, ipc, plot, priority, serve_load
 
 TUNED_BUCKETS = "buckets=16,24,32,48,64,96,128,192,256"
 HOSTPATH = ["--parts", f"{hostpath.DEFAULT_PARTS},storm"]
@@ -44,6 +46,7 @@ def main(argv: Sequence[str] | None = None) -> None:
         gpu.main(["--quick"] if args.quick else [])
     hostpath.main(QUICK_HOSTPATH if args.quick else HOSTPATH)
     priority.main(["--duration", "8", "--warmup", "2", "--windows", "2"] if args.quick else [])
+    fairness.main(["--duration", "8", "--lockout-texts", "64"] if args.quick else [])
     ipc.main(["--seconds", "1"] if args.quick else [])
     plot.main()
 

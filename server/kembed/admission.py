@@ -340,7 +340,7 @@ class AdmissionController:
         wait over the drain budget and the queued tokens over the cap. At 1 batch work is refused."""
         shares = [backlog.total / self._max_queued]
         if Admission.THROUGHPUT in self._strategies:
-            shares.append(self.longest_wait(backlog.total) / self._max_drain)
+            shares.append(self.longest_wait(backlog.ahead(Priority.BATCH)) / self._max_drain)
         return min(1.0, max(shares))
 
     def _refused(self, rejection: Rejection | None, tokens_ahead: int, priority: Priority) -> Rejection | None:
