@@ -42,8 +42,8 @@ import numpy as np
 
 from bench import RESULTS_DIR, headline, loadgen, machine, workload
 from bench.loadgen import OK, Outcome
-from bench.priority import SHORT_TOKENS, requests, together
-from bench.report import Samples, latency_summary, metric_delta, metric_sum
+from bench.priority import SHORT_TOKENS, requests, server_figures, together
+from bench.report import latency_summary, metric_delta, metric_sum
 from bench.server import Server, running
 from kembed.config import Settings
 from kembed.contract import HEALTH_PATH, Metric
@@ -98,12 +98,6 @@ def side(outcomes: Sequence[Outcome]) -> dict[str, Any]:
     }
 
 
-def batch_seconds(before: Samples, after: Samples) -> float:
-    """The mean compute time of a batch between two readings of the server's counters."""
-    batches = metric_delta(before, after, Metric.INFERENCE_SECONDS + "_count")
-    return metric_delta(before, after, Metric.INFERENCE_SECONDS + "_sum") / batches if batches else float("nan")
-
-
 def idle(server: Server, calls: list[bytes], opts: Options) -> dict[str, Any]:
     (outcomes,), _ = loadgen.in_processes(together, [{"loads": [queries(server, calls, opts)]}])
     return side(outcomes[0])
@@ -121,11 +115,12 @@ def lockout(opts: Options, texts: list[str], short: list[str]) -> dict[str, Any]
             (outcomes,), _ = loadgen.in_processes(together, [{"loads": [queries(server, calls, opts)]}])
             beside = side(outcomes[0])
             after = server.metrics()
-        beside["batch_seconds"] = batch_seconds(before, after)
+        beside["server"] = server_figures(before, after)
+        beside["batch_seconds"] = beside["server"]["batch_seconds"]
         beside["demoted"] = metric_delta(before, after, Metric.DEMOTED + "_total")
     print(f"  lockout: queries alone p95 {alone['latency_ms']['p95']:.0f} ms; beside the ingest p95 "
-          f"{beside['latency_ms']['p95']:.0f} ms, codes {beside['codes']}, batch {beside['batch_seconds']:.3f} s; "
-          f"ingest {ingest}")  # fmt: skip
+          f"{beside['latency_ms']['p95']:.0f} ms, codes {beside['codes']}, batch {beside['batch_seconds']:.3f} s, "
+          f"server rejections {beside['server']['rejections']}; ingest {ingest}")  # fmt: skip
     return {"texts": opts.lockout_texts, "idle": alone, "beside": beside, "ingest": ingest}
 
 
@@ -164,10 +159,13 @@ def poison(opts: Options, short: list[str]) -> dict[str, Any]:
         attack = ("closed_loop", {"target": server.grpc_target, "requests": [maximal_request()],
                                   "concurrency": opts.attackers, "duration": opts.duration, "count": MAX_CALLS,
                                   "deadline": opts.timeout, "pushback": False})  # fmt: skip
+        before = server.metrics()
         with _sampled(server, opts.sample_s) as samples:
             loads = [queries(server, calls, opts), attack]
             (outcomes,), _ = loadgen.in_processes(together, [{"loads": loads}])
+        after = server.metrics()
     served, attackers = side(outcomes[0]), side(outcomes[1])
+    served["server"] = server_figures(before, after)
     exported = [p95 for p95, _ in samples]
     print(f"  poison: queries alone p95 {alone['latency_ms']['p95']:.0f} ms; beside the attackers p95 "
           f"{served['latency_ms']['p95']:.0f} ms, codes {served['codes']}; exported P95 at most "

@@ -154,7 +154,7 @@ class Batcher:
         self._max_wait = max_wait
         self._naive = naive
         self._starved_after = starved_after  # batch work left this long without a batch goes next
-        self._batch_served_at = -math.inf  # when a batch holding batch work last started
+        self._batch_served_at = -math.inf  # when a batch holding batch work last started or finished
         self._clock = clock
         self._wake = asyncio.Event()
         self._in_flight_limit = IN_FLIGHT_FIXED if shapes.fixed else IN_FLIGHT_EAGER
@@ -188,6 +188,11 @@ class Batcher:
         self.in_flight -= 1
         self.in_flight_tokens -= batch.padded_tokens
         self.in_flight_interactive -= interactive_tokens(batch)
+        if any(chunk.job.priority is Priority.BATCH for chunk in batch.chunks):
+            # Measured from its end: a batch of ingest longer than the floor (a slow node) would
+            # otherwise make batch work starved again the moment it finished, every time, and the
+            # queries waiting behind it would wait for the whole ingest.
+            self._batch_served_at = self._clock()
         self._wake.set()
 
     async def run(self) -> None:
