@@ -291,7 +291,8 @@ async def test_a_batch_of_ingest_longer_than_the_floor_leaves_the_next_turn_to_q
     dispatched: list[Batch] = []
     clock = FakeClock()
     eager = BatchShapes.build(max_batch_size=8, max_tokens=512, fixed=False)
-    batcher = Batcher(BucketQueue(LENGTHS), eager, dispatched.append, expire=[].append, max_wait=MAX_WAIT,
+    expired: list[Job] = []
+    batcher = Batcher(BucketQueue(LENGTHS), eager, dispatched.append, expire=expired.append, max_wait=MAX_WAIT,
                       naive=False, starved_after=2.0, clock=clock)  # fmt: skip
     task = asyncio.create_task(batcher.run())
     try:
