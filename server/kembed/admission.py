@@ -28,8 +28,8 @@ against everything. No single request may hold what the interactive class needs:
 request whose own longest wait is over ``INTERACTIVE_SHARE`` of the budget is served as batch work
 (:meth:`AdmissionController.class_of`), so queries go between its batches. Under pressure batch
 work is refused first, with a pushback of its own; while shedding, every batch request that would
-queue is refused, and an interactive one is never shed while batch work that has not started is
-queued. The queue cap counts everything, but batch work none of whose items has started may be
+queue is refused, and an interactive one is never shed while batch work is queued or in the worker
+(the ingest's batches, not the queries, are then what the P95 waits on). The queue cap counts everything, but batch work none of whose items has started may be
 displaced (refused after admission) to make room for an interactive request
 (:meth:`AdmissionController.room_to_make`), and interactive work may go ``INTERACTIVE_RESERVE`` over
 the cap, so batch work that has started (an ingest of the cap's size) never refuses a query.
@@ -383,11 +383,13 @@ class AdmissionController:
 
     def _shed(self, tokens_ahead: int, backlog: Backlog, priority: Priority) -> Rejection | None:
         """While shedding, every batch request that would queue goes first; an interactive one is
-        shed by the fraction, and only once no batch work it could take the place of is queued."""
+        shed by the fraction, and only while no batch work is queued or in the worker: beside an
+        ingest, the ingest's batches are what queries wait on, and refusing queries would not
+        shorten them (new batch work is refused instead)."""
         fraction = self.load.shed_fraction()
         if fraction <= 0 or self.longest_wait(tokens_ahead) < self._recover_below:
             return None
-        if priority is Priority.INTERACTIVE and (backlog.displaceable > 0 or self._rng.random() >= fraction):
+        if priority is Priority.INTERACTIVE and (backlog.blocking(Priority.BATCH) > 0 or self._rng.random() >= fraction):
             return None
         p95 = self.load.p95_seconds()
         return Rejection(

@@ -272,13 +272,15 @@ def shedding(clock: FakeClock, **settings) -> tuple[AdmissionController, Measure
     return admission, load
 
 
-def test_while_shedding_batch_work_goes_first_and_interactive_work_only_once_none_is_waiting():
+def test_while_shedding_batch_work_goes_first_and_interactive_work_only_once_none_is_there():
     admission, load = shedding(FakeClock())
     assert 0 < load.shed_fraction() < 1
     batch = [admission.screen(10, Backlog(batch=10), BATCH) for _ in range(200)]
     assert all(r is not None for r in batch)  # every batch request that would queue
     waiting = Backlog(interactive=10, batch=500, displaceable=500)
     assert all(admission.screen(10, waiting, INTERACTIVE) is None for _ in range(200))
+    started = Backlog(interactive=10, batch=500, in_flight=64)  # an ingest running: it is what queries wait on
+    assert all(admission.screen(10, started, INTERACTIVE) is None for _ in range(200))
     alone = [admission.screen(10, queued(10), INTERACTIVE) for _ in range(400)]
     assert 0.3 < sum(r is not None for r in alone) / len(alone) < 0.7  # by the fraction
     assert admission.screen(1, Backlog(), BATCH) is None  # work-conserving: it would not queue
