@@ -29,10 +29,11 @@ request whose own longest wait is over ``INTERACTIVE_SHARE`` of the budget is se
 (:meth:`AdmissionController.class_of`), so queries go between its batches. Under pressure batch
 work is refused first, with a pushback of its own; while shedding, every batch request that would
 queue is refused, and an interactive one is never shed while batch work is queued or in the worker
-(the ingest's batches, not the queries, are then what the P95 waits on). The queue cap counts everything, but batch work none of whose items has started may be
-displaced (refused after admission) to make room for an interactive request
-(:meth:`AdmissionController.room_to_make`), and interactive work may go ``INTERACTIVE_RESERVE`` over
-the cap, so batch work that has started (an ingest of the cap's size) never refuses a query.
+(the ingest's batches, not the queries, are then what the P95 waits on). The queue cap counts
+everything, but batch work none of whose items has started may be displaced (refused after
+admission) to make room for an interactive request (:meth:`AdmissionController.room_to_make`), and
+interactive work may go ``INTERACTIVE_RESERVE`` over the cap, so batch work that has started (an
+ingest of the cap's size) never refuses a query.
 
 Rejections carry a pushback: the time until the backlog ahead would have drained, jittered so
 that clients refused together do not come back together (a pushback of just the excess brought
@@ -389,7 +390,8 @@ class AdmissionController:
         fraction = self.load.shed_fraction()
         if fraction <= 0 or self.longest_wait(tokens_ahead) < self._recover_below:
             return None
-        if priority is Priority.INTERACTIVE and (backlog.blocking(Priority.BATCH) > 0 or self._rng.random() >= fraction):
+        beside_an_ingest = backlog.blocking(Priority.BATCH) > 0
+        if priority is Priority.INTERACTIVE and (beside_an_ingest or self._rng.random() >= fraction):
             return None
         p95 = self.load.p95_seconds()
         return Rejection(
