@@ -111,7 +111,7 @@ def lockout(opts: Options, texts: list[str], short: list[str]) -> dict[str, Any]
         alone = idle(server, calls, opts)
         time.sleep(Settings.from_env({}).latency_window_s)
         before = server.metrics()
-        with _posted(server, body) as ingest:
+        with _posted(server, body) as ingest, _sampled(server, opts.sample_s) as samples:
             (outcomes,), _ = loadgen.in_processes(together, [{"loads": [queries(server, calls, opts)]}])
             beside = side(outcomes[0])
             after = server.metrics()
@@ -121,7 +121,7 @@ def lockout(opts: Options, texts: list[str], short: list[str]) -> dict[str, Any]
     print(f"  lockout: queries alone p95 {alone['latency_ms']['p95']:.0f} ms; beside the ingest p95 "
           f"{beside['latency_ms']['p95']:.0f} ms, codes {beside['codes']}, batch {beside['batch_seconds']:.3f} s, "
           f"server rejections {beside['server']['rejections']}; ingest {ingest}")  # fmt: skip
-    return {"texts": opts.lockout_texts, "idle": alone, "beside": beside, "ingest": ingest}
+    return {"texts": opts.lockout_texts, "idle": alone, "beside": beside, "ingest": ingest, "health": samples}
 
 
 @contextmanager
@@ -166,26 +166,28 @@ def poison(opts: Options, short: list[str]) -> dict[str, Any]:
         after = server.metrics()
     served, attackers = side(outcomes[0]), side(outcomes[1])
     served["server"] = server_figures(before, after)
-    exported = [p95 for p95, _ in samples]
+    exported = [sample["exported_p95_ms"] for sample in samples]
     print(f"  poison: queries alone p95 {alone['latency_ms']['p95']:.0f} ms; beside the attackers p95 "
           f"{served['latency_ms']['p95']:.0f} ms, codes {served['codes']}; exported P95 at most "
-          f"{max(exported, default=0) * 1000:.0f} ms; attackers' codes {attackers['codes']}")  # fmt: skip
+          f"{max(exported, default=0):.0f} ms; attackers' codes {attackers['codes']}")  # fmt: skip
     return {"attackers": opts.attackers, "idle": alone, "beside": served, "attack": attackers,
-            "exported_p95_ms": [p95 * 1000 for p95 in exported],
-            "health": dict(Counter(status for _, status in samples))}  # fmt: skip
+            "exported_p95_ms": exported, "health": dict(Counter(sample["status"] for sample in samples)),
+            "health_samples": samples}  # fmt: skip
 
 
 @contextmanager
-def _sampled(server: Server, every_s: float) -> Iterator[list[tuple[float, str]]]:
-    """The exported P95 and /health's status, read every ``every_s`` in a thread while the block runs."""
-    samples: list[tuple[float, str]] = []
+def _sampled(server: Server, every_s: float) -> Iterator[list[dict[str, Any]]]:
+    """The exported P95 and /health, read every ``every_s`` in a thread while the block runs."""
+    samples: list[dict[str, Any]] = []
     stop = threading.Event()
+    start = time.monotonic()
 
     def sample() -> None:
         while not stop.wait(every_s):
             p95 = metric_sum(server.metrics(), Metric.LATENCY_P95_SECONDS)
             with urllib.request.urlopen(server.http_url + HEALTH_PATH, timeout=10) as reply:
-                samples.append((p95, json.loads(reply.read())["status"]))
+                health = json.loads(reply.read())
+            samples.append({"at_s": round(time.monotonic() - start, 2), "exported_p95_ms": p95 * 1000, **health})
 
     thread = threading.Thread(target=sample, daemon=True)
     thread.start()

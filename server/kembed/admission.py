@@ -59,6 +59,7 @@ from kembed.config import Admission, Batching, Settings
 from kembed.priority import Priority
 
 RATE_DECAY = 0.9  # weight of the past per completed batch in the service-rate estimate
+RATE_BATCH_SHARE = 0.25  # batches smaller than this share of the largest do not move the rate
 RECOVER_FRACTION = 0.8  # shedding stops below this share of the soft P95 limit
 MIN_LATENCY_SAMPLES = 5  # a P95 of fewer samples is noise
 MAX_LATENCY_SAMPLES = 8192  # bounds the window's memory at high request rates
@@ -152,17 +153,24 @@ def lapsing(queued_tokens: int, tokens_per_second: float, latest_deadline: float
 
 
 class ServiceRate:
-    """Padded tokens per second of worker compute, weighted towards recent batches."""
+    """Padded tokens per second of worker compute, weighted towards recent batches of at least
+    ``min_tokens``. A batch of a few queries costs mostly the batch's fixed work: at five one-text
+    queries a second the worker computes 16-token batches at a tenth of its rate, and work that
+    queues, which is what admission weighs, goes in full batches. Measured on small batches, the
+    rate fell that far, and refused queries for a backlog of a few of them."""
 
-    def __init__(self) -> None:
+    def __init__(self, min_tokens: int = 0) -> None:
+        self._min_tokens = min_tokens
         self._tokens = 0.0
         self._seconds = 0.0
 
     def seed(self, tokens: float, seconds: float) -> None:
-        """Warmup's measurement: stands in until real batches complete."""
+        """Warmup's measurement (of full batches): stands in until real batches complete."""
         self._tokens, self._seconds = tokens, seconds
 
     def record(self, tokens: int, seconds: float) -> None:
+        if tokens < self._min_tokens:
+            return
         self._tokens = self._tokens * RATE_DECAY + tokens
         self._seconds = self._seconds * RATE_DECAY + seconds
 
@@ -224,12 +232,14 @@ class MeasuredLoad:
     class (exported), and the interactive window shedding acts on, with its hysteresis (batch work
     is there to wait)."""
 
-    def __init__(self, settings: Settings, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(self, settings: Settings, clock: Callable[[], float] = time.monotonic, batch_tokens: int = 0) -> None:
+        """``batch_tokens``: the most padded tokens a batch holds; the rate is measured on batches
+        of at least ``RATE_BATCH_SHARE`` of it."""
         self._strategies = set(settings.admission)
         self._soft = settings.p95_soft_ms / 1000
         self._hard = settings.p95_hard_ms / 1000
         self.recover_below = self._soft * RECOVER_FRACTION
-        self.rate = ServiceRate()
+        self.rate = ServiceRate(int(batch_tokens * RATE_BATCH_SHARE))
         self.latency = {priority: LatencyWindow(settings.latency_window_s, clock) for priority in Priority}
         # Served interactive requests and refusals at the wait they were spared.
         self.pressure = LatencyWindow(settings.latency_window_s, clock)

@@ -37,6 +37,7 @@ def _result(query_p95: float, refused: int, exported: list[float]) -> dict[str, 
             "idle": _side(40),
             "beside": {**beside, "batch_seconds": 0.5},
             "ingest": {"status": 200, "seconds": 70.0},
+            "health": [],
         },
         "poison": {
             "attackers": 4,

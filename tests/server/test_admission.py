@@ -417,3 +417,16 @@ def test_lapsing_work_is_not_waited_behind_but_is_held():
     assert admission.admit(16, backlog, INTERACTIVE) is None  # 2 x 66 / 100 = 1.32 s
     assert reason(admission.admit(16, Backlog(interactive=5800), INTERACTIVE)) == "drain_time"  # 116 s
     assert reason(admission.admit(1000, backlog, INTERACTIVE)) == "queue_full"  # the cap (and reserve) counts it all
+
+
+def test_the_rate_is_measured_on_full_batches_not_on_a_few_queries():
+    """One-text queries at five a second run in 16-token batches, mostly the batch's fixed work:
+    measured on them, the rate fell to a tenth and a backlog of a few queries was refused."""
+    load = MeasuredLoad(Settings(), clock=FakeClock(), batch_tokens=2048)
+    load.rate.seed(tokens=4000, seconds=1.0)  # warmup, full batches
+    for _ in range(50):
+        load.rate.record(16, 0.04)  # 400 tokens/s
+    assert load.tokens_per_second == pytest.approx(4000)
+    for _ in range(50):
+        load.rate.record(2048, 1.0)  # a slower node, full batches
+    assert load.tokens_per_second == pytest.approx(2048, rel=0.01)

@@ -114,7 +114,7 @@ class Core:
     @classmethod
     def build(cls, settings: Settings, worker: Worker, engine: Engine, links: Links, metrics: EngineMetrics) -> Core:
         plan, model = engine.plan, engine.model
-        load = MeasuredLoad(settings)
+        load = MeasuredLoad(settings, batch_tokens=plan.shapes.max_tokens)
         load.rate.seed(engine.warmup_tokens, engine.warmup_seconds)
         admission = AdmissionController(settings, load)
         queue = BucketQueue(plan.bucket_lengths)
