@@ -7,11 +7,15 @@ import asyncio
 
 import pytest
 
-from kembed.frontend.pushback import SAME_BURST_S, HeldCalls, PushbackWindows, rest_client
+from kembed.frontend.pushback import SAME_BURST_S, Arrival, HeldCalls, PushbackWindows, rest_client
 from kembed.priority import Priority
 
 INTERACTIVE, BATCH = Priority
 TIMEOUT = 30.0  # the client's deadline, from when it sends
+
+
+def call(client: object, dispatched: float, deadline: float | None = None, address: str = "10.0.0.1") -> Arrival:
+    return Arrival(client, address, dispatched, deadline)
 
 
 class FakeClock:
@@ -33,79 +37,97 @@ def test_a_burst_is_refused_at_once_however_many_however_late_it_is_dispatched()
     for i, at in enumerate(received):
         clock.now = 100.005 + 0.0008 * i  # dispatched in turn, 0.8 ms each
         arrival, deadline = clock.now, at + TIMEOUT
-        if windows.must_wait("conn", arrival, deadline):
+        if windows.must_wait(call("conn", arrival, deadline)):
             held += 1
         else:
-            windows.refused("conn", 1000, arrival, deadline)
+            windows.refused(call("conn", arrival, deadline), 1000)
     assert held == 0
 
 
 def test_a_client_that_calls_again_after_hearing_a_refusal_waits_out_its_window() -> None:
     clock = FakeClock()
     windows = PushbackWindows(clock)
-    windows.refused("conn", 500, arrival=100.0, deadline=100.0 + TIMEOUT)
+    windows.refused(call("conn", 100.0, 100.0 + TIMEOUT), 500)
     clock.now += 0.002  # heard it, called again at once: received after the refusal was sent
-    assert windows.must_wait("conn", clock.now, clock.now + TIMEOUT)
-    assert not windows.must_wait("other", clock.now, clock.now + TIMEOUT)  # other clients are not affected
+    assert windows.must_wait(call("conn", clock.now, clock.now + TIMEOUT))
+    assert not windows.must_wait(call("other", clock.now, clock.now + TIMEOUT))  # other clients are not affected
     clock.now = 100.499
-    assert windows.must_wait("conn", clock.now, clock.now + TIMEOUT)
+    assert windows.must_wait(call("conn", clock.now, clock.now + TIMEOUT))
     clock.now = 100.5
-    assert not windows.must_wait("conn", clock.now, clock.now + TIMEOUT)  # the window has ended
+    assert not windows.must_wait(call("conn", clock.now, clock.now + TIMEOUT))  # the window has ended
 
 
 def test_without_a_deadline_a_call_is_placed_by_its_dispatch() -> None:
     clock = FakeClock()
     windows = PushbackWindows(clock)
-    windows.refused("conn", 1000, arrival=100.0, deadline=None)
+    windows.refused(call("conn", 100.0, None), 1000)
     clock.now += SAME_BURST_S / 2  # dispatched straight after the refusal: from the same burst
-    assert not windows.must_wait("conn", clock.now, None)
+    assert not windows.must_wait(call("conn", clock.now, None))
     clock.now += SAME_BURST_S
-    assert windows.must_wait("conn", clock.now, None)
+    assert windows.must_wait(call("conn", clock.now, None))
 
 
-def test_the_clients_timeout_is_learned_from_below_so_errors_refuse_at_once() -> None:
+def test_the_timeout_is_learned_per_address_so_a_steady_backlog_is_seen() -> None:
     """Receipt = deadline - the client's timeout, which the server does not know: the largest
-    (deadline - dispatch) seen stands for it. A call with a longer timeout than any before looks
-    received later (it may wait); with a shorter one, earlier (refused at once)."""
+    (deadline - dispatch) of any call from the address stands for it. One call that found the
+    front end idle makes it exact for every connection of that address; before any did, a steady
+    backlog (every call dispatched 50 ms after it was received) would hide in it."""
     clock = FakeClock()
     windows = PushbackWindows(clock)
-    clock.now = 100.010
-    windows.refused("conn", 1000, arrival=clock.now, deadline=100.0 + TIMEOUT)  # received 10 ms before
-    clock.now = 100.020
-    # Received at 100.015, after the refusal: from below, the timeout is 29.995 s (this call's own
-    # deadline less its dispatch), which places it at its dispatch, later still.
-    assert windows.must_wait("conn", clock.now, 100.015 + TIMEOUT)
-    assert not windows.must_wait("conn", clock.now, 100.002 + TIMEOUT)  # received before the refusal
-    assert not windows.must_wait("conn", clock.now, 100.015 + TIMEOUT / 2)  # a shorter timeout
+    assert not windows.must_wait(call("first", 100.0, 100.0 + TIMEOUT))  # dispatched as received: no window yet
+    # Another connection of the address, in a backlogged front end: received at 100.000, 100.001, ...
+    # each dispatched 50 ms later and refused 1 ms after that.
+    held = 0
+    for i in range(100):
+        received = 100.0 + 0.001 * i
+        clock.now = received + 0.050
+        if windows.must_wait(call("second", clock.now, received + TIMEOUT)):
+            held += 1
+        else:
+            clock.now += 0.001
+            windows.refused(call("second", clock.now, received + TIMEOUT), 1000)
+    assert held == 0
+    # A call of the second connection received 20 ms after its latest refusal: it could have heard it.
+    clock.now += 0.020
+    assert windows.must_wait(call("second", clock.now, clock.now + TIMEOUT))
+    # A client of the address with a shorter timeout looks received earlier: refused at once, not held.
+    assert not windows.must_wait(call("second", clock.now, clock.now + TIMEOUT / 2))
+
+
+def test_learned_timeouts_are_bounded_in_number() -> None:
+    windows = PushbackWindows(FakeClock(), max_windows=2)
+    for address in ("a", "b", "c"):
+        windows.must_wait(call("x", 100.0, 130.0, address=address))
+    assert list(windows._timeouts) == ["b", "c"]
 
 
 def test_a_refusal_after_the_window_opens_a_new_one() -> None:
     clock = FakeClock()
     windows = PushbackWindows(clock)
-    windows.refused("a", 100, 100.0, None)
+    windows.refused(call("a", 100.0, None), 100)
     clock.now += 0.2
-    windows.refused("a", 1000, clock.now, None)  # the old window had ended
+    windows.refused(call("a", clock.now, None), 1000)  # the old window had ended
     clock.now += 0.5
-    assert windows.must_wait("a", clock.now, None)
+    assert windows.must_wait(call("a", clock.now, None))
 
 
 def test_past_the_table_clients_share_a_window_and_enforcement_stays_on() -> None:
     clock = FakeClock()
     shared = []
     windows = PushbackWindows(clock, max_windows=2, on_shared=lambda: shared.append(clock.now))
-    windows.refused("a", 1000, clock.now, None)
-    windows.refused("b", 1000, clock.now, None)
-    windows.refused("c", 1000, clock.now, None)  # no room, nothing ended: the shared window
+    windows.refused(call("a", clock.now, None), 1000)
+    windows.refused(call("b", clock.now, None), 1000)
+    windows.refused(call("c", clock.now, None), 1000)  # no room, nothing ended: the shared window
     assert len(shared) == 1 and len(windows) == 3
     clock.now += 0.01
-    assert windows.must_wait("c", clock.now, None) and windows.must_wait("d", clock.now, None)  # shared
-    assert windows.must_wait("a", clock.now, None)
-    windows.refused("d", 1000, clock.now, None)  # on the shared window: counted
+    assert windows.must_wait(call("c", clock.now, None)) and windows.must_wait(call("d", clock.now, None))  # shared
+    assert windows.must_wait(call("a", clock.now, None))
+    windows.refused(call("d", clock.now, None), 1000)  # on the shared window: counted
     assert len(shared) == 2
     clock.now += 2
-    windows.refused("c", 1000, clock.now, None)  # the ended windows make room
-    assert (len(windows), windows.must_wait("c", clock.now + 0.01, None)) == (1, True)
-    assert not windows.must_wait("d", clock.now + 0.01, None)  # room again: clients without a window go free
+    windows.refused(call("c", clock.now, None), 1000)  # the ended windows make room
+    assert (len(windows), windows.must_wait(call("c", clock.now + 0.01, None))) == (1, True)
+    assert not windows.must_wait(call("d", clock.now + 0.01, None))  # room again: clients without a window go free
 
 
 @pytest.mark.parametrize(
@@ -130,7 +152,7 @@ def held_windows(*clients: str, ms: int = 60_000) -> tuple[FakeClock, PushbackWi
     clock = FakeClock()
     windows = PushbackWindows(clock)
     for client in clients:
-        windows.refused(client, ms, clock.now, None)
+        windows.refused(call(client, clock.now, None), ms)
     return clock, windows
 
 
@@ -159,7 +181,7 @@ async def test_held_calls_go_in_order_as_the_engine_has_room() -> None:
 
 async def test_a_held_call_goes_when_its_window_ends() -> None:
     clock, windows = held_windows("a", ms=1000)
-    windows.refused("b", 5000, clock.now, None)
+    windows.refused(call("b", clock.now, None), 5000)
     held = HeldCalls(windows, lambda tokens, priority: False, recheck_s=0)
     a = asyncio.create_task(held.wait("a", 10, INTERACTIVE))
     b = asyncio.create_task(held.wait("b", 10, INTERACTIVE))
@@ -198,10 +220,12 @@ async def test_an_interactive_call_the_engine_has_room_for_is_not_held_behind_ba
 
 def test_a_window_is_per_client_and_class() -> None:
     clock, windows = held_windows()
-    windows.refused(("peer", BATCH), 1000, clock.now, None)
+    windows.refused(call(("peer", BATCH), clock.now, None), 1000)
     clock.now += 0.01
-    assert windows.must_wait(("peer", BATCH), clock.now, None) and windows.must_wait(("peer", 1), clock.now, None)
-    assert not windows.must_wait(("peer", INTERACTIVE), clock.now, None)
+    assert windows.must_wait(call(("peer", BATCH), clock.now, None)) and windows.must_wait(
+        call(("peer", 1), clock.now, None)
+    )
+    assert not windows.must_wait(call(("peer", INTERACTIVE), clock.now, None))
 
 
 def test_refusals_of_held_calls_do_not_carry_a_burst_on() -> None:
@@ -217,9 +241,9 @@ def test_refusals_of_held_calls_do_not_carry_a_burst_on() -> None:
     for at, kind in events:
         clock.now = at
         if kind == "refused":
-            windows.refused("conn", 1000, at, None, held=True)
-        elif windows.must_wait("conn", at, None):
+            windows.refused(call("conn", at, None), 1000, held=True)
+        elif windows.must_wait(call("conn", at, None)):
             held += 1
         else:
-            windows.refused("conn", 1000, at, None)
+            windows.refused(call("conn", at, None), 1000)
     assert held == len(retries)

@@ -7,21 +7,24 @@ as they are told no, spend the cores the engine computes with on saying no
 pushback, and within it the client's calls are of two kinds:
 
 - **Sent before it could have heard a refusal**: a burst, however many calls, refused at once. What
-  the server can observe is when a call was *received* and when each refusal was *sent*. A call
-  received before the client's latest refusal was sent (within ``SAME_BURST_S``) was sent before
-  its client could have heard that refusal: the client pipelined it, as a burst does, and did not
-  wait for answers it had coming. The receipt time is not when the call reaches the service (a
+  the server can observe is when a call was *received* and when each refusal was *sent* (gRPC python
+  shows neither stream ids nor pings). A call received before its client's latest refusal was sent
+  (within ``SAME_BURST_S``) was sent before its client could have heard that refusal: the client
+  pipelined it, as a burst does. The receipt time is not when the call reaches the service (a
   front end works through a burst of 600 calls for half a second): gRPC stamps a call's deadline
-  when its headers arrive, so for a call with a deadline, receipt = deadline - the client's timeout,
-  the timeout estimated from below per client as the largest (deadline - dispatch) seen, which
-  errs towards refusing at once. A call without a deadline is placed by its dispatch.
+  when its headers arrive, so for a call with a deadline, receipt = deadline - the client's timeout.
+  The timeout is learned per client address, from every call, as the largest (deadline - dispatch)
+  seen: a bound from below, tight once one call found the front end idle, and the largest of the
+  timeouts of the address's clients, so that an error places a call earlier (refused at once),
+  not later (held). A call without a deadline is placed by its dispatch.
 - **Sent after**: held (:class:`HeldCalls`, first come first served) until the engine has room for
   it or the window ends, whichever is first, and then handled as if it had just arrived. Held, it
   costs a timer's share of CPU; the engine gets it as soon as it can take it, so a storm of such
   calls keeps the engine busy instead of starving it.
 
-A client is whatever key the edge gives: on gRPC the connection (a channel), on REST the client's
-address (:func:`rest_client`), so opening a new connection per call does not evade it. Behind a
+A client is whatever key the edge gives (:class:`Arrival`): on gRPC the connection (a channel), on
+REST the client's address (:func:`rest_client`), so opening a new connection per call does not
+evade it. Behind a
 proxy every client shares the proxy's address and so its windows: a refusal to one of them holds
 the others' calls too, until the engine has room for them (none of them is refused for it). A
 window also belongs to a priority class: the pushback a batch call was told is no reason to hold an
@@ -29,7 +32,8 @@ interactive call of the same client, which the engine has room for sooner.
 
 Windows are bounded in number (``MAX_WINDOWS``); past that, clients without a window of their own
 share one (``kembed_pushback_shared_total`` counts the refusals that open or extend it): enforcement
-coarsens, it never turns off.
+coarsens, it never turns off. Learned timeouts are bounded likewise (the oldest address is
+forgotten).
 
 :class:`PushbackWindows` is pure (the clock is injected); :class:`HeldCalls` is the small asyncio
 shell around it.
@@ -44,6 +48,7 @@ import time
 from collections import deque
 from collections.abc import Callable, Hashable
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 from kembed.priority import Priority
 
@@ -59,11 +64,19 @@ RECHECK_S = 0.02
 SHARED = object()  # the key of the window clients share once there is no room for one of their own
 
 
+class Arrival(NamedTuple):
+    """A call, as the pushback sees it."""
+
+    client: Hashable  # whose window: a connection (gRPC) or an address (REST), and a class
+    address: str  # where the client's timeout is learned
+    dispatched: float  # when it reached the service (monotonic seconds)
+    deadline: float | None  # the client's own deadline, if it set one
+
+
 @dataclass
 class _Window:
     ends: float  # monotonic seconds
     answered: float  # when the client's latest refusal was sent
-    timeout: float  # the client's timeout, from below: the largest (deadline - dispatch) seen; -inf if none
 
 
 class PushbackWindows:
@@ -80,41 +93,36 @@ class PushbackWindows:
         self._on_shared = on_shared  # a refusal went to the shared window
         self._windows: dict[Hashable, _Window] = {}
         self._sweep_at = -math.inf  # no window ends before this: a sweep would find nothing
+        self._timeouts: dict[str, float] = {}  # per address, from below: the largest (deadline - dispatch)
 
-    def must_wait(self, client: Hashable, arrival: float, deadline: float | None) -> bool:
-        """Whether a call dispatched at ``arrival`` (with the client's ``deadline``, if it set one)
-        must wait: its client's window is open and the call was received after the client's latest
-        refusal was sent."""
-        window = self._find(client)
+    def must_wait(self, arrival: Arrival) -> bool:
+        """Whether the call must wait: its client's window is open and the call was received after
+        the client's latest refusal was sent."""
+        received = self._received(arrival)
+        window = self._find(arrival.client)
         if window is None or window.ends <= self._clock():
             return False
-        return self._received(window, arrival, deadline) > window.answered + SAME_BURST_S
+        return received > window.answered + SAME_BURST_S
 
     def is_open(self, client: Hashable) -> bool:
         """Whether the client's window is still open."""
         window = self._find(client)
         return window is not None and window.ends > self._clock()
 
-    def refused(
-        self, client: Hashable, retry_after_ms: int, arrival: float, deadline: float | None, held: bool = False
-    ) -> None:
-        """A call of the client's was refused with this pushback, now. A call that had been held
-        was sent after its client heard a refusal: its own refusal does not carry a burst on (else
-        the retries of many calls released together would be refused at once, each within a
-        moment of another's refusal, and never held again)."""
+    def refused(self, arrival: Arrival, retry_after_ms: int, held: bool = False) -> None:
+        """A call was refused with this pushback, now. A call that had been held was sent after its
+        client heard a refusal: its own refusal does not carry a burst on (else the retries of many
+        calls released together would be refused at once, each within a moment of another's
+        refusal, and never held again)."""
         now = self._clock()
-        window = self._find(client)
+        window = self._find(arrival.client)
         if window is not None and window.ends > now:
             if not held:
                 window.answered = now
-            self._received(window, arrival, deadline)  # learns the client's timeout
             if window is self._windows.get(SHARED):
                 self._on_shared()
             return
-        own = self._windows.get(client)
-        window = _Window(now + retry_after_ms / 1000, now, own.timeout if own is not None else -math.inf)
-        self._received(window, arrival, deadline)
-        self._windows[self._room_for(client, now)] = window
+        self._windows[self._room_for(arrival.client, now)] = _Window(now + retry_after_ms / 1000, now)
 
     def __len__(self) -> int:
         return len(self._windows)
@@ -126,13 +134,17 @@ class PushbackWindows:
             window = self._windows.get(SHARED)
         return window
 
-    @staticmethod
-    def _received(window: _Window, arrival: float, deadline: float | None) -> float:
-        """When the call was received, as near as the server can tell (and learn the client's timeout)."""
-        if deadline is None:
-            return arrival
-        window.timeout = max(window.timeout, deadline - arrival)
-        return deadline - window.timeout
+    def _received(self, arrival: Arrival) -> float:
+        """When the call was received, as near as the server can tell; every call with a deadline
+        teaches its address's timeout."""
+        if arrival.deadline is None:
+            return arrival.dispatched
+        timeouts, address = self._timeouts, arrival.address
+        timeout = max(timeouts.get(address, -math.inf), arrival.deadline - arrival.dispatched)
+        if address not in timeouts and len(timeouts) >= self._max_windows:
+            del timeouts[next(iter(timeouts))]  # the address learned longest ago
+        timeouts[address] = timeout
+        return arrival.deadline - timeout
 
     def _room_for(self, client: Hashable, now: float) -> Hashable:
         """The key a new window goes under: the client's own, or the shared one when the table is full."""

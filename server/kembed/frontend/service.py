@@ -27,7 +27,7 @@ from kembed.errors import EmbedError, Failure, Field, InvalidInput
 from kembed.frontend.call import EmbedCall, EmbedResult, ServerInfo, Texts, Timings
 from kembed.frontend.inbox import Pending
 from kembed.frontend.link import EngineLink
-from kembed.frontend.pushback import HeldCalls, PushbackWindows
+from kembed.frontend.pushback import Arrival, HeldCalls, PushbackWindows
 from kembed.frontend.screen import Screen
 from kembed.inputs import Sequences, Tokenizer
 from kembed.metrics import FrontendMetrics
@@ -150,13 +150,14 @@ class EmbedService:
         self._validate(call)
         least_cost = self._least_cost(call)
         priority = self._screen.class_of(least_cost, call.priority)
-        client = (call.peer, priority)  # its window: by the class known before tokenizing, as must_wait asks
         stated = None if call.timeout_s is None else arrival + call.timeout_s  # the client's own deadline
-        held = self._pushback.must_wait(client, arrival, stated)
+        # Its window: by the class known before tokenizing; its timeout learned by its address.
+        seen = Arrival((call.peer, priority), call.peer.rpartition(":")[0], arrival, stated)
+        held = self._pushback.must_wait(seen)
         try:
             if held:
                 self._metrics.pushback_waits.inc()
-                await self._held.wait(client, least_cost, priority)
+                await self._held.wait(seen.client, least_cost, priority)
                 # Then handled as if it had just arrived: its wait was its client's own doing.
                 self._gate.check_open()
                 arrival = self._clock()
@@ -177,7 +178,7 @@ class EmbedService:
             await self._wait(tag, pending, deadline)
         except EmbedError as error:
             if error.retry_after_ms:
-                self._pushback.refused(client, error.retry_after_ms, arrival, stated, held)
+                self._pushback.refused(seen, error.retry_after_ms, held)
             raise
         done = self._clock()
         self._link.add_latency(done - arrival, priority)
