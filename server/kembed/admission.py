@@ -59,7 +59,6 @@ from kembed.config import Admission, Batching, Settings
 from kembed.priority import Priority
 
 RATE_DECAY = 0.9  # weight of the past per completed batch in the service-rate estimate
-RATE_BATCH_SHARE = 0.25  # batches smaller than this share of the largest do not move the rate
 RECOVER_FRACTION = 0.8  # shedding stops below this share of the soft P95 limit
 MIN_LATENCY_SAMPLES = 5  # a P95 of fewer samples is noise
 MAX_LATENCY_SAMPLES = 8192  # bounds the window's memory at high request rates
@@ -153,14 +152,16 @@ def lapsing(queued_tokens: int, tokens_per_second: float, latest_deadline: float
 
 
 class ServiceRate:
-    """Padded tokens per second of worker compute, weighted towards recent batches of at least
-    ``min_tokens``. A batch of a few queries costs mostly the batch's fixed work: at five one-text
-    queries a second the worker computes 16-token batches at a tenth of its rate, and work that
-    queues, which is what admission weighs, goes in full batches. Measured on small batches, the
-    rate fell that far, and refused queries for a backlog of a few of them."""
+    """Padded tokens per second of worker compute, weighted towards recent batches, and each batch
+    weighted by its size against the largest (``full_tokens``). A batch of a few queries costs
+    mostly the batch's fixed work: at five one-text queries a second the worker computes 16-token
+    batches at a tenth of its rate, and work that queues, which is what admission weighs, goes in
+    full batches. Counted like full ones, such batches took the rate that far down, and queries were
+    refused for a backlog of a few of them; left out, a pessimistic warmup stood for ever while a
+    light load ran only small batches."""
 
-    def __init__(self, min_tokens: int = 0) -> None:
-        self._min_tokens = min_tokens
+    def __init__(self, full_tokens: int = 0) -> None:
+        self._full_tokens = full_tokens
         self._tokens = 0.0
         self._seconds = 0.0
 
@@ -169,10 +170,10 @@ class ServiceRate:
         self._tokens, self._seconds = tokens, seconds
 
     def record(self, tokens: int, seconds: float) -> None:
-        if tokens < self._min_tokens:
-            return
-        self._tokens = self._tokens * RATE_DECAY + tokens
-        self._seconds = self._seconds * RATE_DECAY + seconds
+        weight = min(1.0, tokens / self._full_tokens) if self._full_tokens > 0 else 1.0
+        decay = RATE_DECAY**weight  # a full batch ages the past as much as it weighs
+        self._tokens = self._tokens * decay + weight * tokens
+        self._seconds = self._seconds * decay + weight * seconds
 
     @property
     def tokens_per_second(self) -> float:
@@ -233,13 +234,13 @@ class MeasuredLoad:
     is there to wait)."""
 
     def __init__(self, settings: Settings, clock: Callable[[], float] = time.monotonic, batch_tokens: int = 0) -> None:
-        """``batch_tokens``: the most padded tokens a batch holds; the rate is measured on batches
-        of at least ``RATE_BATCH_SHARE`` of it."""
+        """``batch_tokens``: the most padded tokens a batch holds; each batch weighs in the rate
+        as its share of it."""
         self._strategies = set(settings.admission)
         self._soft = settings.p95_soft_ms / 1000
         self._hard = settings.p95_hard_ms / 1000
         self.recover_below = self._soft * RECOVER_FRACTION
-        self.rate = ServiceRate(int(batch_tokens * RATE_BATCH_SHARE))
+        self.rate = ServiceRate(batch_tokens)
         self.latency = {priority: LatencyWindow(settings.latency_window_s, clock) for priority in Priority}
         # Served interactive requests and refusals at the wait they were spared.
         self.pressure = LatencyWindow(settings.latency_window_s, clock)
