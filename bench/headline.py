@@ -239,6 +239,8 @@ def hostpath_ratios(result: dict[str, Any]) -> list[Ratio]:
         rows.append(Ratio("Share of the rejected burst answered RESOURCE_EXHAUSTED", share, ">= 1.00"))
         if computing := rejection.get("computing"):
             rows += _burst_ratios("Rejections while the engine computes", computing, echo)
+        if one := rejection.get("one_channel"):
+            rows += _burst_ratios("Rejections while the engine computes, one channel", one["computing"], one["echo"])
     if rest := result.get("rest"):
         rows += rest_ratios(rest)
     if storm := result.get("retry_storm"):
@@ -338,13 +340,17 @@ def _hostpath_phases(result: dict[str, Any]) -> list[tuple[str, str, str, str, d
             ("kembed", "kembed, max_queued_tokens=1"),
             ("computing", "kembed, computing"),
         )
-        for name, label in ((n, text) for n, text in labels if n in rejection):
-            p = rejection[name]
+        one = rejection.get("one_channel", {})
+        shown = [(label, rejection[name], load) for name, label in labels if name in rejection]
+        shown += [(label, one[name], f"{load}, one channel") for name, label in labels if name in one]
+        for label, p, sent in shown:
             figure = (
                 f"p99 {_fmt(Spread.from_dict(p['p99_ms']))} ms, last {_fmt(Spread.from_dict(p['last_ms']))} ms, "
                 f"{p['server_cpu_ms_per_call']:.2f} CPU ms/call"
             )
-            rows.append(("rejection", label, load, figure, p))
+            if "held_for_pushback" in p:
+                figure += f", {p['held_for_pushback']:.0f} held"
+            rows.append(("rejection", label, sent, figure, p))
     if storm := result.get("retry_storm"):
         texts = s["storm_texts"]
         sat, flood = storm["saturation"], storm["storm"]
@@ -512,3 +518,77 @@ def abuse_table(result: dict[str, Any]) -> str:
             codes = ", ".join(f"{code} {n}" for code, n in sorted(ping["codes"].items()))
             lines.append(f"| {name} | {kind} | {ping['pings']} | {ms} | {codes} | {abuser} |")
     return "\n".join(lines)
+
+
+# --- admission one client cannot game (bench.fairness) ---------------------------------------------
+
+EXPORTED_P95_TARGET = "<= 1.50"  # of the served queries' own p95
+
+
+def fairness_ratios(result: dict[str, Any]) -> list[Ratio]:
+    """The figures of a ``fairness.json``: queries beside a maximal ingest against their idle p95,
+    and the exported P95 beside refused maximal requests against the served queries' own."""
+    rows = []
+    if lockout := result.get("lockout"):
+        beside, idle = lockout["beside"], lockout["idle"]
+        allowance = idle["latency_ms"]["p95"] + 2 * beside["batch_seconds"] * 1000
+        name = f"maximal ingest ({lockout['texts']} texts, REST, no priority)"
+        rows += [
+            Ratio(f"Queries refused beside a {name}", _exact(_refused(beside)), NONE_REJECTED),
+            Ratio(
+                f"Query p95 beside it / (idle p95 + 2 batch durations: {allowance:.0f} ms)",
+                _exact(beside["latency_ms"]["p95"] / allowance),
+                QUERY_P95_TARGET,
+            ),
+            Ratio("The ingest answered 200 (1 = yes)", _exact(float(lockout["ingest"].get("status") == 200)), ""),
+        ]
+    if poison := result.get("poison"):
+        served = poison["beside"]["latency_ms"]["p95"]
+        exported = max(poison["exported_p95_ms"], default=math.nan)
+        rows += [
+            Ratio(
+                f"Exported P95 beside {poison['attackers']} clients of refused maximal requests / served queries' p95",
+                _exact(exported / served),
+                EXPORTED_P95_TARGET,
+            ),
+            Ratio("Maximal requests refused", _exact(_refused(poison["attack"])), ""),
+            Ratio("Queries refused beside them", _exact(_refused(poison["beside"])), ""),
+        ]
+    return rows
+
+
+def fairness_table(result: dict[str, Any]) -> str:
+    """Every load of a ``fairness.json``: what was sent, what came back."""
+    s = result["settings"]
+    lines = ["| Part | Load | Calls | p50 / p95 / p99 ms | Codes | Notes |", "| --- " * 6 + "|"]
+    queries = f"queries, 1 short text, {s['query_rate']:g}/s Poisson"
+    for part, notes in (("lockout", _lockout_notes), ("poison", _poison_notes)):
+        if not (found := result.get(part)):
+            continue
+        for name, load in (("idle", f"{queries}, alone"), ("beside", f"{queries}, beside")):
+            side = found[name]
+            lat = side["latency_ms"]
+            codes = ", ".join(f"{code} {n}" for code, n in sorted(side["codes"].items()))
+            lines.append(
+                f"| {part} | {load} | {side['calls']} | {_ms(lat['p50'])} / {_ms(lat['p95'])} / {_ms(lat['p99'])} "
+                f"| {codes} | {notes(found) if name == 'beside' else ''} |"
+            )
+    return "\n".join(lines)
+
+
+def _lockout_notes(lockout: dict[str, Any]) -> str:
+    ingest = lockout["ingest"]
+    return (
+        f"beside one ingest of {lockout['texts']} texts (REST, no priority): {ingest.get('status')} after "
+        f"{ingest.get('seconds', math.nan):.0f} s; batch {lockout['beside']['batch_seconds'] * 1000:.0f} ms"
+    )
+
+
+def _poison_notes(poison: dict[str, Any]) -> str:
+    codes = ", ".join(f"{code} {n}" for code, n in sorted(poison["attack"]["codes"].items()))
+    health = ", ".join(f"{status} {n}" for status, n in sorted(poison["health"].items()))
+    exported = max(poison["exported_p95_ms"], default=math.nan)
+    return (
+        f"beside {poison['attackers']} clients of maximal requests ({codes}); exported P95 at most "
+        f"{_ms(exported)} ms; /health: {health}"
+    )

@@ -11,9 +11,12 @@
    the drain rule admits a request with nothing ahead of it, whose compute would share the cores
    with the burst), and *computing*, the real model with default settings and
    ``KEMBED_FRONTENDS=auto``, which admits what fits its drain budget and rejects the rest while the
-   engine computes what it admitted. Per burst the p99 of the answers (the rejected ones, for
-   *computing*) and the time to the last; their ratios to the echo's. Targets: <= 2x, with every
-   *idle* answer RESOURCE_EXHAUSTED.
+   engine computes what it admitted. Each burst is shared out over the client processes and their
+   channels, and, to the echo and the computing kembed, sent again over one channel of one process
+   (600 calls on one connection: none could have heard a refusal before it was sent, so none may be
+   held for its pushback). Per burst the p99 of the answers (the rejected ones, for *computing*) and
+   the time to the last; their ratios to the echo's for the same burst; the calls held for their
+   pushback. Targets: <= 2x, with every *idle* answer RESOURCE_EXHAUSTED.
 3. **Retry storm** (part ``storm``; the real model, ``KEMBED_FRONTENDS=auto``). ``--storm-texts``
    texts of the workload a call: the server's saturation with ``--storm-concurrency`` closed-loop clients
    that respect its pushback, then ``--storm-multiple`` times those calls/s offered open loop by
@@ -74,6 +77,7 @@ from bench.report import (
     Spread,
     deltas_by_label,
     latency_summary,
+    metric_delta,
     padding_ratio,
     percentile,
     server_tokens,
@@ -266,12 +270,26 @@ def _one_text_bodies(texts: list[str], server: Server, model: str = "") -> list[
     return http_loadgen.embeddings_bodies(texts, 1, model or server.info()["modelId"], "float")
 
 
-def _bursts(server: Server, request: bytes, opts: Options, code: str | None = None) -> dict[str, Any]:
-    """``burst_rounds`` bursts of ``burst_calls`` calls, shared out over the client processes."""
+class Senders(NamedTuple):
+    """Who sends a burst: client processes, and channels (TCP connections) in each."""
+
+    processes: int
+    channels: int
+
+
+ONE_CHANNEL = Senders(1, 1)
+
+
+def _many(opts: Options) -> Senders:
+    return Senders(opts.client_processes, opts.channels)
+
+
+def _bursts(server: Server, request: bytes, opts: Options, senders: Senders, code: str | None = None) -> dict[str, Any]:
+    """``burst_rounds`` bursts of ``burst_calls`` calls, shared out over ``senders``."""
     kwargs = [
         {"target": server.grpc_target, "request": request, "calls": calls, "rounds": opts.burst_rounds,
-         "deadline": opts.timeout, "channels": opts.channels}
-        for calls in loadgen.split(opts.burst_calls, opts.client_processes)
+         "deadline": opts.timeout, "channels": senders.channels}
+        for calls in loadgen.split(opts.burst_calls, senders.processes)
     ]  # fmt: skip
 
     def load() -> tuple[list[list[CallRecord]], float]:
@@ -335,29 +353,40 @@ def rest_peer(opts: Options, short_texts: list[str]) -> dict[str, Any]:
 
 def rejection(opts: Options, texts: list[str]) -> dict[str, Any]:
     """The same bursts against the echo (1 process), a kembed that rejects every call on an idle
-    engine, and a kembed that rejects what its drain budget cannot hold while it computes the rest."""
+    engine, and a kembed that rejects what its drain budget cannot hold while it computes the rest;
+    each burst sent over many channels, and, to the echo and the computing kembed, over one."""
     request = encode(texts[: opts.burst_texts], opts.burst_texts)[0]
     with echo_running(1, _log("echo_burst")) as echo:
-        echo_figures = _bursts(echo, request, opts)
+        echo_figures = _bursts(echo, request, opts, _many(opts))
+        echo_one = _bursts(echo, request, opts, ONE_CHANNEL)
     idle_settings = {**frontends_setting(1), "max_queued_tokens": "1"}
     with running(idle_settings, _log("rejecting"), module="kembed") as server:
-        idle = _rejecting_bursts(server, request, opts)
+        idle = _rejecting_bursts(server, request, opts, _many(opts))
     computing_settings = frontends_setting("auto")
     with running(computing_settings, _log("computing"), module="kembed") as server:
-        computing = _rejecting_bursts(server, request, opts, code=EXHAUSTED)
-    for name, f in (("echo", echo_figures), ("kembed, idle engine", idle), ("kembed, engine computing", computing)):
+        computing = _rejecting_bursts(server, request, opts, _many(opts), code=EXHAUSTED)
+        computing_one = _rejecting_bursts(server, request, opts, ONE_CHANNEL, code=EXHAUSTED)
+    shown = (("echo", echo_figures), ("kembed, idle engine", idle), ("kembed, engine computing", computing),
+             ("echo, one channel", echo_one), ("kembed, engine computing, one channel", computing_one))  # fmt: skip
+    for name, f in shown:
         p99, last = f["p99_ms"]["median"], f["last_ms"]["median"]
         print(f"  burst, {name}: p99 {p99:.0f} ms, last {last:.0f} ms, codes {f['codes']}, "
               f"server {f['server_cpu_ms_per_call']:.2f} CPU ms/call")  # fmt: skip
     return {"echo": echo_figures, "kembed": idle, "computing": computing,
+            "one_channel": {"echo": echo_one, "computing": computing_one},
             "settings": {"idle": idle_settings, "computing": computing_settings}}  # fmt: skip
 
 
-def _rejecting_bursts(server: Server, request: bytes, opts: Options, code: str | None = None) -> dict[str, Any]:
-    """Bursts against a kembed, with which admission rule said no (from the server's own counters)."""
+def _rejecting_bursts(
+    server: Server, request: bytes, opts: Options, senders: Senders, code: str | None = None
+) -> dict[str, Any]:
+    """Bursts against a kembed, with which admission rule said no and how many calls were held
+    for their client's pushback (from the server's own counters)."""
     before = server.metrics()
-    figures = _bursts(server, request, opts, code)
-    figures["server_rejections"] = deltas_by_label(before, server.metrics(), Metric.REJECTED + "_total", "reason")
+    figures = _bursts(server, request, opts, senders, code)
+    after = server.metrics()
+    figures["server_rejections"] = deltas_by_label(before, after, Metric.REJECTED + "_total", "reason")
+    figures["held_for_pushback"] = metric_delta(before, after, Metric.PUSHBACK_WAITS + "_total")
     return figures
 
 

@@ -52,6 +52,7 @@ def _work(requests: int) -> Work:
         cancels=np.empty(0, dtype="<u8"),
         latencies=np.empty(0, dtype="<f8"),
         sample_priorities=np.empty(0, dtype="u1"),
+        sample_refused=np.empty(0, dtype="u1"),
     )
 
 

@@ -169,19 +169,20 @@ async def closed_loop(
     count: int,
     deadline: float,
     channels: int = 1,
+    pushback: bool = True,
 ) -> list[CallRecord]:
     """``concurrency`` clients over ``channels`` channels, each sending its next request when the
-    last returns (after the server's pushback when rejected), until ``duration`` s or ``count``
-    requests in all."""
+    last returns (after the server's pushback when rejected, unless ``pushback`` is False: a client
+    that ignores it), until ``duration`` s or ``count`` requests in all."""
     items = itertools.count()
     outcomes: list[CallRecord] = []
     async with _callers(target, requests, deadline, channels) as callers:
 
         async def client(caller: _Caller) -> None:
             while (item := next(items)) < count and caller.now() < duration:
-                outcome, pushback = await caller.call(item, caller.now())
+                outcome, told = await caller.call(item, caller.now())
                 outcomes.append(outcome)
-                await asyncio.sleep(min(pushback, 1.0))
+                await asyncio.sleep(min(told, 1.0) if pushback else 0.0)
 
         clients = [asyncio.create_task(client(callers[i % channels])) for i in range(concurrency)]
         await bounded(clients, duration + deadline + 1)

@@ -126,6 +126,14 @@ def abuse_text(abuse: dict[str, Any] | None) -> str:
     return _judged("Pings beside a hostile client, one front end,", abuse, rows, table)
 
 
+def fairness_text(fairness: dict[str, Any] | None) -> str:
+    """Admission one client cannot game (``bench.fairness``), or why there is none."""
+    if not fairness:
+        return "Admission one client cannot game: not run (no results/fairness.json; `python -m bench.fairness`)."
+    rows, table = headline.fairness_ratios(fairness), headline.fairness_table(fairness)
+    return _judged("Queries beside a maximal ingest, and beside refused maximal requests,", fairness, rows, table)
+
+
 def _judged(what: str, result: dict[str, Any], rows: list[headline.Ratio], table: str) -> str:
     """A result's heading (when, under what load, which commit), its ratios and its table."""
     m = result["machine"]
@@ -141,6 +149,7 @@ def markdown(
     hostpath: dict[str, Any] | None,
     priority: dict[str, Any] | None,
     abuse: dict[str, Any] | None = None,
+    fairness: dict[str, Any] | None = None,
 ) -> str:
     m = ceiling["machine"]
     runs = "; ".join(
@@ -162,6 +171,7 @@ def markdown(
             hostpath_text(hostpath),
             priority_text(priority),
             abuse_text(abuse),
+            fairness_text(fairness),
             headline.gpu_table(gpu),
         ]
     )
@@ -195,15 +205,15 @@ def headline_block(ceiling: dict[str, Any], token_bucket: dict[str, Any], naive:
 
 
 def main() -> None:
-    names = ("ceiling", "serve_token_bucket", "serve_naive", "gpu", "hostpath", "priority", "abuse")
-    ceiling, token_bucket, naive, gpu, hostpath, priority, abuse = map(read_result, names)
+    names = ("ceiling", "serve_token_bucket", "serve_naive", "gpu", "hostpath", "priority", "abuse", "fairness")
+    ceiling, token_bucket, naive, gpu, hostpath, priority, abuse, fairness = map(read_result, names)
     if ceiling is None or token_bucket is None:
         raise SystemExit("need bench/results/ceiling.json and serve_token_bucket.json: run python -m bench.run_all")
     serves = [token_bucket] + ([naive] if naive else [])
     throughput(ceiling, serves, RESULTS_DIR / "throughput.png")
     latency(serves, RESULTS_DIR / "latency.png")
     padding(ceiling, serves, RESULTS_DIR / "padding.png")
-    block = markdown(ceiling, serves, naive, gpu, hostpath, priority, abuse)
+    block = markdown(ceiling, serves, naive, gpu, hostpath, priority, abuse, fairness)
     (RESULTS_DIR / "summary.md").write_text(block + "\n")
     README.write_text(splice(README.read_text(), block, RESULTS_MARKERS))
     top = TOP_README.read_text()

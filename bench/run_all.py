@@ -11,8 +11,10 @@
    (not with ``--quick``) the retry storm;
 6. queries beside an ingest, the priority classes (``bench.priority``);
 7. pings beside a hostile client (``bench.abuse``);
-8. the front end → engine transports (``bench.ipc``);
-9. ``bench.plot``.
+8. admission one client cannot game (``bench.fairness``): queries beside a maximal ingest, and the
+   exported P95 beside refused maximal requests;
+9. the front end → engine transports (``bench.ipc``);
+10. ``bench.plot``.
 
 The token-bucket runs (ceiling and server) use a finer bucket ladder than the server's default
 powers of two: on this workload, in bucket-confined batches (compiled shapes), the defaults pad
@@ -28,7 +30,7 @@ from __future__ import annotations
 import argparse
 from collections.abc import Sequence
 
-from bench import abuse, ceiling, gpu, hostpath, ipc, packing, plot, priority, serve_load
+from bench import abuse, ceiling, fairness, gpu, hostpath, ipc, packing, plot, priority, serve_load
 
 TUNED_BUCKETS = "buckets=16,24,32,48,64,96,128,192,256"
 HOSTPATH = ["--parts", f"{hostpath.DEFAULT_PARTS},storm"]
@@ -50,6 +52,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     hostpath.main(QUICK_HOSTPATH if args.quick else HOSTPATH)
     priority.main(["--duration", "8", "--warmup", "2", "--windows", "2"] if args.quick else [])
     abuse.main(["--duration", "5", "--settle", "1"] if args.quick else [])
+    fairness.main(["--duration", "8", "--lockout-texts", "64"] if args.quick else [])
     ipc.main(["--seconds", "1"] if args.quick else [])
     plot.main()
 

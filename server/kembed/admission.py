@@ -2,29 +2,38 @@
 
 Two strategies, each optional, combined so that either one may reject:
 
-- throughput: the longest wait the request may see behind the backlog ahead of it (in padded
-  tokens, over the measured service rate) must fit ``max_drain_ms``, unless nothing is ahead of
-  it. The rate is an exponentially weighted ratio of tokens to wall seconds, recorded when batches
-  *complete*; before the first batch it is seeded from warmup timings. The longest wait is a
-  multiple of the drain time that depends on how queues drain (:attr:`kembed.shapes.Queueing.wait_spread`).
-- latency: the P95 of interactive requests' server-side latency over a sliding window, counting
-  successes, timeouts (at their elapsed time) and rejections (at the wait they were spared, the
-  drain estimate, so the P95 recovers as the backlog drains instead of locking shedding on).
-  Shedding starts when the P95 passes the soft limit and stops only when it falls below
-  ``RECOVER_FRACTION`` of it, so it does not flap; meanwhile the shed fraction rises linearly from
-  that floor (0) to the hard limit (1). Shedding is work-conserving: a request whose longest wait
-  is under the recovery floor is never shed, since refusing it cannot bring the P95 down and would
-  only leave the worker idle.
+- throughput: the longest wait the request may see behind the work ahead of it and its own (in
+  padded tokens, over the measured service rate) must fit ``max_drain_ms``. The rate is an
+  exponentially weighted ratio of tokens to wall seconds, recorded when batches *complete*; before
+  the first batch it is seeded from warmup timings. The longest wait is a multiple of the drain
+  time that depends on how queues drain (:attr:`kembed.shapes.Queueing.wait_spread`). A request
+  whose own wait alone is over the budget could never fit it: it is admitted once nothing of its
+  class blocks it (below), since refusing it would refuse it for ever.
+- latency: the P95 of interactive requests' server-side latency over a sliding window. Shedding
+  acts on a window of served requests (answered, or timed out at their elapsed time) and of
+  refusals at the wait they were spared: the drain time of the work ahead of them, never their own
+  size, and at most the drain budget. So the P95 recovers as the backlog drains instead of locking
+  shedding on, and a client cannot push it up by sending requests that are refused. The P95 that is
+  exported (the autoscaler's metric, ``/health``) counts served requests alone. Shedding starts when
+  the P95 passes the soft limit and stops only when it falls below ``RECOVER_FRACTION`` of it, so
+  it does not flap; meanwhile the shed fraction rises linearly from that floor (0) to the hard
+  limit (1). Shedding is work-conserving: a request whose longest wait is under the recovery floor
+  is never shed, since refusing it cannot bring the P95 down and would only leave the worker idle.
 
-Two classes (:class:`~kembed.priority.Priority`). Interactive work is batched first, so what it
-waits behind is the interactive work queued and what is already in the worker's hands: it is
-admitted against that, and batch work against everything (:meth:`Backlog.ahead`). Under pressure
-batch work is therefore refused first, with a pushback of its own; while shedding, every batch
-request that would queue is refused, and an interactive one is never shed while batch work that
-has not started is queued. The queue cap counts everything, but batch work none of whose items
-has started may be displaced (refused after admission) to make room for an interactive request
-(:meth:`AdmissionController.room_to_make`), so an interactive request is never refused while batch
-work it could take the place of is queued.
+Two classes (:class:`~kembed.priority.Priority`). Interactive work is batched first, so what a
+query waits behind is the interactive work queued and in the worker's hands: it is admitted
+against that alone (:meth:`Backlog.ahead`), and a batch of ingest in the worker, which cannot be
+preempted and which refusing the query would not shorten, never refuses it. Batch work is admitted
+against everything. No single request may hold what the interactive class needs: an interactive
+request whose own longest wait is over ``INTERACTIVE_SHARE`` of the budget is served as batch work
+(:meth:`AdmissionController.class_of`), so queries go between its batches. Under pressure batch
+work is refused first, with a pushback of its own; while shedding, every batch request that would
+queue is refused, and an interactive one is never shed while batch work is queued or in the worker
+(the ingest's batches, not the queries, are then what the P95 waits on). The queue cap counts
+everything, but batch work none of whose items has started may be displaced (refused after
+admission) to make room for an interactive request (:meth:`AdmissionController.room_to_make`), and
+interactive work may go ``INTERACTIVE_RESERVE`` over the cap, so batch work that has started (an
+ingest of the cap's size) never refuses a query.
 
 Rejections carry a pushback: the time until the backlog ahead would have drained, jittered so
 that clients refused together do not come back together (a pushback of just the excess brought
@@ -57,6 +66,14 @@ MAX_LATENCY_SAMPLES = 8192  # bounds the window's memory at high request rates
 P95_CACHE_S = 0.05  # recompute the percentile at most this often
 MAX_PUSHBACK_MS = 10_000
 MIN_PUSHBACK_MS = 10
+# An interactive request may hold at most this share of the interactive budget (its own longest
+# wait over the drain budget); a larger one is served as batch work. Half, so that one request of
+# that size still leaves room for the queries that arrive behind it.
+INTERACTIVE_SHARE = 0.5
+# Interactive work may go this share of the queue cap over it: batch work that has started cannot
+# be displaced, and an ingest of the cap's size would otherwise refuse every query until its first
+# batch completes.
+INTERACTIVE_RESERVE = 0.125
 
 
 @dataclass(frozen=True)
@@ -72,17 +89,34 @@ class Backlog:
 
     interactive: int = 0  # queued interactive work
     batch: int = 0  # queued batch work
-    in_flight: int = 0  # in batches handed to the worker
+    in_flight: int = 0  # in batches handed to the worker, every class
     displaceable: int = 0  # of ``batch``: requests none of whose items has started
+    in_flight_interactive: int = 0  # of ``in_flight``: the rows of interactive items
+    # Of the queued work, what will have expired before the worker could reach it (see ``lapsing``):
+    # held in memory, but nobody waits behind it.
+    interactive_lapsing: int = 0
+    batch_lapsing: int = 0
 
     @property
     def total(self) -> int:
         return self.interactive + self.batch + self.in_flight
 
     def ahead(self, priority: Priority) -> int:
-        """What a new request of this class waits behind: interactive work goes before batch work
-        (a batch in the worker's hands cannot be preempted), batch work waits for everything."""
-        return self.interactive + self.in_flight if priority is Priority.INTERACTIVE else self.total
+        """What the drain rule weighs a new request of this class against: for interactive work,
+        the interactive work queued and in the worker (a batch of ingest in the worker delays a
+        query by at most that batch, and refusing the query would not shorten it); batch work
+        waits for everything."""
+        if priority is Priority.INTERACTIVE:
+            return self.interactive - self.interactive_lapsing + self.in_flight_interactive
+        return self.total - self.interactive_lapsing - self.batch_lapsing
+
+    def blocking(self, priority: Priority) -> int:
+        """What keeps a request too large for the budget out: work of its own class, queued or in
+        the worker (interactive work comes and goes in small requests and goes first anyway, so a
+        steady flow of queries never keeps an ingest out)."""
+        if priority is Priority.INTERACTIVE:
+            return self.ahead(priority)
+        return self.batch - self.batch_lapsing + self.in_flight - self.in_flight_interactive
 
     def held(self, priority: Priority) -> int:
         """What counts against the queue cap: an interactive request may displace batch work not started."""
@@ -91,29 +125,51 @@ class Backlog:
     def plus(self, tokens: int, priority: Priority) -> Backlog:
         """With a request admitted (not yet queued, so not displaceable). Built directly: this runs
         per admitted request, and ``dataclasses.replace`` costs several times more."""
+        i, b, f, d, fi = self.interactive, self.batch, self.in_flight, self.displaceable, self.in_flight_interactive
+        il, bl = self.interactive_lapsing, self.batch_lapsing
         if priority is Priority.INTERACTIVE:
-            return Backlog(self.interactive + tokens, self.batch, self.in_flight, self.displaceable)
-        return Backlog(self.interactive, self.batch + tokens, self.in_flight, self.displaceable)
+            return Backlog(i + tokens, b, f, d, fi, il, bl)
+        return Backlog(i, b + tokens, f, d, fi, il, bl)
 
     def without_batch(self, tokens: int) -> Backlog:
-        """With this much batch work not started displaced."""
-        return Backlog(self.interactive, self.batch - tokens, self.in_flight, self.displaceable - tokens)
+        """With this much batch work not started displaced (it may have been what lapses)."""
+        i, b, f, d, fi = self.interactive, self.batch, self.in_flight, self.displaceable, self.in_flight_interactive
+        return Backlog(i, b - tokens, f, d - tokens, fi, self.interactive_lapsing, min(self.batch_lapsing, b - tokens))
+
+
+def lapsing(queued_tokens: int, tokens_per_second: float, latest_deadline: float, now: float) -> int:
+    """Of a class's queued tokens, those that will have expired before the worker could reach them:
+    every job of the class is gone by its latest deadline, and the worker computes at most the
+    rate's worth of tokens until then (fewer, with other work before them: so this is a lower
+    bound). Work that expires in 6 s is weighed as 6 s of backlog, not as the minute it would take."""
+    if tokens_per_second <= 0 or math.isinf(latest_deadline):
+        return 0
+    return max(0, queued_tokens - int(tokens_per_second * max(0.0, latest_deadline - now)))
 
 
 class ServiceRate:
-    """Padded tokens per second of worker compute, weighted towards recent batches."""
+    """Padded tokens per second of worker compute, weighted towards recent batches, and each batch
+    weighted by its size against the largest (``full_tokens``). A batch of a few queries costs
+    mostly the batch's fixed work: at five one-text queries a second the worker computes 16-token
+    batches at a tenth of its rate, and work that queues, which is what admission weighs, goes in
+    full batches. Counted like full ones, such batches took the rate that far down, and queries were
+    refused for a backlog of a few of them; left out, a pessimistic warmup stood for ever while a
+    light load ran only small batches."""
 
-    def __init__(self) -> None:
+    def __init__(self, full_tokens: int = 0) -> None:
+        self._full_tokens = full_tokens
         self._tokens = 0.0
         self._seconds = 0.0
 
     def seed(self, tokens: float, seconds: float) -> None:
-        """Warmup's measurement: stands in until real batches complete."""
+        """Warmup's measurement (of full batches): stands in until real batches complete."""
         self._tokens, self._seconds = tokens, seconds
 
     def record(self, tokens: int, seconds: float) -> None:
-        self._tokens = self._tokens * RATE_DECAY + tokens
-        self._seconds = self._seconds * RATE_DECAY + seconds
+        weight = min(1.0, tokens / self._full_tokens) if self._full_tokens > 0 else 1.0
+        decay = RATE_DECAY**weight  # a full batch ages the past as much as it weighs
+        self._tokens = self._tokens * decay + weight * tokens
+        self._seconds = self._seconds * decay + weight * seconds
 
     @property
     def tokens_per_second(self) -> float:
@@ -160,23 +216,30 @@ class Load(Protocol):
     def shed_fraction(self) -> float: ...
 
     def p95_seconds(self) -> float:
-        """Interactive requests' P95: what shedding acts on."""
+        """Interactive requests' P95, of served requests."""
         ...
 
-    def add_latency(self, seconds: float, priority: Priority) -> None: ...
+    def add_refusal(self, spared_seconds: float, priority: Priority) -> None:
+        """A refusal, at the wait it was spared: what shedding weighs besides served latency."""
+        ...
 
 
 class MeasuredLoad:
-    """The engine's own measurements: the service rate, a latency window per class and the shedding
-    hysteresis (on the interactive window: batch work is there to wait)."""
+    """The engine's own measurements: the service rate, a latency window of served requests per
+    class (exported), and the interactive window shedding acts on, with its hysteresis (batch work
+    is there to wait)."""
 
-    def __init__(self, settings: Settings, clock: Callable[[], float] = time.monotonic) -> None:
+    def __init__(self, settings: Settings, clock: Callable[[], float] = time.monotonic, batch_tokens: int = 0) -> None:
+        """``batch_tokens``: the most padded tokens a batch holds; each batch weighs in the rate
+        as its share of it."""
         self._strategies = set(settings.admission)
         self._soft = settings.p95_soft_ms / 1000
         self._hard = settings.p95_hard_ms / 1000
         self.recover_below = self._soft * RECOVER_FRACTION
-        self.rate = ServiceRate()
+        self.rate = ServiceRate(batch_tokens)
         self.latency = {priority: LatencyWindow(settings.latency_window_s, clock) for priority in Priority}
+        # Served interactive requests and refusals at the wait they were spared.
+        self.pressure = LatencyWindow(settings.latency_window_s, clock)
         self.shedding = False
 
     @property
@@ -184,16 +247,24 @@ class MeasuredLoad:
         return self.rate.tokens_per_second
 
     def p95_seconds(self, priority: Priority = Priority.INTERACTIVE) -> float:
+        """The class's P95 of served requests: what is exported."""
         return self.latency[priority].p95() or 0.0
 
     def add_latency(self, seconds: float, priority: Priority) -> None:
+        """A served request's latency (answered, or timed out at its elapsed time)."""
         self.latency[priority].add(seconds)
+        if priority is Priority.INTERACTIVE:
+            self.pressure.add(seconds)
+
+    def add_refusal(self, spared_seconds: float, priority: Priority) -> None:
+        if priority is Priority.INTERACTIVE:
+            self.pressure.add(spared_seconds)
 
     def shed_fraction(self) -> float:
         """Which share of requests the latency strategy rejects now (updates the hysteresis)."""
         if Admission.LATENCY not in self._strategies:
             return 0.0
-        p95 = self.latency[Priority.INTERACTIVE].p95()
+        p95 = self.pressure.p95()
         if p95 is None:
             self.shedding = False
             return 0.0
@@ -219,6 +290,7 @@ class AdmissionController:
         self._soft = settings.p95_soft_ms / 1000
         self._recover_below = self._soft * RECOVER_FRACTION
         self._max_queued = settings.max_queued_tokens
+        self._interactive_cap = settings.max_queued_tokens + int(settings.max_queued_tokens * INTERACTIVE_RESERVE)
         self._rng = rng or random.Random()
         self._wait_spread = Queueing.of(settings).wait_spread
         self.load = load
@@ -232,18 +304,27 @@ class AdmissionController:
         """The longest a request may wait behind ``tokens_ahead`` padded tokens (0 with no rate yet)."""
         return self._wait_spread * self.drain_seconds(tokens_ahead)
 
+    def class_of(self, request_tokens: int, priority: Priority) -> Priority:
+        """The class a request of this cost is served in: an interactive request whose own longest
+        wait is over ``INTERACTIVE_SHARE`` of the drain budget goes as batch work, so that queries
+        go between its batches instead of waiting behind all of it (or being refused for it)."""
+        if priority is Priority.INTERACTIVE and self.longest_wait(request_tokens) > self._max_drain * INTERACTIVE_SHARE:
+            return Priority.BATCH
+        return priority
+
     def screen(self, min_tokens: int, backlog: Backlog, priority: Priority) -> Rejection | None:
         """Before tokenizing: the latency strategy's draw (it does not depend on the request's size)
         and the capacity checks against a lower bound of its cost, so overload is refused without
-        spending CPU on tokenization. Rejections enter the class's P95 window."""
-        ahead = backlog.ahead(priority) + min_tokens
-        rejection = self._shed(ahead, backlog, priority) or self._capacity(min_tokens, backlog, priority)
-        return self._record(rejection, ahead, priority)
+        spending CPU on tokenization. Rejections enter the class's shedding window."""
+        rejection = self._shed(backlog.ahead(priority) + min_tokens, backlog, priority) or self._capacity(
+            min_tokens, backlog, priority
+        )
+        return self._refused(rejection, backlog.ahead(priority), priority)
 
     def admit(self, request_tokens: int, backlog: Backlog, priority: Priority) -> Rejection | None:
         """After tokenizing: the capacity checks with the request's exact padded cost."""
         rejection = self._capacity(request_tokens, backlog, priority)
-        return self._record(rejection, backlog.ahead(priority) + request_tokens, priority)
+        return self._refused(rejection, backlog.ahead(priority), priority)
 
     def fits(self, request_tokens: int, backlog: Backlog, priority: Priority) -> bool:
         """Whether the capacity checks would admit the request now; records nothing."""
@@ -260,37 +341,38 @@ class AdmissionController:
         """The refusal of batch work displaced from the queue: as if it arrived now, behind everything."""
         ahead = backlog.total + request_tokens
         message = "server queue is full: batch work not started gave its place to interactive work"
-        rejection = Rejection("displaced", self._pushback(ahead), message)
-        self._record(rejection, ahead, Priority.BATCH)
-        return rejection
+        return Rejection("displaced", self._pushback(ahead), message)
 
     def saturation(self, backlog: Backlog) -> float:
         """The share of the admission budget the backlog fills, 0 to 1: the larger of the longest
         wait over the drain budget and the queued tokens over the cap. At 1 batch work is refused."""
         shares = [backlog.total / self._max_queued]
         if Admission.THROUGHPUT in self._strategies:
-            shares.append(self.longest_wait(backlog.total) / self._max_drain)
+            shares.append(self.longest_wait(backlog.ahead(Priority.BATCH)) / self._max_drain)
         return min(1.0, max(shares))
 
-    def _record(self, rejection: Rejection | None, tokens_ahead: int, priority: Priority) -> Rejection | None:
+    def _refused(self, rejection: Rejection | None, tokens_ahead: int, priority: Priority) -> Rejection | None:
+        """A refusal enters the shedding window at the wait it spared: the drain time of the work
+        ahead of it (its own size is no wait), at most the budget, so no request, however large, and
+        no number of refusals can push the P95 past what the queue really holds."""
         if rejection is not None:
-            self.load.add_latency(self.drain_seconds(tokens_ahead), priority)
+            self.load.add_refusal(min(self.drain_seconds(tokens_ahead), self._max_drain), priority)
         return rejection
 
     def _over_capacity(self, request_tokens: int, backlog: Backlog, priority: Priority) -> str | None:
         """Which capacity rule the request would break, if any."""
-        if backlog.held(priority) + request_tokens > self._max_queued:
+        if backlog.held(priority) + request_tokens > self._cap(priority):
             return "queue_full"
-        # A request with nothing ahead of it starts at once: refusing it would only idle the worker,
-        # and one larger than the budget would be refused for ever.
-        ahead = backlog.ahead(priority)
-        if (
-            Admission.THROUGHPUT in self._strategies
-            and ahead
-            and self.longest_wait(ahead + request_tokens) > self._max_drain
-        ):
-            return "drain_time"
-        return None
+        if Admission.THROUGHPUT not in self._strategies:
+            return None
+        if self.longest_wait(request_tokens) > self._max_drain:
+            # It could never fit the budget: refusing it for that would refuse it for ever, and with
+            # nothing of its class ahead it starts at once.
+            return "drain_time" if backlog.blocking(priority) else None
+        return "drain_time" if self.longest_wait(backlog.ahead(priority) + request_tokens) > self._max_drain else None
+
+    def _cap(self, priority: Priority) -> int:
+        return self._interactive_cap if priority is Priority.INTERACTIVE else self._max_queued
 
     def _capacity(self, request_tokens: int, backlog: Backlog, priority: Priority) -> Rejection | None:
         reason = self._over_capacity(request_tokens, backlog, priority)
@@ -298,8 +380,8 @@ class AdmissionController:
             return None
         ahead = backlog.ahead(priority) + request_tokens
         if reason == "queue_full":
-            held = backlog.held(priority)
-            message = f"server queue is full ({held} of {self._max_queued} padded tokens queued)"
+            held, cap = backlog.held(priority), self._cap(priority)
+            message = f"server queue is full ({held} of {cap} padded tokens queued)"
         else:
             message = (
                 f"server is overloaded: estimated queue wait {self.longest_wait(ahead) * 1000:.0f} ms exceeds the "
@@ -309,17 +391,20 @@ class AdmissionController:
 
     def _shed(self, tokens_ahead: int, backlog: Backlog, priority: Priority) -> Rejection | None:
         """While shedding, every batch request that would queue goes first; an interactive one is
-        shed by the fraction, and only once no batch work it could take the place of is queued."""
+        shed by the fraction, and only while no batch work is queued or in the worker: beside an
+        ingest, the ingest's batches are what queries wait on, and refusing queries would not
+        shorten them (new batch work is refused instead)."""
         fraction = self.load.shed_fraction()
         if fraction <= 0 or self.longest_wait(tokens_ahead) < self._recover_below:
             return None
-        if priority is Priority.INTERACTIVE and (backlog.displaceable > 0 or self._rng.random() >= fraction):
+        beside_an_ingest = backlog.blocking(Priority.BATCH) > 0
+        if priority is Priority.INTERACTIVE and (beside_an_ingest or self._rng.random() >= fraction):
             return None
         p95 = self.load.p95_seconds()
         return Rejection(
             "latency_hard" if fraction >= 1.0 else "latency_shed",
             self._pushback(tokens_ahead, floor_s=min(p95, MAX_PUSHBACK_MS / 1000)),
-            f"server is shedding load: p95 latency {p95 * 1000:.0f} ms is over the {self._soft * 1000:.0f} ms limit",
+            f"server is shedding load: interactive p95 latency is over the {self._soft * 1000:.0f} ms limit",
         )
 
     def _pushback(self, tokens_ahead: int, floor_s: float = 0.0) -> int:

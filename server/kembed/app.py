@@ -28,7 +28,7 @@ from kembed.board import Board, Cell, ClassCell, FrontendCell
 from kembed.config import Settings
 from kembed.contract import EXIT_FATAL, Metric
 from kembed.http import HealthServer
-from kembed.metrics import drain_seconds, supervisor_registry
+from kembed.metrics import drain_seconds, interactive_drain_seconds, supervisor_registry
 from kembed.priority import Priority
 from kembed.runtime import BOARD_FILE, METRICS_DIR, RuntimeDir, read_serving
 
@@ -204,13 +204,18 @@ class Supervisor:
         }
 
     def _status(self, drain: float, p95: float) -> str:
-        if self.board[Cell.DRAINING]:
+        """``overloaded`` when queries meet more than the drain budget of their own class's work or
+        served queries' P95 is over the hard limit; ``degraded`` when some work is refused (shedding,
+        or batch work over the budget); refusals themselves never count."""
+        board = self.board
+        if board[Cell.DRAINING]:
             return "draining"
         if not self.ready():
             return "starting"
-        if drain * 1000 > self.settings.max_drain_ms or p95 * 1000 > self.settings.p95_hard_ms:
+        budget_s = self.settings.max_drain_ms / 1000
+        if interactive_drain_seconds(board) > budget_s or p95 * 1000 > self.settings.p95_hard_ms:
             return "overloaded"
-        return "degraded" if self.board[Cell.SHED_FRACTION] > 0 else "healthy"
+        return "degraded" if board[Cell.SHED_FRACTION] > 0 or drain > budget_s else "healthy"
 
 
 def _bind(host: str, port: int, purpose: str, *, reuse_port: bool = False) -> socket.socket:

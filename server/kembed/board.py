@@ -34,6 +34,7 @@ class Cell(IntEnum):
     IN_FLIGHT_TOKENS = 9  # padded tokens in batches handed to the worker
     DISPLACEABLE_TOKENS = 10  # queued batch tokens of requests none of whose items started
     SATURATION = 11  # 0 to 1: the share of the admission budget the backlog fills
+    IN_FLIGHT_INTERACTIVE_TOKENS = 12  # of IN_FLIGHT_TOKENS: the rows of interactive items
 
 
 class ClassCell(IntEnum):
@@ -41,7 +42,8 @@ class ClassCell(IntEnum):
 
     QUEUED_TOKENS = 0  # padded tokens queued, not yet in a batch
     WAITING_REQUESTS = 1  # admitted, none of their items started
-    P95_SECONDS = 2
+    P95_SECONDS = 2  # of served requests
+    LAPSING_TOKENS = 3  # of QUEUED_TOKENS: what will have expired before the worker could reach it
 
 
 class FrontendCell(IntEnum):

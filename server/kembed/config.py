@@ -207,7 +207,10 @@ class Settings(BaseModel):
         3000.0, gt=0, description="Latency: above this P95, reject every request", json_schema_extra=USER
     )
     default_timeout_ms: float = Field(
-        30_000.0, gt=0, description="Deadline for requests that set none", json_schema_extra=USER
+        30_000.0,
+        gt=0,
+        description="Deadline for requests that set none; longer for one whose own work takes longer at the rate",
+        json_schema_extra=USER,
     )
 
     # --- tuning: the model's run ---
@@ -275,7 +278,10 @@ class Settings(BaseModel):
     )
     latency_window_s: float = Field(10.0, gt=0, description="Sliding window for the P95", json_schema_extra=TUNING)
     max_queued_tokens: int = Field(
-        262144, ge=1, description="Hard cap on queued padded tokens, whatever else says", json_schema_extra=TUNING
+        262144,
+        ge=1,
+        description="Hard cap on queued padded tokens, whatever else says (interactive work may go 1/8 over it)",
+        json_schema_extra=TUNING,
     )
 
     # --- tuning: request limits and serving ---

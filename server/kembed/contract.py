@@ -56,6 +56,8 @@ class Metric:
     REQUESTS: Final = "kembed_requests"  # exposed as kembed_requests_total{code}
     REJECTED: Final = "kembed_rejected"  # exposed as kembed_rejected_total{reason,priority}
     PUSHBACK_WAITS: Final = "kembed_pushback_waits"  # exposed as kembed_pushback_waits_total
+    PUSHBACK_SHARED: Final = "kembed_pushback_shared"  # exposed as ..._total
+    DEMOTED: Final = "kembed_demoted"  # exposed as kembed_demoted_total
     BATCH_SIZE: Final = "kembed_batch_size"
     BATCH_TOKENS: Final = "kembed_batch_tokens"
     TOKENS: Final = "kembed_tokens"  # exposed as kembed_tokens_total{kind="real"|"padding"}

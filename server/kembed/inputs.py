@@ -39,6 +39,9 @@ _TOKENIZER_FILES = frozenset(
 )
 
 
+_TRUNCATE = "set truncate=true to cut it to fit"
+
+
 @dataclass(frozen=True)
 class Sequences:
     """Token sequences, concatenated: ``ids[offsets[i] : offsets[i] + lengths[i]]`` is sequence ``i``."""
@@ -78,6 +81,12 @@ class Tokenizer:
         self._full = _configured_copy(backend, max_length=None)
         self._truncating = _configured_copy(backend, max_length=max_input_tokens)
         self._special_tokens = len(self._full.encode("", add_special_tokens=True).ids)
+        self._max_content = max_input_tokens - self._special_tokens  # tokens of its own a text may have
+        # Texts up to this many characters are tokenized whole, in one batch: a text of a token a
+        # character (``"a." * n`` for WordPiece) then costs at most four times the work of the
+        # longest a model takes, and most texts (prose of up to 400 words) take the fast path.
+        # Longer texts are tokenized from prefixes.
+        self.whole_chars = 4 * (max_input_tokens + 1)
 
     @classmethod
     def from_transformers(
@@ -99,12 +108,46 @@ class Tokenizer:
         return str(self._full.to_str())
 
     def from_texts(self, texts: Sequence[str], truncate: bool) -> Sequences:
+        """Each text's tokens, the work bounded by the model's limit whatever the text: a text of
+        more than ``whole_chars`` characters is tokenized from prefixes (:meth:`_from_prefix`)."""
+        encoded: list[list[int]] = [[] for _ in texts]
+        whole, cut = [], set()  # tokenized whole, in one batch; from a prefix
+        for i, text in enumerate(texts):
+            prefixed = self._from_prefix(text, truncate) if len(text) > self.whole_chars else None
+            if prefixed is None:
+                whole.append(i)
+            else:
+                encoded[i] = prefixed
+                cut.add(i)
         backend = self._truncating if truncate else self._full
-        encodings = backend.encode_batch_fast(list(texts), add_special_tokens=True)
-        lengths = np.fromiter(map(len, encodings), dtype=np.int32, count=len(encodings))
+        batch = backend.encode_batch_fast([texts[i] for i in whole], add_special_tokens=True)
+        for i, encoding in zip(whole, batch, strict=True):
+            encoded[i] = encoding.ids
+        lengths = np.fromiter(map(len, encoded), dtype=np.int32, count=len(encoded))
+        if not truncate and (too_long := lengths > self.max_input_tokens).any():
+            index = int(np.argmax(too_long))
+            if index in cut:  # only a prefix was tokenized: how many more tokens the text has is not known
+                raise InvalidInput(Field.INPUT, f"over the model's {self.max_input_tokens} tokens; {_TRUNCATE}", index)
         self._check_lengths(lengths, truncate)
-        ids = np.fromiter(chain.from_iterable(e.ids for e in encodings), dtype=np.int32, count=int(lengths.sum()))
+        ids = np.fromiter(chain.from_iterable(encoded), dtype=np.int32, count=int(lengths.sum()))
         return Sequences(ids=ids, lengths=lengths)
+
+    def _from_prefix(self, text: str, truncate: bool) -> list[int] | None:
+        """A long text's ids from the shortest prefix that holds more tokens than the model takes
+        (not truncated, all of that prefix's: over the limit), or None once a prefix would be half
+        the text (it is tokenized whole, with the short texts). The first prefix is as many
+        characters as the limit (a text of a token a character fills it at once); each next one is
+        what the tokens per character so far say holds the limit, a quarter more, and at least
+        twice as long."""
+        size = self.max_input_tokens + 1
+        while 2 * size < len(text):
+            encoding = self._full.encode(text[:size], add_special_tokens=True)
+            exact = _exact_tokens(encoding)
+            if exact >= self._max_content:
+                # At least that many, and the cut words are one token more: over the limit.
+                return _truncated(encoding, self._max_content) if truncate else encoding.ids
+            size = max(2 * size, size * (self._max_content + 1) * 5 // (4 * max(exact, 1)))
+        return None
 
     def least_lengths(self, texts: Sequence[str]) -> np.ndarray:
         """A lower bound of each text's length in tokens, at a fiftieth of tokenizing's cost: its
@@ -143,11 +186,26 @@ class Tokenizer:
         too_long = lengths > self.max_input_tokens
         if not truncate and too_long.any():
             index = int(np.argmax(too_long))
-            reason = (
-                f"{lengths[index]} tokens, longer than the model's {self.max_input_tokens}; "
-                "set truncate=true to cut it to fit"
-            )
+            reason = f"{lengths[index]} tokens, longer than the model's {self.max_input_tokens}; {_TRUNCATE}"
             raise InvalidInput(Field.INPUT, reason, index)
+
+
+def _exact_tokens(prefix: tokenizers.Encoding) -> int:
+    """A prefix's own tokens that the whole text has too: those before its last two words (a cut
+    can change how the word it falls in, and whitespace before it, split; each word is at least one
+    token, so the whole text has more)."""
+    words = prefix.word_ids
+    last = max((w for w in words if w is not None), default=None)
+    return 0 if last is None else sum(w is not None and w < last - 1 for w in words)
+
+
+def _truncated(prefix: tokenizers.Encoding, content: int) -> list[int]:
+    """A prefix's ids cut to ``content`` tokens of its own between its leading and trailing special
+    tokens, as truncation cuts the whole text (``_exact_tokens`` holds at least that many)."""
+    ids, special = prefix.ids, prefix.special_tokens_mask
+    lead = next((i for i, s in enumerate(special) if not s), len(ids))
+    trail = next((i for i, s in enumerate(reversed(special)) if not s), 0)
+    return ids[: lead + content] + ids[len(ids) - trail :]
 
 
 def _configured_copy(backend: tokenizers.Tokenizer, max_length: int | None) -> tokenizers.Tokenizer:

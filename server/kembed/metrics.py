@@ -59,7 +59,17 @@ class FrontendMetrics:
         )
         self.rejected = _rejected(r)
         self.pushback_waits = Counter(
-            Metric.PUSHBACK_WAITS, "Calls that came within their connection's pushback and waited it out", registry=r
+            Metric.PUSHBACK_WAITS, "Calls that came within their client's pushback and waited it out", registry=r
+        )
+        self.pushback_shared = Counter(
+            Metric.PUSHBACK_SHARED,
+            "Refusals whose pushback went to the window clients share once the table of windows is full",
+            registry=r,
+        )
+        self.demoted = Counter(
+            Metric.DEMOTED,
+            "Interactive requests served as batch work: too large for their share of the interactive budget",
+            registry=r,
         )
         self.stream_answers_dropped = Counter(
             Metric.STREAM_ANSWERS_DROPPED,
@@ -169,6 +179,18 @@ def running(board: Board) -> float:
 
 
 def drain_seconds(board: Board) -> float:
-    """The backlog over the measured rate (0 before any rate is known)."""
+    """The backlog over the measured rate, less what will expire before it could be computed (0
+    before any rate is known)."""
     rate = board[Cell.TOKENS_PER_SECOND]
-    return board[Cell.BACKLOG_TOKENS] / rate if rate > 0 else 0.0
+    lapsing = sum(board.of_class(priority, ClassCell.LAPSING_TOKENS) for priority in Priority)
+    return (board[Cell.BACKLOG_TOKENS] - lapsing) / rate if rate > 0 else 0.0
+
+
+def interactive_drain_seconds(board: Board) -> float:
+    """What a query waits behind, over the measured rate: interactive work queued (less what will
+    expire first) and in the worker."""
+    rate, interactive = board[Cell.TOKENS_PER_SECOND], Priority.INTERACTIVE
+    queued = board.of_class(interactive, ClassCell.QUEUED_TOKENS) - board.of_class(
+        interactive, ClassCell.LAPSING_TOKENS
+    )
+    return (queued + board[Cell.IN_FLIGHT_INTERACTIVE_TOKENS]) / rate if rate > 0 else 0.0

@@ -32,7 +32,7 @@ import numpy as np
 from kembed.errors import EmbedError, Failure
 from kembed.priority import Priority
 
-PROTOCOL_VERSION = 2  # both ends come from one install; a difference is a broken image
+PROTOCOL_VERSION = 3  # both ends come from one install; a difference is a broken image
 MAGIC = 0x6B65  # "ke": a stream read out of step fails here, not somewhere in the rows
 HEADER = struct.Struct("<HBHI")  # magic, kind, parts, body bytes
 
@@ -166,6 +166,7 @@ class Work:
     cancels: np.ndarray  # uint64: tags nobody waits for any more
     latencies: np.ndarray  # float64: server-side latency samples for the P95 windows
     sample_priorities: np.ndarray  # uint8 [latencies]: whose window each sample goes to
+    sample_refused: np.ndarray  # uint8 [latencies]: 1 for a refusal's (the wait it spared), 0 for a served request's
     LAYOUT: ClassVar = (
         ("tags", "<u8"),
         ("deadlines", "<f8"),
@@ -177,6 +178,7 @@ class Work:
         ("cancels", "<u8"),
         ("latencies", "<f8"),
         ("sample_priorities", "u1"),
+        ("sample_refused", "u1"),
     )
 
     def encode(self) -> list[Part]:
@@ -188,7 +190,8 @@ class Work:
         requests = work.tags.size
         per_request = (work.deadlines, work.counts, work.costs, work.priorities)
         _check(cls.kind, all(part.size == requests for part in per_request), "per-request parts")
-        _check(cls.kind, work.sample_priorities.size == work.latencies.size, "a priority per latency sample")
+        samples = (work.sample_priorities.size, work.sample_refused.size)
+        _check(cls.kind, samples == (work.latencies.size,) * 2, "a class and a kind per latency sample")
         _check(cls.kind, _known_priorities(work.priorities, work.sample_priorities), "an unknown priority")
         _check(cls.kind, bool((work.counts >= 1).all()) and bool((work.lengths >= 1).all()), "an empty request or item")
         _check(cls.kind, int(work.counts.sum()) == work.lengths.size, "counts do not add up to the lengths")

@@ -106,7 +106,12 @@ def _result(zero_cost: float, p99_kembed: float, storm: float) -> dict[str, Any]
             {"processes": 1, "echo": closed(4000), "zero_cost": closed(zero_cost)},
             {"processes": 2, "echo": closed(8000), "zero_cost": closed(2000)},
         ],
-        "rejection": {"echo": burst(400, 0.0), "kembed": burst(p99_kembed, 1.0), "computing": burst(600, 0.97)},
+        "rejection": {
+            "echo": burst(400, 0.0),
+            "kembed": burst(p99_kembed, 1.0),
+            "computing": burst(600, 0.97),
+            "one_channel": {"echo": burst(300, 0.0), "computing": burst(900, 0.97)},
+        },
         "retry_storm": {"multiple": 4.0, "saturation": storm_phase(100), "storm": storm_phase(storm)},
     }
 
@@ -128,6 +133,8 @@ def test_hostpath_ratios_and_targets() -> None:
     assert rows["Share of the rejected burst answered RESOURCE_EXHAUSTED"].met() is True
     computing = rows["Rejections while the engine computes / echo burst, p99"]
     assert (computing.value.median, computing.met()) == (1.5, True)
+    one = rows["Rejections while the engine computes, one channel / echo burst, p99"]
+    assert (one.value.median, one.met()) == (3.0, False)  # against the echo's burst on one channel
     storm = rows["Goodput, 4x retry storm / saturation (emb/s)"]
     assert (storm.value.median, storm.met()) == (pytest.approx(0.95), True)
     missed = {r.name: r.met() for r in headline.hostpath_ratios(_result(zero_cost=1000, p99_kembed=800, storm=80))}
@@ -138,7 +145,8 @@ def test_hostpath_ratios_and_targets() -> None:
 
 def test_hostpath_table_and_partial_results() -> None:
     table = headline.hostpath_table(_result(zero_cost=2400, p99_kembed=1000, storm=95))
-    assert table.count("\n") == 1 + 4 + 3 + 2  # header rule, host path, rejection (echo, idle, computing), storm
+    # header rule, host path, rejection (echo, idle, computing; echo and computing on one channel), storm
+    assert table.count("\n") == 1 + 4 + 3 + 2 + 2
     assert "zero-cost kembed, 1 proc" in table
     only_host_path = {"settings": _result(1, 1, 1)["settings"], "host_path": _result(2400, 1, 1)["host_path"]}
     assert len(headline.hostpath_ratios(only_host_path)) == 4

@@ -46,4 +46,5 @@ def work(
         cancels=np.asarray(cancels, "<u8"),
         latencies=np.asarray(latencies, "<f8"),
         sample_priorities=np.zeros(len(latencies), "u1"),
+        sample_refused=np.zeros(len(latencies), "u1"),
     )

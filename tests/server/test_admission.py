@@ -4,7 +4,16 @@ import random
 
 import pytest
 
-from kembed.admission import MIN_LATENCY_SAMPLES, P95_CACHE_S, AdmissionController, Backlog, MeasuredLoad, Rejection
+from kembed.admission import (
+    INTERACTIVE_RESERVE,
+    MIN_LATENCY_SAMPLES,
+    P95_CACHE_S,
+    AdmissionController,
+    Backlog,
+    MeasuredLoad,
+    Rejection,
+    lapsing,
+)
 from kembed.config import Settings
 from kembed.priority import Priority
 
@@ -37,8 +46,8 @@ def controller(clock: FakeClock, **settings) -> tuple[AdmissionController, Measu
 
 def test_no_rate_yet_admits_within_the_cap():
     admission, _ = controller(FakeClock(), max_queued_tokens=1000)
-    assert admission.admit(500, queued(400), INTERACTIVE) is None
-    rejection = admission.admit(500, queued(600), INTERACTIVE)
+    assert admission.admit(500, Backlog(batch=400), BATCH) is None
+    rejection = admission.admit(500, Backlog(batch=600), BATCH)
     assert rejection is not None and rejection.reason == "queue_full"
 
 
@@ -83,9 +92,9 @@ def test_latency_strategy_needs_a_few_samples_then_sheds_by_fraction():
     clock = FakeClock()
     admission, load = controller(clock, admission=["latency"], p95_soft_ms=100, p95_hard_ms=300)
     for _ in range(MIN_LATENCY_SAMPLES - 1):
-        load.latency[INTERACTIVE].add(0.2)
+        load.add_latency(0.2, INTERACTIVE)
     assert load.shed_fraction() == 0.0
-    load.latency[INTERACTIVE].add(0.2)
+    load.add_latency(0.2, INTERACTIVE)
     clock.now += 1
     expected = (0.2 - 0.08) / (0.3 - 0.08)  # linear from the recovery floor (80% of soft) to hard
     assert load.shed_fraction() == pytest.approx(expected)
@@ -105,7 +114,7 @@ def test_latency_hard_limit_rejects_everything_that_would_queue():
     admission, load = controller(clock, admission=["latency"], p95_soft_ms=100, p95_hard_ms=300)
     load.rate.seed(tokens=1000, seconds=1.0)
     for _ in range(20):
-        load.latency[INTERACTIVE].add(0.5)
+        load.add_latency(0.5, INTERACTIVE)
     assert load.shed_fraction() == 1.0
     assert admission.admit(10, queued(1000), INTERACTIVE) is None  # the latency draw happens once, before tokenizing
     rejection = admission.screen(10, queued(1000), INTERACTIVE)
@@ -118,36 +127,64 @@ def test_shedding_has_hysteresis_and_recovers_as_the_window_slides():
     clock = FakeClock()
     _, load = controller(clock, admission=["latency"], p95_soft_ms=100, p95_hard_ms=300, latency_window_s=5)
     for _ in range(20):
-        load.latency[INTERACTIVE].add(0.15)
+        load.add_latency(0.15, INTERACTIVE)
     assert load.shed_fraction() > 0 and load.shedding
     clock.now += 6  # the slow samples leave the window
     for _ in range(20):
-        load.latency[INTERACTIVE].add(0.09)  # under soft, but above 80% of it: still shedding, a little
+        load.add_latency(0.09, INTERACTIVE)  # under soft, but above 80% of it: still shedding, a little
     clock.now += 0.1
     assert 0 < load.shed_fraction() < 0.1 and load.shedding
     clock.now += 6
     for _ in range(20):
-        load.latency[INTERACTIVE].add(0.05)
+        load.add_latency(0.05, INTERACTIVE)
     clock.now += 0.1
     assert load.shed_fraction() == 0.0 and not load.shedding
 
 
-def test_rejections_count_in_the_window_at_the_wait_they_were_spared():
+def test_rejections_count_in_the_shedding_window_at_the_wait_they_were_spared():
+    """The drain time of the work ahead of them, not their own size: the P95 shedding acts on
+    recovers as the backlog drains, and it follows what the queue holds."""
     clock = FakeClock()
     admission, load = controller(clock, admission=["throughput", "latency"], max_drain_ms=1000, p95_soft_ms=500)
     load.rate.seed(tokens=1000, seconds=1.0)
     for _ in range(10):
-        assert admission.admit(500, queued(1000), INTERACTIVE) is not None  # would have taken 1.5 s
+        assert admission.admit(100, queued(800), INTERACTIVE) is not None  # would have waited 0.8 s
     clock.now += 1
-    assert load.p95_seconds() == pytest.approx(1.5)
-    assert load.shed_fraction() > 0  # the rejections alone push the P95 over the soft limit
+    assert load.pressure.p95() == pytest.approx(0.8)
+    assert load.shed_fraction() > 0  # the rejections alone push it over the soft limit
+    assert load.p95_seconds() == 0.0  # the exported P95 counts served requests alone
+    clock.now += 11  # the window slides past them
+    for _ in range(10):
+        assert admission.admit(200, queued(350), INTERACTIVE) is not None  # the backlog drained: 0.35 s
+    clock.now += 1
+    assert load.pressure.p95() == pytest.approx(0.35)
+    assert load.shed_fraction() == 0.0  # under the recovery floor (80% of the soft limit): off
+
+
+def test_refusals_cannot_drive_the_p95():
+    """However large the refused requests and however many, what they add to the shedding window is
+    at most the drain budget, and the exported P95 (the autoscaler's, /health's) does not see them."""
+    clock = FakeClock()
+    admission, load = controller(
+        clock, admission=["throughput", "latency"], max_drain_ms=2000, p95_soft_ms=1500, p95_hard_ms=3000
+    )
+    load.rate.seed(tokens=1000, seconds=1.0)
+    for _ in range(20):
+        load.add_latency(0.1, INTERACTIVE)  # what the served queries take
+    for _ in range(1000):
+        assert admission.admit(262_144, Backlog(batch=4000, in_flight=4000), BATCH) is not None
+        assert admission.screen(2000, queued(4000), INTERACTIVE) is not None  # 4 s ahead: spared at most 2 s
+    clock.now += 1
+    assert load.p95_seconds() == pytest.approx(0.1)
+    assert load.pressure.p95() == pytest.approx(2.0)  # the budget, under the 3 s hard limit
+    assert load.shed_fraction() < 1.0
 
 
 def test_no_strategies_still_bounds_the_queue():
     admission, load = controller(FakeClock(), admission="", max_queued_tokens=100)
     load.rate.seed(tokens=1, seconds=100.0)
     assert admission.admit(50, queued(0), INTERACTIVE) is None
-    rejection = admission.admit(50, queued(60), INTERACTIVE)
+    rejection = admission.admit(50, queued(70), INTERACTIVE)  # over the cap and its reserve (112)
     assert rejection is not None
     assert rejection.reason == "queue_full"
 
@@ -167,10 +204,10 @@ def test_p95_is_recomputed_at_most_every_cache_period_however_many_samples_arriv
     clock = FakeClock()
     _, load = controller(clock, admission=["latency"])
     for _ in range(MIN_LATENCY_SAMPLES):
-        load.latency[INTERACTIVE].add(0.1)
+        load.add_latency(0.1, INTERACTIVE)
     assert load.p95_seconds() == pytest.approx(0.1)
     for _ in range(100):
-        load.latency[INTERACTIVE].add(5.0)
+        load.add_latency(5.0, INTERACTIVE)
     assert load.p95_seconds() == pytest.approx(0.1)  # cached
     clock.now += P95_CACHE_S
     assert load.p95_seconds() == pytest.approx(5.0)
@@ -185,7 +222,8 @@ def test_p95_is_recomputed_at_most_every_cache_period_however_many_samples_arriv
         # 10k tokens/s, a 1 s budget bounding twice the drain time: 5,000 tokens may be ahead.
         (Backlog(interactive=1000, batch=30_000, in_flight=2000), INTERACTIVE, True),  # batch work waits behind it
         (Backlog(interactive=1000, batch=30_000, in_flight=2000), BATCH, False),  # everything is ahead of it
-        (Backlog(interactive=3000, in_flight=2000), INTERACTIVE, False),  # a running batch is not preempted
+        (Backlog(interactive=3000, in_flight=2000, in_flight_interactive=2000), INTERACTIVE, False),  # queries ahead
+        (Backlog(interactive=3000, in_flight=2000), INTERACTIVE, True),  # an ingest's batch in the worker: never
         (Backlog(batch=3000, in_flight=1000), BATCH, True),
     ],
 )
@@ -205,8 +243,8 @@ def test_under_pressure_batch_work_is_refused_first_with_its_own_pushback():
     pushbacks = [r.retry_after_ms for r in refused if r is not None]
     assert min(pushbacks) >= 500 and max(pushbacks) <= 1500  # the whole backlog's 1.0 s, +-50%
     assert admission.admit(500, backlog, INTERACTIVE) is None  # 0.2 s of work ahead of it
-    short = admission.admit(500, Backlog(interactive=4000, batch=8000, in_flight=1000), INTERACTIVE)
-    assert short is not None and short.retry_after_ms <= 825  # its own 0.55 s, not the batch backlog's
+    short = admission.admit(500, Backlog(interactive=4600, batch=8000, in_flight=1000), INTERACTIVE)
+    assert short is not None and short.retry_after_ms <= 765  # its own 0.51 s, not the batch backlog's
 
 
 def test_an_interactive_request_displaces_batch_work_not_started_before_the_queue_cap_refuses_it():
@@ -218,7 +256,8 @@ def test_an_interactive_request_displaces_batch_work_not_started_before_the_queu
     assert admission.room_to_make(200, full, BATCH) == 0
     assert admission.room_to_make(50, Backlog(interactive=100), INTERACTIVE) == 0  # it fits as is
     started = Backlog(interactive=100, batch=800, in_flight=100, displaceable=100)
-    assert reason(admission.admit(200, started, INTERACTIVE)) == "queue_full"  # batch work that started stays
+    assert admission.admit(200, started, INTERACTIVE) is None  # within the cap's reserve for interactive work
+    assert reason(admission.admit(400, started, INTERACTIVE)) == "queue_full"  # batch work that started stays
     displaced = admission.displaced(300, full.without_batch(300))
     assert displaced.reason == "displaced" and displaced.retry_after_ms >= 10
 
@@ -228,18 +267,20 @@ def shedding(clock: FakeClock, **settings) -> tuple[AdmissionController, Measure
     admission, load = controller(clock, admission=["latency"], p95_soft_ms=100, p95_hard_ms=300, **settings)
     load.rate.seed(tokens=100, seconds=1.0)
     for _ in range(20):
-        load.latency[INTERACTIVE].add(0.2)
+        load.add_latency(0.2, INTERACTIVE)
     clock.now += 1
     return admission, load
 
 
-def test_while_shedding_batch_work_goes_first_and_interactive_work_only_once_none_is_waiting():
+def test_while_shedding_batch_work_goes_first_and_interactive_work_only_once_none_is_there():
     admission, load = shedding(FakeClock())
     assert 0 < load.shed_fraction() < 1
     batch = [admission.screen(10, Backlog(batch=10), BATCH) for _ in range(200)]
     assert all(r is not None for r in batch)  # every batch request that would queue
     waiting = Backlog(interactive=10, batch=500, displaceable=500)
     assert all(admission.screen(10, waiting, INTERACTIVE) is None for _ in range(200))
+    started = Backlog(interactive=10, batch=500, in_flight=64)  # an ingest running: it is what queries wait on
+    assert all(admission.screen(10, started, INTERACTIVE) is None for _ in range(200))
     alone = [admission.screen(10, queued(10), INTERACTIVE) for _ in range(400)]
     assert 0.3 < sum(r is not None for r in alone) / len(alone) < 0.7  # by the fraction
     assert admission.screen(1, Backlog(), BATCH) is None  # work-conserving: it would not queue
@@ -287,3 +328,108 @@ def test_a_request_with_nothing_ahead_of_it_is_admitted_however_long_it_takes():
     assert admission.admit(5000, Backlog(batch=2000), INTERACTIVE) is None  # batch work is not ahead of it
     assert reason(admission.admit(5000, Backlog(in_flight=16), BATCH)) == "drain_time"
     assert reason(admission.screen(5000, Backlog(interactive=16), INTERACTIVE)) == "drain_time"
+
+
+# --- no single request shuts out queries ---------------------------------------------------------
+
+
+def test_an_interactive_request_too_large_for_its_share_is_served_as_batch_work():
+    """At 10k tokens/s and a 1 s budget (twice the drain time with buckets), the interactive class
+    holds 5,000 tokens; one request may hold half of it."""
+    admission, load = controller(FakeClock(), max_drain_ms=1000)
+    assert admission.class_of(1_000_000, INTERACTIVE) is INTERACTIVE  # no rate yet: nothing to weigh
+    load.rate.seed(tokens=10_000, seconds=1.0)
+    assert admission.class_of(2500, INTERACTIVE) is INTERACTIVE
+    assert admission.class_of(2501, INTERACTIVE) is BATCH
+    assert admission.class_of(16, BATCH) is BATCH  # batch work stays batch work
+    # The largest interactive request still leaves room for a query behind it.
+    assert admission.admit(2500, Backlog(), INTERACTIVE) is None
+    assert admission.admit(256, queued(2500), INTERACTIVE) is None
+
+
+def test_a_request_too_large_for_the_budget_waits_only_for_batch_work():
+    """Its own wait is over the budget whatever is ahead: it is admitted when no batch work is queued
+    or in the worker, whatever queries come and go (they would keep it out for ever)."""
+    admission, load = controller(FakeClock(), admission=["throughput"], max_drain_ms=1000)
+    load.rate.seed(tokens=10_000, seconds=1.0)
+    ingest = 200_000  # 20 s at this rate
+    assert admission.admit(ingest, Backlog(), BATCH) is None
+    assert admission.admit(ingest, Backlog(interactive=300, in_flight=64, in_flight_interactive=64), BATCH) is None
+    assert reason(admission.admit(ingest, Backlog(batch=16), BATCH)) == "drain_time"
+    assert reason(admission.admit(ingest, Backlog(in_flight=2048), BATCH)) == "drain_time"  # an ingest's batch
+    assert reason(admission.screen(ingest, Backlog(batch=16), BATCH)) == "drain_time"
+
+
+@pytest.mark.parametrize("rate", [200.0, 1850.0, 10_000.0])
+def test_an_ingest_never_shuts_queries_out_at_any_rate(rate: float):
+    """The rate measured from completed batches (a fake clock), an ingest of the queue cap's size
+    queued with one of its batches in the worker: a query waits for that batch at most, and
+    refusing it would not shorten it, so no query is refused, however slow the batches."""
+    clock = FakeClock()
+    admission, load = controller(clock, max_drain_ms=2000)
+    batch_tokens = 2048
+    for _ in range(20):  # batches complete at the rate
+        clock.now += batch_tokens / rate
+        load.rate.record(batch_tokens, batch_tokens / rate)
+    assert load.tokens_per_second == pytest.approx(rate)
+    ingest = Backlog(batch=262_144 - batch_tokens, in_flight=batch_tokens, displaceable=0)
+    queries = []
+    for _ in range(12):  # queries of 16 tokens, one by one, each answered before the next
+        queries.append(admission.screen(16, ingest, INTERACTIVE) or admission.admit(16, ingest, INTERACTIVE))
+        clock.now += 0.5
+    assert queries == [None] * 12
+    assert admission.class_of(16, INTERACTIVE) is INTERACTIVE  # and served as queries
+
+
+def test_interactive_work_may_use_a_reserve_over_the_queue_cap():
+    """Batch work that has started cannot be displaced: an ingest of the cap's size would otherwise
+    refuse every query until its first batch completes. Batch work gets no reserve."""
+    admission, _ = controller(FakeClock(), admission="", max_queued_tokens=8000)
+    started = Backlog(batch=6000, in_flight=2000)  # the cap's size, all of it started
+    assert admission.admit(16, started, INTERACTIVE) is None
+    assert reason(admission.admit(16, started, BATCH)) == "queue_full"
+    reserve = int(8000 * INTERACTIVE_RESERVE)
+    assert admission.admit(reserve, started, INTERACTIVE) is None
+    assert reason(admission.admit(reserve + 1, started, INTERACTIVE)) == "queue_full"
+
+
+@pytest.mark.parametrize(
+    ("queued", "rate", "latest", "lapsing_tokens"),
+    [
+        (5800, 100.0, 106.0, 5200),  # 58 s of work expiring in 6 s: 6 s of it can run
+        (500, 100.0, 106.0, 0),  # it can all run in time
+        (5800, 100.0, 99.0, 5800),  # past its deadline: none of it runs
+        (5800, 0.0, 106.0, 0),  # no rate yet: nothing is known to lapse
+        (5800, 100.0, float("-inf"), 0),  # no open job
+    ],
+)
+def test_queued_work_lapses_by_what_the_worker_can_reach_before_its_deadline(
+    queued: int, rate: float, latest: float, lapsing_tokens: int
+):
+    assert lapsing(queued, rate, latest, now=100.0) == lapsing_tokens
+
+
+def test_lapsing_work_is_not_waited_behind_but_is_held():
+    admission, load = controller(FakeClock(), admission=["throughput"], max_drain_ms=2000, max_queued_tokens=6000)
+    load.rate.seed(tokens=100, seconds=1.0)
+    backlog = Backlog(interactive=5800, interactive_lapsing=5750)  # 0.5 s of it can still run
+    assert backlog.ahead(INTERACTIVE) == 50 and backlog.ahead(BATCH) == 50
+    assert admission.admit(16, backlog, INTERACTIVE) is None  # 2 x 66 / 100 = 1.32 s
+    assert reason(admission.admit(16, Backlog(interactive=5800), INTERACTIVE)) == "drain_time"  # 116 s
+    assert reason(admission.admit(1000, backlog, INTERACTIVE)) == "queue_full"  # the cap (and reserve) counts it all
+
+
+def test_the_rate_weighs_each_batch_by_its_size():
+    """One-text queries at five a second run in 16-token batches, mostly the batch's fixed work:
+    counted like full batches they took the rate to a tenth, and a backlog of a few queries was
+    refused. Weighed by their size, a minute of them barely moves it, and batches of the sizes a
+    load really runs bring it to what the worker does."""
+    load = MeasuredLoad(Settings(), clock=FakeClock(), batch_tokens=2048)
+    load.rate.seed(tokens=4000, seconds=1.0)  # warmup, full batches
+    for _ in range(300):
+        load.rate.record(16, 0.04)  # 400 tokens/s
+    assert load.tokens_per_second > 3000
+    load.rate.seed(tokens=1600, seconds=1.0)  # a pessimistic warmup, on a busy node
+    for _ in range(100):
+        load.rate.record(512, 0.128)  # quarter batches at 4,000 tokens/s
+    assert load.tokens_per_second == pytest.approx(4000, rel=0.05)

@@ -344,3 +344,29 @@ async def test_a_job_found_past_its_deadline_goes_to_whoever_closes_jobs():
         assert (dispatched, expired) == ([], [late])
     finally:
         task.cancel()
+
+
+async def test_a_batch_of_ingest_longer_than_the_floor_leaves_the_next_turn_to_queries():
+    """On a slow node a batch of ingest takes longer than the floor (the drain budget): counted from
+    its start, batch work would be starved again the moment it finished, every time, and queries
+    would wait for the whole ingest. Counted from its end, the queries waiting go next."""
+    dispatched: list[Batch] = []
+    clock = FakeClock()
+    eager = BatchShapes.build(max_batch_size=8, max_tokens=512, fixed=False)
+    expired: list[Job] = []
+    batcher = Batcher(BucketQueue(LENGTHS), eager, dispatched.append, expire=expired.append, max_wait=MAX_WAIT,
+                      naive=False, starved_after=2.0, clock=clock)  # fmt: skip
+    task = asyncio.create_task(batcher.run())
+    try:
+        ingest = Sequences(np.ones(5 * 40, np.int32), np.full(40, 5, np.int32))
+        batcher.submit(chunks(make_job(40, BATCH), ingest, LENGTHS, clock.now))
+        await settle()
+        [first] = dispatched
+        assert {chunk.job.priority for chunk in first.chunks} == {BATCH}
+        submit(batcher, 1, ONE_ITEM, clock.now)  # a query, waiting behind it
+        clock.now += 2.7  # the batch of ingest took longer than the floor
+        batcher.batch_done(first)
+        await settle()
+        assert {chunk.job.priority for chunk in dispatched[1].chunks} == {INTERACTIVE}
+    finally:
+        task.cancel()

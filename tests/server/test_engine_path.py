@@ -3,6 +3,7 @@ finished batches through the responder back to the front ends, with fake clocks 
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import random
 
@@ -73,7 +74,7 @@ def engine_path():
     batcher = Batcher(queue, policy, dispatched.append, expire=jobs.expire)
     outbox = Outbox()
     metrics = EngineMetrics()
-    intake = Intake(admission, batcher, jobs, outbox, metrics, pad_token_id=0, clock=clock)
+    intake = Intake(admission, load, batcher, jobs, outbox, metrics, pad_token_id=0, clock=clock)
     responder = Responder(batcher, load.rate, jobs, outbox, metrics, clock=clock)
     return intake, batcher, jobs, outbox, responder, load, clock
 
@@ -176,7 +177,7 @@ def test_batch_work_that_started_is_not_displaced(engine_path):
     intake, batcher, _, outbox, *_ = engine_path
     intake.accept(1, work_frame([[4] * 9], tags=[1], priorities=[BATCH]))  # 144 tokens
     batcher.queue.take(0, 1, now=0.0)  # one of its items is in a batch: the request has started
-    intake.accept(2, work_frame([[20]], tags=[2]))
+    intake.accept(2, work_frame([[20, 20]], tags=[2]))  # 128 + 64: over the cap and its reserve (168)
     [(link, tags, [error])] = outbox.errors_sent
     assert (link, tags, error.failure) == (2, [2], Failure.REJECTED) and "queue is full" in error.message
     assert batcher.backlog == Backlog(batch=128)
@@ -187,3 +188,94 @@ def test_latency_samples_reach_their_class_window(engine_path):
     sent = work([], [], LENGTHS, latencies=[2.0] * 6)
     intake.accept(1, decoded(dataclasses.replace(sent, sample_priorities=np.full(6, BATCH, "u1"))))
     assert (load.p95_seconds(BATCH), load.p95_seconds()) == (pytest.approx(2.0), 0.0)
+
+
+def test_work_stops_counting_as_its_deadline_passes(engine_path):
+    """Work that expires in 6 s is not weighed for longer: the engine closes it at its deadline, not
+    when the batcher reaches it, and the query it kept out is admitted."""
+    intake, batcher, jobs, outbox, _, load, clock = engine_path
+    load.rate.seed(tokens=120, seconds=1.0)  # the 2 s budget holds 120 padded tokens (2x the drain)
+    intake.accept(1, work_frame([[4] * 6], tags=[1], deadline=clock.now + 6))  # 96 tokens of queries
+    intake.accept(1, work_frame([[4]], tags=[2], deadline=clock.now + 60))  # 16 more
+    assert jobs.next_deadline() == clock.now + 6
+    intake.accept(2, work_frame([[4]], tags=[3]))
+    [(_, [refused], _)] = outbox.errors_sent
+    assert refused == 3
+    clock.now += 5.9
+    assert jobs.expire_due(clock.now) == 0 and batcher.backlog == Backlog(interactive=112)
+    clock.now += 0.1
+    assert jobs.expire_due(clock.now) == 1 and batcher.backlog == Backlog(interactive=16)
+    assert len(outbox.errors_sent) == 1  # the expired job's front end answers it itself
+    assert jobs.next_deadline() == clock.now + 54
+    intake.accept(2, work_frame([[4]], tags=[4]))
+    assert len(outbox.errors_sent) == 1 and len(jobs) == 2  # admitted
+
+
+def test_the_deadline_heap_stays_within_a_multiple_of_the_open_jobs(engine_path):
+    intake, _, jobs, *_ = engine_path
+    for tag in range(1, 1000):
+        intake.accept(1, work_frame([[4]], tags=[tag]))
+        jobs.cancel(1, tag)  # closed long before its deadline
+    assert len(jobs) == 0 and len(jobs._deadlines) <= 64 + 1 and len(jobs._latest[INTERACTIVE]) <= 64 + 1
+    assert jobs.next_deadline() is None
+
+
+async def test_an_ingest_at_a_low_rate_never_shuts_queries_out():
+    """At 1,850 tokens/s a 2,000-token batch of ingest takes 1.1 s, twice that 2.2 s: over the 2 s
+    budget. Weighed at the bucket spread with the batch in the worker, every query was refused while
+    an ingest ran; weighed on what a query waits behind (interactive work), none is."""
+    lengths = [16, 32, 64, 128, 256]
+    settings = Settings(buckets=lengths, max_drain_ms=2000)
+    clock = FakeClock()
+    load = MeasuredLoad(settings, clock=clock)
+    load.rate.seed(tokens=1850, seconds=1.0)
+    admission = AdmissionController(settings, load, rng=random.Random(1))
+    queue = BucketQueue(lengths)
+    jobs = Jobs(queue)
+    dispatched: list[Batch] = []
+    shapes = BatchShapes.build(64, 2048, fixed=False)
+    batcher = Batcher(queue, shapes, dispatched.append, expire=jobs.expire, max_wait=0.02, naive=False, clock=clock)
+    outbox = Outbox()
+    intake = Intake(admission, load, batcher, jobs, outbox, EngineMetrics(), pad_token_id=0, clock=clock)
+    task = asyncio.create_task(batcher.run())
+    try:
+        ingest = [[250] * 1024]  # 262,144 padded tokens: the queue cap, as the issue's request
+        intake.accept(1, decoded(work(ingest, [1], lengths, priorities=[BATCH])))
+        await asyncio.sleep(0)
+        [running] = dispatched
+        assert (running.items, batcher.backlog.in_flight, batcher.backlog.in_flight_interactive) == (8, 2000, 0)
+        for tag in range(2, 14):  # a query every half second while the batch computes
+            intake.accept(2, decoded(work([[10]], [tag], lengths)))
+            clock.now += 0.5
+        assert outbox.errors_sent == [] and len(jobs) == 13
+        assert batcher.backlog.interactive == 12 * 16
+    finally:
+        task.cancel()
+
+
+def test_work_that_will_expire_is_weighed_by_what_it_can_still_cost():
+    """58 s of queries queued at 100 tokens/s, all of them expiring in 6 s: weighed as the 6 s they
+    can still take, less as their deadline nears, until a query fits before it has passed."""
+    settings = Settings(admission=["throughput"], buckets=LENGTHS, max_drain_ms=2000)
+    clock = FakeClock()
+    load = MeasuredLoad(settings, clock=clock)
+    load.rate.seed(tokens=10_000, seconds=1.0)
+    admission = AdmissionController(settings, load, rng=random.Random(1))
+    queue = BucketQueue(LENGTHS)
+    jobs = Jobs(queue)
+    dispatched: list[Batch] = []
+    shapes = BatchShapes.build(8, 256, fixed=False)
+    batcher = Batcher(queue, shapes, dispatched.append, expire=jobs.expire, max_wait=0.02, naive=False)
+    outbox = Outbox()
+    intake = Intake(admission, load, batcher, jobs, outbox, EngineMetrics(), pad_token_id=0, clock=clock)
+    for tag in range(1, 363):  # 362 one-item requests of 16 tokens: 5,792 tokens, admitted at 10k tokens/s
+        intake.accept(1, work_frame([[4]], tags=[tag], deadline=clock.now + 6))
+    load.rate.seed(tokens=100, seconds=1.0)  # then the node slows down: 58 s of work
+    assert len(jobs) == 362 and intake.backlog().ahead(INTERACTIVE) == 600  # what 6 s can compute
+    intake.accept(2, work_frame([[4]], tags=[1000]))
+    [(_, [refused], [error])] = outbox.errors_sent
+    assert refused == 1000 and error.retry_after_ms <= 1.5 * 6160  # the 6 s it spared (+-50%), not 58 s
+    clock.now += 5.5
+    assert intake.backlog().ahead(INTERACTIVE) == 50  # what half a second can compute
+    intake.accept(2, work_frame([[4]], tags=[1001]))
+    assert len(outbox.errors_sent) == 1  # admitted half a second before the deadline passes

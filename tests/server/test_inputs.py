@@ -61,7 +61,8 @@ def test_a_text_over_the_models_limit_is_located(tok: Tokenizer) -> None:
     with pytest.raises(InvalidInput) as caught:
         tok.from_texts(["short", "short", LONG_TEXT], truncate=False)
     assert located(caught) == (Field.INPUT, 2, None)
-    assert caught.value.reason == f"92 tokens, longer than the model's {LIMIT}; set truncate=true to cut it to fit"
+    # Tokenized from a prefix that holds more than the limit: how many more is not counted.
+    assert caught.value.reason == f"over the model's {LIMIT} tokens; set truncate=true to cut it to fit"
 
 
 def test_text_truncation_keeps_the_closing_token(tok: Tokenizer, hf_tokenizer: PreTrainedTokenizerBase) -> None:
@@ -153,3 +154,91 @@ def test_least_lengths_bound_the_real_lengths_from_below(tok: Tokenizer) -> None
     assert (least <= real).all(), list(zip(LOWER_BOUND_TEXTS, least, real, strict=True))
     assert (least >= 3).sum() >= 8  # and they are not trivial: words count
     assert least.max() <= LIMIT
+
+
+class Counting:
+    """A tokenizer backend that counts the characters it is given to tokenize."""
+
+    def __init__(self, backend: object) -> None:
+        self._backend = backend
+        self.chars = 0
+
+    def encode(self, text: str, **kwargs: object) -> object:
+        self.chars += len(text)
+        return self._backend.encode(text, **kwargs)  # type: ignore[attr-defined]
+
+    def encode_batch_fast(self, texts: list[str], **kwargs: object) -> object:
+        self.chars += sum(map(len, texts))
+        return self._backend.encode_batch_fast(texts, **kwargs)  # type: ignore[attr-defined]
+
+
+@pytest.fixture
+def counted(hf_tokenizer: PreTrainedTokenizerBase) -> tuple[Tokenizer, Counting, Counting]:
+    tok = Tokenizer.from_transformers(hf_tokenizer, max_input_tokens=LIMIT, vocab_size=VOCAB)
+    full, truncating = Counting(tok._full), Counting(tok._truncating)
+    tok._full, tok._truncating = full, truncating  # type: ignore[assignment]
+    return tok, full, truncating
+
+
+# Texts whose tokens per character differ by two orders of magnitude: WordPiece splits punctuation
+# into a token a character, a run of 100 letters or more is one [UNK], accents and CJK are split
+# and normalized, and whitespace runs are no tokens at all.
+HARD_TEXTS = {
+    "prose": LONG_TEXT * 10,
+    "punctuation": "a." * 5000,
+    "one long word": "a" * 5000,
+    "long words": ("b" * 150 + " ") * 40,
+    "whitespace then words": " " * 300 + LONG_TEXT * 4,
+    "accents and CJK": "naïve café 東京タワー 🙂 " * 200,
+    "words split mid-way": "unbelievably internationalization " * 100,
+    "special tokens in the text": "query [SEP] passage [CLS] " * 100,
+}
+
+
+@pytest.mark.parametrize("name", HARD_TEXTS)
+@pytest.mark.parametrize("limit", [LIMIT, 512])
+def test_long_texts_are_tokenized_from_a_prefix_exactly(
+    hf_tokenizer: PreTrainedTokenizerBase, name: str, limit: int
+) -> None:
+    """A prefix holding more than the limit gives exactly the tokens the whole text would: truncated,
+    the same ids; not truncated, the same verdict (over the limit, or the whole text's ids)."""
+    tok = Tokenizer.from_transformers(hf_tokenizer, max_input_tokens=limit, vocab_size=VOCAB)
+    text = HARD_TEXTS[name]
+    assert len(text) > tok.whole_chars  # the prefix path
+    whole = hf_tokenizer(text)["input_ids"]
+    truncated = tok.from_texts(["short", text], truncate=True)
+    expected = whole if len(whole) <= limit else [*whole[: limit - 1], SEP]
+    assert truncated.ids[3:].tolist() == expected
+    if len(whole) > limit:
+        with pytest.raises(InvalidInput) as caught:
+            tok.from_texts(["short", text], truncate=False)
+        assert located(caught) == (Field.INPUT, 1, None)
+    else:
+        assert tok.from_texts([text], truncate=False).ids.tolist() == whole
+
+
+def test_the_work_of_a_text_is_bounded_by_the_model_limit_not_its_length(
+    counted: tuple[Tokenizer, Counting, Counting],
+) -> None:
+    """``"a." * 49999`` is one whitespace word and 100,000 WordPiece tokens: it is refused, or
+    truncated, after tokenizing a prefix a few times the limit, not its 100,000 characters."""
+    tok, full, truncating = counted
+    attack = ["a." * 49_999] * 10  # 1 MB
+    with pytest.raises(InvalidInput) as caught:
+        tok.from_texts(attack, truncate=False)
+    assert located(caught) == (Field.INPUT, 0, None)
+    assert full.chars + truncating.chars == 10 * (LIMIT + 1)  # one prefix each, as long as the limit
+    full.chars = truncating.chars = 0
+    assert tok.from_texts(attack, truncate=True).lengths.tolist() == [LIMIT] * 10
+    assert full.chars + truncating.chars == 10 * (LIMIT + 1)
+    full.chars = truncating.chars = 0
+    document = LONG_TEXT * 250  # 110,000 characters of prose
+    assert tok.from_texts([document], truncate=True).lengths.tolist() == [LIMIT]
+    assert full.chars + truncating.chars <= 4 * tok.whole_chars  # a prefix or two a few times the limit
+
+
+def test_an_earlier_text_over_the_limit_is_named_before_a_later_long_one(tok: Tokenizer) -> None:
+    with pytest.raises(InvalidInput) as caught:
+        tok.from_texts(["ok", "a. " * 10, LONG_TEXT], truncate=False)  # 30 characters, 22 tokens
+    assert located(caught) == (Field.INPUT, 1, None)
+    assert caught.value.reason.startswith("22 tokens, longer than")

@@ -1,4 +1,5 @@
-"""The pushback enforced per connection: its windows with a fake clock, and the held calls' queue."""
+"""The pushback enforced per client: its windows with a fake clock (a burst refused at once however
+many, calls sent after a refusal held), and the held calls' queue."""
 
 from __future__ import annotations
 
@@ -6,10 +7,15 @@ import asyncio
 
 import pytest
 
-from kembed.frontend.pushback import ConnectionPushback, HeldCalls
+from kembed.frontend.pushback import SAME_BURST_S, Arrival, HeldCalls, PushbackWindows, rest_client
 from kembed.priority import Priority
 
 INTERACTIVE, BATCH = Priority
+TIMEOUT = 30.0  # the client's deadline, from when it sends
+
+
+def call(client: object, dispatched: float, deadline: float | None = None, address: str = "10.0.0.1") -> Arrival:
+    return Arrival(client, address, dispatched, deadline)
 
 
 class FakeClock:
@@ -20,42 +26,121 @@ class FakeClock:
         return self.now
 
 
-def test_a_burst_is_refused_at_once_then_the_connection_waits_out_its_window() -> None:
+def test_a_burst_is_refused_at_once_however_many_however_late_it_is_dispatched() -> None:
+    """600 calls received within 80 ms (their deadlines say so), dispatched over half a second
+    while the front end works through them: none was sent after its client could have heard the
+    refusal of the call before it, so none waits."""
     clock = FakeClock()
-    pushback = ConnectionPushback(clock, refusals_at_once=3)
-    assert not pushback.must_wait("a")
-    for _ in range(3):  # a burst in flight before the client heard the first no
-        assert not pushback.must_wait("a")
-        pushback.refused("a", retry_after_ms=500)
-    assert pushback.must_wait("a")  # the client called again before the pushback it was given
-    assert not pushback.must_wait("b")  # other connections are not affected
-    clock.now += 0.499
-    assert pushback.must_wait("a")
-    clock.now += 0.001
-    assert not pushback.must_wait("a")  # the window has ended
+    windows = PushbackWindows(clock)
+    received = [100.0 + 0.08 * i / 600 for i in range(600)]
+    held = 0
+    for i, at in enumerate(received):
+        clock.now = 100.005 + 0.0008 * i  # dispatched in turn, 0.8 ms each
+        arrival, deadline = clock.now, at + TIMEOUT
+        if windows.must_wait(call("conn", arrival, deadline)):
+            held += 1
+        else:
+            windows.refused(call("conn", arrival, deadline), 1000)
+    assert held == 0
+
+
+def test_a_client_that_calls_again_after_hearing_a_refusal_waits_out_its_window() -> None:
+    clock = FakeClock()
+    windows = PushbackWindows(clock)
+    windows.refused(call("conn", 100.0, 100.0 + TIMEOUT), 500)
+    clock.now += 0.002  # heard it, called again at once: received after the refusal was sent
+    assert windows.must_wait(call("conn", clock.now, clock.now + TIMEOUT))
+    assert not windows.must_wait(call("other", clock.now, clock.now + TIMEOUT))  # other clients are not affected
+    clock.now = 100.499
+    assert windows.must_wait(call("conn", clock.now, clock.now + TIMEOUT))
+    clock.now = 100.5
+    assert not windows.must_wait(call("conn", clock.now, clock.now + TIMEOUT))  # the window has ended
+
+
+def test_without_a_deadline_a_call_is_placed_by_its_dispatch() -> None:
+    clock = FakeClock()
+    windows = PushbackWindows(clock)
+    windows.refused(call("conn", 100.0, None), 1000)
+    clock.now += SAME_BURST_S / 2  # dispatched straight after the refusal: from the same burst
+    assert not windows.must_wait(call("conn", clock.now, None))
+    clock.now += SAME_BURST_S
+    assert windows.must_wait(call("conn", clock.now, None))
+
+
+def test_the_timeout_is_learned_per_address_so_a_steady_backlog_is_seen() -> None:
+    """Receipt = deadline - the client's timeout, which the server does not know: the largest
+    (deadline - dispatch) of any call from the address stands for it. One call that found the
+    front end idle makes it exact for every connection of that address; before any did, a steady
+    backlog (every call dispatched 50 ms after it was received) would hide in it."""
+    clock = FakeClock()
+    windows = PushbackWindows(clock)
+    assert not windows.must_wait(call("first", 100.0, 100.0 + TIMEOUT))  # dispatched as received: no window yet
+    # Another connection of the address, in a backlogged front end: received at 100.000, 100.001, ...
+    # each dispatched 50 ms later and refused 1 ms after that.
+    held = 0
+    for i in range(100):
+        received = 100.0 + 0.001 * i
+        clock.now = received + 0.050
+        if windows.must_wait(call("second", clock.now, received + TIMEOUT)):
+            held += 1
+        else:
+            clock.now += 0.001
+            windows.refused(call("second", clock.now, received + TIMEOUT), 1000)
+    assert held == 0
+    # A call of the second connection received 20 ms after its latest refusal: it could have heard it.
+    clock.now += 0.020
+    assert windows.must_wait(call("second", clock.now, clock.now + TIMEOUT))
+    # A client of the address with a shorter timeout looks received earlier: refused at once, not held.
+    assert not windows.must_wait(call("second", clock.now, clock.now + TIMEOUT / 2))
+
+
+def test_learned_timeouts_are_bounded_in_number() -> None:
+    windows = PushbackWindows(FakeClock(), max_windows=2)
+    for address in ("a", "b", "c"):
+        windows.must_wait(call("x", 100.0, 130.0, address=address))
+    assert list(windows._timeouts) == ["b", "c"]
 
 
 def test_a_refusal_after_the_window_opens_a_new_one() -> None:
     clock = FakeClock()
-    pushback = ConnectionPushback(clock, refusals_at_once=1)
-    pushback.refused("a", retry_after_ms=100)
+    windows = PushbackWindows(clock)
+    windows.refused(call("a", 100.0, None), 100)
     clock.now += 0.2
-    pushback.refused("a", retry_after_ms=1000)  # the old window had ended
-    assert pushback.must_wait("a")
-    clock.now += 0.9
-    assert pushback.must_wait("a")
+    windows.refused(call("a", clock.now, None), 1000)  # the old window had ended
+    clock.now += 0.5
+    assert windows.must_wait(call("a", clock.now, None))
 
 
-def test_windows_are_bounded_in_number() -> None:
+def test_past_the_table_clients_share_a_window_and_enforcement_stays_on() -> None:
     clock = FakeClock()
-    pushback = ConnectionPushback(clock, refusals_at_once=1, max_windows=2)
-    pushback.refused("a", 1000)
-    pushback.refused("b", 1000)
-    pushback.refused("c", 1000)  # no room, nothing ended: not enforced
-    assert (len(pushback), pushback.must_wait("c")) == (2, False)
+    shared = []
+    windows = PushbackWindows(clock, max_windows=2, on_shared=lambda: shared.append(clock.now))
+    windows.refused(call("a", clock.now, None), 1000)
+    windows.refused(call("b", clock.now, None), 1000)
+    windows.refused(call("c", clock.now, None), 1000)  # no room, nothing ended: the shared window
+    assert len(shared) == 1 and len(windows) == 3
+    clock.now += 0.01
+    assert windows.must_wait(call("c", clock.now, None)) and windows.must_wait(call("d", clock.now, None))  # shared
+    assert windows.must_wait(call("a", clock.now, None))
+    windows.refused(call("d", clock.now, None), 1000)  # on the shared window: counted
+    assert len(shared) == 2
     clock.now += 2
-    pushback.refused("c", 1000)  # the ended windows make room
-    assert (len(pushback), pushback.must_wait("c")) == (1, True)
+    windows.refused(call("c", clock.now, None), 1000)  # the ended windows make room
+    assert (len(windows), windows.must_wait(call("c", clock.now + 0.01, None))) == (1, True)
+    assert not windows.must_wait(call("d", clock.now + 0.01, None))  # room again: clients without a window go free
+
+
+@pytest.mark.parametrize(
+    ("host", "key"),
+    [
+        ("10.1.2.3", "10.1.2.3"),
+        ("2001:db8:1:2:3:4:5:6", "2001:db8:1:2::/64"),  # one host is usually given a /64
+        ("2001:db8:1:2:ffff::1", "2001:db8:1:2::/64"),
+        ("", ""),
+    ],
+)
+def test_a_rest_client_is_keyed_by_its_address(host: str, key: str) -> None:
+    assert rest_client(host) == key
 
 
 async def settle() -> None:
@@ -63,11 +148,18 @@ async def settle() -> None:
         await asyncio.sleep(0)
 
 
+def held_windows(*clients: str, ms: int = 60_000) -> tuple[FakeClock, PushbackWindows]:
+    clock = FakeClock()
+    windows = PushbackWindows(clock)
+    for client in clients:
+        windows.refused(call(client, clock.now, None), ms)
+    return clock, windows
+
+
 async def test_held_calls_go_in_order_as_the_engine_has_room() -> None:
-    pushback = ConnectionPushback(FakeClock(), refusals_at_once=1)
-    pushback.refused("a", 60_000)
+    _, windows = held_windows("a")
     room = {"tokens": 0}
-    held = HeldCalls(pushback, lambda tokens, _: tokens <= room["tokens"], recheck_s=0)
+    held = HeldCalls(windows, lambda tokens, _: tokens <= room["tokens"], recheck_s=0)
     order: list[str] = []
 
     async def call(name: str, cost: int) -> None:
@@ -88,11 +180,9 @@ async def test_held_calls_go_in_order_as_the_engine_has_room() -> None:
 
 
 async def test_a_held_call_goes_when_its_window_ends() -> None:
-    clock = FakeClock()
-    pushback = ConnectionPushback(clock, refusals_at_once=1)
-    pushback.refused("a", 1000)
-    pushback.refused("b", 5000)
-    held = HeldCalls(pushback, lambda tokens, priority: False, recheck_s=0)
+    clock, windows = held_windows("a", ms=1000)
+    windows.refused(call("b", clock.now, None), 5000)
+    held = HeldCalls(windows, lambda tokens, priority: False, recheck_s=0)
     a = asyncio.create_task(held.wait("a", 10, INTERACTIVE))
     b = asyncio.create_task(held.wait("b", 10, INTERACTIVE))
     await settle()
@@ -106,9 +196,8 @@ async def test_a_held_call_goes_when_its_window_ends() -> None:
 
 
 async def test_a_cancelled_held_call_leaves_the_queue() -> None:
-    pushback = ConnectionPushback(FakeClock(), refusals_at_once=1)
-    pushback.refused("a", 60_000)
-    held = HeldCalls(pushback, lambda tokens, priority: False, recheck_s=0)
+    _, windows = held_windows("a")
+    held = HeldCalls(windows, lambda tokens, priority: False, recheck_s=0)
     waiting = asyncio.create_task(held.wait("a", 10, INTERACTIVE))
     await settle()
     waiting.cancel()
@@ -118,10 +207,8 @@ async def test_a_cancelled_held_call_leaves_the_queue() -> None:
 
 
 async def test_an_interactive_call_the_engine_has_room_for_is_not_held_behind_batch_calls() -> None:
-    pushback = ConnectionPushback(FakeClock(), refusals_at_once=1)
-    pushback.refused("ingest", 60_000)
-    pushback.refused("search", 60_000)
-    held = HeldCalls(pushback, lambda tokens, priority: priority is INTERACTIVE, recheck_s=0)
+    _, windows = held_windows("ingest", "search")
+    held = HeldCalls(windows, lambda tokens, priority: priority is INTERACTIVE, recheck_s=0)
     first = asyncio.create_task(held.wait("ingest", 10, BATCH))
     second = asyncio.create_task(held.wait("ingest", 10, BATCH))
     query = asyncio.create_task(held.wait("search", 10, INTERACTIVE))
@@ -131,8 +218,32 @@ async def test_an_interactive_call_the_engine_has_room_for_is_not_held_behind_ba
     await asyncio.gather(first, second)
 
 
-def test_a_window_is_per_connection_and_class() -> None:
-    pushback = ConnectionPushback(FakeClock(), refusals_at_once=1)
-    pushback.refused(("peer", BATCH), 1000)
-    assert pushback.must_wait(("peer", BATCH)) and pushback.must_wait(("peer", 1))  # the proto's value
-    assert not pushback.must_wait(("peer", INTERACTIVE))
+def test_a_window_is_per_client_and_class() -> None:
+    clock, windows = held_windows()
+    windows.refused(call(("peer", BATCH), clock.now, None), 1000)
+    clock.now += 0.01
+    assert windows.must_wait(call(("peer", BATCH), clock.now, None)) and windows.must_wait(
+        call(("peer", 1), clock.now, None)
+    )
+    assert not windows.must_wait(call(("peer", INTERACTIVE), clock.now, None))
+
+
+def test_refusals_of_held_calls_do_not_carry_a_burst_on() -> None:
+    """Calls released from a hold and refused again, one every half millisecond: each retry comes
+    10 ms after its own refusal, within a moment of another's. The retries were sent after their
+    clients heard a refusal: they wait, instead of passing for a burst that never ends."""
+    clock = FakeClock()
+    windows = PushbackWindows(clock)
+    refusals = [clock.now + 0.0005 * i for i in range(40)]
+    retries = sorted(at + 0.010 for at in refusals)
+    events = sorted([(at, "refused") for at in refusals] + [(at, "retry") for at in retries])
+    held = 0
+    for at, kind in events:
+        clock.now = at
+        if kind == "refused":
+            windows.refused(call("conn", at, None), 1000, held=True)
+        elif windows.must_wait(call("conn", at, None)):
+            held += 1
+        else:
+            windows.refused(call("conn", at, None), 1000)
+    assert held == len(retries)

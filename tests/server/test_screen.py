@@ -56,3 +56,23 @@ async def test_requests_being_tokenized_count_until_they_are_submitted_or_fail(t
         with contextlib.suppress(ValueError), screen.tokenizing(4 * COST, Priority.INTERACTIVE):
             raise ValueError("its input was bad")
         assert screen.before_tokenizing(COST, Priority.INTERACTIVE) is None  # nothing left ahead of it
+
+
+async def test_a_batch_of_ingest_in_the_worker_does_not_refuse_queries(tmp_path):
+    """What the engine publishes of the batches in its worker's hands: the interactive part is
+    weighed for a query, the ingest's is not (it delays a query by that batch at most)."""
+    async with screening(tmp_path) as (screen, board, *_):
+        board[Cell.IN_FLIGHT_TOKENS] = 2048  # two seconds at this rate: over the budget twice over
+        assert screen.before_tokenizing(COST, Priority.INTERACTIVE) is None
+        assert screen.after_tokenizing(COST, Priority.INTERACTIVE) is None
+        assert screen.before_tokenizing(COST, Priority.BATCH) is not None  # batch work waits for it
+        board[Cell.IN_FLIGHT_INTERACTIVE_TOKENS] = 2048  # queries in the worker: ahead of the next one
+        assert screen.after_tokenizing(COST, Priority.INTERACTIVE) is not None
+
+
+async def test_a_request_too_large_for_the_interactive_share_goes_as_batch_work(tmp_path):
+    async with screening(tmp_path) as (screen, *_):
+        # At 1,000 tokens/s and a 1 s budget (twice the drain time), one query may hold 250 tokens.
+        assert screen.class_of(250, Priority.INTERACTIVE) is Priority.INTERACTIVE
+        assert screen.class_of(251, Priority.INTERACTIVE) is Priority.BATCH
+        assert screen.longest_wait(250, Priority.INTERACTIVE) == 0.5

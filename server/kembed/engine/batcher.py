@@ -179,6 +179,11 @@ def next_stale_time(queue: BucketQueue, max_wait: float) -> float | None:
     return min(lead.oldest for lead in leads.values()) + max_wait if leads else None
 
 
+def interactive_tokens(batch: Batch) -> int:
+    """What a batch's interactive items took from the backlog (its padding rows are not theirs)."""
+    return sum(chunk.cost for chunk in batch.chunks if chunk.job.priority is Priority.INTERACTIVE)
+
+
 class Batcher:
     """Owns the bucket queue; wakes on new work, a finished batch, or the next stale deadline."""
 
@@ -195,11 +200,12 @@ class Batcher:
         self.policy = policy
         self._dispatch = dispatch
         self._expire = expire  # a job found past its deadline: closed by whoever owns jobs
-        self._batch_served_at = -math.inf  # when a batch holding batch work last started
+        self._batch_served_at = -math.inf  # when a batch holding batch work last started or finished
         self._clock = clock
         self._wake = asyncio.Event()
         self.in_flight = 0
         self.in_flight_tokens = 0  # the cost of the batches in flight
+        self.in_flight_interactive = 0  # of in_flight_tokens: interactive items', what queries wait behind
 
     @property
     def backlog(self) -> Backlog:
@@ -209,6 +215,7 @@ class Batcher:
             batch=self.queue.tokens(Priority.BATCH),
             in_flight=self.in_flight_tokens,
             displaceable=self.queue.waiting_tokens(Priority.BATCH),
+            in_flight_interactive=self.in_flight_interactive,
         )
 
     def submit(self, parts: list[tuple[int, Chunk]]) -> None:
@@ -220,6 +227,12 @@ class Batcher:
     def batch_done(self, batch: Batch) -> None:
         self.in_flight -= 1
         self.in_flight_tokens -= batch.cost
+        self.in_flight_interactive -= interactive_tokens(batch)
+        if any(chunk.job.priority is Priority.BATCH for chunk in batch.chunks):
+            # Measured from its end: a batch of ingest longer than the floor (a slow node) would
+            # otherwise make batch work starved again the moment it finished, every time, and the
+            # queries waiting behind it would wait for the whole ingest.
+            self._batch_served_at = self._clock()
         self._wake.set()
 
     async def run(self) -> None:
@@ -260,6 +273,7 @@ class Batcher:
             batch = Batch(chunks, seq_len, shapes.rows_for(items))
             self.in_flight += 1
             self.in_flight_tokens += batch.cost
+            self.in_flight_interactive += interactive_tokens(batch)
             self._dispatch(batch)
 
     def _bucket(self, pick: Pick, now: float) -> tuple[list[Chunk], list[Job]]:

@@ -11,12 +11,13 @@ started, which are refused in its place.
 
 from __future__ import annotations
 
+import dataclasses
 import time
 from collections.abc import Callable
 
 import numpy as np
 
-from kembed.admission import AdmissionController, Backlog
+from kembed.admission import AdmissionController, Backlog, MeasuredLoad, lapsing
 from kembed.engine.batcher import Batcher
 from kembed.engine.buckets import route
 from kembed.engine.jobs import Jobs
@@ -36,6 +37,7 @@ class Intake:
     def __init__(
         self,
         admission: AdmissionController,
+        load: MeasuredLoad,
         batcher: Batcher,
         jobs: Jobs,
         outbox: Outbox,
@@ -44,6 +46,7 @@ class Intake:
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         self._admission = admission
+        self._load = load  # the measurements admission weighs against, where latency samples go
         self._batcher = batcher
         self._jobs = jobs
         self._outbox = outbox
@@ -53,17 +56,34 @@ class Intake:
         self._clock = clock
 
     def accept(self, link: int, work: Work) -> None:
-        for seconds, priority in zip(work.latencies.tolist(), work.sample_priorities.tolist(), strict=True):
-            self._admission.load.add_latency(seconds, BY_VALUE[priority])
+        load = self._load
+        kinds = zip(work.sample_priorities.tolist(), work.sample_refused.tolist(), strict=True)
+        for seconds, (priority, refused) in zip(work.latencies.tolist(), kinds, strict=True):
+            if refused:
+                load.add_refusal(seconds, BY_VALUE[priority])
+            else:
+                load.add_latency(seconds, BY_VALUE[priority])
         for tag in work.cancels.tolist():
             self._jobs.cancel(link, tag)
         if work.tags.size:
             self._admit(link, work)
 
+    def backlog(self) -> Backlog:
+        """What admission weighs: the batcher's backlog, with the queued work of each class that
+        will expire before the worker could reach it (by the class's latest deadline) set apart."""
+        backlog, now, rate = self._batcher.backlog, self._clock(), self._load.tokens_per_second
+        return dataclasses.replace(
+            backlog,
+            interactive_lapsing=lapsing(
+                backlog.interactive, rate, self._jobs.latest_deadline(Priority.INTERACTIVE), now
+            ),
+            batch_lapsing=lapsing(backlog.batch, rate, self._jobs.latest_deadline(Priority.BATCH), now),
+        )
+
     def _admit(self, link: int, work: Work) -> None:
         jobs: list[Job | None] = [None] * work.tags.size
         refused, refusals = [], []
-        backlog = self._batcher.backlog
+        backlog = self.backlog()
         tags, deadlines, counts, costs, priorities = (
             part.tolist() for part in (work.tags, work.deadlines, work.counts, work.costs, work.priorities)
         )

@@ -116,7 +116,7 @@ class Core:
         cls, settings: Settings, worker: Worker, runner: ModelRunner, links: Links, metrics: EngineMetrics
     ) -> Core:
         plan, model = runner.plan, runner.model
-        load = MeasuredLoad(settings)
+        load = MeasuredLoad(settings, batch_tokens=plan.shapes.max_tokens)
         load.rate.seed(runner.warmup_tokens, runner.warmup_seconds)
         admission = AdmissionController(settings, load)
         queue = BucketQueue(plan.bucket_lengths)
@@ -129,7 +129,7 @@ class Core:
             overhead_tokens=runner.overhead_tokens,
         )
         batcher = Batcher(queue, policy, worker.submit, expire=jobs.expire)
-        intake = Intake(admission, batcher, jobs, links, metrics, model.info.pad_token_id)
+        intake = Intake(admission, load, batcher, jobs, links, metrics, model.info.pad_token_id)
         responder = Responder(batcher, load.rate, jobs, links, metrics)
         return cls(_serving_info(runner), load, admission, batcher, jobs, intake, responder)
 
@@ -161,6 +161,7 @@ class EngineProcess:
         self._links = Links()
         self._metrics = EngineMetrics()
         self._child = Child()
+        self._expiry: asyncio.TimerHandle | None = None  # at the earliest deadline of an open job
 
     async def run(self) -> int:
         self._child.handle_signals()
@@ -241,6 +242,7 @@ class EngineProcess:
                 await self._until_read(link, writer)
                 core.intake.accept(link, _expect(await receive(reader), Work))
                 self._publish(core)
+                self._arm_expiry(core)
                 taken += 1  # after the publish: the front end counts a frame's work until the board does
                 self._board.set_frontend(hello.frontend, FrontendCell.FRAMES_TAKEN, taken)
         except ConnectionError:  # LinkClosed, or gone while its answers waited to be read
@@ -265,11 +267,31 @@ class EngineProcess:
         await writer.drain()
         log.info("link %d: answers read, taking its work again", link)
 
+    def _arm_expiry(self, core: Core) -> None:
+        """A timer at the earliest deadline of an open job, unless one is set for sooner."""
+        due = core.jobs.next_deadline()
+        if due is None or (self._expiry is not None and self._expiry.when() <= due):
+            return
+        if self._expiry is not None:
+            self._expiry.cancel()
+        self._expiry = asyncio.get_running_loop().call_at(due, self._expire, core)
+
+    def _expire(self, core: Core) -> None:
+        """Close the jobs whose deadlines passed (their front ends answer them), so that the
+        backlog front ends admit against stops counting them at once."""
+        self._expiry = None
+        if core.jobs.expire_due(time.monotonic()):
+            self._publish(core)
+        self._arm_expiry(core)
+
     def _publish(self, core: Core) -> None:
-        board, backlog, queue = self._board, core.batcher.backlog, core.batcher.queue
+        board, backlog, queue = self._board, core.intake.backlog(), core.batcher.queue
         board[Cell.BACKLOG_TOKENS] = backlog.total
         board[Cell.IN_FLIGHT_TOKENS] = backlog.in_flight
+        board[Cell.IN_FLIGHT_INTERACTIVE_TOKENS] = backlog.in_flight_interactive
         board[Cell.DISPLACEABLE_TOKENS] = backlog.displaceable
+        board.set_class(Priority.INTERACTIVE, ClassCell.LAPSING_TOKENS, backlog.interactive_lapsing)
+        board.set_class(Priority.BATCH, ClassCell.LAPSING_TOKENS, backlog.batch_lapsing)
         for priority in Priority:
             board.set_class(priority, ClassCell.QUEUED_TOKENS, queue.tokens(priority))
             board.set_class(priority, ClassCell.WAITING_REQUESTS, queue.waiting(priority))

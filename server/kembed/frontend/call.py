@@ -37,7 +37,7 @@ class EmbedCall:
     priority: Priority = Priority.INTERACTIVE
     request_id: str = ""  # echoed in the answer
     timeout_s: float | None = None  # what the caller allows from arrival; None = the server's default
-    peer: str = ""  # the caller's connection: where its pushback is enforced
+    peer: str = ""  # the caller, where its pushback is enforced: its connection (gRPC), its address (REST)
 
     @property
     def count(self) -> int:

@@ -107,10 +107,19 @@ class EngineLink:
             self._schedule_flush()
 
     def add_latency(self, seconds: float, priority: Priority) -> None:
-        """A sample for the engine's P95 window of the class (which every front end shares). Samples
-        alone wait up to SAMPLE_FLUSH_S for a frame: a storm of rejections must not become a storm
-        of frames that wake the engine between batches."""
+        """A served request's latency, for the engine's P95 windows of the class (which every front
+        end shares)."""
         self._next.add_latency(seconds, priority)
+        self._schedule_samples()
+
+    def add_refusal(self, spared_seconds: float, priority: Priority) -> None:
+        """A refusal, at the wait it spared, for the window shedding acts on."""
+        self._next.add_refusal(spared_seconds, priority)
+        self._schedule_samples()
+
+    def _schedule_samples(self) -> None:
+        """Samples alone wait up to SAMPLE_FLUSH_S for a frame: a storm of rejections must not
+        become a storm of frames that wake the engine between batches."""
         if self._flush_now is None and self._flush_at is None:
             self._flush_at = asyncio.get_running_loop().call_later(SAMPLE_FLUSH_S, self._flush)
 

@@ -28,7 +28,7 @@ class NextFrame:
     def __init__(self) -> None:
         self._requests: list[_Outgoing] = []
         self._cancels: list[int] = []
-        self._samples: list[tuple[float, Priority]] = []
+        self._samples: list[tuple[float, Priority, bool]] = []  # seconds, class, refused
 
     def add(self, tag: int, seqs: Sequences, cost: int, deadline: float, priority: Priority) -> None:
         self._requests.append(_Outgoing(tag, deadline, cost, priority, seqs.lengths, seqs.ids))
@@ -37,7 +37,12 @@ class NextFrame:
         self._cancels.append(tag)
 
     def add_latency(self, seconds: float, priority: Priority) -> None:
-        self._samples.append((seconds, priority))
+        """A served request's latency."""
+        self._samples.append((seconds, priority, False))
+
+    def add_refusal(self, spared_seconds: float, priority: Priority) -> None:
+        """A refusal, at the wait it spared."""
+        self._samples.append((spared_seconds, priority, True))
 
     @property
     def requests(self) -> int:
@@ -49,7 +54,7 @@ class NextFrame:
         cancels, self._cancels = self._cancels, []
         samples, self._samples = self._samples, []
         tags, deadlines, costs, priorities, lengths, ids = zip(*requests, strict=True) if requests else ((),) * 6
-        latencies, sample_priorities = zip(*samples, strict=True) if samples else ((), ())
+        latencies, sample_priorities, refused = zip(*samples, strict=True) if samples else ((), (), ())
         return Work(
             tags=np.asarray(tags, dtype="<u8"),
             deadlines=np.asarray(deadlines, dtype="<f8"),
@@ -61,6 +66,7 @@ class NextFrame:
             cancels=np.asarray(cancels, dtype="<u8"),
             latencies=np.asarray(latencies, dtype="<f8"),
             sample_priorities=np.asarray(sample_priorities, dtype="u1"),
+            sample_refused=np.asarray(refused, dtype="u1"),
         )
 
 

@@ -97,7 +97,7 @@ class FrontendProcess:
 
     async def _open(self, link: EngineLink) -> None:
         """The engine is warm: build the serving path and start answering."""
-        screen = Screen(self._settings, self._board, self._index, link.in_transit, link.add_latency)
+        screen = Screen(self._settings, self._board, self._index, link.in_transit, link.add_refusal)
         self._service = EmbedService(
             self._settings, link, screen, self._gate, self._metrics, self._executor, self._budget
         )

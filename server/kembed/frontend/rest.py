@@ -15,10 +15,11 @@ What one client can hold here is bounded (``docs/decisions/hostile-clients.md``)
   end's memory budget before a byte of it is read (429 when it does not fit), then parsed as it
   arrives, chunk by chunk, each chunk's work bounded, and refused at the first item that breaks a
   limit;
-- time: a request's head must arrive within the idle timeout; from its head on, one deadline
-  (``KEMBED_DEFAULT_TIMEOUT_MS``) covers its body's arrival (else 408) and its call (else 504), and
-  an answer larger than the transport's buffer must then be taken within as long again; a draining
-  front end cuts off bodies still arriving;
+- time: a request's head must arrive within the idle timeout; from its head on, its body must
+  arrive within ``KEMBED_DEFAULT_TIMEOUT_MS`` (else 408); its call then has the server's default
+  deadline for its size (else 504: ``docs/admission.md``), and an answer larger than the
+  transport's buffer must be taken within ``KEMBED_DEFAULT_TIMEOUT_MS``; a draining front end cuts
+  off bodies still arriving;
 - connections: at most ``KEMBED_MAX_REST_CONNECTIONS`` and half the file descriptors this process
   may open, so gRPC keeps room; past it the connection idle the longest is closed (once idle a
   second), else the one sending its request the longest, else the new one;
@@ -48,6 +49,7 @@ from kembed.frontend import openai_api
 from kembed.frontend.budget import BODY_WEIGHT, MemoryBudget, Reservation
 from kembed.frontend.call import Limits
 from kembed.frontend.openai_api import WHOLE_BODY_BYTES, ApiError, Body, Embeddings
+from kembed.frontend.pushback import rest_client
 from kembed.frontend.service import Gate, Service, warming_up
 from kembed.metrics import FrontendMetrics
 
@@ -218,13 +220,13 @@ class RestEdge:
             raise self._too_large()
 
     async def _read(self, request: web.BaseRequest, reservation: Reservation, deadline: float) -> Embeddings:
-        """The body, parsed as it arrives, by ``deadline``; the call gets what is left of it. A small
-        one already here is parsed at once; any other is fed chunk by chunk, the event loop free
-        between chunks."""
-        content, peer, loop = request.content, f"rest:{_peer(request)}", asyncio.get_running_loop()
+        """The body, parsed as it arrives, by ``deadline``. A small one already here is parsed at
+        once; any other is fed chunk by chunk, the event loop free between chunks. The call states
+        no deadline (OpenAI's API has none): it gets the server's default for its size. Its peer is
+        the client's address, so a new connection per call does not evade its pushback."""
+        content, peer = request.content, f"rest:{rest_client(request.remote or '')}"
         if content.is_eof() and content.total_bytes <= WHOLE_BODY_BYTES:
-            body = content.read_nowait()
-            return openai_api.parse(body, self._served, self._limits, peer, deadline - loop.time())
+            return openai_api.parse(content.read_nowait(), self._served, self._limits, peer)
         reader, limit, chunked = Body(self._limits), self._settings.max_message_bytes, request.content_length is None
         async with asyncio.timeout_at(deadline) as timeout:
             self._reading.add(timeout)
@@ -238,7 +240,7 @@ class RestEdge:
                     await asyncio.sleep(0)  # others' turn, even when the rest of the body is here already
             finally:
                 self._reading.discard(timeout)
-        return reader.finish(self._served, peer, deadline - loop.time())
+        return reader.finish(self._served, peer)
 
     def _answer_bytes(self, parsed: Embeddings) -> int:
         dimensions = min(parsed.call.dimensions or self._dimensions, self._dimensions)

@@ -16,15 +16,15 @@ from kembed.config import Settings
 from kembed.frontend.outbox import InTransit
 from kembed.priority import Priority
 
-Samples = Callable[[float, Priority], None]  # where latency samples go: to the engine's windows
+Refusals = Callable[[float, Priority], None]  # where refusals' samples go: to the engine's shedding window
 
 
 class PublishedLoad:
-    """The engine's measurements, read off the board; latency samples travel to the engine."""
+    """The engine's measurements, read off the board; refusals' samples travel to the engine."""
 
-    def __init__(self, board: Board, samples: Samples) -> None:
+    def __init__(self, board: Board, refusals: Refusals) -> None:
         self._board = board
-        self._samples = samples
+        self._refusals = refusals
 
     @property
     def tokens_per_second(self) -> float:
@@ -36,13 +36,13 @@ class PublishedLoad:
     def p95_seconds(self) -> float:
         return self._board.of_class(Priority.INTERACTIVE, ClassCell.P95_SECONDS)
 
-    def add_latency(self, seconds: float, priority: Priority) -> None:
-        self._samples(seconds, priority)
+    def add_refusal(self, spared_seconds: float, priority: Priority) -> None:
+        self._refusals(spared_seconds, priority)
 
 
 class Screen:
     def __init__(
-        self, settings: Settings, board: Board, frontend: int, in_transit: InTransit, samples: Samples
+        self, settings: Settings, board: Board, frontend: int, in_transit: InTransit, refusals: Refusals
     ) -> None:
         """``frontend`` is this front end's index on the board; ``in_transit`` its work the engine
         has not taken yet."""
@@ -50,7 +50,12 @@ class Screen:
         self._frontend = frontend
         self._in_transit = in_transit
         self._tokenizing = [0] * len(Priority)  # least costs of requests past the pre-screen, being tokenized
-        self._admission = AdmissionController(settings, PublishedLoad(board, samples))
+        self._admission = AdmissionController(settings, PublishedLoad(board, refusals))
+
+    def class_of(self, padded_tokens: int, priority: Priority) -> Priority:
+        """The class a request of this cost is served in (an interactive one too large for its
+        share of the interactive budget goes as batch work)."""
+        return self._admission.class_of(padded_tokens, priority)
 
     def before_tokenizing(self, least_padded_tokens: int, priority: Priority) -> Rejection | None:
         """The latency draw and the capacity checks on a lower bound of the request's cost."""
@@ -70,6 +75,10 @@ class Screen:
         """Whether the capacity checks would take this many more padded tokens now (decides nothing)."""
         return self._admission.fits(padded_tokens, self._backlog(), priority)
 
+    def longest_wait(self, padded_tokens: int, priority: Priority) -> float:
+        """The longest a request of this cost and class may wait now, its own work included."""
+        return self._admission.longest_wait(self._backlog().ahead(priority) + padded_tokens)
+
     def after_tokenizing(self, padded_tokens: int, priority: Priority) -> Rejection | None:
         """The capacity checks with the request's exact padded cost."""
         return self._admission.admit(padded_tokens, self._backlog(), priority)
@@ -88,4 +97,7 @@ class Screen:
             batch=int(board.of_class(Priority.BATCH, ClassCell.QUEUED_TOKENS)) + mine[Priority.BATCH],
             in_flight=int(board[Cell.IN_FLIGHT_TOKENS]),
             displaceable=int(board[Cell.DISPLACEABLE_TOKENS]),
+            in_flight_interactive=int(board[Cell.IN_FLIGHT_INTERACTIVE_TOKENS]),
+            interactive_lapsing=int(board.of_class(Priority.INTERACTIVE, ClassCell.LAPSING_TOKENS)),
+            batch_lapsing=int(board.of_class(Priority.BATCH, ClassCell.LAPSING_TOKENS)),
         )

@@ -28,7 +28,7 @@ from kembed.frontend.budget import MemoryBudget, call_weight
 from kembed.frontend.call import EmbedCall, EmbedResult, ServerInfo, Texts, Timings
 from kembed.frontend.inbox import Pending
 from kembed.frontend.link import EngineLink
-from kembed.frontend.pushback import ConnectionPushback, HeldCalls
+from kembed.frontend.pushback import Arrival, HeldCalls, PushbackWindows
 from kembed.frontend.screen import Screen
 from kembed.inputs import Sequences, Tokenizer
 from kembed.metrics import FrontendMetrics
@@ -127,7 +127,7 @@ class EmbedService:
         self._memory = memory
         self._clock = clock
         self._bucket_lengths = np.asarray(info.bucket_lengths)
-        self._pushback = ConnectionPushback(clock)
+        self._pushback = PushbackWindows(clock, on_shared=metrics.pushback_shared.inc)
         self._held = HeldCalls(self._pushback, screen.has_room)
         self._tokenizer = Tokenizer(
             tokenizers.Tokenizer.from_str(info.tokenizer_json),
@@ -140,29 +140,39 @@ class EmbedService:
         """The call's pushback is enforced on its ``peer``; what it holds is weighed against the
         front end's memory budget from its arrival until it is answered."""
         arrival = self._clock()
-        budget = self._settings.default_timeout_ms / 1000 if call.timeout_s is None else call.timeout_s
         self._gate.enter()
         try:
-            with self._memory.reserve(call_weight(call.nbytes, call.count, self._info.dimensions)):
-                return await self._embed(call, arrival, arrival + budget)
-        except EmbedError as error:
-            if error.retry_after_ms:
-                self._pushback.refused((call.peer, call.priority), error.retry_after_ms)
-            raise
+            return await self._embed(call, arrival)
         finally:
             self._gate.leave()
 
     def release_held(self) -> None:
-        """Draining: calls held for their connection's pushback go on (to be refused), none waits any more."""
+        """Draining: calls held for their client's pushback go on (to be refused), none waits any more."""
         self._held.release_all()
 
-    async def _embed(self, call: EmbedCall, arrival: float, deadline: float) -> EmbedResult:
+    async def _embed(self, call: EmbedCall, arrival: float) -> EmbedResult:
         self._validate(call)
-        priority = call.priority
         least_cost = self._least_cost(call)
-        if self._pushback.must_wait((call.peer, priority)):
+        priority = self._screen.class_of(least_cost, call.priority)
+        stated = None if call.timeout_s is None else arrival + call.timeout_s  # the client's own deadline
+        # Its window: by the class known before tokenizing; its timeout learned by its address.
+        seen = Arrival((call.peer, priority), call.peer.rpartition(":")[0], arrival, stated)
+        held = self._pushback.must_wait(seen)
+        try:
+            with self._memory.reserve(call_weight(call.nbytes, call.count, self._info.dimensions)):
+                return await self._serve(call, seen, held, least_cost, priority)
+        except EmbedError as error:
+            if error.retry_after_ms:
+                self._pushback.refused(seen, error.retry_after_ms, held)
+            raise
+
+    async def _serve(
+        self, call: EmbedCall, seen: Arrival, held: bool, least_cost: int, priority: Priority
+    ) -> EmbedResult:
+        arrival = seen.dispatched
+        if held:
             self._metrics.pushback_waits.inc()
-            await self._held.wait((call.peer, priority), least_cost, priority)
+            await self._held.wait(seen.client, least_cost, priority)
             # Then handled as if it had just arrived: its wait was its client's own doing.
             self._gate.check_open()
             arrival = self._clock()
@@ -174,13 +184,23 @@ class EmbedService:
                 seqs = await asyncio.get_running_loop().run_in_executor(self._executor, self._tokenize, call)
         tokenized = self._clock()
         cost = self._padded_tokens(seqs.lengths)
+        priority = self._screen.class_of(cost, priority)
+        if priority is not call.priority:
+            self._metrics.demoted.inc()
         self._admit(cost, priority)
+        deadline = seen.deadline if seen.deadline is not None else arrival + self._default_budget(cost, priority)
         tag, pending = self._link.submit(seqs, cost, arrival, deadline, priority)
         await self._wait(tag, pending, deadline)
         done = self._clock()
         self._link.add_latency(done - arrival, priority)
         self._metrics.request_durations[priority].observe(done - arrival)
         return self._result(call, seqs, pending, tokenized - arrival, arrival, done)
+
+    def _default_budget(self, cost: int, priority: Priority) -> float:
+        """The deadline of a call that states none: the server's default, or, for a request whose
+        own work takes longer at the measured rate (an ingest of a thousand texts on a CPU), the
+        longest it may wait for that work and what is ahead of it."""
+        return max(self._settings.default_timeout_ms / 1000, self._screen.longest_wait(cost, priority))
 
     def _validate(self, call: EmbedCall) -> None:
         """What the edges cannot check without the model."""
