@@ -399,7 +399,23 @@ def _emb(phase: dict[str, Any]) -> str:
 QUERY_P95_TARGET = "<= 1.00"  # of the idle p95 plus two batch durations
 QUERY_OVER_BATCH_TARGET = "<= 0.35"
 PRIORITY_GOODPUT_TARGET = ">= 0.90"
-NONE_REJECTED = "<= 0"
+NONE = "<= 0"
+
+
+def query_ratios(loads: dict[str, Any], queries: dict[str, Any], beside: str) -> list[Ratio]:
+    """Queries beside other work (``beside`` names it) against the queries alone: none refused, and
+    their p95 within the idle p95 plus two batch durations at saturation (a batch already in the
+    model cannot be preempted; the query's own is the second)."""
+    batch_s = loads["saturation"]["server"]["batch_seconds"]
+    allowance = loads["idle"]["interactive"]["latency_ms"]["p95"] + 2 * batch_s * 1000
+    return [
+        Ratio(f"Queries rejected beside {beside}", _exact(_refused(queries)), NONE),
+        Ratio(
+            f"Query p95 beside {beside} / (idle p95 + 2 batch durations: {allowance:.0f} ms)",
+            _exact(queries["latency_ms"]["p95"] / allowance),
+            QUERY_P95_TARGET,
+        ),
+    ]
 
 
 def priority_ratios(result: dict[str, Any]) -> list[Ratio]:
@@ -407,18 +423,11 @@ def priority_ratios(result: dict[str, Any]) -> list[Ratio]:
     the ingest's latency and saturation; the one-class and starved loads, informative."""
     loads = result["loads"]
     saturation = Spread.from_dict(loads["saturation"]["batch"]["emb_per_s"])
-    batch_s = loads["saturation"]["server"]["batch_seconds"]
-    beside, idle = loads["beside"], loads["idle"]["interactive"]
+    beside = loads["beside"]
     query_p95 = beside["interactive"]["latency_ms"]["p95"]
-    allowance = idle["latency_ms"]["p95"] + 2 * batch_s * 1000
     goodput = Spread.from_dict(beside["total_emb_per_s"])
     rows = [
-        Ratio("Queries rejected beside the ingest", _exact(_refused(beside["interactive"])), NONE_REJECTED),
-        Ratio(
-            f"Query p95 beside the ingest / (idle p95 + 2 batch durations: {allowance:.0f} ms)",
-            _exact(query_p95 / allowance),
-            QUERY_P95_TARGET,
-        ),
+        *query_ratios(loads, beside["interactive"], "the ingest"),
         Ratio(
             "Query p95 / ingest p95, beside the ingest",
             _exact(query_p95 / beside["batch"]["latency_ms"]["p95"]),
@@ -482,3 +491,70 @@ def _by_class(rejections: dict[str, dict[str, float]]) -> str:
         if any(reasons.values())
     ]
     return "; ".join(counted) or "—"
+
+
+# --- a corpus job beside queries (bench.corpus) ---------------------------------------------------
+
+CORPUS_GOODPUT_TARGET = ">= 0.90"
+SAME_ROW_TARGET = ">= 0.9999"  # one text in two batches: float rounding apart (the corpus command's SAME_ROW)
+
+
+def corpus_ratios(result: dict[str, Any]) -> list[Ratio]:
+    """The figures of a ``corpus.json``: the server's embeddings/s with the shards and queries
+    against saturation's (both from its own counters), the queries against their idle latency, and
+    the output against the corpus; the shards' own rate and refusals, informative."""
+    loads = result["loads"]
+    shards, output = loads["shards"], loads["shards"]["output"]
+    ran, n = shards["shards"], len(shards["shards"]["exit_codes"])
+    saturation = Spread.from_dict(loads["saturation"]["server_emb_per_s"])
+    delivered = Spread.from_dict(shards["server_emb_per_s"])
+    return [
+        Ratio(f"Server emb/s, {n} shards + queries / saturation (server's rows)", delivered.over(saturation),
+              CORPUS_GOODPUT_TARGET),
+        *query_ratios(loads, shards["interactive"], f"{n} shards"),
+        Ratio("Shards that ended before the measured window did", _exact(n - shards["shards_running_at_end"]), NONE),
+        Ratio("Rows missing or extra in the parts, in the manifest's order",
+              _exact(abs(output["rows"] - output["lines"])), NONE),
+        Ratio("Parts out of the shards' order, or not as the manifest counts them",
+              _exact(0.0 if output["parts_in_order"] else 1.0), NONE),
+        Ratio(f"Rows at the parts' ends against their lines embedded anew, least cosine ({output['seam_rows']} rows)",
+              _exact(output["seam_min_cosine"]), SAME_ROW_TARGET),
+        Ratio("Shards' rows/s (each over its own run, summed) / saturation (server's rows)",
+              _exact(ran["rows_per_s"]).over(saturation), ""),
+        Ratio("Shards' refusals", _exact(ran["refusals"]), ""),
+    ]  # fmt: skip
+
+
+def corpus_table(result: dict[str, Any]) -> str:
+    """Every load of a ``corpus.json``: each side's figures and the server's, then the output."""
+    s, loads = result["settings"], result["loads"]
+    shards, ran, output = loads["shards"], loads["shards"]["shards"], loads["shards"]["output"]
+    columns = ["Load", "Side", "emb/s (client)", "emb/s (server's rows)", "p50 / p95 / p99 ms", "Codes"]
+    columns.append("Batch compute ms")
+    lines = ["| " + " | ".join(columns) + " |", "| --- " * len(columns) + "|"]
+    queries = f"queries, 1 short text, {loads['query_rate']:.1f}/s Poisson"
+    ingest = f"ingest, {s['load']['concurrency']} callers x {s['load']['texts']} texts"
+    rows = [
+        ["saturation", *_side_cells(ingest, loads["saturation"]["batch"], loads["saturation"])],
+        ["idle", *_side_cells(queries, loads["idle"]["interactive"], None)],
+        ["shards", f"{len(ran['exit_codes'])} corpus commands, {output['lines']} lines",
+         f"{ran['rows_per_s']:.1f} (rows / own s)", _fmt(Spread.from_dict(shards["server_emb_per_s"])), "—",
+         f"refusals {ran['refusals']}, retries {ran['retries']}, reconnects {ran['reconnects']}"],
+        ["shards", *_side_cells(queries, shards["interactive"], None)],
+    ]  # fmt: skip
+    for row, phase in zip(rows, (loads["saturation"], loads["idle"], shards, shards), strict=True):
+        lines.append("| " + " | ".join([*row, f"{phase['server']['batch_seconds'] * 1000:.0f}"]) + " |")
+    parts = ", ".join(map(str, output["part_rows"]))
+    lines += ["", f"Output: {output['rows']} rows in {len(output['part_rows'])} parts ({parts}) for {output['lines']} "
+                  f"corpus lines; the shards together {ran['rows_per_wall_s']:.1f} rows/s over {ran['wall_s']:.0f} s "
+                  "from their start to the last one's end."]  # fmt: skip
+    return "\n".join(lines)
+
+
+def _side_cells(label: str, side: dict[str, Any], phase: dict[str, Any] | None) -> list[str]:
+    """A side's cells: its label, client emb/s, the server's (``phase``'s, where given), latency, codes."""
+    lat = side["latency_ms"]
+    server = _fmt(Spread.from_dict(phase["server_emb_per_s"])) if phase else ""
+    codes = ", ".join(f"{code} {n}" for code, n in sorted(side["codes"].items()))
+    emb = _fmt(Spread.from_dict(side["emb_per_s"]))
+    return [label, emb, server, f"{_ms(lat['p50'])} / {_ms(lat['p95'])} / {_ms(lat['p99'])}", codes]

@@ -10,8 +10,9 @@
    REST against gRPC and against the peer (Infinity, where ``bench.peers setup`` installed it), and
    (not with ``--quick``) the retry storm;
 6. queries beside an ingest, the priority classes (``bench.priority``);
-7. the front end → engine transports (``bench.ipc``);
-8. ``bench.plot``.
+7. a corpus job's shards beside queries (``bench.corpus``);
+8. the front end → engine transports (``bench.ipc``);
+9. ``bench.plot``.
 
 The token-bucket runs (ceiling and server) use a finer bucket ladder than the server's default
 powers of two: on this workload, in bucket-confined batches (compiled shapes), the defaults pad
@@ -27,7 +28,7 @@ from __future__ import annotations
 import argparse
 from collections.abc import Sequence
 
-from bench import ceiling, gpu, hostpath, ipc, packing, plot, priority, serve_load
+from bench import ceiling, corpus, gpu, hostpath, ipc, packing, plot, priority, serve_load
 
 TUNED_BUCKETS = "buckets=16,24,32,48,64,96,128,192,256"
 HOSTPATH = ["--parts", f"{hostpath.DEFAULT_PARTS},storm"]
@@ -47,7 +48,9 @@ def main(argv: Sequence[str] | None = None) -> None:
     if not args.skip_gpu:
         gpu.main(["--quick"] if args.quick else [])
     hostpath.main(QUICK_HOSTPATH if args.quick else HOSTPATH)
-    priority.main(["--duration", "8", "--warmup", "2", "--windows", "2"] if args.quick else [])
+    quick_loads = ["--duration", "8", "--warmup", "2", "--windows", "2"]
+    priority.main(quick_loads if args.quick else [])
+    corpus.main(quick_loads if args.quick else [])
     ipc.main(["--seconds", "1"] if args.quick else [])
     plot.main()
 
