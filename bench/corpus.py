@@ -3,7 +3,7 @@
 One real server as ``bench.priority`` runs it (``KEMBED_FRONTENDS=auto``; ``--env`` adds settings),
 and a corpus file: the workload's texts one a line (whitespace runs made one space, so a text is a
 line), repeated in order to ``--lines`` lines (0: enough for the shards to outlast the measured
-window at saturation's rate, ``LINES_MARGIN`` times over). Three loads, the server's latency window
+window at the rate of saturation's best window, ``LINES_MARGIN`` times over). Three loads, the server's latency window
 between them:
 
 1. **Saturation**: ``bench.priority``'s ingest alone (batch class, ``--concurrency`` closed-loop
@@ -52,7 +52,7 @@ from typing import Any
 import numpy as np
 
 from bench import RESULTS_DIR, headline, machine, priority, workload
-from bench.report import Samples, Spread, metric_sum
+from bench.report import Samples, Spread, metric_sum, worker_figures
 from bench.server import Server, running
 from kembed.client import EmbedClient
 from kembed.client.corpus.parts import growing_path, manifest_path, part_path
@@ -62,7 +62,7 @@ from kembed.contract import PRIORITY_LABEL, Metric
 from kembed.priority import Priority
 
 ROWS = Metric.BATCH_SIZE + "_sum"  # rows the server computed
-LINES_MARGIN = 1.5  # corpus lines over what saturation computes in a load: shards outlast it
+LINES_MARGIN = 2.0  # corpus lines over what saturation's best window computes in a load: shards outlast it
 START_POLL_S = 0.2  # the server's metrics, read until a load's first request (each read costs it a little)
 START_TIMEOUT_S = 300.0  # for every shard to open its part
 END_TIMEOUT_S = 600.0  # for the shards to finish, from their start
@@ -128,12 +128,15 @@ def scraped(server: Server, opts: priority.Options, cls: Priority) -> Iterator[l
         thread.join()
 
 
-def server_emb_per_s(scrapes: Sequence[tuple[float, Samples]]) -> dict[str, float]:
-    """Rows the server computed per second in each window between scrapes: median and range."""
-    rates = [
-        (metric_sum(b, ROWS) - metric_sum(a, ROWS)) / (tb - ta) for (ta, a), (tb, b) in itertools.pairwise(scrapes)
+def server_windows(scrapes: Sequence[tuple[float, Samples]]) -> dict[str, Any]:
+    """Rows the server computed per second in each window between scrapes (median and range), and
+    each window's worker figures: whether it was fed (busy share), and how fast the machine let it
+    compute (padded tokens per compute-second)."""
+    windows = [
+        {"emb_per_s": (metric_sum(b, ROWS) - metric_sum(a, ROWS)) / (tb - ta), **worker_figures(a, b, tb - ta)}
+        for (ta, a), (tb, b) in itertools.pairwise(scrapes)
     ]
-    return Spread.of(rates).to_dict()
+    return {"emb_per_s": Spread.of([w["emb_per_s"] for w in windows]).to_dict(), "windows": windows}
 
 
 def shard_command(target: str, corpus: Path, output: Path, shard: Shard, summary: Path) -> list[str]:
@@ -252,7 +255,7 @@ def measure_shards(
             figures = loads.measure(interactive=loads.queries(rate))
         running_at_end = shards.running()  # the queries' load has ended: its window with it
         ended = shards.finish()
-    return {**figures, "server_emb_per_s": server_emb_per_s(scrapes), "shards_running_at_end": running_at_end,
+    return {**figures, "server_windows": server_windows(scrapes), "shards_running_at_end": running_at_end,
             "shards": ended, "output": check_parts(output, lines, server.grpc_target)}  # fmt: skip
 
 
@@ -261,10 +264,11 @@ def run_loads(server: Server, opts: Options, texts: list[str], queries: list[str
     loads = priority.Loads(server, opts.load, texts, queries)
     with scraped(server, opts.load, Priority.BATCH) as scrapes:
         saturation, rate = loads.saturation()
-    saturation["server_emb_per_s"] = server_emb_per_s(scrapes)
+    saturation["server_windows"] = server_windows(scrapes)
     result: dict[str, Any] = {"saturation": saturation, "query_rate": rate}
     result["idle"] = loads.after_pause("idle", interactive=loads.queries(rate))
-    lines = corpus_lines(texts, opts.lines or lines_for(saturation["server_emb_per_s"]["median"], opts.load))
+    # From the best window: a machine that others share may be faster when the shards run.
+    lines = corpus_lines(texts, opts.lines or lines_for(saturation["server_windows"]["emb_per_s"]["hi"], opts.load))
     corpus = tmp / "corpus.txt"
     corpus.write_text("".join(line + "\n" for line in lines))
     time.sleep(Settings.from_env({}).latency_window_s)  # as after_pause: the idle load forgotten
@@ -274,9 +278,9 @@ def run_loads(server: Server, opts: Options, texts: list[str], queries: list[str
 
 
 def _brief(shards: dict[str, Any]) -> str:
-    s = shards["shards"]
-    return (f"server {shards['server_emb_per_s']['median']:.1f} emb/s; {s['rows']} rows, {s['refusals']} refusals; "
-            + priority.brief("interactive", shards["interactive"]))  # fmt: skip
+    s, server = shards["shards"], shards["server_windows"]["emb_per_s"]["median"]
+    said = f"server {server:.1f} emb/s; {s['rows']} rows, {s['refusals']} refusals; "
+    return said + priority.brief("interactive", shards["interactive"])
 
 
 def run(opts: Options, env: dict[str, str]) -> dict[str, Any]:

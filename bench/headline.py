@@ -6,7 +6,7 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-from bench.report import Spread
+from bench.report import Spread, percentile
 
 
 @dataclass(frozen=True)
@@ -506,8 +506,8 @@ def corpus_ratios(result: dict[str, Any]) -> list[Ratio]:
     loads = result["loads"]
     shards, output = loads["shards"], loads["shards"]["output"]
     ran, n = shards["shards"], len(shards["shards"]["exit_codes"])
-    saturation = Spread.from_dict(loads["saturation"]["server_emb_per_s"])
-    delivered = Spread.from_dict(shards["server_emb_per_s"])
+    saturation = _server_rate(loads["saturation"])
+    delivered = _server_rate(shards)
     return [
         Ratio(f"Server emb/s, {n} shards + queries / saturation (server's rows)", delivered.over(saturation),
               CORPUS_GOODPUT_TARGET),
@@ -530,20 +530,24 @@ def corpus_table(result: dict[str, Any]) -> str:
     s, loads = result["settings"], result["loads"]
     shards, ran, output = loads["shards"], loads["shards"]["shards"], loads["shards"]["output"]
     columns = ["Load", "Side", "emb/s (client)", "emb/s (server's rows)", "p50 / p95 / p99 ms", "Codes"]
-    columns.append("Batch compute ms")
+    columns += ["Worker: busy / padded tok per compute-s (median of windows)", "Batch compute ms"]
     lines = ["| " + " | ".join(columns) + " |", "| --- " * len(columns) + "|"]
     queries = f"queries, 1 short text, {loads['query_rate']:.1f}/s Poisson"
     ingest = f"ingest, {s['load']['concurrency']} callers x {s['load']['texts']} texts"
     rows = [
-        ["saturation", *_side_cells(ingest, loads["saturation"]["batch"], loads["saturation"])],
-        ["idle", *_side_cells(queries, loads["idle"]["interactive"], None)],
+        ["saturation", *_side_cells(ingest, loads["saturation"]["batch"]), _fmt(_server_rate(loads["saturation"]))],
+        ["idle", *_side_cells(queries, loads["idle"]["interactive"]), ""],
         ["shards", f"{len(ran['exit_codes'])} corpus commands, {output['lines']} lines",
-         f"{ran['rows_per_s']:.1f} (rows / own s)", _fmt(Spread.from_dict(shards["server_emb_per_s"])), "—",
-         f"refusals {ran['refusals']}, retries {ran['retries']}, reconnects {ran['reconnects']}"],
-        ["shards", *_side_cells(queries, shards["interactive"], None)],
+         f"{ran['rows_per_s']:.1f} (rows / own s)", "—",
+         f"refusals {ran['refusals']}, retries {ran['retries']}, reconnects {ran['reconnects']}",
+         _fmt(_server_rate(shards))],
+        ["shards", *_side_cells(queries, shards["interactive"]), ""],
     ]  # fmt: skip
     for row, phase in zip(rows, (loads["saturation"], loads["idle"], shards, shards), strict=True):
-        lines.append("| " + " | ".join([*row, f"{phase['server']['batch_seconds'] * 1000:.0f}"]) + " |")
+        label, emb, lat, codes, server = row[1:]
+        worker = _window_worker(phase) if server else ""
+        cells = [row[0], label, emb, server, lat, codes, worker, f"{phase['server']['batch_seconds'] * 1000:.0f}"]
+        lines.append("| " + " | ".join(cells) + " |")
     parts = ", ".join(map(str, output["part_rows"]))
     lines += ["", f"Output: {output['rows']} rows in {len(output['part_rows'])} parts ({parts}) for {output['lines']} "
                   f"corpus lines; the shards together {ran['rows_per_wall_s']:.1f} rows/s over {ran['wall_s']:.0f} s "
@@ -551,10 +555,21 @@ def corpus_table(result: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def _side_cells(label: str, side: dict[str, Any], phase: dict[str, Any] | None) -> list[str]:
-    """A side's cells: its label, client emb/s, the server's (``phase``'s, where given), latency, codes."""
+def _server_rate(phase: dict[str, Any]) -> Spread:
+    return Spread.from_dict(phase["server_windows"]["emb_per_s"])
+
+
+def _window_worker(phase: dict[str, Any]) -> str:
+    """The worker's busy share and compute speed over a load's windows (their medians)."""
+    windows = phase["server_windows"]["windows"]
+    busy = percentile([w["busy_share"] for w in windows], 50)
+    speed = percentile([w["padded_tokens_per_compute_s"] for w in windows], 50)
+    return "—" if math.isnan(busy) else f"{busy:.0%} / {speed:.0f}"
+
+
+def _side_cells(label: str, side: dict[str, Any]) -> list[str]:
+    """A side's cells: its label, client emb/s, latency, codes."""
     lat = side["latency_ms"]
-    server = _fmt(Spread.from_dict(phase["server_emb_per_s"])) if phase else ""
     codes = ", ".join(f"{code} {n}" for code, n in sorted(side["codes"].items()))
     emb = _fmt(Spread.from_dict(side["emb_per_s"]))
-    return [label, emb, server, f"{_ms(lat['p50'])} / {_ms(lat['p95'])} / {_ms(lat['p99'])}", codes]
+    return [label, emb, f"{_ms(lat['p50'])} / {_ms(lat['p95'])} / {_ms(lat['p99'])}", codes]

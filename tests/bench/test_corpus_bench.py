@@ -39,7 +39,7 @@ def test_the_corpus_is_the_texts_in_turn_one_a_line() -> None:
 def test_the_corpus_outlasts_a_load_at_saturation_rate() -> None:
     lines = corpus.lines_for(100.0, LOAD)  # a load's 6 s, and a warm-up of 2 for its processes to start
     assert lines == 100 * 8 * corpus.LINES_MARGIN
-    assert corpus.lines_for(0.5, LOAD) == 6  # rounded up
+    assert corpus.lines_for(0.55, LOAD) == 9  # rounded up
 
 
 def test_a_shard_runs_with_the_flags_an_embedding_jobs_pod_gets(tmp_path: Path) -> None:
@@ -50,14 +50,17 @@ def test_a_shard_runs_with_the_flags_an_embedding_jobs_pod_gets(tmp_path: Path) 
     assert (args.batch_texts, args.in_flight, args.priority) == (32, 8, "batch")  # the defaults, as in a pod
 
 
-def _scrape(at: float, rows: float) -> tuple[float, Any]:
-    return at, parse_prometheus(f"{corpus.ROWS} {rows}\n")
+def _scrape(at: float, rows: float, compute_s: float) -> tuple[float, Any]:
+    text = f"{corpus.ROWS} {rows}\n{Metric.INFERENCE_SECONDS}_sum {compute_s}\n"
+    return at, parse_prometheus(text)
 
 
-def test_the_servers_rows_per_second_are_taken_between_scrapes() -> None:
-    scrapes = [_scrape(10.0, 100), _scrape(12.0, 300), _scrape(14.5, 400)]
-    assert corpus.server_emb_per_s(scrapes) == Spread(70.0, 40.0, 100.0).to_dict()  # 200 / 2 s, 100 / 2.5 s
-    assert math.isnan(corpus.server_emb_per_s(scrapes[:1])["median"])  # no window
+def test_the_servers_rows_per_second_and_busy_share_are_taken_between_scrapes() -> None:
+    scrapes = [_scrape(10.0, 100, 5.0), _scrape(12.0, 300, 7.0), _scrape(14.5, 400, 8.0)]
+    figures = corpus.server_windows(scrapes)
+    assert figures["emb_per_s"] == Spread(70.0, 40.0, 100.0).to_dict()  # 200 / 2 s, 100 / 2.5 s
+    assert [w["busy_share"] for w in figures["windows"]] == [1.0, 0.4]  # 2 s of 2, 1 s of 2.5
+    assert math.isnan(corpus.server_windows(scrapes[:1])["emb_per_s"]["median"])  # no window
 
 
 def test_a_class_requests_count_answers_and_refusals_of_that_class_only() -> None:
@@ -119,7 +122,9 @@ def test_parts_the_manifest_lists_out_of_order_are_seen(tmp_path: Path) -> None:
 def _load(sides: dict[str, Any], batch_ms: float, server_emb: float | None = None) -> dict[str, Any]:
     load = {**sides, "server": {"batch_seconds": batch_ms / 1000, "batches": 10, "rejections": {}}}
     if server_emb is not None:
-        load["server_emb_per_s"] = Spread(server_emb, server_emb - 5, server_emb + 5).to_dict()
+        windows = [{"emb_per_s": server_emb, "busy_share": 0.97, "padded_tokens_per_compute_s": 9000.0}]
+        emb = Spread(server_emb, server_emb - 5, server_emb + 5).to_dict()
+        load["server_windows"] = {"emb_per_s": emb, "windows": windows}
     return load
 
 
@@ -176,6 +181,7 @@ def test_the_corpus_table_has_every_load_and_the_output() -> None:
     lines = table.splitlines()
     assert [line.split(" | ")[0].strip("| ") for line in lines[2:6]] == ["saturation", "idle", "shards", "shards"]
     assert "4 corpus commands, 1000 lines" in lines[4] and "refusals 12" in lines[4]
+    assert "| 97% / 9000 |" in lines[4] and "| 97% / 9000 |" in lines[2]  # the server's worker, where it was read
     assert lines[-1].startswith("Output: 1000 rows in 4 parts (250, 250, 250, 250) for 1000 corpus lines")
 
 
