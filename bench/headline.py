@@ -6,7 +6,7 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-from bench.report import Spread
+from bench.report import Spread, percentile
 
 
 @dataclass(frozen=True)
@@ -405,7 +405,23 @@ def _emb(phase: dict[str, Any]) -> str:
 QUERY_P95_TARGET = "<= 1.00"  # of the idle p95 plus two batch durations
 QUERY_OVER_BATCH_TARGET = "<= 0.35"
 PRIORITY_GOODPUT_TARGET = ">= 0.90"
-NONE_REJECTED = "<= 0"
+NONE = "<= 0"
+
+
+def query_ratios(loads: dict[str, Any], queries: dict[str, Any], beside: str) -> list[Ratio]:
+    """Queries beside other work (``beside`` names it) against the queries alone: none refused, and
+    their p95 within the idle p95 plus two batch durations at saturation (a batch already in the
+    model cannot be preempted; the query's own is the second)."""
+    batch_s = loads["saturation"]["server"]["batch_seconds"]
+    allowance = loads["idle"]["interactive"]["latency_ms"]["p95"] + 2 * batch_s * 1000
+    return [
+        Ratio(f"Queries rejected beside {beside}", _exact(_refused(queries)), NONE),
+        Ratio(
+            f"Query p95 beside {beside} / (idle p95 + 2 batch durations: {allowance:.0f} ms)",
+            _exact(queries["latency_ms"]["p95"] / allowance),
+            QUERY_P95_TARGET,
+        ),
+    ]
 
 
 def priority_ratios(result: dict[str, Any]) -> list[Ratio]:
@@ -413,18 +429,11 @@ def priority_ratios(result: dict[str, Any]) -> list[Ratio]:
     the ingest's latency and saturation; the one-class and starved loads, informative."""
     loads = result["loads"]
     saturation = Spread.from_dict(loads["saturation"]["batch"]["emb_per_s"])
-    batch_s = loads["saturation"]["server"]["batch_seconds"]
-    beside, idle = loads["beside"], loads["idle"]["interactive"]
+    beside = loads["beside"]
     query_p95 = beside["interactive"]["latency_ms"]["p95"]
-    allowance = idle["latency_ms"]["p95"] + 2 * batch_s * 1000
     goodput = Spread.from_dict(beside["total_emb_per_s"])
     rows = [
-        Ratio("Queries rejected beside the ingest", _exact(_refused(beside["interactive"])), NONE_REJECTED),
-        Ratio(
-            f"Query p95 beside the ingest / (idle p95 + 2 batch durations: {allowance:.0f} ms)",
-            _exact(query_p95 / allowance),
-            QUERY_P95_TARGET,
-        ),
+        *query_ratios(loads, beside["interactive"], "the ingest"),
         Ratio(
             "Query p95 / ingest p95, beside the ingest",
             _exact(query_p95 / beside["batch"]["latency_ms"]["p95"]),
@@ -534,7 +543,7 @@ def fairness_ratios(result: dict[str, Any]) -> list[Ratio]:
         allowance = idle["latency_ms"]["p95"] + 2 * beside["batch_seconds"] * 1000
         name = f"maximal ingest ({lockout['texts']} texts, REST, no priority)"
         rows += [
-            Ratio(f"Queries refused beside a {name}", _exact(_refused(beside)), NONE_REJECTED),
+            Ratio(f"Queries refused beside a {name}", _exact(_refused(beside)), NONE),
             Ratio(
                 f"Query p95 beside it / (idle p95 + 2 batch durations: {allowance:.0f} ms)",
                 _exact(beside["latency_ms"]["p95"] / allowance),
@@ -592,3 +601,85 @@ def _poison_notes(poison: dict[str, Any]) -> str:
         f"beside {poison['attackers']} clients of maximal requests ({codes}); exported P95 at most "
         f"{_ms(exported)} ms; /health: {health}"
     )
+
+
+# --- a corpus job beside queries (bench.corpus) ---------------------------------------------------
+
+CORPUS_GOODPUT_TARGET = ">= 0.90"
+SAME_ROW_TARGET = ">= 0.9999"  # one text in two batches: float rounding apart (the corpus command's SAME_ROW)
+
+
+def corpus_ratios(result: dict[str, Any]) -> list[Ratio]:
+    """The figures of a ``corpus.json``: the server's embeddings/s with the shards and queries
+    against saturation's (both from its own counters), the queries against their idle latency, and
+    the output against the corpus; the shards' own rate and refusals, informative."""
+    loads = result["loads"]
+    shards, output = loads["shards"], loads["shards"]["output"]
+    ran, n = shards["shards"], len(shards["shards"]["exit_codes"])
+    saturation = _server_rate(loads["saturation"])
+    delivered = _server_rate(shards)
+    return [
+        Ratio(f"Server emb/s, {n} shards + queries / saturation (server's rows)", delivered.over(saturation),
+              CORPUS_GOODPUT_TARGET),
+        *query_ratios(loads, shards["interactive"], f"{n} shards"),
+        Ratio("Shards that ended before the measured window did", _exact(n - shards["shards_running_at_end"]), NONE),
+        Ratio("Rows missing or extra in the parts, in the manifest's order",
+              _exact(abs(output["rows"] - output["lines"])), NONE),
+        Ratio("Parts out of the shards' order, or not as the manifest counts them",
+              _exact(0.0 if output["parts_in_order"] else 1.0), NONE),
+        Ratio(f"Rows at the parts' ends against their lines embedded anew, least cosine ({output['seam_rows']} rows)",
+              _exact(output["seam_min_cosine"]), SAME_ROW_TARGET),
+        Ratio("Shards' rows/s (each over its own run, summed) / saturation (server's rows)",
+              _exact(ran["rows_per_s"]).over(saturation), ""),
+        Ratio("Shards' refusals", _exact(ran["refusals"]), ""),
+    ]  # fmt: skip
+
+
+def corpus_table(result: dict[str, Any]) -> str:
+    """Every load of a ``corpus.json``: each side's figures and the server's, then the output."""
+    s, loads = result["settings"], result["loads"]
+    shards, ran, output = loads["shards"], loads["shards"]["shards"], loads["shards"]["output"]
+    columns = ["Load", "Side", "emb/s (client)", "emb/s (server's rows)", "p50 / p95 / p99 ms", "Codes"]
+    columns += ["Worker: busy / padded tok per compute-s (median of windows)", "Batch compute ms"]
+    lines = ["| " + " | ".join(columns) + " |", "| --- " * len(columns) + "|"]
+    queries = f"queries, 1 short text, {loads['query_rate']:.1f}/s Poisson"
+    ingest = f"ingest, {s['load']['concurrency']} callers x {s['load']['texts']} texts"
+    rows = [
+        ["saturation", *_side_cells(ingest, loads["saturation"]["batch"]), _fmt(_server_rate(loads["saturation"]))],
+        ["idle", *_side_cells(queries, loads["idle"]["interactive"]), ""],
+        ["shards", f"{len(ran['exit_codes'])} corpus commands, {output['lines']} lines",
+         f"{ran['rows_per_s']:.1f} (rows / own s)", "—",
+         f"refusals {ran['refusals']}, retries {ran['retries']}, reconnects {ran['reconnects']}",
+         _fmt(_server_rate(shards))],
+        ["shards", *_side_cells(queries, shards["interactive"]), ""],
+    ]  # fmt: skip
+    for row, phase in zip(rows, (loads["saturation"], loads["idle"], shards, shards), strict=True):
+        label, emb, lat, codes, server = row[1:]
+        worker = _window_worker(phase) if server else ""
+        cells = [row[0], label, emb, server, lat, codes, worker, f"{phase['server']['batch_seconds'] * 1000:.0f}"]
+        lines.append("| " + " | ".join(cells) + " |")
+    parts = ", ".join(map(str, output["part_rows"]))
+    lines += ["", f"Output: {output['rows']} rows in {len(output['part_rows'])} parts ({parts}) for {output['lines']} "
+                  f"corpus lines; the shards together {ran['rows_per_wall_s']:.1f} rows/s over {ran['wall_s']:.0f} s "
+                  "from their start to the last one's end."]  # fmt: skip
+    return "\n".join(lines)
+
+
+def _server_rate(phase: dict[str, Any]) -> Spread:
+    return Spread.from_dict(phase["server_windows"]["emb_per_s"])
+
+
+def _window_worker(phase: dict[str, Any]) -> str:
+    """The worker's busy share and compute speed over a load's windows (their medians)."""
+    windows = phase["server_windows"]["windows"]
+    busy = percentile([w["busy_share"] for w in windows], 50)
+    speed = percentile([w["padded_tokens_per_compute_s"] for w in windows], 50)
+    return "—" if math.isnan(busy) else f"{busy:.0%} / {speed:.0f}"
+
+
+def _side_cells(label: str, side: dict[str, Any]) -> list[str]:
+    """A side's cells: its label, client emb/s, latency, codes."""
+    lat = side["latency_ms"]
+    codes = ", ".join(f"{code} {n}" for code, n in sorted(side["codes"].items()))
+    emb = _fmt(Spread.from_dict(side["emb_per_s"]))
+    return [label, emb, f"{_ms(lat['p50'])} / {_ms(lat['p95'])} / {_ms(lat['p99'])}", codes]

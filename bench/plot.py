@@ -1,7 +1,7 @@
 """PNGs and the READMEs' result tables, from the JSON in ``bench/results/``.
 
 ``python -m bench.plot`` writes ``throughput.png``, ``latency.png``, ``padding.png`` and
-``summary.md`` (with the host-path tables of ``hostpath.json`` where there is one), replaces the
+``summary.md`` (with the host-path, priority and corpus-job tables where their JSONs are), replaces the
 block between the ``bench:results`` markers of ``bench/README.md``, and the block between the
 ``bench:headline`` markers of the top-level README, where it has them (the headline ratios and
 the throughput plot).
@@ -134,6 +134,14 @@ def fairness_text(fairness: dict[str, Any] | None) -> str:
     return _judged("Queries beside a maximal ingest, and beside refused maximal requests,", fairness, rows, table)
 
 
+def corpus_text(corpus: dict[str, Any] | None) -> str:
+    """A corpus job's shards beside queries (``bench.corpus``), or why there is none."""
+    if not corpus:
+        return "Corpus job: not run (no results/corpus.json; `python -m bench.corpus`)."
+    rows, table = headline.corpus_ratios(corpus), headline.corpus_table(corpus)
+    return _judged("A corpus job's shards beside queries, one server,", corpus, rows, table)
+
+
 def _judged(what: str, result: dict[str, Any], rows: list[headline.Ratio], table: str) -> str:
     """A result's heading (when, under what load, which commit), its ratios and its table."""
     m = result["machine"]
@@ -150,6 +158,7 @@ def markdown(
     priority: dict[str, Any] | None,
     abuse: dict[str, Any] | None = None,
     fairness: dict[str, Any] | None = None,
+    corpus: dict[str, Any] | None = None,
 ) -> str:
     m = ceiling["machine"]
     runs = "; ".join(
@@ -172,6 +181,7 @@ def markdown(
             priority_text(priority),
             abuse_text(abuse),
             fairness_text(fairness),
+            corpus_text(corpus),
             headline.gpu_table(gpu),
         ]
     )
@@ -205,15 +215,16 @@ def headline_block(ceiling: dict[str, Any], token_bucket: dict[str, Any], naive:
 
 
 def main() -> None:
-    names = ("ceiling", "serve_token_bucket", "serve_naive", "gpu", "hostpath", "priority", "abuse", "fairness")
-    ceiling, token_bucket, naive, gpu, hostpath, priority, abuse, fairness = map(read_result, names)
+    names: tuple[str, ...] = ("ceiling", "serve_token_bucket", "serve_naive", "gpu", "hostpath", "priority")
+    names += ("abuse", "fairness", "corpus")
+    ceiling, token_bucket, naive, gpu, hostpath, priority, abuse, fairness, corpus = map(read_result, names)
     if ceiling is None or token_bucket is None:
         raise SystemExit("need bench/results/ceiling.json and serve_token_bucket.json: run python -m bench.run_all")
     serves = [token_bucket] + ([naive] if naive else [])
     throughput(ceiling, serves, RESULTS_DIR / "throughput.png")
     latency(serves, RESULTS_DIR / "latency.png")
     padding(ceiling, serves, RESULTS_DIR / "padding.png")
-    block = markdown(ceiling, serves, naive, gpu, hostpath, priority, abuse, fairness)
+    block = markdown(ceiling, serves, naive, gpu, hostpath, priority, abuse, fairness, corpus)
     (RESULTS_DIR / "summary.md").write_text(block + "\n")
     README.write_text(splice(README.read_text(), block, RESULTS_MARKERS))
     top = TOP_README.read_text()

@@ -146,24 +146,33 @@ class Loads:
         total = emb_per_s(list(zip(outcomes, per_call, strict=True)), self._opts)
         return {**figures, "total_emb_per_s": total, "server": server_figures(before, self._server.metrics())}
 
+    def ingest(self) -> tuple[tuple[str, dict[str, Any]], int]:
+        """The ingest side: closed-loop batch calls of ``--texts`` texts."""
+        return self.closed(self._ingest, self._opts.concurrency), self._opts.texts
+
+    def queries(self, rate: float) -> tuple[tuple[str, dict[str, Any]], int]:
+        """The queries side: one short text a call, Poisson arrivals at ``rate``/s."""
+        return self.poisson(self._queries, rate), 1
+
+    def saturation(self) -> tuple[dict[str, Any], float]:
+        """The ingest alone, measured, and the query rate it sets (``--share`` of its embeddings/s)."""
+        saturation = self.measure(batch=self.ingest())
+        rate = self._opts.share * saturation["batch"]["emb_per_s"]["median"]
+        if not rate > 0:
+            raise RuntimeError(f"no ingest call succeeded at saturation ({saturation['batch']['codes']})")
+        print(f"  saturation {saturation['batch']['emb_per_s']['median']:.1f} emb/s; queries at {rate:.2f}/s")
+        return saturation, rate
+
     def run(self) -> dict[str, Any]:
         o = self._opts
-        window_s = Settings.from_env({}).latency_window_s
-        saturation = self.measure(batch=(self.closed(self._ingest, o.concurrency), o.texts))
-        rate = o.share * saturation["batch"]["emb_per_s"]["median"]
-        if not rate > 0:
-            raise RuntimeError(f"priority: no ingest call succeeded at saturation ({saturation['batch']['codes']})")
-        print(f"  saturation {saturation['batch']['emb_per_s']['median']:.1f} emb/s; queries at {rate:.2f}/s")
+        saturation, rate = self.saturation()
         loads: dict[str, Any] = {"saturation": saturation, "query_rate": rate}
         plan = {
-            "idle": {"interactive": (self.poisson(self._queries, rate), 1)},
-            "beside": {
-                "batch": (self.closed(self._ingest, o.concurrency), o.texts),
-                "interactive": (self.poisson(self._queries, rate), 1),
-            },
+            "idle": {"interactive": self.queries(rate)},
+            "beside": {"batch": self.ingest(), "interactive": self.queries(rate)},
             "one_class": {
                 "batch": (self.closed(self._ingest_interactive, o.concurrency), o.texts),
-                "interactive": (self.poisson(self._queries, rate), 1),
+                "interactive": self.queries(rate),
             },
             "starved": {
                 "batch": (self.closed(self._ingest_trickle, 1), o.texts),
@@ -171,24 +180,33 @@ class Loads:
             },
         }
         for name, sides in plan.items():
-            time.sleep(window_s)  # the server's latency windows forget the last load
-            loads[name] = self.measure(**sides)
-            print(f"  {name}: " + ", ".join(_brief(k, loads[name][k]) for k in sides))
+            loads[name] = self.after_pause(name, **sides)
         return loads
 
+    def after_pause(self, name: str, **sides: tuple[tuple[str, dict[str, Any]], int]) -> dict[str, Any]:
+        """``measure``, once the server's latency windows have forgotten the last load; printed."""
+        time.sleep(Settings.from_env({}).latency_window_s)
+        figures = self.measure(**sides)
+        print(f"  {name}: " + ", ".join(brief(k, figures[k]) for k in sides))
+        return figures
 
-def _brief(name: str, figures: dict[str, Any]) -> str:
+
+def brief(name: str, figures: dict[str, Any]) -> str:
     return (f"{name} {figures['emb_per_s']['median']:.1f} emb/s, p95 {figures['latency_ms']['p95']:.0f} ms, "
             f"codes {figures['codes']}")  # fmt: skip
 
 
+def short_texts(wl: workload.Workload) -> list[str]:
+    """The queries' texts: the workload's of at most ``SHORT_TOKENS`` tokens."""
+    return [t for t, n in zip(wl.texts, wl.tokens, strict=True) if n <= SHORT_TOKENS]
+
+
 def run(opts: Options) -> dict[str, Any]:
     wl = workload.load()
-    queries = [t for t, n in zip(wl.texts, wl.tokens, strict=True) if n <= SHORT_TOKENS]
     result: dict[str, Any] = {"settings": asdict(opts), "loadavg_at_start": [round(x, 2) for x in os.getloadavg()]}
     print(f"priority: load average {result['loadavg_at_start']}")
     with running({"frontends": "auto"}, RESULTS_DIR / "priority.log", module="kembed") as server:
-        result["loads"] = Loads(server, opts, wl.texts, queries).run()
+        result["loads"] = Loads(server, opts, wl.texts, short_texts(wl)).run()
     result["loadavg_at_end"] = [round(x, 2) for x in os.getloadavg()]
     machine.write_judged(opts.name, result, headline.priority_ratios(result), wl.describe())
     return result

@@ -13,8 +13,9 @@
 7. pings beside a hostile client (``bench.abuse``);
 8. admission one client cannot game (``bench.fairness``): queries beside a maximal ingest, and the
    exported P95 beside refused maximal requests;
-9. the front end → engine transports (``bench.ipc``);
-10. ``bench.plot``.
+9. a corpus job's shards beside queries (``bench.corpus``);
+10. the front end → engine transports (``bench.ipc``);
+11. ``bench.plot``.
 
 The token-bucket runs (ceiling and server) use a finer bucket ladder than the server's default
 powers of two: on this workload, in bucket-confined batches (compiled shapes), the defaults pad
@@ -30,7 +31,7 @@ from __future__ import annotations
 import argparse
 from collections.abc import Sequence
 
-from bench import abuse, ceiling, fairness, gpu, hostpath, ipc, packing, plot, priority, serve_load
+from bench import abuse, ceiling, corpus, fairness, gpu, hostpath, ipc, packing, plot, priority, serve_load
 
 TUNED_BUCKETS = "buckets=16,24,32,48,64,96,128,192,256"
 HOSTPATH = ["--parts", f"{hostpath.DEFAULT_PARTS},storm"]
@@ -50,9 +51,11 @@ def main(argv: Sequence[str] | None = None) -> None:
     if not args.skip_gpu:
         gpu.main(["--quick"] if args.quick else [])
     hostpath.main(QUICK_HOSTPATH if args.quick else HOSTPATH)
-    priority.main(["--duration", "8", "--warmup", "2", "--windows", "2"] if args.quick else [])
+    quick_loads = ["--duration", "8", "--warmup", "2", "--windows", "2"]
+    priority.main(quick_loads if args.quick else [])
     abuse.main(["--duration", "5", "--settle", "1"] if args.quick else [])
     fairness.main(["--duration", "8", "--lockout-texts", "64"] if args.quick else [])
+    corpus.main(quick_loads if args.quick else [])
     ipc.main(["--seconds", "1"] if args.quick else [])
     plot.main()
 

@@ -695,6 +695,10 @@ def test_the_summary_file_is_written_however_the_run_ends(tmp_path: Path, capsys
         "shard": "1/2",
         "output": str(tmp_path / "x.part-00001-of-00002.txt"),
         "complete": False,
+        "seconds": record["seconds"],  # however long the refused connection took
+        "retries": 0,
+        "refusals": 0,
+        "reconnects": 0,
     }
 
 

@@ -480,11 +480,15 @@ def test_under_a_low_service_rate_the_command_paces_by_the_pushback(slow_server:
     texts = [f"short text number {i}" for i in range(200)]
     source = write_lines(tmp_path / "corpus.txt", texts)
     output = tmp_path / "vectors.npy"
+    summary = tmp_path / "summary.json"
     before = server.metric(REFUSED_REQUESTS)
-    result = run_embed(server, "--input", str(source), "--output", str(output), "--no-progress")
+    flags = ["--no-progress", "--summary-file", str(summary)]
+    result = run_embed(server, "--input", str(source), "--output", str(output), *flags)
     assert result.returncode == 0, result.stderr
     refused = server.metric(REFUSED_REQUESTS) - before
     assert summary_count(result.stdout, "refusals") == refused
+    record = json.loads(summary.read_text())  # bench.corpus reads the refusals from here
+    assert (record["refusals"], record["retries"]) == (refused, summary_count(result.stdout, "retries"))
     assert refused <= len(texts) / 8, result.stdout
     with EmbedClient(server.target, timeout_s=600) as client:
         assert_same_vectors(

@@ -4,7 +4,8 @@
 ``--summary-file PATH`` gets one JSON object at exit, however the run ended (the operator points it
 at ``/dev/termination-log``, so a pod's last state says how far its shard got): ``rows`` in the
 output or part, ``embedded`` by this run, ``shard`` (``"I/N"`` or null), ``output`` (the output, or
-the part's name once complete) and ``complete``.
+the part's name once complete) and ``complete``; then how the run went: its ``seconds`` and the
+server's answers (``retries``, ``refusals``, ``reconnects``), as the summary line on stdout says them.
 """
 
 from __future__ import annotations
@@ -131,6 +132,10 @@ def write_summary(path: Path, summary: Summary) -> None:
         "shard": None if summary.shard is None else str(summary.shard),
         "output": str(summary.output),
         "complete": summary.complete,
+        "seconds": round(summary.seconds, 3),
+        "retries": summary.counts.retries,
+        "refusals": summary.counts.refusals,
+        "reconnects": summary.counts.reconnects,
     }
     try:
         path.write_text(json.dumps(record) + "\n")
