@@ -41,7 +41,7 @@ from typing import Any
 import numpy as np
 
 from bench import RESULTS_DIR, headline, loadgen, machine, workload
-from bench.loadgen import OK, Outcome
+from bench.loadgen import OK, CallRecord
 from bench.priority import SHORT_TOKENS, requests, server_figures, together
 from bench.report import latency_summary, metric_delta, metric_sum
 from bench.server import Server, running
@@ -89,7 +89,7 @@ def queries(server: Server, calls: list[bytes], opts: Options, seed: int = workl
                          "deadline": opts.timeout}  # fmt: skip
 
 
-def side(outcomes: Sequence[Outcome]) -> dict[str, Any]:
+def side(outcomes: Sequence[CallRecord]) -> dict[str, Any]:
     """Calls by code and the latency of the successful ones."""
     return {
         "calls": len(outcomes),

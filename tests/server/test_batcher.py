@@ -354,8 +354,8 @@ async def test_a_batch_of_ingest_longer_than_the_floor_leaves_the_next_turn_to_q
     clock = FakeClock()
     eager = BatchShapes.build(max_batch_size=8, max_tokens=512, fixed=False)
     expired: list[Job] = []
-    batcher = Batcher(BucketQueue(LENGTHS), eager, dispatched.append, expire=expired.append, max_wait=MAX_WAIT,
-                      naive=False, starved_after=2.0, clock=clock)  # fmt: skip
+    policy = BatchPolicy(eager, max_wait=MAX_WAIT, starved_after=2.0)
+    batcher = Batcher(BucketQueue(LENGTHS), policy, dispatched.append, expire=expired.append, clock=clock)
     task = asyncio.create_task(batcher.run())
     try:
         ingest = Sequences(np.ones(5 * 40, np.int32), np.full(40, 5, np.int32))

@@ -234,7 +234,7 @@ async def test_an_ingest_at_a_low_rate_never_shuts_queries_out():
     jobs = Jobs(queue)
     dispatched: list[Batch] = []
     shapes = BatchShapes.build(64, 2048, fixed=False)
-    batcher = Batcher(queue, shapes, dispatched.append, expire=jobs.expire, max_wait=0.02, naive=False, clock=clock)
+    batcher = Batcher(queue, BatchPolicy(shapes, max_wait=0.02), dispatched.append, expire=jobs.expire, clock=clock)
     outbox = Outbox()
     intake = Intake(admission, load, batcher, jobs, outbox, EngineMetrics(), pad_token_id=0, clock=clock)
     task = asyncio.create_task(batcher.run())
@@ -243,7 +243,7 @@ async def test_an_ingest_at_a_low_rate_never_shuts_queries_out():
         intake.accept(1, decoded(work(ingest, [1], lengths, priorities=[BATCH])))
         await asyncio.sleep(0)
         [running] = dispatched
-        assert (running.items, batcher.backlog.in_flight, batcher.backlog.in_flight_interactive) == (8, 2000, 0)
+        assert (running.items, batcher.backlog.in_flight, batcher.backlog.in_flight_interactive) == (8, 8 * 256, 0)
         for tag in range(2, 14):  # a query every half second while the batch computes
             intake.accept(2, decoded(work([[10]], [tag], lengths)))
             clock.now += 0.5
@@ -265,7 +265,7 @@ def test_work_that_will_expire_is_weighed_by_what_it_can_still_cost():
     jobs = Jobs(queue)
     dispatched: list[Batch] = []
     shapes = BatchShapes.build(8, 256, fixed=False)
-    batcher = Batcher(queue, shapes, dispatched.append, expire=jobs.expire, max_wait=0.02, naive=False)
+    batcher = Batcher(queue, BatchPolicy(shapes, max_wait=0.02), dispatched.append, expire=jobs.expire)
     outbox = Outbox()
     intake = Intake(admission, load, batcher, jobs, outbox, EngineMetrics(), pad_token_id=0, clock=clock)
     for tag in range(1, 363):  # 362 one-item requests of 16 tokens: 5,792 tokens, admitted at 10k tokens/s
