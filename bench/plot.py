@@ -10,6 +10,8 @@ the throughput plot).
 from __future__ import annotations
 
 import re
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -102,44 +104,36 @@ def _save(fig: Any, ax: Any, path: Path) -> None:
     print(f"wrote {path}")
 
 
-def hostpath_text(hostpath: dict[str, Any] | None) -> str:
-    """The host path against the bare gRPC echo (``bench.hostpath``), or why there is none."""
-    if not hostpath:
-        return "Host path: not run (no results/hostpath.json; `python -m bench.hostpath`)."
-    rows, table = headline.hostpath_ratios(hostpath), headline.hostpath_table(hostpath)
-    return _judged("Host path against a bare gRPC echo, side by side", hostpath, rows, table)
+@dataclass(frozen=True)
+class Section:
+    """A benchmark judged in the summary: ``results/<name>.json``, written by ``python -m bench.<name>``."""
+
+    name: str
+    title: str  # said when it was not run
+    what: str  # its heading's subject
+    ratios: Callable[[dict[str, Any]], list[headline.Ratio]]
+    table: Callable[[dict[str, Any]], str]
+
+    def text(self, result: dict[str, Any] | None) -> str:
+        """Its heading, ratios and table, or why there are none."""
+        if not result:
+            return f"{self.title}: not run (no results/{self.name}.json; `python -m bench.{self.name}`)."
+        return _judged(self.what, result, self.ratios(result), self.table(result))
 
 
-def priority_text(priority: dict[str, Any] | None) -> str:
-    """Queries beside an ingest (``bench.priority``), or why there is none."""
-    if not priority:
-        return "Priority classes: not run (no results/priority.json; `python -m bench.priority`)."
-    rows, table = headline.priority_ratios(priority), headline.priority_table(priority)
-    return _judged("Queries beside an ingest, one server,", priority, rows, table)
-
-
-def abuse_text(abuse: dict[str, Any] | None) -> str:
-    """Pings beside a hostile client (``bench.abuse``), or why there are none."""
-    if not abuse:
-        return "Pings beside a hostile client: not run (no results/abuse.json; `python -m bench.abuse`)."
-    rows, table = headline.abuse_ratios(abuse), headline.abuse_table(abuse)
-    return _judged("Pings beside a hostile client, one front end,", abuse, rows, table)
-
-
-def fairness_text(fairness: dict[str, Any] | None) -> str:
-    """Admission one client cannot game (``bench.fairness``), or why there is none."""
-    if not fairness:
-        return "Admission one client cannot game: not run (no results/fairness.json; `python -m bench.fairness`)."
-    rows, table = headline.fairness_ratios(fairness), headline.fairness_table(fairness)
-    return _judged("Queries beside a maximal ingest, and beside refused maximal requests,", fairness, rows, table)
-
-
-def corpus_text(corpus: dict[str, Any] | None) -> str:
-    """A corpus job's shards beside queries (``bench.corpus``), or why there is none."""
-    if not corpus:
-        return "Corpus job: not run (no results/corpus.json; `python -m bench.corpus`)."
-    rows, table = headline.corpus_ratios(corpus), headline.corpus_table(corpus)
-    return _judged("A corpus job's shards beside queries, one server,", corpus, rows, table)
+SECTIONS = (
+    Section("hostpath", "Host path", "Host path against a bare gRPC echo, side by side",
+            headline.hostpath_ratios, headline.hostpath_table),
+    Section("priority", "Priority classes", "Queries beside an ingest, one server,",
+            headline.priority_ratios, headline.priority_table),
+    Section("abuse", "Pings beside a hostile client", "Pings beside a hostile client, one front end,",
+            headline.abuse_ratios, headline.abuse_table),
+    Section("fairness", "Admission one client cannot game",
+            "Queries beside a maximal ingest, and beside refused maximal requests,",
+            headline.fairness_ratios, headline.fairness_table),
+    Section("corpus", "Corpus job", "A corpus job's shards beside queries, one server,",
+            headline.corpus_ratios, headline.corpus_table),
+)  # fmt: skip
 
 
 def _judged(what: str, result: dict[str, Any], rows: list[headline.Ratio], table: str) -> str:
@@ -154,12 +148,9 @@ def markdown(
     serves: list[dict[str, Any]],
     naive: dict[str, Any] | None,
     gpu: dict[str, Any] | None,
-    hostpath: dict[str, Any] | None,
-    priority: dict[str, Any] | None,
-    abuse: dict[str, Any] | None = None,
-    fairness: dict[str, Any] | None = None,
-    corpus: dict[str, Any] | None = None,
+    judged: Mapping[str, dict[str, Any] | None],
 ) -> str:
+    """The summary; ``judged`` holds each of :data:`SECTIONS`' results by name (None: not run)."""
     m = ceiling["machine"]
     runs = "; ".join(
         f"{r.get('batching', 'ceiling')} at {r['machine']['time_utc']} (load {r['machine']['loadavg_1_5_15'][0]})"
@@ -177,11 +168,7 @@ def markdown(
             headline.curve_table(ceiling),
             "Server phases:\n\n" + headline.phase_table(serves),
             headline.workload_text(ceiling["workload"]),
-            hostpath_text(hostpath),
-            priority_text(priority),
-            abuse_text(abuse),
-            fairness_text(fairness),
-            corpus_text(corpus),
+            *(section.text(judged.get(section.name)) for section in SECTIONS),
             headline.gpu_table(gpu),
         ]
     )
@@ -215,16 +202,14 @@ def headline_block(ceiling: dict[str, Any], token_bucket: dict[str, Any], naive:
 
 
 def main() -> None:
-    names: tuple[str, ...] = ("ceiling", "serve_token_bucket", "serve_naive", "gpu", "hostpath", "priority")
-    names += ("abuse", "fairness", "corpus")
-    ceiling, token_bucket, naive, gpu, hostpath, priority, abuse, fairness, corpus = map(read_result, names)
+    ceiling, token_bucket, naive, gpu = map(read_result, ("ceiling", "serve_token_bucket", "serve_naive", "gpu"))
     if ceiling is None or token_bucket is None:
         raise SystemExit("need bench/results/ceiling.json and serve_token_bucket.json: run python -m bench.run_all")
     serves = [token_bucket] + ([naive] if naive else [])
     throughput(ceiling, serves, RESULTS_DIR / "throughput.png")
     latency(serves, RESULTS_DIR / "latency.png")
     padding(ceiling, serves, RESULTS_DIR / "padding.png")
-    block = markdown(ceiling, serves, naive, gpu, hostpath, priority, abuse, fairness, corpus)
+    block = markdown(ceiling, serves, naive, gpu, {section.name: read_result(section.name) for section in SECTIONS})
     (RESULTS_DIR / "summary.md").write_text(block + "\n")
     README.write_text(splice(README.read_text(), block, RESULTS_MARKERS))
     top = TOP_README.read_text()
