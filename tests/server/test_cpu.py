@@ -28,7 +28,7 @@ started, stop = threading.Event(), threading.Event()
 def pool_thread():
     started.set()
     stop.wait()
-threading.Thread(target=pool_thread).start()  # a pool thread that exists before the worker yields
+threading.Thread(target=pool_thread, daemon=True).start()  # a pool thread that exists before the worker yields
 started.wait()
 result = {}
 def worker():
@@ -37,7 +37,13 @@ def worker():
     child.start(); child.join()  # created after: inherits the worker's niceness
 worker_thread = threading.Thread(target=worker)
 worker_thread.start(); worker_thread.join()
-tasks = {int(t): os.getpriority(os.PRIO_PROCESS, int(t)) for t in os.listdir("/proc/self/task")}
+def niceness(task):
+    try:
+        return os.getpriority(os.PRIO_PROCESS, task)
+    except ProcessLookupError:  # a joined thread's task can outlive join() by a moment, then vanish
+        return None
+tasks = {int(t): niceness(int(t)) for t in os.listdir("/proc/self/task")}
+tasks = {t: n for t, n in tasks.items() if n is not None}
 result["main"] = tasks.pop(threading.main_thread().native_id)
 result["others"] = sorted(set(tasks.values()))
 stop.set()
@@ -57,7 +63,10 @@ def thread_niceness(pid: int) -> dict[bool, set[int]]:
     """Niceness of a process's threads: {is the main thread: {values}}."""
     found: dict[bool, set[int]] = {True: set(), False: set()}
     for task in Path(f"/proc/{pid}/task").iterdir():
-        stat = (task / "stat").read_text().rsplit(")", 1)[1].split()
+        try:
+            stat = (task / "stat").read_text().rsplit(")", 1)[1].split()
+        except (FileNotFoundError, ProcessLookupError):  # a thread that ended while we listed them
+            continue
         found[task.name == str(pid)].add(int(stat[16]))
     return found
 
