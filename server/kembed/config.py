@@ -328,6 +328,14 @@ class Settings(BaseModel):
         "answering calls) preempts them",
         json_schema_extra=TUNING,
     )
+    compute_lanes: int = Field(
+        0,
+        ge=0,
+        le=64,
+        description="CPU inference in eager mode: batches computed at once, each on its share of the compute "
+        "threads; 0 = one per CPU (docs/decisions/compute-lanes.md). Compiled shapes and GPUs compute one",
+        json_schema_extra=TUNING,
+    )
     frontends: str = Field(
         "auto",
         description="gRPC front-end processes sharing the port: a number, or auto ((CPUs - 2) / 2, from 1 to 8)",

@@ -277,6 +277,31 @@ async def test_loop_dispatches_on_events_and_bounds_in_flight():
         task.cancel()
 
 
+@pytest.mark.parametrize(("lanes", "first", "then"), [(1, [3], [3, 3]), (2, [3, 2], [3, 2, 1])])
+async def test_each_free_lane_takes_the_next_batch_at_once(lanes: int, first: list[int], then: list[int]):
+    """Eager: a lane with nothing to do takes what is queued without waiting for staleness; a batch
+    for every lane, and no more."""
+    dispatched: list[Batch] = []
+    clock = FakeClock()
+    batcher = make_batcher(dataclasses.replace(PACKED, lanes=lanes), dispatched.append, clock)
+    task = asyncio.create_task(batcher.run())
+    try:
+        submit(batcher, 3, Sequences(np.ones(30, np.int32), np.full(3, 10, np.int32)), clock.now)
+        await settle()
+        for _ in range(2):
+            submit(batcher, 1, ONE_ITEM, clock.now)
+        await settle()
+        assert [b.items for b in dispatched] == first and batcher.in_flight == lanes
+        submit(batcher, 1, ONE_ITEM, clock.now)
+        await settle()
+        assert [b.items for b in dispatched] == first  # every lane busy: nothing more in flight
+        batcher.batch_done(dispatched[0])
+        await settle()
+        assert [b.items for b in dispatched] == then
+    finally:
+        task.cancel()
+
+
 async def test_loop_does_not_poll_when_idle():
     wakeups = 0
 

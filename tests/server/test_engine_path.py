@@ -18,7 +18,7 @@ from kembed.engine.intake import Intake
 from kembed.engine.jobs import Jobs
 from kembed.engine.responder import Responder
 from kembed.engine.units import Batch, Chunk, Job
-from kembed.engine.worker import Outcome
+from kembed.engine.worker import Computed, Outcome
 from kembed.errors import EmbedError, Failure
 from kembed.metrics import EngineMetrics
 from kembed.priority import Priority
@@ -118,7 +118,7 @@ def test_responder_sends_each_front_end_its_rows_and_finishes_jobs(engine_path):
     batch = Batch(chunks, 4, 3)
     batcher.in_flight, batcher.in_flight_tokens = 1, batch.cost
     embeddings = np.arange(3 * DIMS, dtype=np.float32).reshape(3, DIMS)
-    responder.deliver(batch, [Outcome(chunks, embeddings, None, 12, 9)], started=99.0, seconds=0.5)
+    responder.deliver(batch, [Outcome(chunks, embeddings, None, 12, 9)], Computed(lane=0, started=99.0, seconds=0.5))
     by_link = {link: (r.tags.tolist(), r.slots.tolist(), r.rows) for link, r in outbox.results}
     assert by_link[1][:2] == ([21, 21], [0, 1]) and by_link[2][:2] == ([22], [0])
     np.testing.assert_array_equal(by_link[2][2], embeddings[2:])
@@ -137,12 +137,33 @@ def test_service_rate_counts_wall_time_between_completions(engine_path):
         clock.now = done
         batch = Batch([chunk], 16, 8)
         batcher.in_flight, batcher.in_flight_tokens = 1, batch.cost
-        responder.deliver(batch, [Outcome([chunk], None, RuntimeError("x"), 128, 16)], started, seconds)
+        responder.deliver(batch, [Outcome([chunk], None, RuntimeError("x"), 128, 16)], Computed(0, started, seconds))
 
     finish(started=100.0, seconds=0.5, done=101.0)  # 1 s of wall time for 0.5 s of compute
     assert load.tokens_per_second == pytest.approx(16 / 1.0)
     finish(started=100.5, seconds=0.9, done=101.2)  # started before the last completion: 0.2 s wall
     assert load.tokens_per_second == pytest.approx((16 * 0.9 + 16) / (1.0 * 0.9 + 0.9))
+
+
+def test_lanes_side_by_side_each_hold_their_share_of_the_worker(engine_path):
+    """Two lanes that each take 1 s for 16 tokens deliver 32 tokens a second between them; a lane's
+    wall time runs from its own previous answer, not the other lane's."""
+    _, batcher, jobs, outbox, _, load, clock = engine_path
+    responder = Responder(batcher, load.rate, jobs, outbox, EngineMetrics(), clock=clock, lanes=2)
+    job = Job(link=1, tag=1, count=1, deadline=1e9)
+    chunk = Chunk(job, np.array([0]), np.ones((1, 16), np.int32), np.array([16], np.int32), 0.0)
+
+    def finish(lane: int, started: float, done: float) -> None:
+        clock.now = done
+        batch = Batch([chunk], 16, 1)
+        batcher.in_flight, batcher.in_flight_tokens = 1, batch.cost
+        outcome = Outcome([chunk], None, RuntimeError("x"), 16, 16)
+        responder.deliver(batch, [outcome], Computed(lane, started, done - started))
+
+    for second in range(4):  # lane 1 half a second behind lane 0, both always busy
+        finish(0, started=100.0 + second, done=101.0 + second)
+        finish(1, started=100.5 + second, done=101.5 + second)
+    assert load.tokens_per_second == pytest.approx(32.0)
 
 
 def test_a_lost_front_end_takes_its_queued_work_with_it(engine_path):

@@ -183,7 +183,8 @@ def test_over_long_input_is_truncated_when_asked(server: ServerProcess):
 
 
 def test_rest_and_grpc_share_a_batch(tmp_path):
-    server = ServerProcess(tmp_path / "server.log", held=True, frontends=1, admission="").wait_ready()
+    # One lane: while the first request's batch is in its hands, the next two queue together.
+    server = ServerProcess(tmp_path / "server.log", held=True, frontends=1, admission="", compute_lanes=1).wait_ready()
     try:
         batches = "kembed_batch_size_count"
         with grpc.insecure_channel(server.target) as channel, ThreadPoolExecutor(2) as pool:

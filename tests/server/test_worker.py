@@ -5,6 +5,9 @@ from __future__ import annotations
 
 import asyncio
 import dataclasses
+import itertools
+import threading
+import time
 from collections.abc import Callable
 
 import numpy as np
@@ -16,8 +19,9 @@ from kembed.config import Dtype, Settings, Warmup
 from kembed.engine import compile_cache, cpu, precision
 from kembed.engine.graphs import ShapeGuard, UnplannedShapeError
 from kembed.engine.model import EmbeddingModel
-from kembed.engine.units import Chunk, Job
+from kembed.engine.units import Batch, Chunk, Job
 from kembed.engine.worker import (
+    Computed,
     ModelRunner,
     Outcome,
     Worker,
@@ -195,6 +199,50 @@ async def test_a_worker_thread_that_dies_outside_compute_is_fatal(
     worker.serve(lambda *_: None)
     error = await asyncio.wait_for(fatal, 120)
     assert str(error) == "a bug in the worker's own loop"
+
+
+async def test_lanes_compute_batches_side_by_side_each_on_its_share_of_the_threads(
+    stock_model: EmbeddingModel, monkeypatch: pytest.MonkeyPatch
+):
+    loop = asyncio.get_running_loop()
+    settings = Settings.from_env({}, buckets="16", max_batch_size=2, max_tokens_per_batch=32, compute_lanes=2)
+    worker = Worker(settings, loop, lambda error: None, lambda _: stock_model)
+    worker.start()
+    runner = await worker.warm
+    assert runner.plan.lanes == 2
+    seen: list[tuple[str, int]] = []
+    forward = stock_model.forward
+
+    def slow_forward(ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        seen.append((threading.current_thread().name, torch.get_num_threads()))
+        time.sleep(0.05)  # long enough that the other lane takes the next batch meanwhile
+        return forward(ids, mask)
+
+    monkeypatch.setattr(stock_model, "forward", slow_forward)
+    texts = [f"lane test {i}" for i in range(8)]
+    batches = [Batch(chunks_for(runner, texts[i : i + 2]), 16, 2) for i in range(0, 8, 2)]
+    delivered: list[tuple[Batch, list[Outcome], Computed]] = []
+    all_done = loop.create_future()
+
+    def deliver(batch: Batch, outcomes: list[Outcome], computed: Computed) -> None:
+        delivered.append((batch, outcomes, computed))
+        if len(delivered) == len(batches):
+            all_done.set_result(None)
+
+    worker.serve(deliver)
+    for batch in batches:
+        worker.submit(batch)
+    await asyncio.wait_for(all_done, 60)
+    worker.stop()
+    assert {computed.lane for _, _, computed in delivered} == {0, 1}
+    assert {threads for _, threads in seen} == {cpu.lane_threads(settings.cpus(), 2)}
+    spans = sorted((c.started, c.started + c.seconds) for _, _, c in delivered)
+    assert any(later[0] < earlier[1] for earlier, later in itertools.pairwise(spans))  # side by side
+    expected = runner.embed(stock_model.tokenizer.from_texts(texts, truncate=False))
+    for batch, (outcome,), _ in delivered:
+        first = 2 * next(i for i, sent in enumerate(batches) if sent is batch)
+        assert outcome.embeddings is not None
+        np.testing.assert_allclose(outcome.embeddings, expected[first : first + 2], atol=1e-5)
 
 
 # --- the dtype (kembed.engine.precision) --------------------------------------------------------

@@ -47,10 +47,10 @@ from kembed.shapes import BatchShapes
 
 # Batches handed to the worker and not yet finished. With fixed shapes (CUDA graphs) a batch takes
 # milliseconds, so one waits ready while another runs and the device never idles on the host. In
-# eager mode (CPU) a batch takes a large fraction of a second: the next is formed only when the
-# worker is free, from everything that queued meanwhile, so batches are larger and run faster per token.
+# eager mode (CPU) a batch takes a large fraction of a second: one per lane (``BatchPolicy.lanes``),
+# the next formed only when a lane is free, from everything that queued meanwhile, so batches are
+# larger and run faster per token.
 IN_FLIGHT_FIXED = 2
-IN_FLIGHT_EAGER = 1
 
 INTERACTIVE_ONLY = (Priority.INTERACTIVE,)
 BATCH_FIRST = (Priority.BATCH, Priority.INTERACTIVE)
@@ -65,10 +65,11 @@ class BatchPolicy:
     starved_after: float = math.inf  # seconds batch work may go without a batch of its class
     packed: bool = False  # eager batches packed by length across neighbouring buckets (see ``pack``)
     overhead_tokens: float = 0.0  # a batch's cost beyond its padded tokens, in tokens: what packing weighs
+    lanes: int = 1  # batches the worker computes at once
 
     @property
     def in_flight(self) -> int:
-        return IN_FLIGHT_FIXED if self.shapes.fixed else IN_FLIGHT_EAGER
+        return IN_FLIGHT_FIXED if self.shapes.fixed else self.lanes
 
 
 @dataclass(frozen=True)
@@ -113,7 +114,7 @@ def choose_batch(
     queue: BucketQueue, *, policy: BatchPolicy, now: float, idle: bool, batch_served_at: float = -math.inf
 ) -> Pick | None:
     """Which bucket leads the next batch, how many of its items and of which classes; None means
-    wait. ``idle``: the worker has nothing to do; ``batch_served_at``: when a batch holding batch
+    wait. ``idle``: a lane of the worker has nothing to do; ``batch_served_at``: when a batch holding batch
     work last started."""
     shapes = policy.shapes
     if (starved := starved_bucket(queue, now, policy.starved_after, batch_served_at)) is not None:
@@ -256,7 +257,11 @@ class Batcher:
         while self.in_flight < self.policy.in_flight:
             now = self._clock()
             pick = choose_batch(
-                self.queue, policy=self.policy, now=now, idle=self.in_flight == 0, batch_served_at=self._batch_served_at
+                self.queue,
+                policy=self.policy,
+                now=now,
+                idle=self.in_flight < self.policy.lanes,
+                batch_served_at=self._batch_served_at,
             )
             if pick is None:
                 return

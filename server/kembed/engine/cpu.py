@@ -48,8 +48,19 @@ def yield_to_serving(compute_nice: int) -> int:
 def share_cores(cpus: float, compute_nice: int) -> None:
     """CPU inference: torch's intra-op threads for the CPUs this pod may use (``Settings.cpus``:
     its quota or request, not the node's cores, which would be throttled at every barrier), all
-    below serving. Call on the worker thread."""
+    below serving. Call on the worker thread: warmup runs each batch on all of them."""
     threads = max(1, int(cpus))
     torch.set_num_threads(threads)
     nice = yield_to_serving(compute_nice)
     log.info("CPU inference: %d compute threads at niceness %d, below serving", threads, nice)
+
+
+def lane_threads(cpus: float, lanes: int) -> int:
+    """Intra-op threads of each of ``lanes`` batches computed at once: the CPUs shared out."""
+    return max(1, int(cpus) // max(1, lanes))
+
+
+def enter_lane(threads: int) -> None:
+    """Run this thread's batches on ``threads`` intra-op threads. OpenMP keeps the count per
+    calling thread, so each lane sets its own and the lanes' batches never share a barrier."""
+    torch.set_num_threads(threads)

@@ -30,7 +30,7 @@ from kembed.engine.jobs import Jobs
 from kembed.engine.model import ModelInfo
 from kembed.engine.responder import Responder
 from kembed.engine.units import Batch
-from kembed.engine.worker import LoadModel, ModelRunner, Outcome, Worker
+from kembed.engine.worker import Computed, LoadModel, ModelRunner, Outcome, Worker
 from kembed.errors import EmbedError
 from kembed.metrics import EngineMetrics
 from kembed.priority import Priority
@@ -127,10 +127,11 @@ class Core:
             starved_after=settings.max_drain_ms / 1000,
             packed=plan.packed,
             overhead_tokens=runner.overhead_tokens,
+            lanes=plan.lanes,
         )
         batcher = Batcher(queue, policy, worker.submit, expire=jobs.expire)
         intake = Intake(admission, load, batcher, jobs, links, metrics, model.info.pad_token_id)
-        responder = Responder(batcher, load.rate, jobs, links, metrics)
+        responder = Responder(batcher, load.rate, jobs, links, metrics, lanes=plan.lanes)
         return cls(_serving_info(runner), load, admission, batcher, jobs, intake, responder)
 
 
@@ -201,8 +202,8 @@ class EngineProcess:
         """Build the serving path and publish it; front ends hear READY from their links."""
         core = Core.build(self._settings, worker, runner, self._links, self._metrics)
 
-        def deliver(batch: Batch, outcomes: list[Outcome], started: float, seconds: float) -> None:
-            core.responder.deliver(batch, outcomes, started, seconds)
+        def deliver(batch: Batch, outcomes: list[Outcome], computed: Computed) -> None:
+            core.responder.deliver(batch, outcomes, computed)
             self._publish(core)  # the backlog just shrank: front ends admit against it at once
 
         worker.serve(deliver)

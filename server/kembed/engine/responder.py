@@ -14,7 +14,7 @@ from kembed.admission import ServiceRate
 from kembed.engine.batcher import Batcher
 from kembed.engine.jobs import Jobs
 from kembed.engine.units import Batch, Chunk
-from kembed.engine.worker import Outcome
+from kembed.engine.worker import Computed, Outcome
 from kembed.errors import EmbedError, Failure
 from kembed.metrics import EngineMetrics
 from kembed.protocol import Result
@@ -37,6 +37,7 @@ class Responder:
         outbox: Outbox,
         metrics: EngineMetrics,
         clock: Callable[[], float] = time.monotonic,
+        lanes: int = 1,
     ) -> None:
         self._batcher = batcher
         self._rate = rate
@@ -44,23 +45,25 @@ class Responder:
         self._outbox = outbox
         self._metrics = metrics
         self._clock = clock
-        self._last_done = 0.0
+        self._last_done = [0.0] * lanes  # each lane's last answer on the loop
 
-    def deliver(self, batch: Batch, outcomes: list[Outcome], started: float, seconds: float) -> None:
+    def deliver(self, batch: Batch, outcomes: list[Outcome], computed: Computed) -> None:
         """Runs on the event loop, called by the worker thread through call_soon_threadsafe."""
         self._batcher.batch_done(batch)
-        now = self._clock()
+        now, started, seconds = self._clock(), computed.started, computed.seconds
         # The rate admission relies on is measured here, at completion, in wall time from when the
-        # batch could start (its own start or the previous completion) to its answer on the loop:
-        # compute time alone misses the gaps a busy event loop and shared cores put between batches.
-        wall = now - max(started, self._last_done)
-        self._last_done = now
-        computed = [outcome for outcome in outcomes if outcome.padded_tokens]
-        if computed:
+        # batch could start (its own start or its lane's previous completion) to its answer on the
+        # loop: compute time alone misses the gaps a busy event loop and shared cores put between
+        # batches. The lanes compute side by side, so each holds its share of the worker's time.
+        wall = now - max(started, self._last_done[computed.lane])
+        self._last_done[computed.lane] = now
+        done = [outcome for outcome in outcomes if outcome.padded_tokens]
+        if done:
             # In the backlog's unit (each item padded to its bucket), so the drain time it gives is right.
-            self._rate.record(sum(chunk.cost for outcome in computed for chunk in outcome.chunks), max(seconds, wall))
-            padded = sum(outcome.padded_tokens for outcome in computed)
-            real = sum(outcome.real_tokens for outcome in computed)
+            cost = sum(chunk.cost for outcome in done for chunk in outcome.chunks)
+            self._rate.record(cost, max(seconds, wall) / len(self._last_done))
+            padded = sum(outcome.padded_tokens for outcome in done)
+            real = sum(outcome.real_tokens for outcome in done)
             self._metrics.observe_batch(batch.rows, padded, real, seconds)
         for outcome in outcomes:
             if outcome.embeddings is None:

@@ -49,6 +49,7 @@ class Plan:
     compiled: bool
     packed: bool  # eager batches packed by length across neighbouring buckets
     warmup: Warmup
+    lanes: int = 1  # batches computed at once (CPU, eager), each on its share of the compute threads
 
     def warmup_shapes(self) -> list[tuple[int, int]]:
         """(seq_len, rows) in warmup order: see :func:`warmup_order`."""
@@ -69,7 +70,16 @@ class Outcome:
     real_tokens: int
 
 
-Deliver = Callable[[Batch, list[Outcome], float, float], None]
+@dataclass(frozen=True)
+class Computed:
+    """When and where a batch was computed: its lane, start and compute seconds."""
+
+    lane: int
+    started: float
+    seconds: float
+
+
+Deliver = Callable[[Batch, list[Outcome], Computed], None]
 LoadModel = Callable[[Settings], EmbeddingModel]
 
 
@@ -78,7 +88,18 @@ def make_plan(settings: Settings, model: EmbeddingModel) -> Plan:
     compiled = queueing.compiles(device)
     lengths = queueing.ladder(settings.buckets, model.info.max_input_tokens)
     shapes = BatchShapes.build(settings.max_batch_size, batch_tokens(settings, device), fixed=compiled)
-    return Plan(lengths, shapes, compiled, queueing.packs(device), settings.warmup)
+    lanes = compute_lanes(settings, device, compiled)
+    return Plan(lengths, shapes, compiled, queueing.packs(device), settings.warmup, lanes)
+
+
+def compute_lanes(settings: Settings, device_type: str, compiled: bool) -> int:
+    """Batches computed at once. On a CPU in eager mode, one per CPU by default: a compute thread
+    that serving preempts then stalls its own batch alone, where one batch on every thread waits for
+    the slowest at each operator (docs/decisions/compute-lanes.md). Compiled graphs replay on the
+    thread that captured them, and a GPU computes one batch at a time anyway."""
+    if compiled or device_type != "cpu":
+        return 1
+    return settings.compute_lanes or max(1, int(settings.cpus()))
 
 
 def warmup_order(shapes: list[tuple[int, int]]) -> list[tuple[int, int]]:
@@ -321,9 +342,11 @@ def start_runner(settings: Settings, load_model: LoadModel, beat: Callable[[], N
 
 
 class Worker:
-    """The thread around the ModelRunner. It loads and warms up at once: ``warm`` resolves to the ModelRunner,
-    or to the error that stopped it. Batches flow once ``serve`` hands it the way back. Once warm, a
-    thread that ends other than by ``stop`` tells ``on_fatal`` why, on the loop."""
+    """The threads around the ModelRunner. The first loads and warms up at once: ``warm`` resolves to
+    the ModelRunner, or to the error that stopped it. Batches flow once ``serve`` hands it the way back,
+    to as many lanes as the plan computes at once (the first thread and its siblings), each taking the
+    next batch when free. Once warm, a lane that ends other than by ``stop`` tells ``on_fatal`` why, on
+    the loop."""
 
     def __init__(
         self,
@@ -339,6 +362,7 @@ class Worker:
         self._inbox: queue.SimpleQueue[Batch | None] = queue.SimpleQueue()
         self._way_back: queue.SimpleQueue[Deliver | None] = queue.SimpleQueue()  # None: stopped before serving
         self._thread = threading.Thread(target=self._main, name="kembed-worker", daemon=True)
+        self._lanes = 1
         self.warm: asyncio.Future[ModelRunner] = loop.create_future()
         self.heartbeat = time.monotonic()
 
@@ -353,7 +377,8 @@ class Worker:
         self._inbox.put(batch)
 
     def stop(self) -> None:
-        self._inbox.put(None)
+        for _ in range(self._lanes):
+            self._inbox.put(None)
         self._way_back.put(None)
 
     def _beat(self) -> None:
@@ -366,14 +391,16 @@ class Worker:
             log.exception("model start-up failed")
             self._loop.call_soon_threadsafe(self._resolve_warm, None, error)
             return
+        self._lanes = engine.plan.lanes  # before warm resolves: stop() puts one None per lane
         self._loop.call_soon_threadsafe(self._resolve_warm, engine, None)
-        try:
-            deliver = self._way_back.get()
-            if deliver is not None:
-                self._serve(engine, deliver)
-        except BaseException as error:  # a device error, or a bug: either way no batch is computed again
-            log.critical("worker thread failed, exiting: %r", error, exc_info=True)
-            self._loop.call_soon_threadsafe(self._on_fatal, error)
+        deliver = self._way_back.get()
+        if deliver is None:
+            return
+        threads = cpu.lane_threads(self._settings.cpus(), self._lanes)
+        for lane in range(1, self._lanes):  # created here, they inherit the compute threads' niceness
+            name = f"kembed-worker-{lane}"
+            threading.Thread(target=self._lane, args=(engine, deliver, lane, threads), name=name, daemon=True).start()
+        self._lane(engine, deliver, 0, threads)
 
     def _resolve_warm(self, engine: ModelRunner | None, error: BaseException | None) -> None:
         if self.warm.done():
@@ -383,7 +410,16 @@ class Worker:
         else:
             self.warm.set_exception(error or RuntimeError("start-up failed"))
 
-    def _serve(self, engine: ModelRunner, deliver: Deliver) -> None:
+    def _lane(self, engine: ModelRunner, deliver: Deliver, lane: int, threads: int) -> None:
+        try:
+            if self._lanes > 1:
+                cpu.enter_lane(threads)
+            self._serve(engine, deliver, lane)
+        except BaseException as error:  # a device error, or a bug: either way no batch is computed again
+            log.critical("worker thread failed, exiting: %r", error, exc_info=True)
+            self._loop.call_soon_threadsafe(self._on_fatal, error)
+
+    def _serve(self, engine: ModelRunner, deliver: Deliver, lane: int) -> None:
         while True:
             try:
                 batch = self._inbox.get(timeout=1.0)  # the timeout only refreshes the heartbeat
@@ -394,9 +430,9 @@ class Worker:
                 return
             self.heartbeat = started = time.monotonic()
             outcomes = engine.compute(batch.live_chunks(), batch.seq_len)  # raises only what is fatal
-            seconds = time.monotonic() - started
+            computed = Computed(lane, started, time.monotonic() - started)
             self._beat()
-            self._loop.call_soon_threadsafe(deliver, batch, outcomes, started, seconds)
+            self._loop.call_soon_threadsafe(deliver, batch, outcomes, computed)
 
 
 def _halve(chunks: list[Chunk], n: int) -> tuple[list[Chunk], list[Chunk]]:
