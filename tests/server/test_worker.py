@@ -26,6 +26,7 @@ from kembed.engine.worker import (
     Outcome,
     Worker,
     batch_overhead,
+    comparison_shapes,
     make_plan,
     min_cosine,
     probe_vectors,
@@ -320,6 +321,34 @@ def test_the_start_measures_bf16_only_on_a_cpu_with_bf16_units_when_auto(
     assert loader.asked == loads and runner.why.startswith(why)
     assert runner.precision.dtype in ("float32", "bfloat16") and runner.warmup_tokens == 2 * 16 + 32
     assert 32 / 64 <= runner.overhead_tokens <= 32 / 16
+
+
+@pytest.mark.parametrize("kept", ["bfloat16", "float32"])
+def test_auto_times_fp32_on_two_shapes_and_warms_the_dtype_it_keeps_on_every_one(
+    kept: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(precision, "bf16_units", lambda: ("avx512_bf16",))
+    monkeypatch.setattr(cpu, "share_cores", lambda *_: None)
+    monkeypatch.setattr(precision, "measured", lambda *_: precision.Precision(kept, "auto: injected"))
+    timed: dict[str, list[tuple[int, int]]] = {"float32": [], "bfloat16": []}
+    timed_for_real = ModelRunner.timed
+
+    def recording(runner: ModelRunner, ids: torch.Tensor, mask: torch.Tensor, repeats: int, beat) -> float:
+        timed[runner.precision.dtype].append((ids.shape[1], ids.shape[0]))
+        return timed_for_real(runner, ids, mask, repeats, beat)
+
+    monkeypatch.setattr(ModelRunner, "timed", recording)
+    sizes = {"max_batch_size": 4, "max_tokens_per_batch": 64}
+    settings = Settings.from_env({}, buckets="16,32,64", max_input_tokens=128, **sizes)
+    runner = start_runner(settings, EmbeddingModel.load, lambda: None)
+    shapes = runner.plan.warmup_shapes()
+    compared = comparison_shapes(runner.plan)
+    assert runner.precision.dtype == kept and compared == [(128, 1), (16, 4)]
+    other = "float32" if kept == "bfloat16" else "bfloat16"
+    assert timed[other] == compared  # the dtype let go: timed on the two shapes only
+    overhead = (16, 1)  # an eighth of the shortest bucket's 4 rows, at least one
+    assert timed[kept] == [*compared, *(s for s in shapes if s not in compared), overhead]
+    assert runner.warmup_tokens == sum(seq_len * rows for seq_len, rows in shapes)
 
 
 def test_a_loader_that_ignores_bf16_leaves_auto_on_fp32(

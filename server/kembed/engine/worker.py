@@ -153,9 +153,12 @@ class ModelRunner:
     def precision(self) -> Precision:
         return Precision(str(self.model.info.dtype).removeprefix("torch."), self.why)
 
-    def warm_up(self, beat: Callable[[], None]) -> None:
-        """Run every shape (capturing its CUDA graph when compiled); time the largest per bucket."""
-        warm_up_together([self], beat)
+    def warm_up(self, beat: Callable[[], None], done: Sequence[tuple[int, int]] = ()) -> None:
+        """Run every shape not ``done`` yet (capturing its CUDA graph when compiled); time the
+        largest per bucket, and when packed a batch's overhead."""
+        warm_up_together([self], beat, [shape for shape in self.plan.warmup_shapes() if shape not in done])
+        if self.plan.packed:
+            measure_overhead(self, beat)
         if self.graphs is not None:  # readiness waits on this: every planned shape has its graph
             stance = self.graphs.seal()
             compiled = CompileCount.total(self.graphs.compiles.values())
@@ -216,30 +219,37 @@ class ModelRunner:
         return self.model.forward(ids, mask).float().cpu().numpy()
 
 
-def warm_up_together(runners: Sequence[ModelRunner], beat: Callable[[], None]) -> None:
-    """Run every planned shape on each runner in turn, on the same batches (so their timings
-    compare, and a burst of load elsewhere slows each alike); time the largest batch per bucket.
-    Packed, also time a small batch (an eighth of the shortest bucket's largest): against the large
-    ones, what a batch costs beyond its tokens, where packing weighs it."""
+def warm_up_together(
+    runners: Sequence[ModelRunner], beat: Callable[[], None], shapes: Sequence[tuple[int, int]] | None = None
+) -> list[float]:
+    """Run planned shapes (every one by default) on each runner in turn, on the same batches (so
+    their timings compare, and a burst of load elsewhere slows each alike); time the largest batch
+    per bucket. Returns each runner's seconds over these shapes."""
     plan, info = runners[0].plan, runners[0].model.info
     repeats = WARMUP_REPEATS_COMPILED if plan.compiled else WARMUP_REPEATS_EAGER
     generator = torch.Generator().manual_seed(0)
-    for seq_len, rows in plan.warmup_shapes():
+    spent = [0.0] * len(runners)
+    for seq_len, rows in plan.warmup_shapes() if shapes is None else shapes:
         ids, mask = warmup_batch(rows, seq_len, info.vocab_size, info.pad_token_id, generator)
-        for runner in runners:
+        for index, runner in enumerate(runners):
             seconds = runner.timed(ids, mask, repeats, beat)
+            spent[index] += seconds
             if rows == plan.shapes.max_rows(seq_len):
                 runner.warmup_tokens += rows * seq_len
                 runner.warmup_seconds += seconds
-    if not plan.packed:
-        return
+    return spent
+
+
+def measure_overhead(runner: ModelRunner, beat: Callable[[], None]) -> None:
+    """Packed: time a small batch (an eighth of the shortest bucket's largest) against the warm
+    rate: what a batch costs beyond its tokens, where packing weighs it."""
+    plan, info = runner.plan, runner.model.info
     shortest = plan.bucket_lengths[0]
     rows = max(1, plan.shapes.max_rows(shortest) // 8)
-    ids, mask = warmup_batch(rows, shortest, info.vocab_size, info.pad_token_id, generator)
-    for runner in runners:
-        per_token = runner.warmup_seconds / max(runner.warmup_tokens, 1)
-        small = runner.timed(ids, mask, OVERHEAD_REPEATS, beat)
-        runner.overhead_tokens = batch_overhead(small, rows * shortest, per_token, plan.shapes.max_tokens)
+    ids, mask = warmup_batch(rows, shortest, info.vocab_size, info.pad_token_id, torch.Generator().manual_seed(1))
+    per_token = runner.warmup_seconds / max(runner.warmup_tokens, 1)
+    small = runner.timed(ids, mask, OVERHEAD_REPEATS, beat)
+    runner.overhead_tokens = batch_overhead(small, rows * shortest, per_token, plan.shapes.max_tokens)
 
 
 # A batch's overhead is taken within these shares of the token budget. The batch curve
@@ -283,9 +293,9 @@ def _graphs(settings: Settings, model: EmbeddingModel, plan: Plan) -> ShapeGuard
 def measured_runner(
     settings: Settings, fp32: EmbeddingModel, plan: Plan, load_model: LoadModel, beat: Callable[[], None]
 ) -> ModelRunner | None:
-    """Auto on a CPU with bf16 units (eager): warm up fp32 and bf16 side by side on the same batches,
+    """Auto on a CPU with bf16 units (eager): time fp32 and bf16 side by side on the same batches,
     check bf16's vectors against fp32's on real text, and keep the runner :func:`precision.measured`
-    picks, warm. None where the dtype needs no measuring."""
+    picks, warmed on every shape. None where the dtype needs no measuring."""
     device = fp32.info.device.type
     if plan.compiled or not precision.measures(settings.dtype, device, bf16_units(device)):
         return None
@@ -293,12 +303,22 @@ def measured_runner(
     if candidate.info.dtype != torch.bfloat16:  # a loader that ignores the dtype asked for
         return _warm(ModelRunner(fp32, plan, why=f"auto: bf16 asked, the loader gave {candidate.info.dtype}"), beat)
     runners = [ModelRunner(fp32, plan), ModelRunner(candidate, plan)]
-    warm_up_together(runners, beat)
+    compared = comparison_shapes(plan)
+    fp32_seconds, bf16_seconds = warm_up_together(runners, beat, compared)
     cosine = min_cosine(*map(probe_vectors, runners))
-    choice = precision.measured(runners[0].warmup_seconds, runners[1].warmup_seconds, cosine)
+    choice = precision.measured(fp32_seconds, bf16_seconds, cosine)
     kept = runners[1] if choice.dtype == Dtype.BFLOAT16.value else runners[0]
     kept.why = choice.why
+    kept.warm_up(beat, done=compared)
     return kept
+
+
+def comparison_shapes(plan: Plan) -> list[tuple[int, int]]:
+    """What auto times both dtypes on: the largest batch of the longest bucket and of the shortest,
+    where attention and the dense layers weigh most. Timing fp32 on every shape took most of the
+    start-up (docs/decisions/bf16-on-cpu.md); the dtype kept warms the rest."""
+    ends = dict.fromkeys((plan.bucket_lengths[-1], plan.bucket_lengths[0]))
+    return [(length, plan.shapes.max_rows(length)) for length in ends]
 
 
 def bf16_units(device_type: str) -> tuple[str, ...]:
