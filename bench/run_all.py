@@ -47,6 +47,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     packing.main(["--ceiling", "ceiling", *(["--batches", "300"] if args.quick else [])])
     serve = ["--duration", "8", "--warmup", "2", "--windows", "2", "--settle", "2"] if args.quick else []
     capacity = serve_load.main(["--batching", "token_bucket", "--env", TUNED_BUCKETS, *serve])
+    serve_load.main(["--texts-per-call", "16", "--concurrency", "16", "--env", TUNED_BUCKETS, *serve])
     serve_load.main(["--batching", "naive", "--capacity", str(capacity), *serve])
     if not args.skip_gpu:
         gpu.main(["--quick"] if args.quick else [])

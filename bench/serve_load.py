@@ -5,7 +5,8 @@
 3. Open loop: Poisson arrivals at 0.5x, 1x, 2x and 4x that capacity (or of ``--capacity``, so two
    strategies can be offered the same absolute loads).
 
-Each request is one workload text (``truncate=true``). Per phase: embeddings/s and tokens/s
+Each request is one workload text (``truncate=true``), or ``--texts-per-call`` consecutive ones
+(written to ``serve_<batching>_<n>texts.json``, capacity only by default). Per phase: embeddings/s and tokens/s
 delivered (median and range over time windows), p50/p95/p99 latency of accepted requests,
 rejection rate and rejection latency, padding ratio from the server's ``kembed_tokens_total``,
 the server's peak resident memory, and the CPU the server and this client used. Writes
@@ -51,10 +52,17 @@ class Options:
     max_requests: int
     seed: int
     settle: float  # idle seconds before a phase, so the server's latency window forgets the last one
+    texts_per_call: int = 1
+
+    @property
+    def name(self) -> str:
+        return f"serve_{self.batching}" + (f"_{self.texts_per_call}texts" if self.texts_per_call > 1 else "")
 
 
-def encode_requests(texts: Sequence[str]) -> list[bytes]:
-    return [embedder_pb2.EmbedRequest(texts=[t], truncate=True).SerializeToString() for t in texts]
+def encode_requests(texts: Sequence[str], per_call: int = 1) -> list[bytes]:
+    """Calls of ``per_call`` consecutive texts (the last partial group left out)."""
+    calls = [texts[i : i + per_call] for i in range(0, len(texts) - per_call + 1, per_call)]
+    return [embedder_pb2.EmbedRequest(texts=list(call), truncate=True).SerializeToString() for call in calls]
 
 
 def summarize(
@@ -71,7 +79,7 @@ def summarize(
     return {
         "sent": len(outcomes),
         "codes": dict(Counter(o.code for o in outcomes)),
-        "emb_per_s": rate([1.0] * len(ok)).to_dict(),
+        "emb_per_s": rate([float(opts.texts_per_call)] * len(ok)).to_dict(),
         "tokens_per_s": rate([tokens[o.item % len(tokens)] for o in ok]).to_dict(),
         "latency_ms": latency_summary([o.latency for o in ok]),
         "rejection_rate": len(rejected) / len(outcomes) if outcomes else 0.0,
@@ -110,10 +118,12 @@ async def _phase(server: Server, requests: list[bytes], tokens: list[int], opts:
 
 async def _run(server: Server, opts: Options, loads: list[float], capacity: float) -> dict[str, Any]:
     wl = workload.load()
-    requests = encode_requests(wl.texts)
-    tokens = [min(t, workload.BUCKETS[-1]) for t in wl.tokens]
+    per_call = opts.texts_per_call
+    requests = encode_requests(wl.texts, per_call)
+    clipped = [min(t, workload.BUCKETS[-1]) for t in wl.tokens]
+    tokens = [sum(clipped[i : i + per_call]) for i in range(0, len(clipped) - per_call + 1, per_call)]
     result: dict[str, Any] = {"server_info": server.info(), **server.dtype()}
-    print(f"serve_load[{opts.batching}]: capacity, closed loop x{opts.concurrency}, {opts.duration:.0f} s")
+    print(f"{opts.name}: capacity, closed loop x{opts.concurrency}, {per_call} texts a call, {opts.duration:.0f} s")
     result["saturation"] = await _phase(server, requests, tokens, opts, rate=0)
     saturated = result["saturation"]["emb_per_s"]["median"]
     print(f"  saturation: {saturated:.1f} emb/s")
@@ -122,7 +132,7 @@ async def _run(server: Server, opts: Options, loads: list[float], capacity: floa
     result["open_loop"] = []
     for multiple in loads:
         print(f"  open loop {multiple}x = {multiple * base:.1f} req/s, {opts.duration:.0f} s")
-        phase = await _phase(server, requests, tokens, opts, rate=multiple * base)
+        phase = await _phase(server, requests, tokens, opts, rate=multiple * base / per_call)
         result["open_loop"].append({"offered_x": multiple, "offered_rps": multiple * base, **phase})
         print(f"    {phase['emb_per_s']['median']:.1f} emb/s, p95 {phase['latency_ms']['p95']:.0f} ms, "
               f"rejected {phase['rejection_rate']:.0%}")  # fmt: skip
@@ -135,13 +145,13 @@ def _settings(settings: dict[str, str]) -> Settings:
 
 
 def run(opts: Options, loads: list[float], capacity: float = 0.0, env: dict[str, str] | None = None) -> dict:
-    """Start the server, measure, stop it; write ``serve_<batching>.json``."""
+    """Start the server, measure, stop it; write ``<opts.name>.json``."""
     settings = {"batching": opts.batching, **(env or {})}
     configured = _settings(settings)  # the budget the 4x phase is judged against
-    with running(settings, RESULTS_DIR / f"server_{opts.batching}.log") as server:
+    with running(settings, RESULTS_DIR / f"{opts.name.replace('serve', 'server', 1)}.log") as server:
         result = asyncio.run(_run(server, opts, loads, capacity))
     result.update(batching=opts.batching, options=asdict(opts), max_drain_ms=configured.max_drain_ms, env=settings)
-    machine.write_result(f"serve_{opts.batching}", result)
+    machine.write_result(opts.name, result)
     return result
 
 
@@ -149,7 +159,12 @@ def main(argv: Sequence[str] | None = None) -> float:
     """Run from the command line; returns the emb/s the open-loop multiples were of."""
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--batching", default="token_bucket", choices=["token_bucket", "naive"])
-    parser.add_argument("--loads", default="0.5,1,2,4", help="multiples of capacity to offer, open loop")
+    parser.add_argument(
+        "--loads",
+        default=None,
+        help="multiples of capacity to offer, open loop; default 0.5,1,2,4 (none with --texts-per-call)",
+    )
+    parser.add_argument("--texts-per-call", type=int, default=1, help="consecutive workload texts in each call")
     parser.add_argument("--capacity", type=float, default=0.0, help="emb/s the multiples are of; 0 = measured here")
     parser.add_argument("--concurrency", type=int, default=96, help="closed-loop clients for the capacity phase")
     parser.add_argument("--duration", type=float, default=20.0, help="seconds per phase")
@@ -165,9 +180,10 @@ def main(argv: Sequence[str] | None = None) -> float:
     settle = args.settle if args.settle >= 0 else _settings({"batching": args.batching, **env}).latency_window_s
     opts = Options(
         args.batching, args.concurrency, args.duration, args.warmup, args.windows, args.timeout,
-        args.max_requests, args.seed, settle,
+        args.max_requests, args.seed, settle, args.texts_per_call,
     )  # fmt: skip
-    result = run(opts, [float(x) for x in args.loads.split(",") if x], args.capacity, env)
+    loads = args.loads if args.loads is not None else ("0.5,1,2,4" if args.texts_per_call == 1 else "")
+    result = run(opts, [float(x) for x in loads.split(",") if x], args.capacity, env)
     return float(result["offered_base_emb_per_s"])
 
 

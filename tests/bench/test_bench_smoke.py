@@ -11,7 +11,7 @@ import numpy as np
 import pytest
 import torch
 
-from bench import ceiling, headline, loadgen, plot, workload
+from bench import ceiling, headline, loadgen, plot, serve_load, workload
 from bench.report import (
     Spread,
     deltas_by_label,
@@ -25,6 +25,7 @@ from bench.report import (
 from bench.server import Server
 from kembed.contract import RETRY_PUSHBACK_KEY
 from kembed.engine.batcher import BatchShapes
+from kembed.v1 import embedder_pb2
 
 
 @pytest.fixture(scope="module")
@@ -47,6 +48,11 @@ def test_workload_shares_follow_the_mix() -> None:
     assert sum(quotas.values()) == 1000
     assert quotas == {c: round(1000 * w) for c, w in workload.MIX.items()}
     assert all(q >= 1 for q in workload._quotas(3, workload.MIX).values())
+
+
+def test_calls_of_many_texts_take_consecutive_texts_and_leave_a_partial_group_out() -> None:
+    calls = [embedder_pb2.EmbedRequest.FromString(c) for c in serve_load.encode_requests(list("abcdefg"), 3)]
+    assert [list(c.texts) for c in calls] == [["a", "b", "c"], ["d", "e", "f"]] and all(c.truncate for c in calls)
 
 
 def test_bucket_class_boundaries() -> None:
