@@ -417,6 +417,8 @@ class Worker:
         if deliver is None:
             return
         threads = cpu.lane_threads(self._settings.cpus(), self._lanes)
+        if self._lanes > 1:
+            log.info("computing %d batches at once, each on %d compute thread(s)", self._lanes, threads)
         for lane in range(1, self._lanes):  # created here, they inherit the compute threads' niceness
             name = f"kembed-worker-{lane}"
             threading.Thread(target=self._lane, args=(engine, deliver, lane, threads), name=name, daemon=True).start()
