@@ -21,7 +21,7 @@ import time
 from collections import Counter
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass
-from typing import Any
+from typing import Any, TypeVar
 
 from bench import RESULTS_DIR, machine, workload
 from bench.loadgen import OK, REJECTED, CallRecord, closed_loop, open_loop
@@ -39,6 +39,8 @@ from bench.server import Server, running
 from kembed.config import Settings
 from kembed.contract import Metric, env_name
 from kembed.v1 import embedder_pb2
+
+T = TypeVar("T")
 
 
 @dataclass(frozen=True)
@@ -59,9 +61,13 @@ class Options:
         return f"serve_{self.batching}" + (f"_{self.texts_per_call}texts" if self.texts_per_call > 1 else "")
 
 
+def per_call_groups(items: Sequence[T], per_call: int) -> list[Sequence[T]]:
+    """Runs of ``per_call`` consecutive items, one a call (the last partial run left out)."""
+    return [items[i : i + per_call] for i in range(0, len(items) - per_call + 1, per_call)]
+
+
 def encode_requests(texts: Sequence[str], per_call: int = 1) -> list[bytes]:
-    """Calls of ``per_call`` consecutive texts (the last partial group left out)."""
-    calls = [texts[i : i + per_call] for i in range(0, len(texts) - per_call + 1, per_call)]
+    calls = per_call_groups(texts, per_call)
     return [embedder_pb2.EmbedRequest(texts=list(call), truncate=True).SerializeToString() for call in calls]
 
 
@@ -121,7 +127,7 @@ async def _run(server: Server, opts: Options, loads: list[float], capacity: floa
     per_call = opts.texts_per_call
     requests = encode_requests(wl.texts, per_call)
     clipped = [min(t, workload.BUCKETS[-1]) for t in wl.tokens]
-    tokens = [sum(clipped[i : i + per_call]) for i in range(0, len(clipped) - per_call + 1, per_call)]
+    tokens = [sum(call) for call in per_call_groups(clipped, per_call)]
     result: dict[str, Any] = {"server_info": server.info(), **server.dtype()}
     print(f"{opts.name}: capacity, closed loop x{opts.concurrency}, {per_call} texts a call, {opts.duration:.0f} s")
     result["saturation"] = await _phase(server, requests, tokens, opts, rate=0)

@@ -125,23 +125,25 @@ def test_responder_sends_each_front_end_its_rows_and_finishes_jobs(engine_path):
     assert all(chunk.job.closed for chunk in chunks)  # every item answered: nothing left to route
 
 
+def finish_batch(responder: Responder, batcher: Batcher, clock: FakeClock, computed: Computed, done: float) -> None:
+    """Deliver a batch of one 16-token item, computed as ``computed`` says, answered at ``done``."""
+    job = Job(link=1, tag=1, count=1, deadline=1e9)
+    chunk = Chunk(job, np.array([0]), np.ones((1, 16), np.int32), np.array([16], np.int32), 0.0)
+    clock.now = done
+    batch = Batch([chunk], 16, 8)
+    batcher.in_flight, batcher.in_flight_tokens = 1, batch.cost
+    responder.deliver(batch, [Outcome([chunk], None, RuntimeError("x"), 128, 16)], computed)
+
+
 def test_service_rate_counts_wall_time_between_completions(engine_path):
     """Compute time alone misses the gaps a busy loop and shared cores put between batches: the rate
     is the batch's cost (its items padded to their buckets, the backlog's unit, whatever the batch
     computed) over max(compute, wall time since the batch could start)."""
     _, batcher, _, _, responder, load, clock = engine_path
-    job = Job(link=1, tag=1, count=1, deadline=1e9)
-    chunk = Chunk(job, np.array([0]), np.ones((1, 16), np.int32), np.array([16], np.int32), 0.0)
-
-    def finish(started: float, seconds: float, done: float) -> None:
-        clock.now = done
-        batch = Batch([chunk], 16, 8)
-        batcher.in_flight, batcher.in_flight_tokens = 1, batch.cost
-        responder.deliver(batch, [Outcome([chunk], None, RuntimeError("x"), 128, 16)], Computed(0, started, seconds))
-
-    finish(started=100.0, seconds=0.5, done=101.0)  # 1 s of wall time for 0.5 s of compute
+    finish_batch(responder, batcher, clock, Computed(0, started=100.0, seconds=0.5), done=101.0)  # 1 s wall
     assert load.tokens_per_second == pytest.approx(16 / 1.0)
-    finish(started=100.5, seconds=0.9, done=101.2)  # started before the last completion: 0.2 s wall
+    # Started before the last completion: 0.2 s of wall time.
+    finish_batch(responder, batcher, clock, Computed(0, started=100.5, seconds=0.9), done=101.2)
     assert load.tokens_per_second == pytest.approx((16 * 0.9 + 16) / (1.0 * 0.9 + 0.9))
 
 
@@ -150,19 +152,9 @@ def test_lanes_side_by_side_each_hold_their_share_of_the_worker(engine_path):
     wall time runs from its own previous answer, not the other lane's."""
     _, batcher, jobs, outbox, _, load, clock = engine_path
     responder = Responder(batcher, load.rate, jobs, outbox, EngineMetrics(), clock=clock, lanes=2)
-    job = Job(link=1, tag=1, count=1, deadline=1e9)
-    chunk = Chunk(job, np.array([0]), np.ones((1, 16), np.int32), np.array([16], np.int32), 0.0)
-
-    def finish(lane: int, started: float, done: float) -> None:
-        clock.now = done
-        batch = Batch([chunk], 16, 1)
-        batcher.in_flight, batcher.in_flight_tokens = 1, batch.cost
-        outcome = Outcome([chunk], None, RuntimeError("x"), 16, 16)
-        responder.deliver(batch, [outcome], Computed(lane, started, done - started))
-
     for second in range(4):  # lane 1 half a second behind lane 0, both always busy
-        finish(0, started=100.0 + second, done=101.0 + second)
-        finish(1, started=100.5 + second, done=101.5 + second)
+        finish_batch(responder, batcher, clock, Computed(0, 100.0 + second, 1.0), done=101.0 + second)
+        finish_batch(responder, batcher, clock, Computed(1, 100.5 + second, 1.0), done=101.5 + second)
     assert load.tokens_per_second == pytest.approx(32.0)
 
 

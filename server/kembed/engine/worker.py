@@ -220,16 +220,16 @@ class ModelRunner:
 
 
 def warm_up_together(
-    runners: Sequence[ModelRunner], beat: Callable[[], None], shapes: Sequence[tuple[int, int]] | None = None
+    runners: Sequence[ModelRunner], beat: Callable[[], None], shapes: Sequence[tuple[int, int]]
 ) -> list[float]:
-    """Run planned shapes (every one by default) on each runner in turn, on the same batches (so
+    """Run planned shapes on each runner in turn, on the same batches (so
     their timings compare, and a burst of load elsewhere slows each alike); time the largest batch
     per bucket. Returns each runner's seconds over these shapes."""
     plan, info = runners[0].plan, runners[0].model.info
     repeats = WARMUP_REPEATS_COMPILED if plan.compiled else WARMUP_REPEATS_EAGER
     generator = torch.Generator().manual_seed(0)
     spent = [0.0] * len(runners)
-    for seq_len, rows in plan.warmup_shapes() if shapes is None else shapes:
+    for seq_len, rows in shapes:
         ids, mask = warmup_batch(rows, seq_len, info.vocab_size, info.pad_token_id, generator)
         for index, runner in enumerate(runners):
             seconds = runner.timed(ids, mask, repeats, beat)
