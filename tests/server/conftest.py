@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Generator
 from pathlib import Path
 from typing import Any
 
@@ -10,6 +11,18 @@ from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
 from kembed.config import Settings
 from kembed.engine.model import EmbeddingModel, resolve_model_path
+from tests.server.serving import ServerProcess
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_makereport(item: pytest.Item, call: pytest.CallInfo[None]) -> Generator[None, Any, Any]:
+    """A failed test's report ends with the logs of the servers still running: on CI they are
+    gone with the machine, and a refusal or a restart the test did not expect is only there."""
+    report = yield
+    if report.failed:
+        for server in ServerProcess.running:
+            report.sections.append((f"server log: {server.log}", server.tail()))
+    return report
 
 
 @pytest.fixture(scope="session")

@@ -15,7 +15,7 @@ import time
 import urllib.error
 import urllib.request
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import grpc
 
@@ -50,7 +50,12 @@ def wait_until(condition: Any, timeout: float, what: str) -> None:
 
 class ServerProcess:
     """``held=True`` serves through ``tests.server.held``: ``self.engine`` then holds its batches
-    (the real model computes them once released)."""
+    (the real model computes them once released).
+
+    ``running`` holds the servers started and not yet stopped: a failing test's report carries the
+    end of their logs (``tests/server/conftest.py``), the only trace of a failure on CI."""
+
+    running: ClassVar[list[ServerProcess]] = []
 
     def __init__(self, log: Path, module: str = "kembed", held: bool = False, **settings: Any) -> None:
         """``nofile=N`` among the settings: the file descriptors each process may open (``ulimit -n``)."""
@@ -73,6 +78,7 @@ class ServerProcess:
         self.process = subprocess.Popen(
             [sys.executable, "-m", module], env=env, stdout=self._out, stderr=subprocess.STDOUT, preexec_fn=limit
         )
+        ServerProcess.running.append(self)
 
     def wait_ready(self, timeout: float = 300) -> ServerProcess:
         wait_until(lambda: self.http("/readyz")[0] == 200 or self.process.poll() is not None, timeout, "ready")
@@ -99,8 +105,11 @@ class ServerProcess:
             return 0, ""
 
     def metric(self, sample: str) -> float:
-        """One sample off ``/metrics`` by its full name and labels (0 when it is not there yet)."""
-        found = re.search(rf"^{re.escape(sample)} (\S+)$", self.http("/metrics")[1], re.M)
+        """One sample off ``/metrics`` by its full name and labels (0 when it is not there yet). A
+        failed scrape raises: read as 0, it would pass a wait for a gauge to fall."""
+        status, body = self.http("/metrics")
+        assert status == 200, f"/metrics answered {status}"
+        found = re.search(rf"^{re.escape(sample)} (\S+)$", body, re.M)
         return float(found.group(1)) if found else 0.0
 
     def health(self) -> dict[str, Any]:
@@ -135,7 +144,12 @@ class ServerProcess:
     def output(self) -> str:
         return self.log.read_text(errors="replace")
 
+    def tail(self, lines: int = 60) -> str:
+        return "\n".join(self.output().splitlines()[-lines:])
+
     def stop(self) -> None:
+        if self in ServerProcess.running:
+            ServerProcess.running.remove(self)
         self.engine.release()
         if self.process.poll() is None:
             self.process.send_signal(signal.SIGTERM)

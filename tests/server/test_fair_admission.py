@@ -139,11 +139,14 @@ def test_refused_maximal_requests_do_not_move_the_p95_or_health(server: ServerPr
     ids = np.full(256, 2088, dtype="<i4").tobytes() * 1024
     maximal = pb.EmbedRequest(tokens=pb.TokenIds(ids=ids, lengths=[256] * 1024))
     p95 = "kembed_request_latency_p95_seconds"
-    wait_until(lambda: server.metric(p95) == 0, 120, "the latency window to forget the last test's queries")
+    forgotten = lambda: server.metric(p95) == 0 and settled(server)  # noqa: E731
+    wait_until(forgotten, 120, "the latency window to forget the last test's queries, and shedding to stop")
     refused_before = refusals(server, "batch")
     with server.engine:
-        running = stub.Embed.future(pb.EmbedRequest(texts=[PASSAGE] * 16), timeout=WAIT_S)
-        server.wait_open_requests(1)
+        running = decided(
+            server, lambda: stub.Embed.future(pb.EmbedRequest(texts=[PASSAGE] * 16), timeout=WAIT_S), is_done
+        )
+        assert not running.done(), f"the first request was refused: {running.code()} {running.details()}"
         refused = [decided(server, lambda: stub.Embed.future(maximal, timeout=WAIT_S), is_done) for _ in range(6)]
         assert sum(call.done() and call.code() == EXHAUSTED for call in refused) >= 5
         assert refusals(server, "batch") >= refused_before + 5  # the queue cap, or the drain budget
