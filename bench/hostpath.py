@@ -139,6 +139,7 @@ class Options:
     py_spy_seconds: float  # > 0: one more 1-text load under py-spy (part serve)
     peer_venv: Path  # Infinity's venv (part rest); without it the peer comparison is skipped
     peer_duration: float  # seconds per REST load of the peer comparison (part rest)
+    peer_dtype: str  # both servers' dtype in the peer comparison: auto (each its own choice), float32, bfloat16
 
 
 def frontends_setting(value: int | str) -> dict[str, str]:
@@ -335,15 +336,15 @@ def rest_peer(opts: Options, short_texts: list[str]) -> dict[str, Any]:
         print(f"  REST peer: skipped, no Infinity in {opts.peer_venv}; set it up with: {command}")
         return {"skipped": f"no Infinity in {opts.peer_venv}", "setup_command": command}
     exe = peers.setup(opts.peer_venv)  # installs nothing here: it checks the venv's torch is the CPU one
-    with peers.infinity_running(exe, _log("rest_infinity")) as server:
+    with peers.infinity_running(exe, _log("rest_infinity"), dtype=opts.peer_dtype) as server:
         infinity = _rest_closed_loop(server, _one_text_bodies(short_texts, server, peers.MODEL_NAME), opts,
                                      opts.peer_duration)  # fmt: skip
-    settings = frontends_setting("auto")
+    settings = {**frontends_setting("auto"), "dtype": opts.peer_dtype}
     with running(settings, _log("rest_kembed"), module="kembed") as server:
         before = server.metrics()
         kembed = _rest_closed_loop(server, _one_text_bodies(short_texts, server), opts, opts.peer_duration)
         kembed.update(_counters(before, server.metrics(), kembed["span_s"]), **server.dtype())
-    infinity["dtype"] = peers.infinity_dtype()
+    infinity["dtype"] = peers.infinity_dtype(opts.peer_dtype)
     worker = kembed["worker"]
     print(f"  REST, real model: Infinity {_calls(infinity)}, kembed {_calls(kembed)} calls/s (kembed's worker busy "
           f"{worker['busy_share']:.0%}, padding {kembed['padding_ratio']:.0%}, {worker['rows_per_batch']:.1f} rows "
@@ -594,6 +595,8 @@ def parse_options(argv: Sequence[str] | None = None) -> Options:
     parser.add_argument("--py-spy-seconds", type=float, default=0.0, help="serve: > 0 adds a load under py-spy")
     parser.add_argument("--peer-venv", type=Path, default=peers.VENV, help="rest: Infinity's venv (bench.peers)")
     parser.add_argument("--peer-duration", type=float, default=20.0, help="rest: seconds per peer-comparison load")
+    parser.add_argument("--peer-dtype", choices=["auto", "float32", "bfloat16"], default="auto",
+                        help="rest: both servers' dtype (auto: each its own choice)")  # fmt: skip
     args = parser.parse_args(argv)
     parts = tuple(p for p in args.parts.split(",") if p)
     if unknown := set(parts) - set(PARTS):

@@ -95,15 +95,18 @@ def model_dir() -> Path:
     return Path(spec.origin).parent / "model"
 
 
-def infinity_dtype() -> str:
-    """Infinity's dtype, like with like: its own bf16 mode where this CPU has bf16 units (where
-    kembed's auto measures bf16 and serves it if faster and accurate), else float32."""
+def infinity_dtype(dtype: str = "auto") -> str:
+    """Infinity's dtype: as named, or for ``auto`` like with like: its own bf16 mode where this CPU
+    has bf16 units (where kembed's auto measures bf16 and serves it if faster and accurate), else
+    float32."""
+    if dtype != "auto":
+        return dtype
     return "bfloat16" if bf16_units() else "float32"
 
 
-def infinity_argv(exe: Path, model: Path, port: int) -> list[str]:
+def infinity_argv(exe: Path, model: Path, port: int, dtype: str = "auto") -> list[str]:
     return [str(exe), "v2", "--model-id", str(model), "--served-model-name", MODEL_NAME, "--engine", "torch",
-            "--device", "cpu", "--dtype", infinity_dtype(), "--host", HOST, "--port", str(port),
+            "--device", "cpu", "--dtype", infinity_dtype(dtype), "--host", HOST, "--port", str(port),
             "--url-prefix", "/v1"]  # fmt: skip
 
 
@@ -122,16 +125,18 @@ def _answers(url: str) -> bool:
 
 
 @contextlib.contextmanager
-def infinity_running(exe: Path, log: Path, start_timeout: float = START_TIMEOUT_S) -> Iterator[Server]:
-    """Infinity serving the bundled model on a free loopback port, once ``/v1/models`` answers (its
-    ``rest_url``; it has no gRPC or health port). Stopped on the way out: SIGTERM to its process
-    group, SIGKILL after ``STOP_GRACE_S``."""
+def infinity_running(
+    exe: Path, log: Path, start_timeout: float = START_TIMEOUT_S, dtype: str = "auto"
+) -> Iterator[Server]:
+    """Infinity serving the bundled model on a free loopback port (in :func:`infinity_dtype`), once
+    ``/v1/models`` answers (its ``rest_url``; it has no gRPC or health port). Stopped on the way
+    out: SIGTERM to its process group, SIGKILL after ``STOP_GRACE_S``."""
     port = free_port()
     rest_url = f"http://{HOST}:{port}"
     log.parent.mkdir(parents=True, exist_ok=True)
     with log.open("wb") as out:
         venv = exe.parent.parent
-        proc = subprocess.Popen(infinity_argv(exe, model_dir(), port), env=offline_env(venv), stdout=out,
+        proc = subprocess.Popen(infinity_argv(exe, model_dir(), port, dtype), env=offline_env(venv), stdout=out,
                                 stderr=subprocess.STDOUT, start_new_session=True)  # fmt: skip
         try:
             deadline = time.monotonic() + start_timeout
