@@ -348,8 +348,8 @@ def _hostpath_phases(result: dict[str, Any]) -> list[tuple[str, str, str, str, d
                 f"p99 {_fmt(Spread.from_dict(p['p99_ms']))} ms, last {_fmt(Spread.from_dict(p['last_ms']))} ms, "
                 f"{p['server_cpu_ms_per_call']:.2f} CPU ms/call"
             )
-            if "held_for_pushback" in p:
-                figure += f", {p['held_for_pushback']:.0f} held"
+            if "refusals_paced" in p:
+                figure += f", {p['refusals_paced']:.0f} paced"
             rows.append(("rejection", label, sent, figure, p))
     if storm := result.get("retry_storm"):
         texts = s["storm_texts"]

@@ -381,13 +381,13 @@ def rejection(opts: Options, texts: list[str]) -> dict[str, Any]:
 def _rejecting_bursts(
     server: Server, request: bytes, opts: Options, senders: Senders, code: str | None = None
 ) -> dict[str, Any]:
-    """Bursts against a kembed, with which admission rule said no and how many calls were held
-    for their client's pushback (from the server's own counters)."""
+    """Bursts against a kembed, with which admission rule said no and how many refusals were
+    answered late for their client's refusal rate (from the server's own counters)."""
     before = server.metrics()
     figures = _bursts(server, request, opts, senders, code)
     after = server.metrics()
     figures["server_rejections"] = deltas_by_label(before, after, Metric.REJECTED + "_total", "reason")
-    figures["held_for_pushback"] = metric_delta(before, after, Metric.PUSHBACK_WAITS + "_total")
+    figures["refusals_paced"] = metric_delta(before, after, Metric.REFUSALS_PACED + "_total")
     return figures
 
 

@@ -326,10 +326,6 @@ class AdmissionController:
         rejection = self._capacity(request_tokens, backlog, priority)
         return self._refused(rejection, backlog.ahead(priority), priority)
 
-    def fits(self, request_tokens: int, backlog: Backlog, priority: Priority) -> bool:
-        """Whether the capacity checks would admit the request now; records nothing."""
-        return self._over_capacity(request_tokens, backlog, priority) is None
-
     def room_to_make(self, request_tokens: int, backlog: Backlog, priority: Priority) -> int:
         """Padded tokens of batch work not started that an admitted request must displace so that
         the queue stays within its cap (0 for batch work, which is admitted against the cap as is)."""
@@ -341,7 +337,7 @@ class AdmissionController:
         """The refusal of batch work displaced from the queue: as if it arrived now, behind everything."""
         ahead = backlog.total + request_tokens
         message = "server queue is full: batch work not started gave its place to interactive work"
-        return Rejection("displaced", self._pushback(ahead), message)
+        return Rejection("displaced", self.pushback(ahead), message)
 
     def saturation(self, backlog: Backlog) -> float:
         """The share of the admission budget the backlog fills, 0 to 1: the larger of the longest
@@ -387,7 +383,7 @@ class AdmissionController:
                 f"server is overloaded: estimated queue wait {self.longest_wait(ahead) * 1000:.0f} ms exceeds the "
                 f"{self._max_drain * 1000:.0f} ms drain budget"
             )
-        return Rejection(reason, self._pushback(ahead), message)
+        return Rejection(reason, self.pushback(ahead), message)
 
     def _shed(self, tokens_ahead: int, backlog: Backlog, priority: Priority) -> Rejection | None:
         """While shedding, every batch request that would queue goes first; an interactive one is
@@ -403,11 +399,11 @@ class AdmissionController:
         p95 = self.load.p95_seconds()
         return Rejection(
             "latency_hard" if fraction >= 1.0 else "latency_shed",
-            self._pushback(tokens_ahead, floor_s=min(p95, MAX_PUSHBACK_MS / 1000)),
+            self.pushback(tokens_ahead, floor_s=min(p95, MAX_PUSHBACK_MS / 1000)),
             f"server is shedding load: interactive p95 latency is over the {self._soft * 1000:.0f} ms limit",
         )
 
-    def _pushback(self, tokens_ahead: int, floor_s: float = 0.0) -> int:
+    def pushback(self, tokens_ahead: int, floor_s: float = 0.0) -> int:
         """Milliseconds until the backlog ahead would have drained, jittered by +-50%, within bounds."""
         seconds = max(self.drain_seconds(tokens_ahead), floor_s) * (0.5 + self._rng.random())
         return int(min(max(seconds * 1000, MIN_PUSHBACK_MS), MAX_PUSHBACK_MS))

@@ -314,6 +314,19 @@ class Settings(BaseModel):
         "open; past it the oldest idle one is closed",
         json_schema_extra=TUNING,
     )
+    refusal_rate: float = Field(
+        200.0,
+        gt=0,
+        description="Refusals a second one client (a gRPC connection, a REST address) has answered at once past "
+        "its refusal burst; later ones are answered when its rate allows, at most 1 s late (docs/admission.md)",
+        json_schema_extra=TUNING,
+    )
+    refusal_burst: int = Field(
+        1000,
+        ge=1,
+        description="Refusals one client has answered at once before its refusal rate applies",
+        json_schema_extra=TUNING,
+    )
     max_connection_age_ms: int = Field(
         300_000,
         ge=1000,

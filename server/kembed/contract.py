@@ -55,8 +55,8 @@ class Metric:
     SERVICE_RATE: Final = "kembed_service_rate_tokens_per_second"
     REQUESTS: Final = "kembed_requests"  # exposed as kembed_requests_total{code}
     REJECTED: Final = "kembed_rejected"  # exposed as kembed_rejected_total{reason,priority}
-    PUSHBACK_WAITS: Final = "kembed_pushback_waits"  # exposed as kembed_pushback_waits_total
-    PUSHBACK_SHARED: Final = "kembed_pushback_shared"  # exposed as ..._total
+    REFUSALS_PACED: Final = "kembed_refusals_paced"  # exposed as kembed_refusals_paced_total
+    REFUSALS_SHARED: Final = "kembed_refusals_shared"  # exposed as ..._total
     DEMOTED: Final = "kembed_demoted"  # exposed as kembed_demoted_total
     BATCH_SIZE: Final = "kembed_batch_size"
     BATCH_TOKENS: Final = "kembed_batch_tokens"

@@ -58,12 +58,14 @@ class FrontendMetrics:
             registry=r,
         )
         self.rejected = _rejected(r)
-        self.pushback_waits = Counter(
-            Metric.PUSHBACK_WAITS, "Calls that came within their client's pushback and waited it out", registry=r
+        self.refusals_paced = Counter(
+            Metric.REFUSALS_PACED,
+            "Refusals answered late: their client was refused faster than its refusal rate",
+            registry=r,
         )
-        self.pushback_shared = Counter(
-            Metric.PUSHBACK_SHARED,
-            "Refusals whose pushback went to the window clients share once the table of windows is full",
+        self.refusals_shared = Counter(
+            Metric.REFUSALS_SHARED,
+            "Refusals charged to the bucket clients share once the table of clients is full",
             registry=r,
         )
         self.demoted = Counter(

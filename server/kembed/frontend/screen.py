@@ -71,9 +71,14 @@ class Screen:
         finally:
             self._tokenizing[priority] -= least_padded_tokens
 
-    def has_room(self, padded_tokens: int, priority: Priority) -> bool:
-        """Whether the capacity checks would take this many more padded tokens now (decides nothing)."""
-        return self._admission.fits(padded_tokens, self._backlog(), priority)
+    def expected_wait(self, padded_tokens: int, priority: Priority) -> float:
+        """How long a request of this cost and class waits now, its own work included, with the
+        queue ahead of it served in order (the longest wait without its spread)."""
+        return self._admission.drain_seconds(self._backlog().ahead(priority) + padded_tokens)
+
+    def pushback(self, padded_tokens: int, priority: Priority) -> int:
+        """The pushback of a refusal of a request of this cost and class now (milliseconds)."""
+        return self._admission.pushback(self._backlog().ahead(priority) + padded_tokens)
 
     def longest_wait(self, padded_tokens: int, priority: Priority) -> float:
         """The longest a request of this cost and class may wait now, its own work included."""

@@ -1,5 +1,5 @@
-"""One call's path through a front end, whatever edge it came in by: validate → pushback →
-pre-screen → tokenize → admit → engine → result.
+"""One call's path through a front end, whatever edge it came in by: validate → pre-screen →
+tokenize → admit → engine → result, with the answer to a refusal paced per client.
 
 Every edge hands it an :class:`~kembed.frontend.call.EmbedCall` (its limits checked while the edge
 read it) and maps the :class:`~kembed.frontend.call.EmbedResult` back. Every failure is an
@@ -28,7 +28,7 @@ from kembed.frontend.budget import MemoryBudget, call_weight
 from kembed.frontend.call import EmbedCall, EmbedResult, ServerInfo, Texts, Timings
 from kembed.frontend.inbox import Pending
 from kembed.frontend.link import EngineLink
-from kembed.frontend.pushback import Arrival, HeldCalls, PushbackWindows
+from kembed.frontend.pushback import RefusalPacer
 from kembed.frontend.screen import Screen
 from kembed.inputs import Sequences, Tokenizer
 from kembed.metrics import FrontendMetrics
@@ -127,8 +127,9 @@ class EmbedService:
         self._memory = memory
         self._clock = clock
         self._bucket_lengths = np.asarray(info.bucket_lengths)
-        self._pushback = PushbackWindows(clock, on_shared=metrics.pushback_shared.inc)
-        self._held = HeldCalls(self._pushback, screen.has_room)
+        self._pacer = RefusalPacer(
+            settings.refusal_rate, settings.refusal_burst, clock, on_shared=metrics.refusals_shared.inc
+        )
         self._tokenizer = Tokenizer(
             tokenizers.Tokenizer.from_str(info.tokenizer_json),
             pad_token_id=info.pad_token_id,
@@ -137,46 +138,33 @@ class EmbedService:
         )
 
     async def embed(self, call: EmbedCall) -> EmbedResult:
-        """The call's pushback is enforced on its ``peer``; what it holds is weighed against the
-        front end's memory budget from its arrival until it is answered."""
+        """The call is admitted or refused as it arrives, never held. What it holds is weighed against
+        the front end's memory budget from its arrival until it is answered; the answer to a refusal
+        is paced on the call's ``peer`` (:mod:`kembed.frontend.pushback`)."""
         arrival = self._clock()
         self._gate.enter()
         try:
-            return await self._embed(call, arrival)
+            with self._memory.reserve(call_weight(call.nbytes, call.count, self._info.dimensions)):
+                return await self._serve(call, arrival)
+        except EmbedError as error:
+            if error.failure is Failure.REJECTED:
+                await self._pace(call.peer)
+            raise
         finally:
             self._gate.leave()
 
-    def release_held(self) -> None:
-        """Draining: calls held for their client's pushback go on (to be refused), none waits any more."""
-        self._held.release_all()
+    async def _pace(self, client: str) -> None:
+        if delay := self._pacer.refused(client):
+            self._metrics.refusals_paced.inc()
+            await asyncio.sleep(delay)
 
-    async def _embed(self, call: EmbedCall, arrival: float) -> EmbedResult:
+    async def _serve(self, call: EmbedCall, arrival: float) -> EmbedResult:
         self._validate(call)
         least_cost = self._least_cost(call)
         priority = self._screen.class_of(least_cost, call.priority)
         stated = None if call.timeout_s is None else arrival + call.timeout_s  # the client's own deadline
-        # Its window: by the class known before tokenizing; its timeout learned by its address.
-        seen = Arrival((call.peer, priority), call.peer.rpartition(":")[0], arrival, stated)
-        held = self._pushback.must_wait(seen)
-        try:
-            with self._memory.reserve(call_weight(call.nbytes, call.count, self._info.dimensions)):
-                return await self._serve(call, seen, held, least_cost, priority)
-        except EmbedError as error:
-            if error.retry_after_ms:
-                self._pushback.refused(seen, error.retry_after_ms, held)
-            raise
-
-    async def _serve(
-        self, call: EmbedCall, seen: Arrival, held: bool, least_cost: int, priority: Priority
-    ) -> EmbedResult:
-        arrival = seen.dispatched
-        if held:
-            self._metrics.pushback_waits.inc()
-            await self._held.wait(seen.client, least_cost, priority)
-            # Then handled as if it had just arrived: its wait was its client's own doing.
-            self._gate.check_open()
-            arrival = self._clock()
         self._raise_if_rejected(self._screen.before_tokenizing(least_cost, priority), priority)
+        self._refuse_if_late(least_cost, priority, arrival, stated)
         if call.nbytes <= INLINE_PREPARE_LIMIT:
             seqs = self._tokenize(call)  # on the event loop: no other call is screened meanwhile
         else:
@@ -188,13 +176,28 @@ class EmbedService:
         if priority is not call.priority:
             self._metrics.demoted.inc()
         self._admit(cost, priority)
-        deadline = seen.deadline if seen.deadline is not None else arrival + self._default_budget(cost, priority)
+        expected = self._screen.expected_wait(cost, priority)
+        deadline = stated if stated is not None else arrival + self._default_budget(cost, priority)
         tag, pending = self._link.submit(seqs, cost, arrival, deadline, priority)
-        await self._wait(tag, pending, deadline)
+        await self._wait(tag, pending, deadline, expected)
         done = self._clock()
         self._link.add_latency(done - arrival, priority)
         self._metrics.request_durations[priority].observe(done - arrival)
         return self._result(call, seqs, pending, tokenized - arrival, arrival, done)
+
+    def _refuse_if_late(self, least_cost: int, priority: Priority, arrival: float, deadline: float | None) -> None:
+        """A call whose own deadline ends before the work ahead of it drains cannot make it: refused
+        now, instead of queued to expire (and to enter the P95 at its short deadline)."""
+        if deadline is None:
+            return
+        wait = self._screen.expected_wait(least_cost, priority)
+        if arrival + wait > deadline:
+            message = (
+                f"server is overloaded: estimated queue wait {wait * 1000:.0f} ms exceeds the call's "
+                f"{(deadline - arrival) * 1000:.0f} ms deadline"
+            )
+            pushback = self._screen.pushback(least_cost, priority)
+            self._raise_if_rejected(Rejection("deadline", pushback, message), priority)
 
     def _default_budget(self, cost: int, priority: Priority) -> float:
         """The deadline of a call that states none: the server's default, or, for a request whose
@@ -245,24 +248,30 @@ class EmbedService:
             self._metrics.rejected.labels(reason=rejection.reason, priority=priority.label).inc()
             raise EmbedError(Failure.REJECTED, rejection.message, rejection.retry_after_ms)
 
-    async def _wait(self, tag: int, pending: Pending, deadline: float) -> None:
+    async def _wait(self, tag: int, pending: Pending, deadline: float, expected: float) -> None:
+        """Until the rows are in. A call that expires, or whose client leaves, enters the P95 at no
+        less than the wait it was admitted to (``expected``): short deadlines cannot pull the
+        exported P95 below what served callers see."""
         # A timer on the loop rather than wait_for: no extra task or future per request.
-        timer = asyncio.get_running_loop().call_at(deadline, self._expire, tag, pending)
+        timer = asyncio.get_running_loop().call_at(deadline, self._expire, tag, pending, expected)
         try:
             await pending.future
         except asyncio.CancelledError:
-            self._link.cancel(tag)
+            self._give_up(tag, pending, expected)
             raise
         finally:
             timer.cancel()
 
-    def _expire(self, tag: int, pending: Pending) -> None:
+    def _expire(self, tag: int, pending: Pending, expected: float) -> None:
         """The deadline passed: the engine drops what is still queued, the caller hears why."""
         if pending.future.done():
             return
-        self._link.cancel(tag)
-        self._link.add_latency(self._clock() - pending.arrival, pending.priority)
+        self._give_up(tag, pending, expected)
         pending.future.set_exception(EmbedError(Failure.DEADLINE, "deadline passed before the request was computed"))
+
+    def _give_up(self, tag: int, pending: Pending, expected: float) -> None:
+        self._link.cancel(tag)
+        self._link.add_latency(max(self._clock() - pending.arrival, expected), pending.priority)
 
     def _result(
         self, call: EmbedCall, seqs: Sequences, pending: Pending, tokenize_s: float, arrival: float, done: float
