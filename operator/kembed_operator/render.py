@@ -10,6 +10,7 @@ of as a crash loop.
 
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import dataclass, field
 from enum import Enum
@@ -282,8 +283,11 @@ def _model_source(spec: EmbeddingServiceSpec) -> dict[str, str]:
 
 
 def _text(value: Any) -> str:
-    """A value as an environment variable or a manifest string spells it: lists comma-separated, enums
-    by value, whole floats without a fraction."""
+    """A value as an environment variable or a manifest string spells it: lists of free text (control
+    tokens, which may hold commas or spaces) as a JSON list, other lists comma-separated, enums by
+    value, whole floats without a fraction."""
+    if isinstance(value, list) and any(isinstance(item, str) and not isinstance(item, Enum) for item in value):
+        return json.dumps(value)
     if isinstance(value, list):
         return ",".join(_text(item) for item in value)
     if isinstance(value, Enum):

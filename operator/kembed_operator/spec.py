@@ -86,7 +86,10 @@ class ModelSpec(SpecModel):
         None, description="A Hugging Face hub model id, downloaded into a cache volume at start."
     )
     pooling: Pooling = Pooling.AUTO
-    control_tokens: list[str] = Field(default_factory=list, description='Tokens left out of pooling, e.g. "[query]".')
+    control_tokens: list[Annotated[str, Field(min_length=1)]] = Field(
+        default_factory=list,
+        description='Tokens left out of pooling, e.g. "[query]"; each reaches the server as written.',
+    )
     max_input_tokens: int = Field(0, ge=0, description="0 = the model's limit.")
     dtype: Dtype = Dtype.AUTO
     served_name: str = Field("", description="A name REST clients may give as `model`, besides the model id.")

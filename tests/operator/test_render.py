@@ -135,6 +135,22 @@ def test_the_env_spells_the_settings_the_operator_plans_with(spec: dict[str, Any
     assert Settings.from_env({k: v for k, v in env(spec).items() if k.startswith("KEMBED_")}) == planned
 
 
+CONTROL_TOKENS: dict[str, list[str]] = {
+    "a comma": [","],
+    "a token, then a comma": ["[query]", ","],
+    "a token holding a comma": ["a,b"],
+    "spaces at the ends": [" [q] ", "a b"],
+    "tokens that look like JSON": ['["x"]', "[]", '"'],
+}
+
+
+@pytest.mark.parametrize("tokens", CONTROL_TOKENS.values(), ids=CONTROL_TOKENS.keys())
+def test_control_tokens_reach_the_server_as_the_spec_lists_them(tokens: list[str]) -> None:
+    """spec -> the container's env -> the server's Settings: the same list, item for item."""
+    served = Settings.from_env({k: v for k, v in env({"model": {"controlTokens": tokens}}).items()})
+    assert served.control_tokens == tokens
+
+
 def test_deployment_defaults() -> None:
     deployment = children({})["Deployment"]
     pod = deployment["spec"]["template"]["spec"]
@@ -191,7 +207,7 @@ def test_model_sources() -> None:
     assert env_name("model") not in env({})  # the bundled model
 
     tokens = env(FEATURES["control tokens"])
-    assert (tokens[env_name("control_tokens")], tokens[env_name("max_input_tokens")]) == ("[query],[doc]", "256")
+    assert (tokens[env_name("control_tokens")], tokens[env_name("max_input_tokens")]) == ('["[query]", "[doc]"]', "256")
 
 
 def test_resources() -> None:
@@ -382,6 +398,7 @@ INVALID: dict[str, tuple[dict[str, Any], str]] = {
         "spec.env[0]: KEMBED_CPU_REQUEST_MILLICORES is rendered",
     ),
     "cpu not a quantity": ({"resources": {"cpu": "lots"}}, "spec.resources.cpu"),
+    "empty control token": ({"model": {"controlTokens": ["[q]", ""]}}, "spec.model.controlTokens.1"),
     "negative deprecated grace": ({"drainSeconds": -1}, "spec.drainSeconds"),
 }
 
