@@ -172,7 +172,13 @@ def test_a_quantity_kubernetes_would_refuse_degrades(kube: Kube, operator_proces
     assert kube.child(DEPLOYMENTS, "infinite") is None
     wait_for("a warning event", lambda: ("Warning", "InvalidSpec") in kube.events("infinite"))
 
-    kube.patch_es("infinite", {"resources": {"cpu": "2"}})
+    # Past the schema's replica ceiling: the same answer, for the new field.
+    kube.patch_es("infinite", {"resources": {"cpu": "2"}, "maxReplicas": 2_000_000_000})
+    wait_for("maxReplicas named", lambda: "spec.maxReplicas" in condition(kube.es("infinite"), "Degraded")["message"])
+    assert condition(kube.es("infinite"), "Degraded")["reason"] == "InvalidSpec"
+    assert kube.child(DEPLOYMENTS, "infinite") is None
+
+    kube.patch_es("infinite", {"maxReplicas": 2})
     wait_for("Degraded cleared", lambda: condition(kube.es("infinite"), "Degraded").get("status") == "False")
     assert kube.child(DEPLOYMENTS, "infinite") is not None
     assert operator_process.poll() is None
