@@ -7,14 +7,17 @@ import os
 from collections.abc import Mapping
 from dataclasses import dataclass
 from typing import Any
+from urllib.parse import urlsplit
 
 from kembed.contract import OPERATOR_ENV_PREFIX as PREFIX
+from kembed_operator.spec import REPLICAS_CEILING
 
 
 @dataclass(frozen=True)
 class OperatorConfig:
     default_image: str = "ghcr.io/kembed/kembed-server:0.1.0"
-    keda_server_address: str = ""  # the Prometheus that KEDA queries when a spec names none
+    # The Prometheus every ScaledObject queries (KEDA appends /api/v1/query?query=...); empty = no KEDA.
+    keda_server_address: str = ""
     peering_lifetime_s: int = 60  # how long a silent leader holds its lease before a standby takes over
     # Glob patterns (fnmatch: `*` spans `/` too) a spec's image must match; the default image always may.
     allowed_images: tuple[str, ...] = ()
@@ -29,6 +32,8 @@ class OperatorConfig:
     # Whether a spec may keep torch's compile caches on a claim of its own: whoever writes that claim
     # can plant compiled code the servers load.
     allow_compile_cache_claims: bool = False
+    # The most replicas a resource may ask for (minReplicas, maxReplicas), up to the schema's ceiling.
+    max_replicas: int = 100
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None) -> OperatorConfig:
@@ -37,7 +42,9 @@ class OperatorConfig:
         defaults = cls()
         return cls(
             default_image=env.get(PREFIX + "DEFAULT_IMAGE", defaults.default_image),
-            keda_server_address=env.get(PREFIX + "KEDA_SERVER_ADDRESS", defaults.keda_server_address),
+            keda_server_address=_prometheus(
+                PREFIX + "KEDA_SERVER_ADDRESS", env.get(PREFIX + "KEDA_SERVER_ADDRESS", defaults.keda_server_address)
+            ),
             peering_lifetime_s=int(env.get(PREFIX + "PEERING_LIFETIME_S", defaults.peering_lifetime_s)),
             allowed_images=_patterns(env.get(PREFIX + "ALLOWED_IMAGES", "")),
             metrics_from=_peers(PREFIX + "METRICS_FROM", env.get(PREFIX + "METRICS_FROM", "[]")),
@@ -49,6 +56,9 @@ class OperatorConfig:
             ),
             allow_compile_cache_claims=_flag(
                 PREFIX + "ALLOW_COMPILE_CACHE_CLAIMS", env.get(PREFIX + "ALLOW_COMPILE_CACHE_CLAIMS", "false")
+            ),
+            max_replicas=_bounded(
+                PREFIX + "MAX_REPLICAS", env.get(PREFIX + "MAX_REPLICAS", str(defaults.max_replicas)), REPLICAS_CEILING
             ),
         )
 
@@ -72,6 +82,20 @@ def _flag(name: str, text: str) -> bool:
     if text.lower() not in ("true", "false"):
         raise ValueError(f"{name}: must be true or false, not {text!r}")
     return text.lower() == "true"
+
+
+def _prometheus(name: str, text: str) -> str:
+    """An http(s) URL with a host and nothing after its path, to which KEDA appends its query."""
+    url = urlsplit(text)
+    if text and (url.scheme not in ("http", "https") or not url.hostname or "?" in text or "#" in text):
+        raise ValueError(f"{name}: must be an http(s) URL of Prometheus, without a query or fragment, not {text!r}")
+    return text
+
+
+def _bounded(name: str, text: str, ceiling: int) -> int:
+    if not text.isdigit() or not 1 <= int(text) <= ceiling:
+        raise ValueError(f"{name}: must be a whole number from 1 to {ceiling}, not {text!r}")
+    return int(text)
 
 
 def _peers(name: str, text: str) -> tuple[dict[str, Any], ...]:

@@ -9,9 +9,9 @@ from __future__ import annotations
 from pathlib import PurePosixPath
 from typing import Any, Literal
 
-from pydantic import Field, field_validator, model_validator
+from pydantic import Field, model_validator
 
-from kembed_operator.spec import PodOptions, Quantity, SpecModel, parse
+from kembed_operator.spec import PodOptions, Quantity, RelativePath, SpecModel, parse
 
 # Part names carry the index in five digits (`emb.part-00003-of-00016.npy`), and the operator keeps
 # a few hundred bytes of every pod of a running job: ten thousand keeps both well within reach.
@@ -22,15 +22,7 @@ OUTPUT_FORMATS = {".npy": "npy", ".jsonl": "jsonl", ".parquet": "parquet"}
 
 class ClaimPath(SpecModel):
     claim_name: str = Field(min_length=1, description="A PersistentVolumeClaim in the EmbeddingJob's namespace.")
-    path: str = Field(min_length=1, description="A file inside the claim, relative to its root.")
-
-    @field_validator("path")
-    @classmethod
-    def _inside_the_claim(cls, path: str) -> str:
-        parts = path.split("/")
-        if PurePosixPath(path).is_absolute() or any(part in ("", ".", "..") for part in parts):
-            raise ValueError("must be a relative path inside the claim, without '.', '..' or empty parts")
-        return path
+    path: RelativePath = Field(min_length=1, description="A file inside the claim, relative to its root.")
 
 
 class JobInput(ClaimPath):

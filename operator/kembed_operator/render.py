@@ -10,6 +10,7 @@ of as a crash loop.
 
 from __future__ import annotations
 
+import json
 import math
 from dataclasses import dataclass, field
 from enum import Enum
@@ -282,8 +283,11 @@ def _model_source(spec: EmbeddingServiceSpec) -> dict[str, str]:
 
 
 def _text(value: Any) -> str:
-    """A value as an environment variable or a manifest string spells it: lists comma-separated, enums
-    by value, whole floats without a fraction."""
+    """A value as an environment variable or a manifest string spells it: lists of free text (control
+    tokens, which may hold commas or spaces) as a JSON list, other lists comma-separated, enums by
+    value, whole floats without a fraction."""
+    if isinstance(value, list) and any(isinstance(item, str) and not isinstance(item, Enum) for item in value):
+        return json.dumps(value)
     if isinstance(value, list):
         return ",".join(_text(item) for item in value)
     if isinstance(value, Enum):
@@ -309,12 +313,9 @@ def sizing_env(spec: EmbeddingServiceSpec) -> list[Manifest]:
 
 
 def compile_threads(cpu: str) -> int:
-    """One compile worker per whole requested CPU, at least one, at most inductor's own cap."""
-    try:
-        cpus = parse_quantity(cpu)
-    except ValueError:
-        raise InvalidSpec(f"spec.resources.cpu: {cpu!r} is not a quantity") from None
-    return max(1, min(INDUCTOR_MAX_COMPILE_THREADS, math.floor(cpus)))
+    """One compile worker per whole requested CPU, at least one, at most inductor's own cap; ``cpu`` is a
+    quantity the spec checked (no "Infinity" or "NaN", which Python's parser would take)."""
+    return max(1, min(INDUCTOR_MAX_COMPILE_THREADS, math.floor(parse_quantity(cpu))))
 
 
 # --- Deployment -----------------------------------------------------------------------------------
@@ -562,9 +563,13 @@ def _scaled_object(
     owner: Owner, spec: EmbeddingServiceSpec, thresholds: Thresholds, config: OperatorConfig
 ) -> Manifest:
     keda = spec.autoscaling.keda
-    address = keda.server_address or config.keda_server_address
+    # The administrator's Prometheus, never the author's: KEDA fetches it from its own namespace.
+    address = config.keda_server_address
     if not address:
-        raise InvalidSpec("spec.autoscaling.keda.serverAddress: required (the operator has no default Prometheus)")
+        raise InvalidSpec(
+            "spec.autoscaling.provider: keda needs the Prometheus its administrator names (kedaServerAddress), "
+            "and the operator has none"
+        )
     # KEDA's AverageValue divides the query by the replica count, so summing over pods gives the
     # same per-pod average an HPA Pods metric compares with its target.
     triggers = [

@@ -11,9 +11,11 @@ one default only this module applies.
 
 from __future__ import annotations
 
+import re
 from typing import Annotated, Any, Literal, TypeVar
 
 from pydantic import (
+    AfterValidator,
     BaseModel,
     BeforeValidator,
     ConfigDict,
@@ -35,15 +37,57 @@ class InvalidSpec(ValueError):
         self.reason = reason
 
 
+# The schema's bound on replicas; the operator's administrator sets the limit under it (maxReplicas).
+REPLICAS_CEILING = 10_000
+
 # terminationGraceSeconds when neither it nor drainSeconds is set. The resource's own default, not
 # the CRD's: a schema default would be stored on every resource and so outrank a drainSeconds.
 DEFAULT_GRACE_SECONDS = 25
+
+# Kubernetes' quantity syntax (apimachinery's resource.Quantity, as controller-gen writes it for a
+# schema) less the sign: a request or a size is never negative. Python's parsers take more
+# ("Infinity", "NaN", "1_000", " 1"), which no pod could carry.
+QUANTITY_PATTERN = (
+    r"^\+?(([0-9]+(\.[0-9]*)?)|(\.[0-9]+))(([KMGTPE]i)|[numkMGTPE]|([eE](\+|-)?(([0-9]+(\.[0-9]*)?)|(\.[0-9]+))))?$"
+)
+# A path inside a volume (or a hub revision, which the hub's cache files by name): relative, no
+# empty, "." or ".." part (a part may start with dots, "..a" say, and still stay inside).
+_PART = r"([^/.][^/]*|\.[^/.][^/]*|\.\.[^/]+)"
+RELATIVE_PATH_PATTERN = rf"^({_PART}(/{_PART})*)?$"
+# NAME or OWNER/NAME, each of letters, digits and _ joined by single . or -: a subset of the hub's
+# own rule that no path resolves out of (a hub id is also what the server would load as a folder).
+_HUB_NAME = r"[A-Za-z0-9_]+([.-][A-Za-z0-9_]+)*"
+HUB_ID_PATTERN = rf"^({_HUB_NAME}/)?{_HUB_NAME}$"
+HUB_ID_MAX_LENGTH = 96  # the hub's own limit
+
+
+def matching(pattern: str, what: str) -> AfterValidator:
+    """A check that a string matches ``pattern`` (the schema's, so both refuse alike), naming ``what`` it must be."""
+
+    def check(value: str) -> str:
+        if re.fullmatch(pattern, value) is None:
+            raise ValueError(f"{value!r} is not {what}")
+        return value
+
+    return AfterValidator(check)
+
 
 # The CRD accepts `cpu: 4` as well as `cpu: "4"` (int-or-string); manifests need the string.
 Quantity = Annotated[
     str,
     BeforeValidator(lambda v: str(v) if isinstance(v, int | float) else v),
-    WithJsonSchema({"x-kubernetes-int-or-string": True}),
+    matching(QUANTITY_PATTERN, "a Kubernetes quantity (e.g. 4, 500m, 16Gi)"),
+    WithJsonSchema({"x-kubernetes-int-or-string": True, "pattern": QUANTITY_PATTERN}),
+]
+RelativePath = Annotated[
+    str,
+    matching(RELATIVE_PATH_PATTERN, "a relative path inside the volume, without empty, '.' or '..' parts"),
+    Field(json_schema_extra={"pattern": RELATIVE_PATH_PATTERN}),
+]
+HubId = Annotated[
+    str,
+    matching(HUB_ID_PATTERN, "a hub id: NAME or OWNER/NAME, of letters, digits and _ joined by single . or -"),
+    Field(min_length=1, max_length=HUB_ID_MAX_LENGTH, json_schema_extra={"pattern": HUB_ID_PATTERN}),
 ]
 # A Kubernetes object passed through verbatim (the API server checks it when the child is applied).
 Verbatim = dict[str, Any]
@@ -66,12 +110,12 @@ class SpecModel(BaseModel):
 
 class PvcSource(SpecModel):
     claim_name: str = Field(min_length=1)
-    path: str = Field("", description="The model folder inside the claim; empty = its root.")
+    path: RelativePath = Field("", description="The model folder inside the claim; empty = its root.")
 
 
 class HubSource(SpecModel):
-    id: str = Field(min_length=1)
-    revision: str = ""
+    id: HubId = Field(description="A hub id, e.g. BAAI/bge-small-en-v1.5 (never a folder).")
+    revision: RelativePath = Field("", description="A branch, tag or commit; empty = the default branch.")
     cache_claim_name: str = Field("", description="A PVC for the download cache; empty = an emptyDir per pod.")
     cache_size_limit: Quantity = "20Gi"
 
@@ -86,7 +130,10 @@ class ModelSpec(SpecModel):
         None, description="A Hugging Face hub model id, downloaded into a cache volume at start."
     )
     pooling: Pooling = Pooling.AUTO
-    control_tokens: list[str] = Field(default_factory=list, description='Tokens left out of pooling, e.g. "[query]".')
+    control_tokens: list[Annotated[str, Field(min_length=1)]] = Field(
+        default_factory=list,
+        description='Tokens left out of pooling, e.g. "[query]"; each reaches the server as written.',
+    )
     max_input_tokens: int = Field(0, ge=0, description="0 = the model's limit.")
     dtype: Dtype = Dtype.AUTO
     served_name: str = Field("", description="A name REST clients may give as `model`, besides the model id.")
@@ -162,7 +209,11 @@ class AutoscalingTargets(SpecModel):
 
 
 class KedaSpec(SpecModel):
-    server_address: str = Field("", description="Prometheus URL; empty = the operator's default.")
+    server_address: str = Field(
+        "",
+        description="Deprecated: KEDA queries the Prometheus the operator's administrator names (kedaServerAddress); "
+        "a value here must be empty or that address.",
+    )
     polling_interval: int = Field(15, ge=1)
     cooldown_period: int = Field(300, ge=0)
 
@@ -285,8 +336,15 @@ class EmbeddingServiceSpec(PodOptions):
     )
     image: str = Field("", description="The server image; empty = the operator's default.")
     image_pull_policy: Literal["Always", "IfNotPresent", "Never"] = "IfNotPresent"
-    min_replicas: int = Field(1, ge=1)
-    max_replicas: int | None = Field(None, ge=1, description="Unset = minReplicas (no autoscaling).")
+    min_replicas: int = Field(
+        1, ge=1, le=REPLICAS_CEILING, description="At most the operator's maxReplicas (its administrator's limit)."
+    )
+    max_replicas: int | None = Field(
+        None,
+        ge=1,
+        le=REPLICAS_CEILING,
+        description="Unset = minReplicas (no autoscaling); at most the operator's maxReplicas.",
+    )
     resources: ResourcesSpec = Field(default_factory=ResourcesSpec)
     batching: BatchingSpec = Field(
         default_factory=BatchingSpec,
@@ -364,7 +422,10 @@ def parse(model: type[Spec], raw: dict[str, Any]) -> Spec:
     try:
         return model.model_validate(raw)
     except ValidationError as err:
-        problems = [f"{'.'.join(['spec', *(str(p) for p in e['loc'])])}: {e['msg']}" for e in err.errors()]
+        problems = [
+            f"{'.'.join(['spec', *(str(p) for p in e['loc'])])}: {e['msg'].removeprefix('Value error, ')}"
+            for e in err.errors()
+        ]
         raise InvalidSpec("; ".join(problems)) from None
 
 

@@ -21,6 +21,10 @@ names every field refused (:class:`NotAllowed`).
 - ``nodeSelector`` passes: it only narrows where a pod may go.
 - ``compileCache.claimName``: only with ``allowCompileCacheClaims``: whoever writes that claim can
   plant compiled code that every server mounting it loads.
+- ``minReplicas``, ``maxReplicas``: up to ``maxReplicas`` (the schema's ceiling is higher).
+- ``autoscaling.keda.serverAddress``: empty, or the operator's ``kedaServerAddress``. KEDA fetches
+  that URL (with a query appended) from its own namespace: an author's address could make it fetch
+  any internal URL, or evaluate PromQL over other namespaces' metrics.
 """
 
 from __future__ import annotations
@@ -65,6 +69,7 @@ def check_service(spec: EmbeddingServiceSpec, config: OperatorConfig) -> None:
     refusals = _image(spec.image or config.default_image, config)
     may_set = f"an EmbeddingService may set the server's {ENV_PREFIX}* settings, {COMPILE_THREADS_VAR} and allowedEnv"
     refusals += _pod_options(spec, config, may_set, _server_variable)
+    refusals += _replicas(spec, config) + _prometheus(spec, config)
     if spec.compile_cache.claim_name and not config.allow_compile_cache_claims:
         refusals.append(
             Refusal(
@@ -97,6 +102,33 @@ def _image(image: str, config: OperatorConfig) -> list[Refusal]:
             "ImageNotAllowed",
             f"spec.image: {image!r} is not allowed by the operator: it runs {config.default_image!r} and images "
             f"matching its allowedImages ({patterns}); ask its administrator, or leave spec.image empty",
+        )
+    ]
+
+
+def _replicas(spec: EmbeddingServiceSpec, config: OperatorConfig) -> list[Refusal]:
+    if spec.replica_ceiling <= config.max_replicas:
+        return []
+    field = "minReplicas" if spec.max_replicas is None else "maxReplicas"
+    return [
+        Refusal(
+            "ReplicasNotAllowed",
+            f"spec.{field}: {spec.replica_ceiling} replicas is more than the operator allows ({config.max_replicas}, "
+            "its maxReplicas); ask its administrator",
+        )
+    ]
+
+
+def _prometheus(spec: EmbeddingServiceSpec, config: OperatorConfig) -> list[Refusal]:
+    address = spec.autoscaling.keda.server_address
+    if address in ("", config.keda_server_address):
+        return []
+    return [
+        Refusal(
+            "PrometheusAddressNotAllowed",
+            f"spec.autoscaling.keda.serverAddress: {address!r} is not allowed: KEDA queries the Prometheus the "
+            f"operator's administrator names ({config.keda_server_address or 'none'}, its kedaServerAddress); "
+            "leave it empty",
         )
     ]
 

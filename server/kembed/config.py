@@ -8,11 +8,12 @@ tables are generated per group from the field descriptions (``python -m kembed -
 
 from __future__ import annotations
 
+import json
 import os
 from collections.abc import Mapping
 from enum import StrEnum
 from pathlib import Path
-from typing import Any, Final
+from typing import Annotated, Any, Final
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 from pydantic.config import JsonDict
@@ -90,10 +91,19 @@ class Graphs(StrEnum):
     STATIC = "static"  # a reduce-overhead compile per planned shape (the mechanism measured first)
 
 
-def _csv(value: Any) -> Any:
-    if isinstance(value, str):
-        return [part.strip() for part in value.split(",") if part.strip()]
-    return value
+def _list(value: Any) -> Any:
+    """A list setting's variable: a JSON list, whose items may hold anything (`["[query]", ","]`), else
+    comma-separated items, stripped, empty ones left out (`[query],[title]`)."""
+    if not isinstance(value, str):
+        return value
+    if value.lstrip().startswith("["):
+        try:
+            items = json.loads(value)
+        except ValueError:  # `[query]` is no JSON: one comma-separated item
+            items = None
+        if isinstance(items, list):
+            return items
+    return [part.strip() for part in value.split(",") if part.strip()]
 
 
 class Group(StrEnum):
@@ -146,9 +156,10 @@ class Settings(BaseModel):
         description="auto (from the sentence-transformers config), mean, cls or last",
         json_schema_extra=USER,
     )
-    control_tokens: list[str] = Field(
+    control_tokens: list[Annotated[str, Field(min_length=1)]] = Field(
         default_factory=list,
-        description="Comma-separated tokens left out of pooling, e.g. `[query],[title]`",
+        description="Tokens left out of pooling: comma-separated (`[query],[title]`) or a JSON list, which may "
+        'hold commas and spaces (`["[query]", ","]`)',
         json_schema_extra=USER,
     )
     max_input_tokens: int = Field(
@@ -380,8 +391,8 @@ class Settings(BaseModel):
 
     @field_validator("control_tokens", "buckets", "admission", mode="before")
     @classmethod
-    def _split_csv(cls, value: Any) -> Any:
-        return _csv(value)
+    def _split_list(cls, value: Any) -> Any:
+        return _list(value)
 
     @field_validator("buckets")
     @classmethod

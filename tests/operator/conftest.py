@@ -165,6 +165,9 @@ def peering(api: client.ApiClient) -> str:
     return name
 
 
+PROMETHEUS_URL = "http://prometheus.monitoring.svc:9090"  # the e2e operator's kedaServerAddress
+
+
 def start_operator(
     kubeconfig: Path,
     log_path: Path,
@@ -196,7 +199,7 @@ def operator_process(
 ) -> Iterator[subprocess.Popen[bytes]]:
     """One operator for a whole test module; always killed."""
     log_path = tmp_path_factory.mktemp("kopf") / "kopf.log"
-    process = start_operator(kubeconfig, log_path, health_url)
+    process = start_operator(kubeconfig, log_path, health_url, values={"kedaServerAddress": PROMETHEUS_URL})
     try:
         yield process
     finally:

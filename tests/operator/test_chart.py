@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import json
 from typing import Any
 
 import helm_python
@@ -11,6 +12,7 @@ import pytest
 
 from kembed_operator import permissions
 from kembed_operator.config import PREFIX, OperatorConfig
+from kembed_operator.spec import REPLICAS_CEILING
 from tests.operator.conftest import CHART, CRD_PATH, chart_operator_args, render_chart
 
 K8S_VERSION = "1.34.0"
@@ -131,6 +133,8 @@ TRUST: dict[str, Any] = {
     "allowedTolerations": ["dedicated", "*"],
     "allowedAffinity": ["nodeAffinity", "podAffinity"],
     "allowCompileCacheClaims": True,
+    "maxReplicas": 500,
+    "kedaServerAddress": "http://prometheus.monitoring.svc:9090",
 }
 
 
@@ -145,6 +149,12 @@ def test_trust_settings_reach_the_operator() -> None:
     assert config.allowed_tolerations == ("dedicated", "*")
     assert config.allowed_affinity == ("nodeAffinity", "podAffinity")
     assert config.allow_compile_cache_claims is True
+    assert (config.max_replicas, config.keda_server_address) == (500, TRUST["kedaServerAddress"])
+
+
+def test_the_charts_replica_limit_stops_at_the_crds_ceiling() -> None:
+    schema = json.loads((CHART / "values.schema.json").read_text())
+    assert schema["properties"]["maxReplicas"]["maximum"] == REPLICAS_CEILING
 
 
 def test_the_notes_name_both_resources_and_what_env_may_set() -> None:
@@ -174,6 +184,8 @@ def test_the_notes_name_both_resources_and_what_env_may_set() -> None:
         {"allowedEnv": ["HF_TOKEN,PYTHONPATH"]},
         {"allowedAffinity": ["podAfinity"]},
         {"allowCompileCacheClaims": "yes"},
+        {"kedaServerAddress": "http://prometheus:9090/?query=up&"},
+        {"maxReplicas": 100_000},
     ],
     ids=[
         "zero-replicas",
@@ -188,6 +200,8 @@ def test_the_notes_name_both_resources_and_what_env_may_set() -> None:
         "env-list-in-one",
         "affinity-kind",
         "compile-cache-flag",
+        "prometheus-with-a-query",
+        "replicas-past-the-ceiling",
     ],
 )
 def test_values_schema_rejects_bad_values(values: dict[str, Any]) -> None:

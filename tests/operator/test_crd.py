@@ -13,7 +13,7 @@ import yaml
 from kembed_operator import crd, identity, kinds
 from kembed_operator.spec import EmbeddingServiceSpec, SloSpec, parse_spec
 from tests.operator.conftest import CHART, CRD_PATH, JOB_CRD_PATH, ROOT
-from tests.operator.test_render import FEATURES, INVALID
+from tests.operator.test_render import FEATURES, INVALID, bounded
 
 Schema = dict[str, Any]
 
@@ -212,6 +212,19 @@ BAD: dict[str, dict[str, Any]] = {
 def test_bad_specs_are_rejected(spec: dict[str, Any], validator: jsonschema.Draft4Validator) -> None:
     with pytest.raises(jsonschema.ValidationError):
         validator.validate(resource(spec))
+
+
+BOUNDS = {f"{key} refused": (spec, False) for key, (spec, _) in bounded(False).items()} | {
+    f"{key} accepted": (spec, True) for key, (spec, _) in bounded(True).items()
+}
+
+
+@pytest.mark.parametrize(("spec", "accepted"), BOUNDS.values(), ids=BOUNDS.keys())
+def test_the_schema_bounds_what_the_operator_bounds(
+    spec: dict[str, Any], accepted: bool, validator: jsonschema.Draft4Validator
+) -> None:
+    """The spec models' patterns and bounds are the schema's: the API server refuses what the operator would."""
+    assert validator.is_valid(resource(spec)) is accepted
 
 
 # No CEL evaluator here: each rule has a twin in kembed_operator.spec/render, tested in test_render.

@@ -30,7 +30,7 @@ from tests.operator.cluster import (
     condition,
     operator_calls,
 )
-from tests.operator.conftest import wait_for
+from tests.operator.conftest import PROMETHEUS_URL, wait_for
 from tests.operator.emulator import EmulatorThread
 from tests.operator.test_slo_status import CONDITION_TYPES
 
@@ -160,12 +160,36 @@ def test_invalid_spec_degrades_without_crashing(kube: Kube, operator_process: su
     assert kube.child(DEPLOYMENTS, "broken") is not None
 
 
+def test_a_quantity_kubernetes_would_refuse_degrades(kube: Kube, operator_process: subprocess.Popen[bytes]) -> None:
+    """Python parses "Infinity"; the reconcile once raised on it and retried for ever, with no status.
+    The emulator checks no schema, like an older CRD: the operator refuses it itself."""
+    kube.create_es("infinite", resources={"gpu": 0, "cpu": "Infinity"})
+    es = wait_for(
+        "Degraded", lambda: condition(kube.es("infinite"), "Degraded").get("status") == "True" and kube.es("infinite")
+    )
+    degraded = condition(es, "Degraded")
+    assert degraded["reason"] == "InvalidSpec" and "spec.resources.cpu: 'Infinity'" in degraded["message"]
+    assert kube.child(DEPLOYMENTS, "infinite") is None
+    wait_for("a warning event", lambda: ("Warning", "InvalidSpec") in kube.events("infinite"))
+
+    # Past the schema's replica ceiling: the same answer, for the new field.
+    kube.patch_es("infinite", {"resources": {"cpu": "2"}, "maxReplicas": 2_000_000_000})
+    wait_for("maxReplicas named", lambda: "spec.maxReplicas" in condition(kube.es("infinite"), "Degraded")["message"])
+    assert condition(kube.es("infinite"), "Degraded")["reason"] == "InvalidSpec"
+    assert kube.child(DEPLOYMENTS, "infinite") is None
+
+    kube.patch_es("infinite", {"maxReplicas": 2})
+    wait_for("Degraded cleared", lambda: condition(kube.es("infinite"), "Degraded").get("status") == "False")
+    assert kube.child(DEPLOYMENTS, "infinite") is not None
+    assert operator_process.poll() is None
+
+
 def test_switching_autoscaler_replaces_the_child(kube: Kube) -> None:
     kube.create_es("switch", maxReplicas=3, resources={"gpu": 0})
     wait_for("HPA", lambda: kube.child(HPAS, "switch"))
-    kube.patch_es("switch", {"autoscaling": {"provider": "keda", "keda": {"serverAddress": "http://prom:9090"}}})
+    kube.patch_es("switch", {"autoscaling": {"provider": "keda"}})
     scaled = wait_for("ScaledObject", lambda: kube.child(SCALED_OBJECTS, "switch"))
-    assert [t["metadata"]["serverAddress"] for t in scaled["spec"]["triggers"]] == ["http://prom:9090"] * 2
+    assert [t["metadata"]["serverAddress"] for t in scaled["spec"]["triggers"]] == [PROMETHEUS_URL] * 2
     wait_for("HPA removed", lambda: kube.child(HPAS, "switch") is None)
     kube.patch_es("switch", {"autoscaling": {"enabled": False}, "minReplicas": 2})
     wait_for("ScaledObject removed", lambda: kube.child(SCALED_OBJECTS, "switch") is None)

@@ -165,8 +165,9 @@ def test_adapter_query_returns_what_the_server_exposes(rule: dict[str, Any], ser
 
 @needs_prometheus
 def test_keda_queries_return_what_the_server_exposes(server: str, prometheus: str) -> None:
-    spec = parse_spec({"maxReplicas": 2, "autoscaling": {"provider": "keda", "keda": {"serverAddress": prometheus}}})
-    scaled = next(c.manifest for c in render.render(OWNER, spec, OperatorConfig()) if c.kind == kinds.SCALED_OBJECT)
+    spec = parse_spec({"maxReplicas": 2, "autoscaling": {"provider": "keda"}})
+    config = OperatorConfig(keda_server_address=prometheus)
+    scaled = next(c.manifest for c in render.render(OWNER, spec, config) if c.kind == kinds.SCALED_OBJECT)
     for trigger in scaled["spec"]["triggers"]:
         promql = trigger["metadata"]["query"]
         metric = promql.removeprefix("sum(").split("{")[0]

@@ -137,6 +137,41 @@ def test_invalid_spec_keeps_the_children_and_reports(api: FakeClient) -> None:
     assert api.status["observedGeneration"] == 2
 
 
+OUT_OF_BOUNDS: dict[str, tuple[dict[str, Any], str, str]] = {
+    # spec, the condition's reason, the field its message names
+    "cpu Infinity": ({"resources": {"cpu": "Infinity"}}, "InvalidSpec", "spec.resources.cpu"),
+    "cpu NaN": ({"resources": {"cpu": "NaN"}}, "InvalidSpec", "spec.resources.cpu"),
+    "a model path out of its claim": (
+        {"model": {"pvc": {"claimName": "m", "path": "../../etc"}}},
+        "InvalidSpec",
+        "spec.model.pvc.path",
+    ),
+    "a hub id that is a folder": ({"model": {"hub": {"id": "../models"}}}, "InvalidSpec", "spec.model.hub.id"),
+    "replicas past the schema's ceiling": ({"maxReplicas": 2_000_000_000}, "InvalidSpec", "spec.maxReplicas"),
+    "replicas past the operator's limit": ({"minReplicas": 101}, "ReplicasNotAllowed", "spec.minReplicas"),
+    "an author's Prometheus": (
+        {"maxReplicas": 2, "autoscaling": {"provider": "keda", "keda": {"serverAddress": "http://169.254.169.254"}}},
+        "PrometheusAddressNotAllowed",
+        "spec.autoscaling.keda.serverAddress",
+    ),
+}
+
+
+@pytest.mark.parametrize(("spec", "reason", "field"), OUT_OF_BOUNDS.values(), ids=OUT_OF_BOUNDS.keys())
+def test_a_spec_out_of_bounds_is_reported_not_retried(
+    api: FakeClient, spec: dict[str, Any], reason: str, field: str
+) -> None:
+    """What an older CRD (or none) lets through: a condition naming the field, the children untouched,
+    and no retry (Infinity once raised out of the render, and the loop retried it for ever)."""
+    run(api, {})
+    api.calls = []
+    outcome = run(api, spec, config=OperatorConfig(keda_server_address="http://prometheus.monitoring.svc:9090"))
+    assert outcome.error is None and outcome.problem is not None and outcome.warnings == [outcome.problem]
+    assert api.writes() == [("patch_status", "embeddingservices")]
+    assert conditions(api)["Degraded"] == ("True", reason)
+    assert field in outcome.problem.message
+
+
 def image_of(api: FakeClient) -> str:
     return str(api.objects["deployments", "ns", "emb"]["spec"]["template"]["spec"]["containers"][0]["image"])
 

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from typing import Any
 
 import kubernetes_validate
@@ -135,6 +136,22 @@ def test_the_env_spells_the_settings_the_operator_plans_with(spec: dict[str, Any
     assert Settings.from_env({k: v for k, v in env(spec).items() if k.startswith("KEMBED_")}) == planned
 
 
+CONTROL_TOKENS: dict[str, list[str]] = {
+    "a comma": [","],
+    "a token, then a comma": ["[query]", ","],
+    "a token holding a comma": ["a,b"],
+    "spaces at the ends": [" [q] ", "a b"],
+    "tokens that look like JSON": ['["x"]', "[]", '"'],
+}
+
+
+@pytest.mark.parametrize("tokens", CONTROL_TOKENS.values(), ids=CONTROL_TOKENS.keys())
+def test_control_tokens_reach_the_server_as_the_spec_lists_them(tokens: list[str]) -> None:
+    """spec -> the container's env -> the server's Settings: the same list, item for item."""
+    served = Settings.from_env({k: v for k, v in env({"model": {"controlTokens": tokens}}).items()})
+    assert served.control_tokens == tokens
+
+
 def test_deployment_defaults() -> None:
     deployment = children({})["Deployment"]
     pod = deployment["spec"]["template"]["spec"]
@@ -191,7 +208,7 @@ def test_model_sources() -> None:
     assert env_name("model") not in env({})  # the bundled model
 
     tokens = env(FEATURES["control tokens"])
-    assert (tokens[env_name("control_tokens")], tokens[env_name("max_input_tokens")]) == ("[query],[doc]", "256")
+    assert (tokens[env_name("control_tokens")], tokens[env_name("max_input_tokens")]) == ('["[query]", "[doc]"]', "256")
 
 
 def test_resources() -> None:
@@ -365,6 +382,51 @@ def test_render_is_deterministic() -> None:
     assert render.render(OWNER, spec, CONFIG) == render.render(OWNER, spec, CONFIG)
 
 
+# Fields no spec may set out of bounds, as the field, how a spec sets it, values refused (quantities
+# Python parses but Kubernetes would not, on which the reconcile crashed; paths out of their volume;
+# hub ids the server would load as a folder; absurd replica counts) and values accepted.
+BOUNDED: dict[str, tuple[Callable[[Any], dict[str, Any]], list[Any], list[Any]]] = {
+    "spec.resources.cpu": (
+        lambda cpu: {"resources": {"cpu": cpu}},
+        ["Infinity", "NaN", "inf", "1_000", " 1", "-1", "1e3m", float("inf"), True],
+        ["500m", "1.5", "+2", ".5", "1e3", "2k", 4],
+    ),
+    "spec.resources.memory": (lambda memory: {"resources": {"memory": memory}}, ["Infinity", "16 Gi"], ["16Gi", "1e9"]),
+    "spec.model.pvc.path": (
+        lambda path: {"model": {"pvc": {"claimName": "m", "path": path}}},
+        ["../../etc", "a/../../b", "/etc", ".", "a//b", "a/"],
+        ["", "bge", "org/bge-v1.5", "..a/.b"],
+    ),
+    "spec.model.hub.id": (
+        lambda hub: {"model": {"hub": {"id": hub}}},
+        ["../x", "./models", "/models", "a/b/c", "a/../b", "a--b", "a..b", "x" * 97],
+        ["BAAI/bge-small-en-v1.5", "all-MiniLM-L6-v2", "Alibaba-NLP/gte-large-en-v1.5", "org_x/y_z"],
+    ),
+    "spec.model.hub.revision": (
+        lambda revision: {"model": {"hub": {"id": "a/b", "revision": revision}}},
+        ["../../../tmp/x", "/abs", "refs/../../x"],
+        ["main", "refs/pr/1", "v1.0", "0" * 40],
+    ),
+    "spec.minReplicas": (lambda count: {"minReplicas": count}, [100_000], [1, 100]),
+    "spec.maxReplicas": (lambda count: {"maxReplicas": count}, [2_000_000_000, 10_001], [2, 10_000]),
+}
+
+
+def bounded(accepted: bool) -> dict[str, tuple[dict[str, Any], str]]:
+    """Specs from BOUNDED: id -> (spec, the field)."""
+    return {
+        f"{field} {value!r}": (build(value), field)
+        for field, (build, refused, fine) in BOUNDED.items()
+        for value in (fine if accepted else refused)
+    }
+
+
+@pytest.mark.parametrize("spec", [spec for spec, _ in bounded(True).values()], ids=bounded(True).keys())
+def test_bounded_fields_take_what_kubernetes_and_the_server_take(spec: dict[str, Any]) -> None:
+    for child in render.render(OWNER, parse_spec(spec), CONFIG):
+        kubernetes_validate.validate(child.manifest, K8S_VERSION, strict=True)
+
+
 INVALID: dict[str, tuple[dict[str, Any], str]] = {
     "derived hard below explicit soft": ({"admission": {"p95SoftMs": 5000}}, "KEMBED_P95_SOFT_MS"),
     "explicit soft above hard": ({"admission": {"p95SoftMs": 900, "p95HardMs": 800}}, "KEMBED_P95_SOFT_MS"),
@@ -376,12 +438,14 @@ INVALID: dict[str, tuple[dict[str, Any], str]] = {
     "env fights the spec": ({"env": [{"name": "KEMBED_P95_SOFT_MS", "value": "1"}]}, "spec.env[0]"),
     "env typo": ({"env": [{"name": "KEMBED_MAX_BATCH", "value": "1"}]}, "not a kembed server setting"),
     "bad env value": ({"env": [{"name": "KEMBED_LATENCY_WINDOW_S", "value": "-1"}]}, "KEMBED_LATENCY_WINDOW_S"),
-    "keda without prometheus": ({"maxReplicas": 2, "autoscaling": {"provider": "keda"}}, "serverAddress"),
+    "keda without prometheus": ({"maxReplicas": 2, "autoscaling": {"provider": "keda"}}, "kedaServerAddress"),
     "env fights the cpu request": (
         {"env": [{"name": "KEMBED_CPU_REQUEST_MILLICORES", "value": "64000"}]},
         "spec.env[0]: KEMBED_CPU_REQUEST_MILLICORES is rendered",
     ),
     "cpu not a quantity": ({"resources": {"cpu": "lots"}}, "spec.resources.cpu"),
+    "empty control token": ({"model": {"controlTokens": ["[q]", ""]}}, "spec.model.controlTokens.1"),
+    **bounded(False),
     "negative deprecated grace": ({"drainSeconds": -1}, "spec.drainSeconds"),
 }
 

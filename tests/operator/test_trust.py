@@ -10,7 +10,7 @@ import pytest
 from kembed_operator import trust
 from kembed_operator.config import PREFIX, OperatorConfig
 from kembed_operator.job_spec import parse_job_spec
-from kembed_operator.spec import InvalidSpec, parse_spec
+from kembed_operator.spec import REPLICAS_CEILING, InvalidSpec, parse_spec
 
 DEFAULT = "registry.example/kembed/kembed-server:1.0"
 
@@ -56,6 +56,7 @@ def test_images(patterns: tuple[str, ...], image: str, allowed: bool) -> None:
 
 
 POLICY = OperatorConfig(
+    keda_server_address="http://prometheus.monitoring.svc:9090",
     allowed_env=("HF_TOKEN", "KEMBED_TRUST_REMOTE_CODE"),
     allowed_pod_annotations=("sidecar.istio.io/inject", "team.example/*"),
     allowed_tolerations=("dedicated",),
@@ -77,6 +78,11 @@ ALLOWED_OPTIONS: dict[str, dict[str, Any]] = {
     "node affinity": {"affinity": {"nodeAffinity": {}}},
     "pod anti-affinity": {"affinity": {"podAntiAffinity": {}}},
     "a node selector narrows only": {"nodeSelector": {"pool": "gpu"}},
+    "the operator's own Prometheus, repeated": {
+        "maxReplicas": 2,
+        "autoscaling": {"provider": "keda", "keda": {"serverAddress": "http://prometheus.monitoring.svc:9090"}},
+    },
+    "as many replicas as the operator allows": {"minReplicas": 100},
 }
 
 
@@ -130,6 +136,22 @@ REFUSED: dict[str, tuple[dict[str, Any], str, str]] = {
         "AffinityNotAllowed",
         "spec.affinity.podAffinity",
     ),
+    "KEDA fetching an internal URL": (
+        {"maxReplicas": 2, "autoscaling": {"provider": "keda", "keda": {"serverAddress": "http://169.254.169.254"}}},
+        "PrometheusAddressNotAllowed",
+        "spec.autoscaling.keda.serverAddress: 'http://169.254.169.254'",
+    ),
+    "PromQL of the author's": (
+        {"autoscaling": {"keda": {"serverAddress": "http://prometheus.monitoring.svc:9090/?query=up&"}}},
+        "PrometheusAddressNotAllowed",
+        "spec.autoscaling.keda.serverAddress",
+    ),
+    "more replicas than the operator allows": ({"minReplicas": 101}, "ReplicasNotAllowed", "spec.minReplicas: 101"),
+    "autoscaling past the operator's limit": (
+        {"maxReplicas": 2_000},
+        "ReplicasNotAllowed",
+        "spec.maxReplicas: 2000 replicas is more than the operator allows (100",
+    ),
     "a compile cache on a claim": (
         {"compileCache": {"claimName": "shared"}},
         "CompileCacheClaimNotAllowed",
@@ -140,7 +162,7 @@ REFUSED: dict[str, tuple[dict[str, Any], str, str]] = {
 
 @pytest.mark.parametrize(("spec", "reason", "field"), REFUSED.values(), ids=REFUSED.keys())
 def test_what_the_operator_refuses(spec: dict[str, Any], reason: str, field: str) -> None:
-    config = OperatorConfig(allowed_tolerations=("dedicated",))
+    config = OperatorConfig(allowed_tolerations=("dedicated",), keda_server_address=POLICY.keda_server_address)
     with pytest.raises(trust.NotAllowed) as refused:
         trust.check_service(parse_spec(spec), config)
     assert refused.value.reason == reason
@@ -160,6 +182,10 @@ def test_every_refusal_is_named_at_once() -> None:
     assert [r.reason for r in refused.value.refusals] == ["ImageNotAllowed", "EnvNotAllowed", "PodAnnotationNotAllowed"]
     assert refused.value.reason == "ImageNotAllowed"
     assert "spec.env[1]: LD_PRELOAD" in str(refused.value) and "spec.env[0]" not in str(refused.value)
+
+
+def test_the_chart_may_raise_the_replica_limit() -> None:
+    trust.check_service(parse_spec({"maxReplicas": 5_000}), OperatorConfig(max_replicas=5_000))
 
 
 def test_the_chart_may_allow_compile_cache_claims() -> None:
@@ -241,3 +267,17 @@ def test_pod_policy_from_the_chart() -> None:
 def test_malformed_pod_policy_names_the_variable(name: str, text: str) -> None:
     with pytest.raises(ValueError, match=PREFIX + name):
         OperatorConfig.from_env({PREFIX + name: text})
+
+
+@pytest.mark.parametrize(
+    "text", ["prometheus:9090", "ftp://prometheus", "http://", "http://p/?query=up&", "http://p#x"]
+)
+def test_the_prometheus_address_is_an_http_url_to_append_a_query_to(text: str) -> None:
+    with pytest.raises(ValueError, match=PREFIX + "KEDA_SERVER_ADDRESS"):
+        OperatorConfig.from_env({PREFIX + "KEDA_SERVER_ADDRESS": text})
+
+
+@pytest.mark.parametrize("text", ["0", "lots", "-1", f"{REPLICAS_CEILING + 1}"])
+def test_the_replica_limit_is_under_the_schemas_ceiling(text: str) -> None:
+    with pytest.raises(ValueError, match=PREFIX + "MAX_REPLICAS"):
+        OperatorConfig.from_env({PREFIX + "MAX_REPLICAS": text})

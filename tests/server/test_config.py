@@ -29,6 +29,25 @@ def test_lists_and_numbers_parse_from_strings():
 
 
 @pytest.mark.parametrize(
+    ("value", "tokens"),
+    [
+        ('["[query]", ","]', ["[query]", ","]),
+        ('["a,b", " c "]', ["a,b", " c "]),
+        ("[]", []),
+        ("[query]", ["[query]"]),  # no JSON (unquoted): comma-separated, as before
+        ("[query], [title] ,", ["[query]", "[title]"]),
+    ],
+)
+def test_a_list_setting_is_a_json_list_or_comma_separated(value: str, tokens: list[str]):
+    assert Settings.from_env({"KEMBED_CONTROL_TOKENS": value}).control_tokens == tokens
+
+
+def test_list_settings_of_other_types_read_json_too():
+    settings = Settings.from_env({"KEMBED_BUCKETS": "[8, 64]", "KEMBED_ADMISSION": '["latency"]'})
+    assert (settings.buckets, settings.admission) == ([8, 64], [Admission.LATENCY])
+
+
+@pytest.mark.parametrize(
     ("env", "named"),
     [
         ({"KEMBED_MAX_BATCH_SIZE": "lots"}, "KEMBED_MAX_BATCH_SIZE"),
@@ -39,6 +58,8 @@ def test_lists_and_numbers_parse_from_strings():
         ({"KEMBED_MAX_BATCH_SZE": "8"}, "KEMBED_MAX_BATCH_SZE"),
         ({"KEMBED_GRPC_PORT": "70000"}, "KEMBED_GRPC_PORT"),
         ({"KEMBED_LOG_LEVEL": "loud"}, "KEMBED_LOG_LEVEL"),
+        ({"KEMBED_CONTROL_TOKENS": '["[q]", 1]'}, "KEMBED_CONTROL_TOKENS"),
+        ({"KEMBED_CONTROL_TOKENS": '["[q]", ""]'}, "KEMBED_CONTROL_TOKENS"),
     ],
 )
 def test_bad_values_name_the_variable(env, named):
