@@ -105,6 +105,19 @@ def test_a_connection_refused_past_its_burst_is_paced_and_its_neighbours_are_not
         assert {f.code() for f in backlog} <= {OK, EXHAUSTED}
 
 
+def test_a_client_refused_again_and_again_stops_retrying(server: ServerProcess):
+    """kembed's client throttles its retries (gRPC's retryThrottling): refused every time, it gives
+    up after a few retries instead of retrying for its whole timeout."""
+    client = EmbedClient(server.target, timeout_s=300, max_attempts=1000)
+    with grpc.insecure_channel(server.target) as channel, client, server.engine:
+        backlog = [pb_grpc.EmbedderStub(channel).Embed.future(REQUEST, timeout=120) for _ in range(40)]
+        wait_until(lambda: all_decided(server, backlog), 120, "a backlog")
+        with pytest.raises(grpc.RpcError) as refused:
+            client.embed(list(REQUEST.texts))
+    assert refused.value.code() == EXHAUSTED
+    assert client.retries == 4  # 10 tokens: retried at 9, 8, 7 and 6 left
+
+
 def test_client_retries_after_the_pushback(server: ServerProcess):
     client = EmbedClient(server.target, timeout_s=300, max_attempts=1000)
     with grpc.insecure_channel(server.target) as channel, client:

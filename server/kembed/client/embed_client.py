@@ -2,6 +2,8 @@
 
 RESOURCE_EXHAUSTED is retried after the server's ``grpc-retry-pushback-ms`` (with jitter), and
 UNAVAILABLE (warming up, draining, a replica going away) with exponential backoff, both bounded.
+Retries are throttled as gRPC's ``retryThrottling`` does (:class:`RetryBudget`): while most calls
+fail, a client stops retrying, so a fleet of clients sheds load before it reaches the server.
 """
 
 from __future__ import annotations
@@ -25,6 +27,27 @@ T = TypeVar("T")
 RETRYABLE = (grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.UNAVAILABLE)
 
 
+class RetryBudget:
+    """gRPC's retry throttling (gRFC A6, ``retryThrottling``): a token count that each failed
+    attempt lowers by 1 and each answered one raises by ``token_ratio``, up to ``max_tokens``.
+    Retries go only while it is above half of ``max_tokens``: at the defaults, once more than about
+    one attempt in eleven fails, retries stop until answers bring the count back up."""
+
+    def __init__(self, max_tokens: float = 10.0, token_ratio: float = 0.1) -> None:
+        self._max = max_tokens
+        self._ratio = token_ratio
+        self.tokens = max_tokens
+
+    def answered(self) -> None:
+        self.tokens = min(self._max, self.tokens + self._ratio)
+
+    def failed(self) -> None:
+        self.tokens = max(0.0, self.tokens - 1)
+
+    def may_retry(self) -> bool:
+        return self.tokens > self._max / 2
+
+
 class EmbedClient:
     """``EmbedClient("host:50051")``, or ``EmbedClient(Connection(...))``; the keyword arguments
     ``ca_file``, ``cert_file``, ``key_file``, ``round_robin`` and ``max_message_bytes`` build the
@@ -43,6 +66,7 @@ class EmbedClient:
         cert_file: str | None = None,
         key_file: str | None = None,
         sleep: Callable[[float], None] = time.sleep,
+        retry_budget: RetryBudget | None = None,
     ) -> None:
         if isinstance(target, str):
             target = Connection(target, ca_file, cert_file, key_file, max_message_bytes, round_robin)
@@ -53,6 +77,7 @@ class EmbedClient:
         self._max_attempts = max_attempts
         self._backoff = backoff_s
         self._sleep = sleep
+        self.retry_budget = retry_budget or RetryBudget()
         self.retries = 0  # how many attempts were retried, for callers that want to know
 
     def embed(
@@ -78,15 +103,23 @@ class EmbedClient:
 
     def _with_retries(self, call: Callable[[], T]) -> T:
         deadline = time.monotonic() + self._timeout
+        budget = self.retry_budget
         for attempt in range(1, self._max_attempts + 1):
             try:
-                return call()
+                answer = call()
             except grpc.RpcError as error:
                 wait = self._retry_after(error, attempt)
-                if wait is None or attempt == self._max_attempts or time.monotonic() + wait > deadline:
+                if wait is None:
+                    raise
+                budget.failed()
+                last = attempt == self._max_attempts or time.monotonic() + wait > deadline
+                if last or not budget.may_retry():
                     raise
                 self.retries += 1
                 self._sleep(wait)
+            else:
+                budget.answered()
+                return answer
         raise AssertionError("unreachable")
 
     def _retry_after(self, error: grpc.RpcError, attempt: int) -> float | None:
