@@ -150,6 +150,21 @@ JOB_STATUS: Schema = {
         "podFailures": _typed("integer", "Pods that failed, retried ones included."),
         "progress": _typed("string", "Shards succeeded of shards, e.g. 3/16."),
         "rowsWritten": _typed("integer", "Rows in the parts, as the pods reported when they ended."),
+        "failedShards": {
+            "type": "array",
+            "description": "The shards that failed for good (the first 20 by index): why their last pod failed.",
+            "items": {
+                "type": "object",
+                "required": ["shard"],
+                "properties": {
+                    "shard": _typed("integer"),
+                    "exitCode": _typed(
+                        "integer", "2 (bad flags) or 3 (cannot succeed as given): failed at once; else retries spent."
+                    ),
+                    "message": _typed("string", "The corpus command's error, else the end of its log."),
+                },
+            },
+        },
         "startTime": _typed("string", format="date-time"),
         "completionTime": _typed("string", format="date-time"),
         "manifest": _typed("string", "Where the parts' manifest is written, inside the output claim."),

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
+from kembed.contract import EXIT_EMBED_FINAL, EXIT_EMBED_USAGE
 from kembed_operator import access, identity, kinds, render
 from kembed_operator.config import OperatorConfig
 from kembed_operator.job_spec import EmbeddingJobSpec
@@ -31,7 +32,9 @@ INDEX_VAR = "JOB_COMPLETION_INDEX"
 INDEX_ANNOTATION = "batch.kubernetes.io/job-completion-index"
 # The EmbeddingJob generation a Job was made from: a Job's pod template cannot change afterwards.
 GENERATION_ANNOTATION = f"{identity.GROUP}/generation"
-EXIT_USAGE = 2  # the command's arguments were refused: running it again cannot help
+# The command's exit codes after which running it again cannot help: bad flags, and a run that
+# cannot succeed as given (a bad input line, dimensions the model lacks, a read-only output).
+FINAL_EXIT_CODES = [EXIT_EMBED_USAGE, EXIT_EMBED_FINAL]
 COMPONENT = "embedding-job"
 
 
@@ -125,7 +128,7 @@ def render_job(
             "rules": [
                 {
                     "action": "FailIndex",
-                    "onExitCodes": {"containerName": CONTAINER, "operator": "In", "values": [EXIT_USAGE]},
+                    "onExitCodes": {"containerName": CONTAINER, "operator": "In", "values": FINAL_EXIT_CODES},
                 },
                 # A pod evicted or preempted has not failed its shard: no retry spent.
                 {"action": "Ignore", "onPodConditions": [{"type": "DisruptionTarget", "status": "True"}]},

@@ -16,6 +16,9 @@ from kembed_operator.spec import PodOptions, Quantity, RelativePath, SpecModel, 
 # Part names carry the index in five digits (`emb.part-00003-of-00016.npy`), and the operator keeps
 # a few hundred bytes of every pod of a running job: ten thousand keeps both well within reach.
 MAX_SHARDS = 10_000
+# The most dimensions a job may ask for: more than any model served has (the largest common ones
+# have 4,096). Within it, more than the service's model has fails the shards at once (exit 3).
+MAX_DIMENSIONS = 8192
 # What the corpus command writes, by the output file's extension.
 OUTPUT_FORMATS = {".npy": "npy", ".jsonl": "jsonl", ".parquet": "parquet"}
 
@@ -92,7 +95,13 @@ class EmbeddingJobSpec(PodOptions):
         "what is not its own.",
     )
     parallelism: int | None = Field(None, ge=1, le=MAX_SHARDS, description="Pods at once; unset = shards.")
-    dimensions: int = Field(0, ge=0, description="Truncate the vectors to this many dimensions; 0 = the model's.")
+    dimensions: int = Field(
+        0,
+        ge=0,
+        le=MAX_DIMENSIONS,
+        description="Truncate the vectors to this many dimensions; 0 = the model's. More than the model has fails "
+        "every shard at once.",
+    )
     truncate: bool = Field(True, description="Cut documents longer than the model's limit; false: such a line fails.")
     priority: Literal["batch", "interactive"] = Field(
         "batch", description="The requests' class: batch lets the service's queries go first."

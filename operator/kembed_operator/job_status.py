@@ -11,12 +11,17 @@ Conditions, each with ``lastTransitionTime`` moving only when its status flips:
 
 Counts come from the Job's status (``completedIndexes``, ``failedIndexes``, ``active``, ``failed``);
 rows written from the pods' termination messages, the corpus command's summary: per shard, the
-succeeded pod's, else the one that ended last (a failed shard keeps the rows it committed).
+succeeded pod's, else the one that ended last (a failed shard keeps the rows it committed). Why a
+shard failed for good (``failedShards``, and the ``Failed`` condition's message for the first) comes
+from its pod that failed last: its exit code and the error its summary carries, else the end of its
+log (the kubelet keeps it when the command died before writing a summary), else the container's
+reason (``OOMKilled``).
 """
 
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import Any
 
@@ -25,6 +30,10 @@ from kembed_operator.kinds import Manifest
 from kembed_operator.status import Problem, condition
 
 CONDITION_TYPES = ("Progressing", "Complete", "Failed")
+# Of 10,000 shards all failing, the status lists the first (shardsFailed counts them all), each
+# reason cut: the status stays small, and so does what the operator keeps of each pod.
+MAX_FAILED_SHARDS_LISTED = 20
+MAX_REASON_CHARS = 300
 
 
 @dataclass(frozen=True)
@@ -56,15 +65,18 @@ def compute(observed: JobObserved, previous: Manifest, now: str) -> Manifest:
     succeeded = len(indexes(job_status.get("completedIndexes", "")))
     failed = indexes(job_status.get("failedIndexes", ""))
     verdicts = {c.get("type"): c for c in job_status.get("conditions", []) if c.get("status") == "True"}
-    rows = previous.get("rowsWritten", 0) if observed.pods is None else rows_written(observed.job, observed.pods)
+    if observed.pods is None:  # not read: what the status said stays
+        rows, why = previous.get("rowsWritten", 0), previous.get("failedShards", [])
+    else:
+        rows, why = rows_written(observed.job, observed.pods), failed_shards(observed.job, observed.pods, failed)
     shards = observed.shards
-    progressing = _progressing(observed, verdicts, succeeded, int(job_status.get("active", 0)))
+    progressing = _progressing(observed, verdicts, succeeded, int(job_status.get("active", 0)), len(failed))
     if observed.notice:
         progressing = (*progressing[:3], "; ".join(filter(None, (progressing[3], observed.notice))))
     conditions = [
         progressing,
         ("Complete", "Complete" in verdicts, *_complete(succeeded, shards, rows, "Complete" in verdicts)),
-        ("Failed", "Failed" in verdicts, *_failed(verdicts.get("Failed"), failed)),
+        ("Failed", "Failed" in verdicts, *_failed(verdicts.get("Failed"), failed, why)),
     ]
     old = {c.get("type"): c for c in previous.get("conditions", [])}
     status: Manifest = {
@@ -76,6 +88,7 @@ def compute(observed: JobObserved, previous: Manifest, now: str) -> Manifest:
         "podFailures": int(job_status.get("failed", 0)),
         "progress": f"{succeeded}/{shards}",
         "rowsWritten": rows,
+        "failedShards": why,
         "manifest": observed.manifest,
     }
     status |= {key: job_status[key] for key in ("startTime", "completionTime") if key in job_status}
@@ -83,7 +96,7 @@ def compute(observed: JobObserved, previous: Manifest, now: str) -> Manifest:
 
 
 def _progressing(
-    observed: JobObserved, verdicts: dict[Any, Manifest], succeeded: int, running: int
+    observed: JobObserved, verdicts: dict[Any, Manifest], succeeded: int, running: int, failed: int
 ) -> tuple[str, bool, str, str]:
     if observed.problem is not None:
         return "Progressing", False, observed.problem.reason, observed.problem.message
@@ -92,7 +105,10 @@ def _progressing(
     for verdict in ("Complete", "Failed"):
         if verdict in verdicts:
             return "Progressing", False, verdict, verdicts[verdict].get("message", "")
-    return "Progressing", True, "ShardsRunning", f"{succeeded} of {observed.shards} shards done, {running} running"
+    message = f"{succeeded} of {observed.shards} shards done, {running} running"
+    if failed:
+        message += f", {failed} failed for good (status.failedShards says why)"
+    return "Progressing", True, "ShardsRunning", message
 
 
 def _complete(succeeded: int, shards: int, rows: int, complete: bool) -> tuple[str, str]:
@@ -101,11 +117,12 @@ def _complete(succeeded: int, shards: int, rows: int, complete: bool) -> tuple[s
     return "ShardsRemaining", f"{succeeded} of {shards} shards succeeded"
 
 
-def _failed(verdict: Manifest | None, failed: set[int]) -> tuple[str, str]:
+def _failed(verdict: Manifest | None, failed: set[int], why: list[Manifest]) -> tuple[str, str]:
     if verdict is None:
         return "AsExpected", ""
     shards = f"shards that failed for good: {_spell(failed)}; " if failed else ""
-    return str(verdict.get("reason", "JobFailed")), f"{shards}{verdict.get('message', '')}"
+    first = f"shard {why[0]['shard']}: {why[0]['message']}; " if why and why[0].get("message") else ""
+    return str(verdict.get("reason", "JobFailed")), f"{shards}{first}{verdict.get('message', '')}"
 
 
 def rows_written(job: Manifest | None, pods: list[Manifest]) -> int:
@@ -115,29 +132,77 @@ def rows_written(job: Manifest | None, pods: list[Manifest]) -> int:
 
 def summaries(job: Manifest | None, pods: list[Manifest]) -> dict[int, dict[str, Any]]:
     """Shard -> the summary its succeeded pod wrote, else that of its pod that ended last."""
-    uid = (job or {}).get("metadata", {}).get("uid")
     best: dict[int, tuple[tuple[bool, str], dict[str, Any]]] = {}
-    for pod in pods:
-        owners = {ref.get("uid") for ref in pod.get("metadata", {}).get("ownerReferences", [])}
-        index = pod.get("metadata", {}).get("annotations", {}).get(INDEX_ANNOTATION, "")
+    for index, pod in _own(job, pods):
         ended = _terminated(pod)
         summary = _summary(ended.get("message", ""))
-        if uid not in owners or not index.isdigit() or summary is None:
-            continue  # another Job's (one deleted with an earlier EmbeddingJob of this name), or no summary
-        rank = (pod.get("status", {}).get("phase") == "Succeeded", str(ended.get("finishedAt", "")))
-        if int(index) not in best or rank > best[int(index)][0]:
-            best[int(index)] = (rank, summary)
+        if summary is None:
+            continue  # a log's tail, or no message
+        rank = (_phase(pod) == "Succeeded", str(ended.get("finishedAt", "")))
+        if index not in best or rank > best[index][0]:
+            best[index] = (rank, summary)
     return {index: summary for index, (_, summary) in best.items()}
 
 
+def failed_shards(job: Manifest | None, pods: list[Manifest], failed: set[int]) -> list[Manifest]:
+    """The first shards of ``failed``, each with why its pod that failed last failed (``exitCode``,
+    ``message``) when that pod is still there."""
+    last: dict[int, tuple[str, Manifest]] = {}
+    for index, pod in _own(job, pods):
+        ended = _terminated(pod)
+        finished = str(ended.get("finishedAt", ""))
+        if _phase(pod) != "Failed" or (index in last and finished < last[index][0]):
+            continue
+        why: Manifest = {"shard": index}
+        if isinstance(ended.get("exitCode"), int):
+            why["exitCode"] = ended["exitCode"]
+        if reason := _reason(ended):
+            why["message"] = reason
+        last[index] = (finished, why)
+    listed = sorted(failed)[:MAX_FAILED_SHARDS_LISTED]
+    return [last[index][1] if index in last else {"shard": index} for index in listed]
+
+
+def _own(job: Manifest | None, pods: list[Manifest]) -> Iterator[tuple[int, Manifest]]:
+    """(shard, pod) for the Job's own pods: not another Job's (one deleted with an earlier
+    EmbeddingJob of this name), nor one without its index."""
+    uid = (job or {}).get("metadata", {}).get("uid")
+    for pod in pods:
+        owners = {ref.get("uid") for ref in pod.get("metadata", {}).get("ownerReferences", [])}
+        index = pod.get("metadata", {}).get("annotations", {}).get(INDEX_ANNOTATION, "")
+        if uid in owners and index.isdigit():
+            yield int(index), pod
+
+
+def _reason(ended: Manifest) -> str:
+    """Why a container failed: what its message says, else the kubelet's reason (``OOMKilled``)."""
+    return (_said(str(ended.get("message", ""))) or str(ended.get("reason", "")))[:MAX_REASON_CHARS]
+
+
+def _said(message: str) -> str:
+    """The error in the corpus command's summary; else the last line of the message: the end of
+    its log, when it died before writing a summary."""
+    summary = _summary(message)
+    if summary is not None:
+        return str(summary.get("error") or "")
+    return next((line.strip() for line in reversed(message.splitlines()) if line.strip()), "")
+
+
 def trimmed(pod: Manifest) -> Manifest:
-    """Only what :func:`summaries` reads of a pod (a few hundred bytes, whatever the pod's size), in
-    the pod's own shape: what the operator keeps of each pod it watches."""
+    """Only what :func:`summaries` and :func:`failed_shards` read of a pod (a few hundred bytes,
+    whatever the pod's size), in the pod's own shape: what the operator keeps of each pod it watches."""
     meta, ended = pod.get("metadata", {}), _terminated(pod)
     index = meta.get("annotations", {}).get(INDEX_ANNOTATION)
-    state = {"terminated": {"finishedAt": ended.get("finishedAt", "")}} if ended else {}
-    if ended and _summary(ended.get("message", "")) is not None:
-        state["terminated"]["message"] = ended["message"]
+    state: Manifest = {}
+    if ended:
+        kept: Manifest = {key: ended[key] for key in ("exitCode", "reason") if key in ended}
+        summary = _summary(ended.get("message", ""))
+        if summary is not None:  # its rows and error: the rest of it is for people
+            error = _said(ended["message"])[:MAX_REASON_CHARS] or None
+            kept["message"] = json.dumps({"rows": summary["rows"], "error": error})
+        elif _phase(pod) == "Failed":
+            kept["message"] = _reason(ended)
+        state = {"terminated": {"finishedAt": ended.get("finishedAt", ""), **kept}}
     return {
         "metadata": {
             "name": meta.get("name", ""),
@@ -145,10 +210,14 @@ def trimmed(pod: Manifest) -> Manifest:
             "ownerReferences": [{"uid": ref.get("uid")} for ref in meta.get("ownerReferences", [])],
         },
         "status": {
-            "phase": pod.get("status", {}).get("phase", ""),
+            "phase": _phase(pod),
             "containerStatuses": [{"name": CONTAINER, "state": state}],
         },
     }
+
+
+def _phase(pod: Manifest) -> str:
+    return str(pod.get("status", {}).get("phase", ""))
 
 
 def _terminated(pod: Manifest) -> Manifest:

@@ -26,6 +26,13 @@ EXIT_STARTUP_FAILED: Final = 1  # the model did not load, a port was taken
 EXIT_CONFIG: Final = 2  # a KEMBED_* setting is invalid (the message names it)
 EXIT_FATAL: Final = 70  # a process died or the device failed: Kubernetes restarts the pod
 
+# The corpus command's exit codes (``python -m kembed.client embed``). An EmbeddingJob's pods fail
+# their shard at once on the final ones, and retry it (resuming its part) on EXIT_EMBED_FAILED.
+EXIT_EMBED_FAILED: Final = 1  # running it again may succeed: a server away too long, a full disk
+EXIT_EMBED_USAGE: Final = 2  # bad flags (argparse's own code)
+EXIT_EMBED_FINAL: Final = 3  # it cannot succeed as given: its input, a flag or its output must change
+EXIT_EMBED_INTERRUPTED: Final = 130  # ^C or SIGTERM: the rows written are kept
+
 GRPC_SERVICE: Final = "kembed.v1.Embedder"
 # gRPC trailing metadata key telling a rejected client when to retry (gRFC A6).
 RETRY_PUSHBACK_KEY: Final = "grpc-retry-pushback-ms"

@@ -13,6 +13,7 @@ without them it is skipped, saying so.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -29,10 +30,11 @@ import pytest
 
 from kembed.client.corpus.parts import growing_path
 from kembed.contract import GRPC_PORT
-from kembed_operator import job_render, kinds, render
+from kembed_operator import job_render, job_status, kinds, render
 from kembed_operator.config import OperatorConfig
 from kembed_operator.job_spec import parse_job_spec
 from kembed_operator.spec import parse_spec
+from tests.server.folders import unwritable_folder
 from tests.server.serving import ServerProcess, wait_until
 
 SHARDS = 3
@@ -69,11 +71,24 @@ def shards_supported() -> None:
         )
 
 
-def rendered_container() -> dict[str, Any]:
+def rendered_job(**changes: Any) -> dict[str, Any]:
     target = job_render.Target("bge", "search", parse_spec({}))
-    job = job_render.render_job(OWNER, 1, parse_job_spec(SPEC), target, OperatorConfig()).manifest
-    (container,) = job["spec"]["template"]["spec"]["containers"]
+    return job_render.render_job(OWNER, 1, parse_job_spec({**SPEC, **changes}), target, OperatorConfig()).manifest
+
+
+def rendered_container(**changes: Any) -> dict[str, Any]:
+    (container,) = rendered_job(**changes)["spec"]["template"]["spec"]["containers"]
     return dict(container)
+
+
+def fails_its_index_at_once(job: dict[str, Any], code: int) -> bool:
+    """Whether the Job's podFailurePolicy fails an index on this exit code of the container, no retry."""
+    for rule in job["spec"]["podFailurePolicy"]["rules"]:
+        codes = rule.get("onExitCodes", {})
+        ours = codes.get("containerName") == job_render.CONTAINER and codes.get("operator") == "In"
+        if ours and code in codes["values"]:
+            return bool(rule["action"] == "FailIndex")
+    return False
 
 
 def expand(text: str, variables: dict[str, str]) -> str:
@@ -233,3 +248,64 @@ def test_every_index_runs_and_the_parts_are_one_unsharded_run(server: ServerProc
     result = run_index(unsharded, variables)
     assert result.returncode == 0, result.stderr
     assert_same_vectors(parts, np.load(whole))
+
+
+FOR_GOOD = {
+    # the EmbeddingJob's changes, what breaks on the claims, the start of what the command says
+    "dimensions the model lacks": ({"dimensions": 1000}, "", "--dimensions: 1000 exceeds the model's 384"),
+    "a missing input": ({}, "input", "--input: {claims}/corpora/wiki/texts.txt: No such file or directory; "),
+    "an output it cannot write": ({}, "output", "--output: {claims}/vectors/wiki/emb.part-00001-of-00003.npy.partial"),
+}
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("case", FOR_GOOD)
+def test_a_shard_no_retry_can_fix_fails_at_once_and_the_status_says_which_and_why(
+    server: ServerProcess, tmp_path: Path, case: str
+) -> None:
+    """These exited 1, which the Job retries: every shard ran perShard + 1 pods. The rendered command
+    exits with a code the Job's podFailurePolicy fails the index on, its termination message says
+    why, and the status the operator makes of that pod names the shard and the reason."""
+    changes, broken, says = FOR_GOOD[case]
+    claims = tmp_path / "claims"
+    source = claims / "corpora/wiki/texts.txt"
+    source.parent.mkdir(parents=True)
+    (claims / "vectors/wiki").mkdir(parents=True)
+    if broken != "input":
+        source.write_text("".join(f"{text}\n" for text in TEXTS[:30]), encoding="utf-8")
+    job = rendered_job(**changes)
+    (container,) = job["spec"]["template"]["spec"]["containers"]
+    argv, variables = pod_command(container, 1)
+    termination = tmp_path / "termination-log"
+    with contextlib.ExitStack() as stack:
+        if broken == "output":
+            stack.enter_context(unwritable_folder(claims / "vectors/wiki"))
+        result = run_index(localized(argv, claims, server.target, termination), variables)
+
+    assert fails_its_index_at_once(job, result.returncode), (result.returncode, result.stderr)
+    message = termination.read_text()  # what the kubelet makes the pod's termination message
+    said = json.loads(message)["error"]
+    assert said.startswith(says.format(claims=claims)), said
+    assert result.stderr == f"kembed embed: {said}\n"  # one line, no traceback
+
+    pod = {
+        "metadata": {
+            "annotations": {job_render.INDEX_ANNOTATION: "1"},
+            "ownerReferences": [{"uid": "job-uid", "controller": True}],
+        },
+        "status": {
+            "phase": "Failed",
+            "containerStatuses": [
+                {
+                    "name": job_render.CONTAINER,
+                    "state": {"terminated": {"exitCode": result.returncode, "message": message, "finishedAt": "T"}},
+                }
+            ],
+        },
+    }
+    job["metadata"]["uid"] = "job-uid"
+    job["status"] = {"active": 2, "failed": 1, "failedIndexes": "1"}
+    seen = job_status.JobObserved(1, SHARDS, "wiki/emb.manifest.json", job, [job_status.trimmed(pod)], None)
+    status = job_status.compute(seen, {}, "2026-01-01T00:00:00Z")
+    assert status["failedShards"] == [{"shard": 1, "exitCode": result.returncode, "message": said}]
+    assert (status["shardsFailed"], status["podFailures"]) == (1, 1)

@@ -89,6 +89,7 @@ BAD: dict[str, dict[str, Any]] = {
     "unknown output format": {**BASE, "output": {**BASE["output"], "format": "csv"}},
     "unknown priority": {**BASE, "priority": "urgent"},
     "negative retries": {**BASE, "retry": {"perShard": -1}},
+    "more dimensions than any model has": {**BASE, "dimensions": 100_000},
     "input without a claim": {**BASE, "input": {"path": "x.txt"}},
     "env without a name": {**BASE, "env": [{"value": "1"}]},
 }

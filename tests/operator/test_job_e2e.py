@@ -52,8 +52,11 @@ def ready_service(kube: Kube, name: str) -> None:
     wait_for("the service Ready", lambda: condition(kube.es(name), "Ready").get("status") == "True")
 
 
-def play_pod(kube: Kube, job: dict[str, Any], index: int, attempt: int, phase: str, rows: int = 0) -> None:
-    """A pod of ``job`` for shard ``index``, as the Job controller makes it and the kubelet ends it."""
+def play_pod(
+    kube: Kube, job: dict[str, Any], index: int, attempt: int, phase: str, rows: int = 0, code: int = 1, error: str = ""
+) -> None:
+    """A pod of ``job`` for shard ``index``, as the Job controller makes it and the kubelet ends it
+    (with exit ``code`` and the command's ``error`` in its summary when it failed)."""
     name = f"{job['metadata']['name']}-{index}-{attempt}"
     template = job["spec"]["template"]
     owner = {"apiVersion": "batch/v1", "kind": "Job", "name": job["metadata"]["name"], "uid": job["metadata"]["uid"]}
@@ -74,8 +77,9 @@ def play_pod(kube: Kube, job: dict[str, Any], index: int, attempt: int, phase: s
     summary = {"rows": rows, "embedded": rows, "shard": f"{index}/3", "output": "o", "complete": phase == "Succeeded"}
     state: dict[str, Any] = {"running": {"startedAt": T0}}
     if phase != "Running":
-        code = 0 if phase == "Succeeded" else 1
-        state = {"terminated": {"exitCode": code, "message": json.dumps(summary), "finishedAt": T1}}
+        exit_code = 0 if phase == "Succeeded" else code
+        message = json.dumps({**summary, "error": error or None})
+        state = {"terminated": {"exitCode": exit_code, "message": message, "finishedAt": T1}}
     status = {"phase": phase, "containerStatuses": [{"name": job_render.CONTAINER, "state": state}]}
     kube.patch_child(PODS, name, {"status": status}, "status")
 
@@ -144,13 +148,15 @@ def test_a_failed_shard_fails_the_job(kube: Kube) -> None:
     kube.create_ej("broken", **corpus("e5", shards=2))
     job = wait_for("the Job", lambda: kube.child(JOBS, "broken"))
     play_pod(kube, job, 0, 0, "Succeeded", rows=3)
-    play_pod(kube, job, 1, 0, "Failed", rows=1)
+    why = "input line 2: not UTF-8 (byte 5: invalid start byte)"
+    play_pod(kube, job, 1, 0, "Failed", rows=1, code=3, error=why)  # a bad line: no retry can fix it
     failed = {"type": "Failed", "status": "True", "reason": "FailedIndexes", "message": "Job has failed indexes"}
     status = {"succeeded": 1, "failed": 1, "completedIndexes": "0", "failedIndexes": "1", "conditions": [failed]}
     kube.patch_child(JOBS, "broken", {"status": status}, "status")
     ej = wait_for("Failed", lambda: condition(e := kube.ej("broken"), "Failed").get("status") == "True" and e)
-    assert condition(ej, "Failed")["message"].startswith("shards that failed for good: 1")
+    assert condition(ej, "Failed")["message"].startswith(f"shards that failed for good: 1; shard 1: {why}")
     assert (ej["status"]["shardsFailed"], ej["status"]["rowsWritten"]) == (1, 4)
+    assert ej["status"]["failedShards"] == [{"shard": 1, "exitCode": 3, "message": why}]
 
 
 def test_deleting_the_embedding_job_deletes_its_job(kube: Kube, emulator: EmulatorThread) -> None:

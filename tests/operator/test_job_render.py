@@ -8,7 +8,7 @@ from typing import Any
 import kubernetes_validate
 import pytest
 
-from kembed.contract import GRPC_PORT
+from kembed.contract import EXIT_EMBED_FINAL, EXIT_EMBED_USAGE, GRPC_PORT
 from kembed_operator import identity, job_render, kinds, render
 from kembed_operator.config import OperatorConfig
 from kembed_operator.job_spec import parse_job_spec
@@ -103,8 +103,9 @@ def test_one_indexed_job_with_per_shard_retries() -> None:
     fail_index, ignore = spec["podFailurePolicy"]["rules"]
     assert fail_index == {
         "action": "FailIndex",
-        "onExitCodes": {"containerName": job_render.CONTAINER, "operator": "In", "values": [job_render.EXIT_USAGE]},
+        "onExitCodes": {"containerName": job_render.CONTAINER, "operator": "In", "values": [2, 3]},
     }
+    assert job_render.FINAL_EXIT_CODES == [EXIT_EMBED_USAGE, EXIT_EMBED_FINAL]  # bad flags; cannot succeed as given
     assert ignore == {"action": "Ignore", "onPodConditions": [{"type": "DisruptionTarget", "status": "True"}]}
     every = job(JOB_FEATURES["every option"])["spec"]
     assert (every["parallelism"], every["backoffLimitPerIndex"], every["maxFailedIndexes"]) == (4, 5, 2)

@@ -6,7 +6,9 @@ test_bulk_serving."""
 from __future__ import annotations
 
 import asyncio
+import errno
 import json
+import os
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -14,7 +16,7 @@ import numpy as np
 import pytest
 
 from kembed.client.__main__ import main
-from kembed.client.corpus import CorpusError
+from kembed.client.corpus import CorpusError, FinalError, file_error
 from kembed.client.corpus.parts import complete, growing_path, manifest_path, part_path, write_manifest
 from kembed.client.corpus.reader import (
     REQUEST_ENVELOPE_BYTES,
@@ -39,6 +41,7 @@ from kembed.client.corpus.stream import (
     embed_request,
 )
 from kembed.client.corpus.writers import ParquetWriter, Writer, committed_shape, format_of, held_rows, open_writer
+from kembed.contract import EXIT_EMBED_FINAL
 from kembed.v1 import embedder_pb2 as pb
 
 DIMS = 4
@@ -96,15 +99,78 @@ def test_bad_input_names_its_line(tmp_path: Path, case: str):
     assert str(caught.value).startswith(message), caught.value
 
 
+@pytest.mark.parametrize("case", BAD_LINES)
+def test_a_bad_line_is_final(tmp_path: Path, case: str):
+    """The same input fails the same way however often it is run: an EmbeddingJob must not retry it."""
+    data, field, _ = BAD_LINES[case]
+    with pytest.raises(FinalError):
+        read_all(corpus_file(tmp_path, data), field)
+
+
+CARRIAGE_RETURNS = {
+    # input, field, the texts read before the refusal, its line and the \r's byte in it
+    "CR line ends (old Mac)": (b"".join(b"text %d\r" % i for i in range(50)), None, [], 1, 7),
+    "a stray CR in a LF file": (b"one\ntwo\r2\nthree\n", None, ["one"], 2, 4),
+    "CR before CRLF": (b"one\r\ntwo\r\r\n", None, ["one"], 2, 4),
+    "JSONL with CR line ends": (b'{"text": "a"}\r{"text": "b"}\r', "text", [], 1, 14),
+}
+
+
+@pytest.mark.parametrize("case", CARRIAGE_RETURNS)
+def test_a_carriage_return_inside_a_line_is_refused_naming_it(tmp_path: Path, case: str):
+    """50 lines ended by CR alone were one text (1 x 384, exit 0): a line holding a \\r that does not
+    end it in CRLF is refused, after the texts before it, and the message says why and what to do."""
+    data, field, before, number, byte = CARRIAGE_RETURNS[case]
+    spans = CorpusReader(corpus_file(tmp_path, data), field, LIMITS).spans(1, 0)
+    assert [text for _, span in zip(before, spans, strict=False) for text in span.texts] == before
+    with pytest.raises(FinalError) as caught:
+        next(spans)
+    assert str(caught.value).startswith(f"input line {number}: a carriage return (\\r, byte {byte}) inside the line")
+    assert "tr '\\r' '\\n'" in str(caught.value)
+
+
+def test_crlf_files_keep_one_text_per_line_whole_and_in_shards(tmp_path: Path):
+    source = corpus_file(tmp_path, b"".join(b"text %d\r\n" % i for i in range(50)))
+    assert read_all(source) == [f"text {i}" for i in range(50)]
+    for count in (3, 7, 64):  # a range may start between a \r and its \n
+        assert [t for i in range(count) for t in read_all(source, shard=Shard(i, count))] == read_all(source)
+
+
 @pytest.mark.parametrize("data", [b"", b"a", b"a\n", b"a\nb", b"a\nb\n", b"\n\n", b"x\r\ny\r\n"])
 def test_the_count_is_what_is_read(tmp_path: Path, data: bytes):
     source = corpus_file(tmp_path, data)
     assert CorpusReader(source, None, LIMITS).count() == len(read_all(source))
 
 
-def test_a_missing_input_is_named(tmp_path: Path):
-    with pytest.raises(CorpusError, match=r"^--input: .*No such file"):
-        CorpusReader(str(tmp_path / "absent.txt"), None, LIMITS).count()
+def test_a_missing_input_is_named_and_final(tmp_path: Path):
+    absent = tmp_path / "absent.txt"
+    with pytest.raises(FinalError) as caught:
+        CorpusReader(str(absent), None, LIMITS).count()
+    assert str(caught.value) == (
+        f"--input: {absent}: No such file or directory; check the path (an output's folder must exist) "
+        "(running it again cannot help)"
+    )
+
+
+@pytest.mark.parametrize(
+    ("number", "final", "says"),
+    [
+        (errno.EROFS, True, "Read-only file system; a read-only file system: write the output where"),
+        (errno.EACCES, True, "Permission denied; this run may not use it"),
+        (errno.ENOTDIR, True, "Not a directory; a part of the path is a file, not a folder"),
+        (errno.EFBIG, True, "File too large; the file cannot grow any larger here"),
+        (errno.ENOSPC, False, "No space left on device; the 7 rows committed are kept: free space, then run the same"),
+        (errno.EDQUOT, False, "Disk quota exceeded; the 7 rows committed are kept: free space"),
+        (errno.EIO, False, "Input/output error; the 7 rows committed are kept: run the same command again"),
+    ],
+)
+def test_a_file_error_is_one_line_that_says_what_to_do(number: int, final: bool, says: str):
+    error = file_error("--output", "/d/emb.npy", OSError(number, os.strerror(number)), rows=7)
+    assert isinstance(error, FinalError) == final
+    assert str(error).startswith(f"--output: /d/emb.npy: {says}"), error
+    assert "\n" not in str(error)
+    named = file_error("--output", "/d/emb.npy", OSError(number, os.strerror(number), "/d/emb.npy.partial"))
+    assert str(named).startswith("--output: /d/emb.npy.partial: ")  # the file the error was about
 
 
 def test_spans_start_after_the_rows_already_written():
@@ -687,7 +753,7 @@ def test_the_summary_file_is_written_however_the_run_ends(tmp_path: Path, capsys
     corpus.write_text("a\n")
     summary = tmp_path / "summary.json"
     flags = ["--target", "127.0.0.1:1", "--input", str(corpus), "--shard", "1/2", "--summary-file", str(summary)]
-    assert main(["embed", *flags, "--output", str(tmp_path / "x.txt")]) == 1
+    assert main(["embed", *flags, "--output", str(tmp_path / "x.txt")]) == EXIT_EMBED_FINAL
     record = json.loads(summary.read_text())
     assert record == {
         "rows": 0,
@@ -699,6 +765,7 @@ def test_the_summary_file_is_written_however_the_run_ends(tmp_path: Path, capsys
         "retries": 0,
         "refusals": 0,
         "reconnects": 0,
+        "error": "--output: no format named by 'x.txt': end it in .npy, .jsonl or .parquet, or use --format",
     }
 
 
@@ -706,7 +773,7 @@ def test_an_output_of_unknown_format_fails_before_connecting(tmp_path: Path, cap
     corpus = tmp_path / "corpus.txt"
     corpus.write_text("a\n")
     target = "127.0.0.1:1"  # nothing listens: the error must come first
-    assert main(["embed", "--target", target, "--input", str(corpus), "--output", str(tmp_path / "x.txt")]) == 1
+    assert main(["embed", "--target", target, "--input", str(corpus), "--output", str(tmp_path / "x.txt")]) == 3
     assert "kembed embed: --output: no format named by 'x.txt'" in capsys.readouterr().err
 
 

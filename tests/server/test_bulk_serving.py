@@ -11,6 +11,7 @@ from __future__ import annotations
 import json
 import math
 import re
+import resource
 import signal
 import subprocess
 import sys
@@ -24,8 +25,10 @@ import pytest
 from kembed.client import EmbedClient
 from kembed.client.corpus.reader import Shard
 from kembed.client.corpus.reader import lines as reader_lines
+from kembed.contract import EXIT_EMBED_FAILED, EXIT_EMBED_FINAL
 from kembed.v1 import embedder_pb2 as pb
 from kembed.v1 import embedder_pb2_grpc as pb_grpc
+from tests.server.folders import small_folder, unwritable_folder
 from tests.server.serving import ServerProcess, all_decided, wait_until
 
 pytestmark = pytest.mark.slow
@@ -190,7 +193,7 @@ def test_a_text_the_server_refuses_fails_the_job_naming_its_line(server: ServerP
     output = tmp_path / "vectors.npy"
     flags = ["--output", str(output), "--batch-texts", "8", "--in-flight", "1", "--no-truncate", "--no-progress"]
     result = run_embed(server, "--input", str(write_lines(tmp_path / "corpus.txt", texts)), *flags)
-    assert result.returncode == 1
+    assert result.returncode == EXIT_EMBED_FINAL  # the server refuses that line whenever it is sent
     assert result.stderr.startswith("kembed embed: input line 40: INVALID_ARGUMENT: texts[7]"), result.stderr
     assert np.load(output).shape == (32, DIMS)  # the batches before it, kept
 
@@ -199,12 +202,13 @@ def test_bad_arguments_fail_before_writing(server: ServerProcess, tmp_path: Path
     source = write_lines(tmp_path / "corpus.txt", TEXTS[:3])
     output = tmp_path / "vectors.npy"
     result = run_embed(server, "--input", str(source), "--output", str(output), "--dimensions", "999")
-    assert (result.returncode, result.stderr) == (1, "kembed embed: --dimensions: 999 exceeds the model's 384\n")
+    expected = (EXIT_EMBED_FINAL, "kembed embed: --dimensions: 999 exceeds the model's 384\n")
+    assert (result.returncode, result.stderr) == expected
     assert not output.exists()
     bad = tmp_path / "bad.jsonl"
     bad.write_text('{"text": "fine"}\n{"text": 3}\n')
     result = run_embed(server, "--input", str(bad), "--output", str(output), "--no-progress")
-    assert result.returncode == 1
+    assert result.returncode == EXIT_EMBED_FINAL
     assert result.stderr == "kembed embed: input line 2: field 'text' is not a string: 3\n"
     assert np.load(output).shape == (1, DIMS)  # the line before it
 
@@ -220,6 +224,96 @@ def test_the_one_shot_form_is_unchanged(server: ServerProcess):
     lines = result.stdout.splitlines()
     assert lines[0].startswith("model sentence-transformers/all-MiniLM-L6-v2: 2 x 384 in ")
     assert lines[1].startswith("'embed'") and lines[2].startswith("'hello world'")
+
+
+# --- what no retry can fix, and output errors: one line each, its exit code says which ----------
+
+
+def assert_one_line(result: subprocess.CompletedProcess[str], code: int, start: str) -> str:
+    """The run failed with ``code`` and said why on one line starting with ``start``: no traceback."""
+    assert result.returncode == code, result.stderr
+    assert result.stderr.startswith(start) and result.stderr.count("\n") == 1, result.stderr
+    return result.stderr
+
+
+def test_cr_line_ends_are_refused_saying_why_and_crlf_stays_one_text_a_line(server: ServerProcess, tmp_path: Path):
+    """The reproduction: 50 lines ended by \\r alone gave 1 x 384 and exit 0."""
+    texts = [f"line {i}: {WORDS[i % len(WORDS)]}" for i in range(50)]
+    crlf, cr = tmp_path / "crlf.txt", tmp_path / "cr.txt"
+    crlf.write_bytes("".join(f"{text}\r\n" for text in texts).encode())
+    cr.write_bytes("".join(f"{text}\r" for text in texts).encode())
+    result = run_embed(server, "--input", str(crlf), "--output", str(tmp_path / "crlf.npy"), "--no-progress")
+    assert result.returncode == 0, result.stderr
+    with EmbedClient(server.target, timeout_s=600) as client:
+        assert_same_vectors(np.load(tmp_path / "crlf.npy"), client.embed(texts))  # 50 x 384
+    output = tmp_path / "cr.npy"
+    refused = run_embed(server, "--input", str(cr), "--output", str(output), "--no-progress")
+    said = assert_one_line(refused, EXIT_EMBED_FINAL, "kembed embed: input line 1: a carriage return (\\r, byte 13)")
+    assert "lines end only at \\n or \\r\\n" in said and "tr '\\r' '\\n'" in said
+    assert np.load(output).shape == (0, DIMS)
+
+
+def test_a_missing_input_fails_for_good_in_one_line(server: ServerProcess, tmp_path: Path):
+    absent = tmp_path / "absent.txt"
+    result = run_embed(server, "--input", str(absent), "--output", str(tmp_path / "x.npy"), "--no-progress")
+    assert_one_line(result, EXIT_EMBED_FINAL, f"kembed embed: --input: {absent}: No such file or directory; ")
+
+
+def test_an_output_folder_it_cannot_write_fails_for_good_in_one_line(server: ServerProcess, tmp_path: Path):
+    """A read-only file system (EROFS) ended in a traceback and exit 1, retried by a Job."""
+    source = write_lines(tmp_path / "corpus.txt", TEXTS[:20])
+    folder = tmp_path / "read-only"
+    output = folder / "vectors.npy"
+    with unwritable_folder(folder) as why:
+        result = run_embed(server, "--input", str(source), "--output", str(output), "--no-progress")
+    said = assert_one_line(result, EXIT_EMBED_FINAL, f"kembed embed: --output: {output}: {why}; ")
+    assert said.endswith("(running it again cannot help)\n")
+
+
+def test_a_full_disk_keeps_the_committed_rows_and_the_same_command_goes_on_once_space_is_freed(
+    server: ServerProcess, tmp_path: Path
+):
+    """ENOSPC ended in a traceback. 2,000 rows of 8 dimensions (32 bytes each) into a 48 KiB
+    tmpfs: the rows are committed every 1,024, so the disk fills after a commit; grown to 256 KiB,
+    the same command goes on from the rows committed."""
+    texts = [f"short text number {i}" for i in range(2000)]
+    source = write_lines(tmp_path / "corpus.txt", texts)
+    folder = tmp_path / "small"
+    output = folder / "vectors.npy"
+    flags = ["--input", str(source), "--output", str(output), "--dimensions", "8", "--no-progress"]
+    with small_folder(folder, "48k") as grow:
+        full = run_embed(server, *flags)
+        said = assert_one_line(full, EXIT_EMBED_FAILED, f"kembed embed: --output: {output}: No space left on device; ")
+        kept = np.load(output)
+        assert f"the {len(kept)} rows committed are kept: free space, then run the same command again" in said
+        assert 1024 <= len(kept) < len(texts)
+        grow("256k")
+        rest = run_embed(server, *flags)
+        assert rest.returncode == 0, rest.stderr
+        assert summary_count(rest.stdout, "already there") == len(kept)
+        rows = np.load(output)
+    assert rows.shape == (len(texts), 8)
+    sample = [*range(32), *range(len(kept) - 16, len(kept) + 16), *range(len(texts) - 32, len(texts))]
+    with EmbedClient(server.target, timeout_s=600) as client:
+        expected = client.embed([texts[i] for i in sample], dimensions=8)
+    assert_same_vectors(rows[sample], expected)
+    assert_same_vectors(kept[:32], expected[:32])
+
+
+def test_a_file_size_limit_fails_for_good_in_one_line(server: ServerProcess, reference: np.ndarray, tmp_path: Path):
+    """A write that fails mid-run (EFBIG: the process may write files of 64 KiB, 42 rows)."""
+    source = write_lines(tmp_path / "corpus.txt", TEXTS)
+    output = tmp_path / "vectors.npy"
+
+    def limited() -> None:
+        resource.setrlimit(resource.RLIMIT_FSIZE, (64 * 1024, 64 * 1024))
+
+    command = embed_command(server, "--input", str(source), "--output", str(output), "--no-progress")
+    result = subprocess.run(command, capture_output=True, text=True, timeout=600, preexec_fn=limited)
+    assert_one_line(result, EXIT_EMBED_FINAL, f"kembed embed: --output: {output}: File too large; ")
+    kept = np.load(output)  # still an array: the rows appended before the failed write, committed on the way out
+    assert len(kept) < 64 * 1024 // (DIMS * 4)
+    assert_same_vectors(kept, reference[: len(kept)])
 
 
 # --- documents that do not fit, inputs that change ----------------------------------------------
@@ -242,7 +336,7 @@ def test_a_document_over_the_character_limit_is_cut_with_truncate_and_named_with
     refused = run_embed(
         server, "--input", str(source), "--output", str(tmp_path / "x.npy"), "--no-truncate", "--no-progress"
     )
-    assert refused.returncode == 1
+    assert refused.returncode == EXIT_EMBED_FINAL
     assert refused.stderr.startswith("kembed embed: input line 2: INVALID_ARGUMENT: texts[1]: 100005 characters")
 
 
@@ -256,7 +350,7 @@ def test_a_line_over_a_requests_16_mib_is_cut_with_truncate_and_named_without(se
         assert_same_vectors(np.load(output), client.embed(["before", huge[:100_000], "after"], truncate=True))
     output = tmp_path / "refused.npy"
     refused = run_embed(server, "--input", str(source), "--output", str(output), "--no-truncate", "--no-progress")
-    assert refused.returncode == 1
+    assert refused.returncode == EXIT_EMBED_FINAL
     assert refused.stderr.startswith("kembed embed: input line 2: longer than the "), refused.stderr
     assert np.load(output).shape == (1, DIMS)  # the line before it
 

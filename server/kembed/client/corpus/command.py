@@ -1,11 +1,13 @@
 """``python -m kembed.client embed``: the corpus command's flags, its summary and its exit codes
-(0 done, 1 failed, 2 bad flags, 130 interrupted).
+(0 done, 1 failed, 2 bad flags, 3 failed for good, 130 interrupted: :mod:`kembed.contract`).
 
 ``--summary-file PATH`` gets one JSON object at exit, however the run ended (the operator points it
 at ``/dev/termination-log``, so a pod's last state says how far its shard got): ``rows`` in the
 output or part, ``embedded`` by this run, ``shard`` (``"I/N"`` or null), ``output`` (the output, or
 the part's name once complete) and ``complete``; then how the run went: its ``seconds`` and the
-server's answers (``retries``, ``refusals``, ``reconnects``), as the summary line on stdout says them.
+server's answers (``retries``, ``refusals``, ``reconnects``), as the summary line on stdout says
+them; and ``error``, the message of a run that failed (null otherwise), cut to ``MAX_ERROR_CHARS``:
+a pod's termination message holds 4 KiB at most.
 """
 
 from __future__ import annotations
@@ -16,12 +18,15 @@ import sys
 from pathlib import Path
 
 from kembed.client import connection
-from kembed.client.corpus import CorpusError
+from kembed.client.corpus import CorpusError, FinalError
 from kembed.client.corpus.reader import STDIN, Shard
 from kembed.client.corpus.run import CorpusRun, Interrupted, Summary, embed_corpus
 from kembed.client.corpus.stream import PRIORITIES, Request
 from kembed.client.corpus.writers import FORMATS
 from kembed.client.flags import add_dimensions, at_least
+from kembed.contract import EXIT_EMBED_FAILED, EXIT_EMBED_FINAL, EXIT_EMBED_INTERRUPTED
+
+MAX_ERROR_CHARS = 500
 
 
 def parser() -> argparse.ArgumentParser:
@@ -101,17 +106,24 @@ def main(argv: list[str]) -> int:
     summary = Summary(run.part, run.shard)
     try:
         embed_corpus(run, summary)
-    except Interrupted as interrupted:
-        print(f"kembed embed: {interrupted}", file=sys.stderr)
-        return 130
     except CorpusError as error:
+        summary.error = str(error)
         print(f"kembed embed: {error}", file=sys.stderr)
-        return 1
+        return exit_code(error)
+    except Exception as error:  # a fault of the command's own: its traceback follows; the summary names it
+        summary.error = f"{type(error).__name__}: {error}"
+        raise
     finally:
         if args.summary_file is not None:
             write_summary(args.summary_file, summary)
     print(describe(summary))
     return 0
+
+
+def exit_code(error: CorpusError) -> int:
+    if isinstance(error, Interrupted):
+        return EXIT_EMBED_INTERRUPTED
+    return EXIT_EMBED_FINAL if isinstance(error, FinalError) else EXIT_EMBED_FAILED
 
 
 def describe(summary: Summary) -> str:
@@ -136,6 +148,7 @@ def write_summary(path: Path, summary: Summary) -> None:
         "retries": summary.counts.retries,
         "refusals": summary.counts.refusals,
         "reconnects": summary.counts.reconnects,
+        "error": summary.error[:MAX_ERROR_CHARS] or None,
     }
     try:
         path.write_text(json.dumps(record) + "\n")

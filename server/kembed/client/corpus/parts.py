@@ -16,7 +16,7 @@ import os
 import uuid
 from pathlib import Path
 
-from kembed.client.corpus import CorpusError
+from kembed.client.corpus import FinalError
 from kembed.client.corpus.reader import Shard
 from kembed.client.corpus.writers import committed_shape
 
@@ -52,7 +52,7 @@ def write_manifest(output: Path, count: int, output_format: str) -> Path | None:
     shapes = [committed_shape(path, output_format) for path in paths]
     widths = {dimensions for rows, dimensions in shapes if rows}
     if len(widths) > 1:
-        raise CorpusError(f"--output: the parts hold rows of {sorted(widths)} dimensions: no manifest written")
+        raise FinalError(f"--output: the parts hold rows of {sorted(widths)} dimensions: no manifest written")
     manifest = {
         "format": output_format,
         "dimensions": widths.pop() if widths else None,

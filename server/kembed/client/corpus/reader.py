@@ -4,7 +4,9 @@ cut into spans of consecutive texts that each fit in one request.
 Line ``n`` (1-based) of the input, or of a shard, is row ``n - 1`` of the output, or of the part.
 Lines end at ``\\n`` (a ``\\r`` before it is dropped, so CRLF files read as expected); an empty
 line is an empty text. Input is UTF-8, strictly: a bad byte or a JSON line without the field is
-an error naming the line.
+an error naming the line. So is a ``\\r`` anywhere else in a line: a file with CR-only line ends
+(old Mac) would otherwise be one text, and splitting there instead would make the rows disagree
+with the line numbers every other tool counts (``wc -l``).
 
 A shard ``I/N`` of a file is its byte range ``[I * size // N, (I + 1) * size // N)`` aligned to line
 starts, as Hadoop splits text: it holds every line that *starts* in its range, so it reads at most
@@ -29,7 +31,7 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import BinaryIO
 
-from kembed.client.corpus import CorpusError
+from kembed.client.corpus import CorpusError, FinalError, file_error
 
 STDIN = "-"
 # What a request carries besides its texts (request_id, dimensions, flags), and each text besides
@@ -137,12 +139,19 @@ def open_input(source: str) -> BinaryIO:
     try:
         return open(source, "rb")
     except OSError as error:
-        raise CorpusError(f"--input: {error}") from None
+        raise file_error("--input", source, error) from None
 
 
 def lines(source: str, shard: Shard | None, line_bytes: int) -> Iterator[Line]:
     """The lines of ``source`` (of its shard), each read at most ``line_bytes`` at a time; the file
     is closed at the end."""
+    try:
+        yield from _lines(source, shard, line_bytes)
+    except OSError as error:
+        raise file_error("--input", source, error) from None
+
+
+def _lines(source: str, shard: Shard | None, line_bytes: int) -> Iterator[Line]:
     with open_input(source) as file:
         if shard is None:
             yield from read_lines(file, line_bytes, 0, None)
@@ -205,7 +214,7 @@ class CorpusReader:
             skipped = sum(1 for _ in itertools.islice(source, held - 1))
             last = next(source, None)
             if last is None:
-                raise CorpusError(
+                raise FinalError(
                     f"--output already holds {held} rows but the input has only {skipped} texts: "
                     "a resumed run needs the same input (or one that extends it)"
                 )
@@ -214,6 +223,13 @@ class CorpusReader:
         yield from cut_spans(texts, size, self._limits.request_bytes, held, self._shard)
 
     def text(self, line: Line) -> str:
+        if (carriage_return := line.data.find(b"\r")) >= 0:
+            raise self._error(
+                line,
+                f"a carriage return (\\r, byte {carriage_return + 1}) inside the line: lines end only at \\n or "
+                "\\r\\n, so a file with CR line ends would be one text; replace it first (tr '\\r' '\\n' for CR "
+                "line ends, tr -d '\\r' for stray ones)",
+            )
         if line.cut and self._field is not None:
             limit = self._limits.line_bytes(jsonl=True)
             raise self._error(line, f"a JSONL line longer than {limit} bytes, more than a request carries")
@@ -254,11 +270,12 @@ class CorpusReader:
             raise self._error(line, f"longer than the {limits.text_bytes} bytes a request carries (--no-truncate)")
         return _whole_characters(text.encode("utf-8")[: limits.text_bytes]).decode("utf-8")
 
-    def _error(self, line: Line, message: str) -> CorpusError:
+    def _error(self, line: Line, message: str) -> FinalError:
+        """A bad line: the same input fails the same way however often it is run."""
         where = line_name(f"line {line.number}", self._shard)
         if self._shard is not None:
             where += f" (byte {line.offset} of the input)"
-        return CorpusError(f"{where}: {message}")
+        return FinalError(f"{where}: {message}")
 
 
 def _whole_characters(data: bytes) -> bytes:

@@ -11,9 +11,11 @@ when they were written, so only an edit (not an append) can have changed them.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import signal
 import sys
 import time
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -22,7 +24,7 @@ import grpc
 import numpy as np
 
 from kembed.client.connection import Connection
-from kembed.client.corpus import CorpusError
+from kembed.client.corpus import CorpusError, FinalError, file_error
 from kembed.client.corpus.parts import complete, growing_path, part_path, write_manifest
 from kembed.client.corpus.reader import CorpusReader, Limits, Shard, Span, ThreadedSpans
 from kembed.client.corpus.stream import RECONNECT, Counts, Pacing, Progress, Request, Sink, StreamDriver
@@ -70,6 +72,7 @@ class Summary:
     complete: bool = False  # every line embedded (for a shard: its part at its name)
     manifest: Path | None = None  # written by this run, as the last shard to finish
     seconds: float = 0.0
+    error: str = ""  # why the run failed, if it did
 
     @property
     def embedded(self) -> int:
@@ -104,29 +107,49 @@ async def _embed(run: CorpusRun, summary: Summary) -> None:
     output_format = format_of(run.output, run.output_format)
     field = run.jsonl_field or (DEFAULT_JSONL_FIELD if run.input.endswith(".jsonl") else None)
     growing = summary.output if run.shard is None else growing_path(summary.output, output_format)
-    summary.rows = held_rows(growing, output_format)
+    with output_errors(growing, summary):
+        summary.rows = held_rows(growing, output_format)
     pacing = Pacing(run.give_up_after_s)
     async with run.connection.aio_channel() as channel:
         stub = pb_grpc.EmbedderStub(channel)
         info = await _info(stub, pacing, run.connection.target)
         dimensions = run.request.dimensions or info.dimensions
         if dimensions > info.dimensions:
-            raise CorpusError(f"--dimensions: {dimensions} exceeds the model's {info.dimensions}")
+            raise FinalError(f"--dimensions: {dimensions} exceeds the model's {info.dimensions}")
         reader = CorpusReader(run.input, field, _limits(run, info), run.shard)
-        writer = open_writer(growing, output_format, dimensions)
-        summary.rows = summary.skipped = writer.rows
-        summary.dimensions = dimensions
-        try:
-            await _embed_the_rest(Streams(stub, run, dimensions, pacing, summary.counts), reader, writer, summary)
-            writer.finish()
-        finally:
-            writer.commit()  # interrupted or failed: every row written so far is kept
-            writer.close()
-            summary.rows = writer.rows
+        with output_errors(growing, summary):
+            writer = open_writer(growing, output_format, dimensions)
+            summary.rows = summary.skipped = writer.rows
+            summary.dimensions = dimensions
+            try:
+                await _embed_the_rest(Streams(stub, run, dimensions, pacing, summary.counts), reader, writer, summary)
+                writer.finish()
+            finally:
+                _commit_and_close(writer, summary)
     if run.shard is not None:
-        complete(growing, summary.output)
-        summary.manifest = write_manifest(run.output, run.shard.count, output_format)
+        with output_errors(summary.output, summary):
+            complete(growing, summary.output)
+            summary.manifest = write_manifest(run.output, run.shard.count, output_format)
     summary.complete = True
+
+
+def _commit_and_close(writer: Writer, summary: Summary) -> None:
+    """Interrupted or failed: every row written so far is kept, and counted in the summary; the
+    file is closed even when committing fails (a full disk)."""
+    try:
+        writer.commit()
+    finally:
+        summary.rows = writer.rows
+        writer.close()
+
+
+@contextlib.contextmanager
+def output_errors(path: Path, summary: Summary) -> Iterator[None]:
+    """An OSError writing the output (its file, else ``path``) as one line that says what to do."""
+    try:
+        yield
+    except OSError as error:
+        raise file_error("--output", path, error, summary.rows) from None
 
 
 @dataclass(frozen=True)

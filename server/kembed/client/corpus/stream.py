@@ -34,7 +34,7 @@ from typing import Protocol
 import grpc
 import numpy as np
 
-from kembed.client.corpus import CorpusError
+from kembed.client.corpus import CorpusError, FinalError
 from kembed.client.corpus.reader import Span, ThreadedSpans
 from kembed.client.embed_client import decode
 from kembed.v1 import embedder_pb2 as pb
@@ -407,6 +407,8 @@ class StreamDriver:
             self.counts.refusals += 1
         elif code in BACKED_OFF:
             self._pacing.failed(why)
+        elif code is grpc.StatusCode.INVALID_ARGUMENT:  # the server refuses these texts: so it will again
+            raise FinalError(f"{_where(span, error.message)}: {why}")
         else:
             raise CorpusError(f"{_where(span, error.message)}: {why}")
         self.counts.retries += 1

@@ -34,7 +34,7 @@ from typing import Any, BinaryIO, Protocol
 
 import numpy as np
 
-from kembed.client.corpus import CorpusError
+from kembed.client.corpus import CorpusError, FinalError
 
 FORMATS = ("npy", "jsonl", "parquet")
 PARQUET_ROW_GROUP = 65_536
@@ -72,9 +72,7 @@ def format_of(path: Path, named: str | None) -> str:
     suffix = path.suffix.lstrip(".").lower()
     if suffix in FORMATS:
         return suffix
-    raise CorpusError(
-        f"--output: no format named by {path.name!r}: end it in .npy, .jsonl or .parquet, or use --format"
-    )
+    raise FinalError(f"--output: no format named by {path.name!r}: end it in .npy, .jsonl or .parquet, or use --format")
 
 
 def open_writer(path: Path, output_format: str, dimensions: int) -> Writer:
@@ -134,9 +132,9 @@ def _npy_shape(file: BinaryIO, path: Path) -> tuple[int, int]:
             raise ValueError(f"version {version[0]}.{version[1]}, not 1.0")
         shape, fortran_order, dtype = np.lib.format.read_array_header_1_0(file)
     except ValueError as error:
-        raise CorpusError(f"--output: {path} is not a .npy file kembed can append to: {error}") from None
+        raise FinalError(f"--output: {path} is not a .npy file kembed can append to: {error}") from None
     if dtype != np.dtype("<f4") or fortran_order or len(shape) != 2:
-        raise CorpusError(f"--output: {path} holds {dtype} {shape}, not float32 rows: use a new output")
+        raise FinalError(f"--output: {path} holds {dtype} {shape}, not float32 rows: use a new output")
     return int(shape[0]), int(shape[1])
 
 
@@ -183,15 +181,15 @@ class NpyWriter(_AppendedFile):
         rows, dimensions = _npy_shape(self._file, self._path)
         self._offset = self._file.tell()
         if dimensions != self._dimensions:
-            raise CorpusError(
+            raise FinalError(
                 f"--output: {self._path} holds {dimensions}-dimensional rows, this run makes {self._dimensions} "
                 "(--dimensions, or another model): use a new output"
             )
         if len(self._header(LARGEST_COUNT)) != self._offset:
-            raise CorpusError(f"--output: {self._path}'s header has no room to grow: use a new output")
+            raise FinalError(f"--output: {self._path}'s header has no room to grow: use a new output")
         held = (self._file.seek(0, io.SEEK_END) - self._offset) // self._row_bytes
         if held < rows:
-            raise CorpusError(f"--output: {self._path} is shorter than its header says ({held} of {rows} rows)")
+            raise FinalError(f"--output: {self._path} is shorter than its header says ({held} of {rows} rows)")
         return rows
 
     def _header(self, rows: int) -> bytes:
@@ -244,7 +242,7 @@ class JsonlWriter(_AppendedFile):
             raise
         if self.rows and width != dimensions:
             self._file.close()
-            raise CorpusError(
+            raise FinalError(
                 f"--output: {path} holds {width}-dimensional rows, this run makes {dimensions} "
                 "(--dimensions, or another model): use a new output"
             )
@@ -288,7 +286,7 @@ def _jsonl_tail(file: BinaryIO, path: Path) -> tuple[int, int, int]:
     file.seek(0)
     first, _ = _row_of(file.readline(MAX_JSONL_ROW_BYTES), path, 1)
     if first != 0:
-        raise CorpusError(f"--output: {path} starts at index {first}: not a file kembed wrote")
+        raise FinalError(f"--output: {path} starts at index {first}: not a file kembed wrote")
     start = _after_last_newline(file, end - 1)
     index, width = _row_of(os.pread(file.fileno(), end - start, start), path, None)
     return index + 1, width, end
@@ -301,9 +299,9 @@ def _row_of(line: bytes, path: Path, number: int | None) -> tuple[int, int]:
         index, width = record["index"], len(record["embedding"])
     except (ValueError, KeyError, TypeError):
         where = f"line {number}" if number else "the last line"
-        raise CorpusError(f"--output: {where} of {path} is not a row kembed writes") from None
+        raise FinalError(f"--output: {where} of {path} is not a row kembed writes") from None
     if not isinstance(index, int) or index < 0:
-        raise CorpusError(f"--output: {path} holds index {index!r}: not a file kembed wrote")
+        raise FinalError(f"--output: {path} holds index {index!r}: not a file kembed wrote")
     return index, width
 
 
@@ -339,7 +337,7 @@ class ParquetWriter:
         finished = _parquet_file(self._path)
         column = finished.schema_arrow.field(PARQUET_COLUMN).type
         if column != self._column_type():
-            raise CorpusError(f"--output: {self._path}'s {PARQUET_COLUMN} is {column}, not {self._column_type()}")
+            raise FinalError(f"--output: {self._path}'s {PARQUET_COLUMN} is {column}, not {self._column_type()}")
         return int(finished.metadata.num_rows)
 
     def _column_type(self) -> Any:
@@ -416,7 +414,7 @@ def _pyarrow() -> tuple[Any, Any]:
         import pyarrow as pa
         import pyarrow.parquet as pq
     except ImportError:
-        raise CorpusError("--output: Parquet needs pyarrow (pip install pyarrow)") from None
+        raise FinalError("--output: Parquet needs pyarrow (pip install pyarrow)") from None
     return pa, pq
 
 
@@ -426,5 +424,5 @@ def _parquet_file(path: Path) -> Any:
         file = pq.ParquetFile(path)
         file.schema_arrow.field(PARQUET_COLUMN)
     except (OSError, KeyError, pa.ArrowException) as error:
-        raise CorpusError(f"--output: {path} is not a Parquet file of embeddings: {error}") from None
+        raise FinalError(f"--output: {path} is not a Parquet file of embeddings: {error}") from None
     return file
