@@ -207,6 +207,12 @@ def gpu_table(gpu: dict[str, Any] | None) -> str:
 HOST_PATH_TARGET = ">= 0.50"  # one front end against a one-process echo
 REJECTION_TARGET = "<= 2.00"
 STORM_TARGET = ">= 0.90"
+# Open-loop spikes over a connection pool, by offered multiple of saturation: goodput, and the
+# refusals' p99 in ms; the accepted calls' p95 within the drain budget at every multiple.
+SPIKE_GOODPUT_TARGETS = {2.0: ">= 0.90", 4.0: ">= 0.85"}
+SPIKE_REFUSAL_P99_TARGETS = {2.0: "<= 100", 4.0: "<= 250"}
+SPIKE_ACCEPTED_TARGET = "<= 1.00"
+EXPORTED_P95_TARGET = "<= 1.50"  # the exported P95 and the served callers' p95, the larger over the smaller
 REST_TARGET = ">= 0.80"  # REST's calls/s over gRPC's, one front end
 PEER_TARGET = ">= 2.50"  # kembed's REST calls/s over the peer's, the real model, each in its own bf16 on a bf16 CPU
 # The GPU targets of the serve part, judged only where the server ran on CUDA: texts a call -> target.
@@ -246,8 +252,31 @@ def hostpath_ratios(result: dict[str, Any]) -> list[Ratio]:
     if storm := result.get("retry_storm"):
         goodput = Spread.from_dict(storm["storm"]["emb_per_s"]).over(Spread.from_dict(storm["saturation"]["emb_per_s"]))
         rows.append(Ratio(f"Goodput, {storm['multiple']:g}x retry storm / saturation (emb/s)", goodput, STORM_TARGET))
+    if spikes := result.get("spikes"):
+        rows += spike_ratios(spikes)
+    if deadlines := result.get("short_deadlines"):
+        exported, served = deadlines["exported_p95_ms"]["median"], deadlines["served_p95_ms"]
+        apart = _exact(max(exported, served) / min(exported, served))
+        rows.append(Ratio("Exported P95 beside 30 ms callers vs the served callers' p95 (larger / smaller)", apart,
+                          EXPORTED_P95_TARGET))  # fmt: skip
     if serve := result.get("serve"):
         rows += serve_ratios(serve)
+    return rows
+
+
+def spike_ratios(spikes: dict[str, Any]) -> list[Ratio]:
+    """Each open-loop spike: goodput over saturation, accepted p95 over the drain budget, refusals' p99."""
+    rows = []
+    saturation = Spread.from_dict(spikes["saturation"]["emb_per_s"])
+    for load in spikes["loads"]:
+        x, name = load["offered_x"], f"Open-loop {load['offered_x']:g}x, 1 text a call, {spikes['channels']} channels"
+        goodput = Spread.from_dict(load["emb_per_s"]).over(saturation)
+        rows.append(Ratio(f"{name}: goodput / saturation (emb/s)", goodput, SPIKE_GOODPUT_TARGETS.get(x, "")))
+        accepted = _exact(load["latency_ms"]["p95"] / spikes["drain_budget_ms"])
+        rows.append(Ratio(f"{name}: accepted p95 / drain budget", accepted, SPIKE_ACCEPTED_TARGET))
+        p99 = load["rejection_latency_ms"]["p99"]
+        refused = _exact(0.0 if math.isnan(p99) else p99)  # none refused: none late
+        rows.append(Ratio(f"{name}: refusals p99 (ms)", refused, SPIKE_REFUSAL_P99_TARGETS.get(x, "")))
     return rows
 
 

@@ -56,11 +56,13 @@ compiled ceiling; GPU busy >= 50% under each load.
 from __future__ import annotations
 
 import argparse
+import asyncio
 import itertools
 import math
 import os
 import shutil
 import subprocess
+import threading
 import time
 from collections import Counter
 from collections.abc import Callable, Coroutine, Sequence
@@ -78,6 +80,7 @@ from bench.report import (
     deltas_by_label,
     latency_summary,
     metric_delta,
+    metric_sum,
     padding_ratio,
     percentile,
     server_tokens,
@@ -90,7 +93,7 @@ from kembed.contract import Metric, env_name
 from kembed.v1 import embedder_pb2
 
 ZERO_COST = "bench.zero_cost"
-PARTS = ("host_path", "rejection", "rest", "storm", "serve")
+PARTS = ("host_path", "rejection", "rest", "storm", "spikes", "deadlines", "serve")
 DEFAULT_PARTS = "host_path,rejection,rest"
 SHORT_TOKENS = 16  # "one short text": the workload's shortest class
 BURST_TOKENS = (64, 128)  # a burst call's texts: about 60 words each
@@ -128,6 +131,9 @@ class Options:
     storm_concurrency: int
     storm_duration: float
     storm_multiple: float
+    spike_multiples: tuple[float, ...]  # open-loop spikes: calls/s offered, times saturation's
+    spike_channels: int
+    spike_concurrency: int  # closed-loop callers of the spikes' saturation
     retry_after_ms: float
     give_up_s: float  # a storm client stops retrying a call this long after its arrival
     client_nice: int  # the storm's clients run this much below the server
@@ -426,6 +432,107 @@ def retry_storm(opts: Options, texts: list[str]) -> dict[str, Any]:
             "storm": storm}  # fmt: skip
 
 
+def spikes(opts: Options, texts: list[str]) -> dict[str, Any]:
+    """Saturation with one text a call (``spike_concurrency`` closed-loop callers over
+    ``spike_channels`` channels), then each of ``spike_multiples`` times its calls/s offered open
+    loop (Poisson, no retries) over the same channels, as a connection pool or a mesh sidecar
+    sends: goodput over saturation, the accepted calls' p95 against the drain budget and the
+    refusals' p99, latency counted from each call's scheduled arrival; the real model,
+    ``frontends=auto``, the clients ``client_nice`` below the server."""
+    requests = encode(texts, 1)
+    budget_ms = Settings.from_env({}).max_drain_ms
+    with running(frontends_setting("auto"), _log("spikes"), module="kembed") as server:
+        saturate = {"target": server.grpc_target, "requests": requests, "concurrency": opts.spike_concurrency,
+                    "duration": opts.storm_duration, "count": MAX_CALLS, "deadline": opts.timeout,
+                    "channels": opts.spike_channels}  # fmt: skip
+        saturation = _phase(server, lambda: _niced(loadgen.closed_loop, saturate, opts), 1, opts, opts.storm_duration)
+        print(f"  spikes: saturation {saturation['emb_per_s']['median']:.1f} emb/s")
+        loads = []
+        for multiple in opts.spike_multiples:
+            time.sleep(Settings.from_env({}).latency_window_s)  # the server's latency window forgets the last load
+            loads.append(_spike(server, requests, multiple, saturation["calls_per_s"]["median"], opts))
+    return {"channels": opts.spike_channels, "drain_budget_ms": budget_ms, "client_nice": opts.client_nice,
+            "saturation": saturation, "loads": loads}  # fmt: skip
+
+
+def _spike(server: Server, requests: list[bytes], multiple: float, saturation_calls: float, opts: Options
+           ) -> dict[str, Any]:  # fmt: skip
+    """One open-loop load at ``multiple`` times saturation's calls/s, with the refusals the server paced."""
+    rate = multiple * saturation_calls
+    spike = {"target": server.grpc_target, "requests": requests, "rate": rate, "duration": opts.storm_duration,
+             "count": MAX_CALLS, "seed": workload.SEED, "deadline": opts.timeout,
+             "channels": opts.spike_channels}  # fmt: skip
+    before = server.metrics()
+    load = _phase(server, lambda: _niced(loadgen.open_loop, spike, opts), 1, opts, opts.storm_duration)
+    load["refusals_paced"] = metric_delta(before, server.metrics(), Metric.REFUSALS_PACED + "_total")
+    load["offered_x"], load["offered_calls_per_s"] = multiple, rate
+    accepted, refused = load["latency_ms"]["p95"], load["rejection_latency_ms"]["p99"]
+    print(f"  spikes: {multiple:g}x: {load['emb_per_s']['median']:.1f} emb/s, accepted p95 {accepted:.0f} ms, "
+          f"refusals p99 {refused:.0f} ms")  # fmt: skip
+    return load
+
+
+# The short-deadline shape: real callers of 4 texts of about 40 words with 10 s deadlines; after a
+# lead, careless callers of 1 text with 30 ms deadlines on a connection of their own.
+DEADLINE_CALLERS, DEADLINE_TEXTS, DEADLINE_S = 24, 4, 10.0
+SHORT_CALLERS, SHORT_DEADLINE_S, SHORT_LEAD_S = 48, 0.03, 12.0
+
+
+async def deadline_mix(
+    target: str, requests: list[bytes], short_requests: list[bytes], duration: float
+) -> tuple[list[CallRecord], list[CallRecord]]:
+    """The real callers for ``SHORT_LEAD_S + duration`` s; the short-deadline ones join after the lead."""
+    real = asyncio.create_task(loadgen.closed_loop(
+        target, requests, DEADLINE_CALLERS, SHORT_LEAD_S + duration, MAX_CALLS, DEADLINE_S))  # fmt: skip
+    await asyncio.sleep(SHORT_LEAD_S)
+    short = await loadgen.closed_loop(target, short_requests, SHORT_CALLERS, duration, MAX_CALLS, SHORT_DEADLINE_S)
+    return await real, short
+
+
+def short_deadlines(opts: Options, texts: list[str]) -> dict[str, Any]:
+    """What the exported P95 (the autoscaler's metric) says while careless callers with 30 ms
+    deadlines join real ones, against the real callers' own p95 over the same seconds: scraped
+    every second after the latency window has filled with the mixed load."""
+    requests, short = encode(texts, DEADLINE_TEXTS), encode(texts, 1)
+    with running(frontends_setting("auto"), _log("deadlines"), module="kembed") as server:
+        window_s = Settings.from_env({}).latency_window_s
+        exported: list[float] = []
+        stop = threading.Event()
+
+        def scrape() -> None:
+            stop.wait(SHORT_LEAD_S + window_s)
+            while not stop.wait(1.0):
+                exported.append(metric_sum(server.metrics(), Metric.LATENCY_P95_SECONDS))
+
+        scraper = threading.Thread(target=scrape)
+        scraper.start()
+        try:
+            job = {"target": server.grpc_target, "requests": requests, "short_requests": short,
+                   "duration": opts.storm_duration}  # fmt: skip
+            results, _ = loadgen.in_processes(deadline_mix, [job], nice=opts.client_nice)
+            real, careless = results[0]
+        finally:
+            stop.set()
+            scraper.join()
+    since = SHORT_LEAD_S + window_s  # on the real callers' clock: the window holds the mixed load only
+    served = [o.latency for o in real if o.code == OK and o.done >= since]
+    p95_ms = latency_summary(served)["p95"]
+    return {
+        "exported_p95_ms": Spread.of([x * 1000 for x in exported]).to_dict(),
+        "served_p95_ms": p95_ms,
+        "served_before_ms": latency_summary([o.latency for o in real if o.code == OK and o.done < SHORT_LEAD_S]),
+        "real_codes": dict(Counter(o.code for o in real)),
+        "careless_codes": dict(Counter(o.code for o in careless)),
+        "callers": {
+            "real": DEADLINE_CALLERS,
+            "texts": DEADLINE_TEXTS,
+            "deadline_s": DEADLINE_S,
+            "careless": SHORT_CALLERS,
+            "careless_deadline_s": SHORT_DEADLINE_S,
+        },
+    }
+
+
 def give_ups(attempts: Sequence[CallRecord], capacity_calls_per_s: float, give_up_s: float) -> dict[str, Any]:
     """Calls whose last attempt was refused, against the fewest that must give up: whatever a
     server serving ``capacity_calls_per_s`` cannot answer before the last of them gives up."""
@@ -560,6 +667,10 @@ def run(opts: Options) -> dict[str, Any]:
         result["rest"] = rest(opts, short)
     if "storm" in opts.parts:
         result["retry_storm"] = retry_storm(opts, wl.texts)
+    if "spikes" in opts.parts:
+        result["spikes"] = spikes(opts, wl.texts)
+    if "deadlines" in opts.parts:
+        result["short_deadlines"] = short_deadlines(opts, [t for t in wl.texts if 32 <= len(t.split()) <= 48])
     if "serve" in opts.parts:
         result["serve"] = serve(opts, wl.texts)
     machine.write_judged(opts.name, result, headline.hostpath_ratios(result), wl.describe())
@@ -584,6 +695,9 @@ def parse_options(argv: Sequence[str] | None = None) -> Options:
     parser.add_argument("--storm-concurrency", type=int, default=24, help="closed-loop clients for the saturation")
     parser.add_argument("--storm-duration", type=float, default=20.0, help="seconds per retry-storm phase")
     parser.add_argument("--storm-multiple", type=float, default=3.0, help="calls/s offered, times saturation's")
+    parser.add_argument("--spike-multiples", default="2,4", help="open-loop spikes: calls/s, times saturation's")
+    parser.add_argument("--spike-channels", type=int, default=4, help="open-loop spikes: channels (a pool)")
+    parser.add_argument("--spike-concurrency", type=int, default=96, help="spikes: closed-loop callers, saturation")
     parser.add_argument("--retry-after-ms", type=float, default=10.0, help="storm clients retry this soon")
     parser.add_argument("--give-up-s", type=float, default=8.0, help="storm clients give a call up this long after it")
     parser.add_argument("--client-nice", type=int, default=19, help="storm clients' niceness, added to ours")
@@ -605,7 +719,9 @@ def parse_options(argv: Sequence[str] | None = None) -> Options:
         parser.error("--warmup: must be at least 0 and below --duration and --peer-duration")
     frontends = tuple(int(n) for n in args.frontends.split(",") if n)
     serve_texts = tuple(int(n) for n in args.serve_texts.split(",") if n)
-    fields = {"frontends": frontends, "parts": parts, "serve_texts": serve_texts, "serve_env": tuple(args.serve_env)}
+    spike_multiples = tuple(float(x) for x in args.spike_multiples.split(",") if x)
+    fields = {"frontends": frontends, "parts": parts, "serve_texts": serve_texts, "serve_env": tuple(args.serve_env),
+              "spike_multiples": spike_multiples}  # fmt: skip
     return Options(**{**vars(args), **fields})  # the flags are the fields
 
 

@@ -132,17 +132,21 @@ async def open_loop(
     deadline: float,
     retry_after: float | None = None,
     give_up: float = math.inf,
+    channels: int = 1,
 ) -> list[CallRecord]:
-    """Fire one request at each Poisson arrival, whatever is outstanding; wait ``deadline`` s for the last.
+    """Fire one request at each Poisson arrival, whatever is outstanding, over ``channels``
+    channels in turn (a connection pool); wait ``deadline`` s for the last.
 
     With ``retry_after``, a rejected request is sent again that many seconds later, whatever the
     server's pushback says (a retry storm), until it is answered otherwise, or ``give_up`` s have
     passed since its arrival; every attempt is an outcome."""
     arrivals = poisson_arrivals(rate, duration, count, seed)
     outcomes: list[CallRecord] = []
-    async with _callers(target, requests, deadline, channels=1) as (caller,):
+    async with _callers(target, requests, deadline, channels) as callers:
+        clock = callers[0]  # they share one
 
         async def send(item: int, arrival: float) -> None:
+            caller = callers[item % channels]
             at = arrival
             stop_at = arrival + give_up
             while True:
@@ -155,7 +159,7 @@ async def open_loop(
 
         tasks = []
         for item, at in enumerate(arrivals):
-            await asyncio.sleep(at - caller.now())  # a negative delay just yields
+            await asyncio.sleep(at - clock.now())  # a negative delay just yields
             tasks.append(asyncio.create_task(send(item, at)))
         await bounded(tasks, deadline + 1)  # retries stop at ``duration``: now
     return sorted(outcomes, key=lambda o: o.scheduled)

@@ -8,7 +8,8 @@
 4. the GPU extras (``bench.gpu``), which skip cleanly without CUDA;
 5. the host path against a bare gRPC echo (``bench.hostpath``): zero-cost server, rejection cost,
    REST against gRPC and against the peer (Infinity, where ``bench.peers setup`` installed it), and
-   (not with ``--quick``) the retry storm;
+   (not with ``--quick``) the overload shapes: the retry storm on one channel, open-loop spikes at
+   2x and 4x over 4 channels, and the exported P95 beside 30 ms callers;
 6. queries beside an ingest, the priority classes (``bench.priority``);
 7. pings beside a hostile client (``bench.abuse``);
 8. admission one client cannot game (``bench.fairness``): queries beside a maximal ingest, and the
@@ -34,7 +35,7 @@ from collections.abc import Sequence
 from bench import abuse, ceiling, corpus, fairness, gpu, hostpath, ipc, packing, plot, priority, serve_load
 
 TUNED_BUCKETS = "buckets=16,24,32,48,64,96,128,192,256"
-HOSTPATH = ["--parts", f"{hostpath.DEFAULT_PARTS},storm"]
+HOSTPATH = ["--parts", f"{hostpath.DEFAULT_PARTS},storm,spikes,deadlines"]
 QUICK_HOSTPATH = ["--duration", "5", "--warmup", "1", "--windows", "2", "--burst-rounds", "2", "--peer-duration", "5"]
 
 

@@ -329,7 +329,7 @@ class Settings(BaseModel):
         200.0,
         gt=0,
         description="Refusals a second one client (a gRPC connection, a REST address) has answered at once past "
-        "its refusal burst; later ones are answered when its rate allows, at most 1 s late (docs/admission.md)",
+        "its refusal burst; later ones are answered when its rate allows (docs/admission.md)",
         json_schema_extra=TUNING,
     )
     refusal_burst: int = Field(

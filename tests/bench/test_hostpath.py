@@ -143,6 +143,33 @@ def test_hostpath_ratios_and_targets() -> None:
     assert missed["Goodput, 4x retry storm / saturation (emb/s)"] is False
 
 
+def _spikes(goodput_4x: float, refusal_p99_2x: float, accepted_p95_ms: float) -> dict[str, Any]:
+    def load(x: float, emb: float, p99: float) -> dict[str, Any]:
+        return {"offered_x": x, "emb_per_s": _spread(emb), "latency_ms": {"p95": accepted_p95_ms},
+                "rejection_latency_ms": {"p99": p99}}  # fmt: skip
+
+    return {"channels": 4, "drain_budget_ms": 2000, "saturation": {"emb_per_s": _spread(100)},
+            "loads": [load(2.0, 95, refusal_p99_2x), load(4.0, 100 * goodput_4x, math.nan)]}  # fmt: skip
+
+
+def test_spikes_and_short_deadlines_are_judged_against_their_targets() -> None:
+    deadlines = {"exported_p95_ms": _spread(31.0), "served_p95_ms": 1137.0}
+    result = {"spikes": _spikes(0.8, 90, 1900), "short_deadlines": deadlines}
+    rows = {r.name: r for r in headline.hostpath_ratios(result)}
+    two, four = "Open-loop 2x, 1 text a call, 4 channels", "Open-loop 4x, 1 text a call, 4 channels"
+    goodput = rows[f"{two}: goodput / saturation (emb/s)"]
+    assert (goodput.value.median, goodput.met()) == (pytest.approx(0.95), True)
+    assert rows[f"{four}: goodput / saturation (emb/s)"].met() is False  # 0.8 against 0.85
+    assert rows[f"{two}: refusals p99 (ms)"].met() is True
+    assert rows[f"{four}: refusals p99 (ms)"].value.median == 0.0  # none refused: none late
+    assert rows[f"{two}: accepted p95 / drain budget"].value.median == pytest.approx(0.95)
+    exported = rows["Exported P95 beside 30 ms callers vs the served callers' p95 (larger / smaller)"]
+    assert (exported.value.median, exported.met()) == (pytest.approx(1137 / 31), False)  # the issue's figures
+    late = {r.name: r.met() for r in headline.hostpath_ratios({"spikes": _spikes(0.9, 300, 2500)})}
+    assert late[f"{two}: refusals p99 (ms)"] is False
+    assert late[f"{two}: accepted p95 / drain budget"] is False
+
+
 def test_hostpath_table_and_partial_results() -> None:
     table = headline.hostpath_table(_result(zero_cost=2400, p99_kembed=1000, storm=95))
     # header rule, host path, rejection (echo, idle, computing; echo and computing on one channel), storm

@@ -110,6 +110,8 @@ class FrontendProcess:
     async def _drain(self) -> None:
         """Stop taking work, answer everything accepted, then stop listening."""
         self._gate.draining = True
+        if isinstance(self._service, EmbedService):
+            self._service.drain()
         if self._rest is not None:
             self._rest.drain()
         self._board.set_frontend(self._index, FrontendCell.SERVING, 0.0)

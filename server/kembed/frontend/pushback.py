@@ -8,9 +8,10 @@ and calls again at once, as a retry storm does, would otherwise spend a core on 
 has a token bucket of refusals: ``burst`` at once (a burst of hundreds of calls is refused as fast
 as the front end reads it), then ``rate`` a second. A refusal past that is still decided at once,
 but its answer is sent when the client's bucket has room again, at most ``MAX_PACE_S`` later: a
-client that retries when it hears the answer then calls at ``rate``, and a paced call costs a
-timer meanwhile. Admitted calls are never paced: a stranger sharing the connection of a retrying
-client (a pool, a mesh sidecar) is admitted at once when the engine has room.
+client that retries when it hears the answer then calls at ``rate``, and a paced call costs a timer
+meanwhile (gRPC's cap on calls in progress bounds how many a front end holds). Admitted calls are
+never paced: a stranger sharing the connection of a retrying client (a pool, a mesh sidecar) is
+admitted at once when the engine has room.
 
 A client is whatever key the edge gives: on gRPC the connection, on REST the client's address
 (:func:`rest_client`), so opening a new connection per call does not evade the pacing. Buckets are
@@ -29,9 +30,11 @@ import time
 from collections.abc import Callable, Hashable
 from dataclasses import dataclass
 
-# The longest a refusal's answer is deferred: a client over its rate hears it within this, and a
-# draining front end waits at most this for it.
-MAX_PACE_S = 1.0
+from kembed.admission import MAX_PUSHBACK_MS
+
+# The longest a refusal's answer is deferred, the longest pushback: only a bound, since a client
+# whose callers wait for their answers is paced by far less (its callers over the rate).
+MAX_PACE_S = MAX_PUSHBACK_MS / 1000
 MAX_CLIENTS = 4096  # buckets kept at most: about 150 bytes each
 SHARED = object()  # the key of the bucket clients share once there is no room for one of their own
 

@@ -12,6 +12,7 @@ DEADLINE. Each edge maps them to its transport's codes.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
 from collections.abc import Callable
 from concurrent.futures import Executor
@@ -127,6 +128,7 @@ class EmbedService:
         self._memory = memory
         self._clock = clock
         self._bucket_lengths = np.asarray(info.bucket_lengths)
+        self._draining = asyncio.Event()
         self._pacer = RefusalPacer(
             settings.refusal_rate, settings.refusal_burst, clock, on_shared=metrics.refusals_shared.inc
         )
@@ -154,9 +156,14 @@ class EmbedService:
             self._gate.leave()
 
     async def _pace(self, client: str) -> None:
-        if delay := self._pacer.refused(client):
+        if (delay := self._pacer.refused(client)) and not self._draining.is_set():
             self._metrics.refusals_paced.inc()
-            await asyncio.sleep(delay)
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._draining.wait(), delay)
+
+    def drain(self) -> None:
+        """Answer every paced refusal now, and pace none from here on: a drain waits for no timer."""
+        self._draining.set()
 
     async def _serve(self, call: EmbedCall, arrival: float) -> EmbedResult:
         self._validate(call)
