@@ -25,8 +25,10 @@ MAX_DRAIN_MS = 1000  # a few requests fit in the drain budget, whatever this mac
 REFUSAL_BURST = 700  # more than the burst below; the storm below goes past it
 SENTENCE = "Admission control rejects early instead of queueing into timeouts and memory exhaustion."
 REQUEST = pb.EmbedRequest(texts=[SENTENCE] * 8)  # 8 items in the 32 bucket: 256 padded tokens
+ONE_TEXT, ONE_TEXT_TOKENS = pb.EmbedRequest(texts=[SENTENCE]), 32  # padded
 OK, EXHAUSTED = grpc.StatusCode.OK, grpc.StatusCode.RESOURCE_EXHAUSTED
 PACED = "kembed_refusals_paced_total"
+OWN_CONNECTION = [("grpc.use_local_subchannel_pool", 1)]  # channels otherwise share one connection
 
 pytestmark = pytest.mark.slow
 
@@ -87,8 +89,10 @@ def test_a_connection_refused_past_its_burst_is_paced_and_its_neighbours_are_not
     """A client that keeps calling while refused, as a retry storm does: past its refusal burst its
     refusals are answered at its rate (paced), and every call is still answered. A second
     connection meanwhile is answered at once."""
-    own = [("grpc.use_local_subchannel_pool", 1)]  # a connection each: channels otherwise share one
-    with grpc.insecure_channel(server.target, own) as storm, grpc.insecure_channel(server.target, own) as neighbour:
+    with (
+        grpc.insecure_channel(server.target, OWN_CONNECTION) as storm,
+        grpc.insecure_channel(server.target, OWN_CONNECTION) as neighbour,
+    ):
         with server.engine:
             backlog = [pb_grpc.EmbedderStub(storm).Embed.future(REQUEST, timeout=120) for _ in range(40)]
             wait_until(lambda: all_decided(server, backlog), 120, "a backlog")
@@ -103,6 +107,53 @@ def test_a_connection_refused_past_its_burst_is_paced_and_its_neighbours_are_not
             assert {f.code() for f in others} == {EXHAUSTED}
             assert server.metric(PACED) == paced
         assert {f.code() for f in backlog} <= {OK, EXHAUSTED}
+
+
+def held_backlog(server: ServerProcess, stub: pb_grpc.EmbedderStub) -> tuple[list[Any], float]:
+    """One-text queries admitted into the held engine while the drain budget has room for one more
+    (whatever this machine's rate), and the drain time they make (seconds). Small, so that none is
+    served as batch work, which a query would not wait behind."""
+    backlog: list[Any] = []
+    health = server.health()
+    room = lambda tokens: 2 * tokens / health["service_rate_tokens_per_sec"] < MAX_DRAIN_MS / 1000  # noqa: E731
+    while room(health["queued_tokens"] + 2 * ONE_TEXT_TOKENS):
+        backlog.append(stub.Embed.future(ONE_TEXT, timeout=120))
+        server.wait_open_requests(len(backlog))
+        health = server.health()
+    return backlog, health["estimated_drain_time_ms"] / 1000
+
+
+def test_a_call_whose_deadline_ends_before_its_turn_is_refused_at_once(server: ServerProcess):
+    """A deadline shorter than the wait ahead: refused now with a pushback, not queued to expire."""
+    late = 'kembed_rejected_total{priority="interactive",reason="deadline"}'
+    refusals = server.metric(late)
+    with grpc.insecure_channel(server.target, OWN_CONNECTION) as channel:
+        stub = pb_grpc.EmbedderStub(channel)
+        with server.engine:
+            backlog, drain_s = held_backlog(server, stub)
+            assert backlog and drain_s > 0
+            with pytest.raises(grpc.RpcError) as refused:
+                stub.Embed(ONE_TEXT, timeout=drain_s * 0.8)
+            assert refused.value.code() == EXHAUSTED
+            assert "deadline" in (refused.value.details() or "")
+            assert server.metric(late) == refusals + 1
+        assert {f.result() is not None for f in backlog} == {True}
+
+
+def test_a_call_whose_client_leaves_counts_in_the_p95_at_its_expected_wait(server: ServerProcess):
+    """A client that leaves while its call is queued (as a careless deadline does) does not pull the
+    exported P95 down to how long it stayed: its call counts at the wait it was admitted to."""
+    wait_until(lambda: server.health()["p95_server_side_latency_ms"] == 0, 120, "an empty latency window")
+    with grpc.insecure_channel(server.target, OWN_CONNECTION) as channel:
+        stub = pb_grpc.EmbedderStub(channel)
+        with server.engine:
+            backlog, drain_s = held_backlog(server, stub)
+            leaving = stub.Embed.future(ONE_TEXT, timeout=120)
+            server.wait_open_requests(len(backlog) + 1)
+            leaving.cancel()
+            wait_until(lambda: server.health()["p95_server_side_latency_ms"] > 0, 120, "the cancelled call counted")
+            assert server.health()["p95_server_side_latency_ms"] >= drain_s * 1000
+        assert {f.result() is not None for f in backlog} == {True}
 
 
 def test_a_client_refused_again_and_again_stops_retrying(server: ServerProcess):
