@@ -326,7 +326,7 @@ class Settings(BaseModel):
         json_schema_extra=TUNING,
     )
     refusal_rate: float = Field(
-        200.0,
+        500.0,
         gt=0,
         description="Refusals a second one client (a gRPC connection, a REST address) has answered at once past "
         "its refusal burst; later ones are answered when its rate allows (docs/admission.md)",
