@@ -5,8 +5,8 @@ Each part of a call's path weighs what it holds, from when it starts holding it 
 the REST edge a body being read (by its Content-Length before a byte is read, or chunk by chunk when
 it is sent chunked) and an answer until it is written; the gRPC edge a request message and its
 answer, and a stream the requests it reads ahead; the service a call from its arrival until it is
-answered (held for its connection's pushback, screened, tokenized, queued, computed). What does not
-fit is refused at once: RESOURCE_EXHAUSTED or 429, with a pushback.
+answered (screened, tokenized, queued, computed). What does not fit is refused at once:
+RESOURCE_EXHAUSTED or 429, with a pushback.
 
 The budget (``docs/operations.md``, "Memory"): a quarter of the pod's memory, shared by its front
 ends. gRPC reads a whole message before any handler sees it, so what it may hold unweighed
