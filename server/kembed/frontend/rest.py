@@ -48,7 +48,7 @@ from kembed.errors import EmbedError, Failure
 from kembed.frontend import openai_api
 from kembed.frontend.budget import BODY_WEIGHT, MemoryBudget, Reservation
 from kembed.frontend.call import Limits
-from kembed.frontend.openai_api import WHOLE_BODY_BYTES, ApiError, Body, Embeddings
+from kembed.frontend.openai_api import ApiError, Body, Embeddings
 from kembed.frontend.pushback import rest_client
 from kembed.frontend.service import Gate, Service, warming_up
 from kembed.metrics import FrontendMetrics
@@ -220,19 +220,21 @@ class RestEdge:
             raise self._too_large()
 
     async def _read(self, request: web.BaseRequest, reservation: Reservation, deadline: float) -> Embeddings:
-        """The body, parsed as it arrives, by ``deadline``. A small one already here is parsed at
-        once; any other is fed chunk by chunk, the event loop free between chunks. The call states
+        """The body, parsed as it arrives, by ``deadline``. One already here that fits a chunk is
+        read at once; any other chunk by chunk, the event loop free between chunks: the same parser
+        and the same answer either way. The call states
         no deadline (OpenAI's API has none): it gets the server's default for its size. Its peer is
         the client's address, so a new connection per call does not evade its pushback."""
         content, peer = request.content, f"rest:{rest_client(request.remote or '')}"
-        if content.is_eof() and content.total_bytes <= WHOLE_BODY_BYTES:
+        if content.is_eof() and content.total_bytes <= READ_CHUNK:
             return openai_api.parse(content.read_nowait(), self._served, self._limits, peer)
         reader, limit, chunked = Body(self._limits), self._settings.max_message_bytes, request.content_length is None
         async with asyncio.timeout_at(deadline) as timeout:
             self._reading.add(timeout)
             try:
                 while chunk := await content.read(READ_CHUNK):
-                    if content.total_bytes > limit:
+                    if content.total_bytes > limit:  # a fault within the limit comes first
+                        reader.feed(chunk[: len(chunk) - (content.total_bytes - limit)])
                         raise self._too_large()
                     if chunked:
                         reservation.grow(BODY_WEIGHT * len(chunk))
