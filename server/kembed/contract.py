@@ -65,5 +65,6 @@ class Metric:
     WORKER_QUEUE_DEPTH: Final = "kembed_worker_queue_depth"
     READY: Final = "kembed_ready"
     STREAM_ANSWERS_DROPPED: Final = "kembed_stream_answers_dropped"  # exposed as ..._total
+    CALLS_GONE: Final = "kembed_calls_gone"  # exposed as kembed_calls_gone_total{api}
     FRONTEND_STALLS: Final = "kembed_frontend_stalls"  # exposed as ..._total
     SERVING_DTYPE: Final = "kembed_serving_dtype"  # 1, labelled with the dtype served and why

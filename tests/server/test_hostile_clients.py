@@ -278,6 +278,7 @@ def test_a_client_that_leaves_has_its_call_dropped_and_one_log_line(tmp_path: Pa
             assert blocker.result().count == 1
         assert count(server, "200") == ok
         assert server.output().count("left before its answer") == 3 and "Traceback" not in server.output()
+        assert server.metric('kembed_calls_gone_total{api="rest"}') == 4
     finally:
         server.stop()
 

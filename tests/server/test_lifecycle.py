@@ -87,6 +87,34 @@ def test_expired_work_is_dropped_before_compute(tmp_path: Path):
         server.stop()
 
 
+def test_calls_that_end_before_their_answer_are_counted_not_logged(tmp_path: Path):
+    """Calls whose deadline passes while the engine holds them: at its deadline gRPC's core ends each
+    call as the front end answers DEADLINE_EXCEEDED, and whichever comes first, each is answered
+    (counted by its code) or gone (counted as such), never a failure with a traceback in the log (at
+    8a781ed an answer the core refused logged ExecuteBatchError's traceback at ERROR). Calls their
+    clients cancel are gone too."""
+    late, cancelled = 300, 20
+    server = ServerProcess(tmp_path / "server.log", held=True, frontends=1, admission="").wait_ready()
+    expired = 'kembed_requests_total{api="grpc",code="DEADLINE_EXCEEDED"}'
+    gone = 'kembed_calls_gone_total{api="grpc"}'
+    try:
+        with grpc.insecure_channel(server.target) as channel, server.engine:
+            stub = pb_grpc.EmbedderStub(channel)
+            expiring = [stub.Embed.future(pb.EmbedRequest(texts=[f"late {i}"]), timeout=0.3) for i in range(late)]
+            for call in expiring:
+                assert call.exception(timeout=120).code() is grpc.StatusCode.DEADLINE_EXCEEDED
+            leaving = [stub.Embed.future(pb.EmbedRequest(texts=[f"left {i}"]), timeout=120) for i in range(cancelled)]
+            server.wait_open_requests(cancelled)
+            for call in leaving:
+                call.cancel()
+            counted = lambda: server.metric(expired) + server.metric(gone) == late + cancelled  # noqa: E731
+            wait_until(counted, 120, "every call counted once: answered DEADLINE_EXCEEDED, or gone")
+        assert server.metric(gone) >= cancelled
+        assert "Traceback" not in server.output() and " ERROR " not in server.output()
+    finally:
+        server.stop()
+
+
 def test_sigterm_answers_everything_accepted_in_every_front_end(tmp_path: Path):
     server = ServerProcess(tmp_path / "server.log", held=True, admission="", frontends=2).wait_ready()
     try:

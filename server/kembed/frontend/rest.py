@@ -161,6 +161,7 @@ class RestEdge:
             if request.transport is None or request.transport.is_closing():
                 when = "before its answer" if request.content.is_eof() else "while sending its request"
                 log.info("rest: %s left %s; its call is dropped", _peer(request), when)
+                self._metrics.calls_gone.labels(api="rest").inc()
             raise
         except Exception:  # a bug: logged with its traceback, and the client still gets an answer in its API's shape
             log.exception("rest: %s %s failed", method, path)
@@ -197,6 +198,7 @@ class RestEdge:
                 error = ApiError(408, message, "invalid_request_error", None, "request_timeout")
         except (ConnectionError, web.RequestPayloadError):  # gone mid-body: nobody to answer
             log.info("rest: %s left while sending its request", _peer(request))
+            self._metrics.calls_gone.labels(api="rest").inc()
             return web.Response(status=400)
         finally:
             if reservation is not None:
