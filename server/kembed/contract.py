@@ -11,6 +11,9 @@ from typing import Final
 GRPC_PORT: Final = 50051
 HTTP_PORT: Final = 8001
 REST_PORT: Final = 8080
+# The bind address of every address of both families (IPv4 alone where the host has no IPv6): what
+# the operator's pods and the image listen on (kembed/listen.py).
+ANY_ADDRESS: Final = "::"
 
 LIVEZ_PATH: Final = "/livez"
 READYZ_PATH: Final = "/readyz"

@@ -32,7 +32,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1.health import aio as health_aio  # type: ignore[attr-defined]  # no stub
 from grpc_reflection.v1alpha import reflection
 
-from kembed import tls
+from kembed import listen, tls
 from kembed.config import Settings
 from kembed.contract import GRPC_SERVICE, RETRY_PUSHBACK_KEY
 from kembed.errors import EmbedError, Failure, Field, InvalidInput
@@ -221,7 +221,7 @@ class GrpcEdge:
             reflection.SERVICE_NAME,
         )
         reflection.enable_server_reflection(service_names, self._server)
-        tls.add_port(self._server, f"{self._settings.grpc_host}:{self._settings.grpc_port}", self._settings)
+        tls.add_port(self._server, listen.host_port(self._settings.grpc_host, self._settings.grpc_port), self._settings)
         await self.set_serving(False)
         await self._server.start()
 

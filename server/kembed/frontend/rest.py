@@ -34,7 +34,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import resource
-import socket
 import time
 from collections.abc import Callable
 from typing import Any
@@ -42,7 +41,7 @@ from typing import Any
 from aiohttp import web
 from aiohttp.web import RequestHandler
 
-from kembed import tls
+from kembed import listen, tls
 from kembed.config import Settings
 from kembed.errors import EmbedError, Failure
 from kembed.frontend import openai_api
@@ -114,7 +113,7 @@ class RestEdge:
     async def start(self) -> None:
         """Listen on the shared REST port (plaintext, or TLS only when TLS is configured)."""
         await self._runner.setup()
-        sock = _shared_socket(self._settings.grpc_host, self._settings.rest_port)
+        sock = listen.bind(self._settings.grpc_host, self._settings.rest_port, "REST", reuse_port=True)
         context = self._tls.context if self._tls else None
         await web.SockSite(self._runner, sock, ssl_context=context, backlog=self._backlog).start()
 
@@ -390,13 +389,3 @@ def raise_fd_limit() -> None:
 def _peer(request: web.BaseRequest) -> Any:
     transport = request.transport
     return transport.get_extra_info("peername") if transport is not None else request.remote
-
-
-def _shared_socket(host: str, port: int) -> socket.socket:
-    """A listening socket on ``host:port`` that every front end binds (SO_REUSEPORT): the kernel
-    spreads connections over them, as for gRPC."""
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)  # TCP: asyncio sets TCP_NODELAY
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
-    sock.bind((host, port))
-    return sock
