@@ -203,6 +203,9 @@ def test_what_aiohttp_or_the_edge_refuses_is_in_openai_shape_and_counted(server:
     assert "Traceback" not in server.output()
 
 
+CONTINUE = b"HTTP/1.1 100 Continue\r\n\r\n"
+
+
 @pytest.mark.parametrize("case", ONE_ANSWER)
 def test_a_body_gets_one_answer_however_tcp_cuts_it(server: ServerProcess, case: str):
     """Sent with its head in one write, and after its head has been read (the server's 100 Continue),
@@ -214,9 +217,9 @@ def test_a_body_gets_one_answer_however_tcp_cuts_it(server: ServerProcess, case:
     with connect(server) as sock:
         sock.sendall(head(len(body), extra="Expect: 100-continue\r\n"))
         interim = b""
-        while b"\r\n\r\n" not in interim:
-            interim += _received(sock)
-        assert interim == b"HTTP/1.1 100 Continue\r\n\r\n"
+        while len(interim) < len(CONTINUE) and (more := sock.recv(len(CONTINUE) - len(interim))):
+            interim += more  # and no further: an empty body's answer may follow at once
+        assert interim == CONTINUE
         sock.sendall(body)
         streamed = answer(sock)
     assert whole[0] == status and whole[1].get("error", {}).get("param") == param, whole
