@@ -7,11 +7,11 @@ No HTTP here (``rest.py`` serves it), so every mapping is tested without a serve
 read by :class:`Body`, whole or as its bytes arrive, chunk by chunk: yajl (ijson's C backend) turns
 each chunk into events, and the walk over them is the one place REST input meets the limits and the
 rules of JSON that yajl leaves out (a field given twice, half a surrogate pair). A body gets the
-same answer however it was cut: its first fault, in the order of its bytes, is the one named. Each item is checked
-as it comes (the item count, each text's characters, each id's range and each sequence's length,
-no empty item, no nesting past an array of arrays of ids, a bounded number of fields), so a body
-that breaks a limit is refused at the item that breaks it, before the rest is read or anything
-sized by it is built; texts are kept as strings, ids straight in an int32 buffer. Bad input the
+same answer however it was cut: its first fault, in the order of its bytes, is the one named.
+Each item is checked as it comes (the item count, each text's characters, each id's range and each
+sequence's length, no empty item, no nesting past an array of arrays of ids, a bounded number of
+fields), so a body that breaks a limit is refused at the item that breaks it, before the rest is
+read or anything sized by it is built; texts are kept as strings, ids straight in an int32 buffer. Bad input the
 service finds (``InvalidInput``: the vocabulary, lengths in tokens, dimensions) is named from its
 location by the JSON's own paths (``input[3]``, ``input[1][4]``), so a REST client reads the field
 it sent.

@@ -223,9 +223,9 @@ class RestEdge:
     async def _read(self, request: web.BaseRequest, reservation: Reservation, deadline: float) -> Embeddings:
         """The body, parsed as it arrives, by ``deadline``. One already here that fits a chunk is
         read at once; any other chunk by chunk, the event loop free between chunks: the same parser
-        and the same answer either way. The call states
-        no deadline (OpenAI's API has none): it gets the server's default for its size. Its peer is
-        the client's address, so a new connection per call does not evade its pushback."""
+        and the same answer either way. The call states no deadline (OpenAI's API has none): it gets
+        the server's default for its size. Its peer is the client's address, so a new connection per
+        call does not evade its pushback."""
         content, peer = request.content, f"rest:{rest_client(request.remote or '')}"
         if content.is_eof() and content.total_bytes <= READ_CHUNK:
             return openai_api.parse(content.read_nowait(), self._served, self._limits, peer)
