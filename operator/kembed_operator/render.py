@@ -20,6 +20,7 @@ from kubernetes.utils.quantity import parse_quantity
 
 from kembed.config import ConfigError, Settings
 from kembed.contract import (
+    ANY_ADDRESS,
     ENV_PREFIX,
     GRPC_PORT,
     HTTP_PORT,
@@ -221,9 +222,10 @@ def _decided_settings(spec: EmbeddingServiceSpec, thresholds: Thresholds) -> dic
     """The server settings the spec decides (field name -> value); the rest keep the server's defaults."""
     model, batching, admission = spec.model, spec.batching, spec.admission
     settings: dict[str, Any] = {
-        # The server binds loopback by default; in a pod it must listen on the pod's address.
-        "grpc_host": "0.0.0.0",
-        "http_host": "0.0.0.0",
+        # The server binds loopback by default; in a pod it must listen on the pod's addresses, of
+        # either family: IPv4, IPv6 or dual-stack clusters (IPv4 alone where the node has no IPv6).
+        "grpc_host": ANY_ADDRESS,
+        "http_host": ANY_ADDRESS,
         "grpc_port": GRPC_PORT,
         "http_port": HTTP_PORT,
         "rest_port": REST_PORT,

@@ -18,12 +18,12 @@ import contextlib
 import logging
 import os
 import signal
-import socket
 import sys
 import time
 from asyncio.subprocess import Process
 from typing import Any
 
+from kembed import listen
 from kembed.board import Board, Cell, ClassCell, FrontendCell
 from kembed.config import Settings
 from kembed.contract import EXIT_FATAL, Metric
@@ -51,17 +51,19 @@ class Supervisor:
         self._children: list[Process] = []
         with contextlib.ExitStack() as held:
             # The gRPC port is bound, not listened on, so that a port of 0 names one for every front end.
-            self._port_hold = held.enter_context(_bind(settings.grpc_host, settings.grpc_port, "gRPC", reuse_port=True))
+            self._port_hold = held.enter_context(
+                listen.bind(settings.grpc_host, settings.grpc_port, "gRPC", reuse_port=True)
+            )
             self.grpc_port = int(self._port_hold.getsockname()[1])
             if settings.rest_port:  # held likewise, so that a port in use stops the start with its name
-                held.enter_context(_bind(settings.grpc_host, settings.rest_port, "REST", reuse_port=True))
+                held.enter_context(listen.bind(settings.grpc_host, settings.rest_port, "REST", reuse_port=True))
             self._runtime = held.enter_context(RuntimeDir.create()).path
             (self._runtime / METRICS_DIR).mkdir()
             self.board = Board(self._runtime / BOARD_FILE, frontends=self.frontends)
             self._registry = supervisor_registry(self._runtime / METRICS_DIR, self.board, self.ready)
             self.http = held.enter_context(
                 HealthServer(
-                    _bind(settings.http_host, settings.http_port, "HTTP"),
+                    listen.bind(settings.http_host, settings.http_port, "HTTP"),
                     live=self.live,
                     ready=self.ready,
                     health=self.health,
@@ -92,8 +94,9 @@ class Supervisor:
         plural = "s" if self.frontends > 1 else ""
         rest = f"OpenAI REST on {self._rest_url()}/v1, " if s.rest_port else ""
         print(
-            f"kembed: gRPC on {s.grpc_host}:{self.grpc_port} ({self.frontends} front end{plural}), {rest}"
-            f"health and metrics on http://{s.http_host}:{self.http.port} (warming up; /readyz turns 200 when ready)",
+            f"kembed: gRPC on {listen.host_port(s.grpc_host, self.grpc_port)} ({self.frontends} front end{plural}), "
+            f"{rest}health and metrics on http://{listen.host_port(s.http_host, self.http.port)} "
+            "(warming up; /readyz turns 200 when ready)",
             flush=True,
         )
         exits = {asyncio.create_task(child.wait()): child for child in self._children}
@@ -152,7 +155,7 @@ class Supervisor:
         tls = " --ca-file CA.crt" if self.settings.tls else ""
         print(
             f"kembed: ready. Try: .venv/bin/python -m kembed.client --target "
-            f"{self.settings.grpc_host}:{self.grpc_port}{tls} 'hello world'",
+            f"{listen.host_port(self.settings.grpc_host, self.grpc_port)}{tls} 'hello world'",
             flush=True,
         )
         if self.settings.rest_port:
@@ -164,7 +167,7 @@ class Supervisor:
 
     def _rest_url(self) -> str:
         scheme = "https" if self.settings.tls else "http"
-        return f"{scheme}://{self.settings.grpc_host}:{self.settings.rest_port}"
+        return f"{scheme}://{listen.host_port(self.settings.grpc_host, self.settings.rest_port)}"
 
     def ready(self) -> bool:
         board = self.board
@@ -216,16 +219,3 @@ class Supervisor:
         if interactive_drain_seconds(board) > budget_s or p95 * 1000 > self.settings.p95_hard_ms:
             return "overloaded"
         return "degraded" if board[Cell.SHED_FRACTION] > 0 or drain > budget_s else "healthy"
-
-
-def _bind(host: str, port: int, purpose: str, *, reuse_port: bool = False) -> socket.socket:
-    """A TCP socket bound to ``host:port``; the error, if any, names the port and what it is for."""
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    bound = socket.socket(family, socket.SOCK_STREAM)
-    try:
-        bound.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT if reuse_port else socket.SO_REUSEADDR, 1)
-        bound.bind((host, port))
-    except OSError as error:
-        bound.close()
-        raise OSError(error.errno, f"{purpose} port {host}:{port}: {error.strerror}") from None
-    return bound

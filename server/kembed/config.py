@@ -174,7 +174,9 @@ class Settings(BaseModel):
 
     # --- what a user sets: binds and ports, TLS, logging ---
     grpc_host: str = Field(
-        "127.0.0.1", description="gRPC and REST bind address (containers set 0.0.0.0)", json_schema_extra=USER
+        "127.0.0.1",
+        description="gRPC and REST bind address; `::` is both IPv6 and IPv4 (containers set it)",
+        json_schema_extra=USER,
     )
     grpc_port: int = Field(
         GRPC_PORT, ge=0, le=65535, description="gRPC port (0 = any free port)", json_schema_extra=USER
@@ -187,7 +189,9 @@ class Settings(BaseModel):
         json_schema_extra=USER,
     )
     http_host: str = Field(
-        "127.0.0.1", description="Health and metrics bind address (containers set 0.0.0.0)", json_schema_extra=USER
+        "127.0.0.1",
+        description="Health and metrics bind address; `::` is both IPv6 and IPv4 (containers set it)",
+        json_schema_extra=USER,
     )
     http_port: int = Field(
         HTTP_PORT, ge=0, le=65535, description="Health and metrics port (0 = any free port)", json_schema_extra=USER
@@ -402,6 +406,12 @@ class Settings(BaseModel):
         if any(b < 1 for b in value) or value != sorted(set(value)):
             raise ValueError("bucket lengths must be positive, unique and ascending")
         return value
+
+    @field_validator("grpc_host", "http_host")
+    @classmethod
+    def _unbracketed(cls, value: str) -> str:
+        """``[::1]``, as URLs write it, is the address ``::1``."""
+        return value[1:-1] if value.startswith("[") and value.endswith("]") else value
 
     @field_validator("log_level")
     @classmethod

@@ -11,6 +11,9 @@ from typing import Final
 GRPC_PORT: Final = 50051
 HTTP_PORT: Final = 8001
 REST_PORT: Final = 8080
+# The bind address of every address of both families (IPv4 alone where the host has no IPv6): what
+# the operator's pods and the image listen on (kembed/listen.py).
+ANY_ADDRESS: Final = "::"
 
 LIVEZ_PATH: Final = "/livez"
 READYZ_PATH: Final = "/readyz"
@@ -72,5 +75,6 @@ class Metric:
     WORKER_QUEUE_DEPTH: Final = "kembed_worker_queue_depth"
     READY: Final = "kembed_ready"
     STREAM_ANSWERS_DROPPED: Final = "kembed_stream_answers_dropped"  # exposed as ..._total
+    CALLS_GONE: Final = "kembed_calls_gone"  # exposed as kembed_calls_gone_total{api}
     FRONTEND_STALLS: Final = "kembed_frontend_stalls"  # exposed as ..._total
     SERVING_DTYPE: Final = "kembed_serving_dtype"  # 1, labelled with the dtype served and why

@@ -78,6 +78,12 @@ class FrontendMetrics:
             "EmbedStream answers computed but never written: the drain ended before the client read them",
             registry=r,
         )
+        self.calls_gone = Counter(
+            Metric.CALLS_GONE,
+            "Calls that ended before they could be answered: their deadline passed or their client left",
+            ["api"],
+            registry=r,
+        )
 
 
 class EngineMetrics:

@@ -120,6 +120,8 @@ def test_operator_deployment() -> None:
     assert liveness.endswith(
         f":{container['ports'][0]['containerPort']}{container['livenessProbe']['httpGet']['path']}"
     )
+    ipv6 = chart_operator_args({"healthAddress": "[::]"})  # a cluster whose pods' primary address is IPv6
+    assert "--liveness=http://[::]:8080/healthz" in ipv6 and "--liveness=http://0.0.0.0:8080/healthz" in args
     env = {e["name"]: e["value"] for e in container["env"]}
     assert OperatorConfig.from_env(env) == OperatorConfig()  # the chart's defaults are the operator's
     assert set(env) == {PREFIX + f.name.upper() for f in dataclasses.fields(OperatorConfig)}

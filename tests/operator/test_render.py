@@ -125,7 +125,7 @@ def test_every_manifest_is_valid_kubernetes(spec: dict[str, Any]) -> None:
 @pytest.mark.parametrize("spec", FEATURES.values(), ids=FEATURES.keys())
 def test_rendered_env_is_accepted_by_the_server(spec: dict[str, Any]) -> None:
     settings = Settings.from_env({k: v for k, v in env(spec).items() if k.startswith("KEMBED_")})
-    assert (settings.grpc_host, settings.http_host) == ("0.0.0.0", "0.0.0.0")
+    assert (settings.grpc_host, settings.http_host) == ("::", "::")  # both families
     assert (settings.grpc_port, settings.http_port) == (GRPC_PORT, HTTP_PORT)
 
 

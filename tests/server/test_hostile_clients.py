@@ -16,6 +16,7 @@ from pathlib import Path
 from typing import Any
 
 import grpc
+import numpy as np
 import orjson
 import pytest
 
@@ -24,6 +25,7 @@ from kembed.frontend.process import TOKENIZER_THREADS
 from kembed.frontend.rest import IDLE_GRACE_S
 from kembed.v1 import embedder_pb2 as pb
 from kembed.v1 import embedder_pb2_grpc as pb_grpc
+from tests.server.bodies import ONE_ANSWER
 from tests.server.serving import ServerProcess, peer_ports, reset_peak_rss, rss_bytes, wait_until
 
 pytestmark = pytest.mark.slow
@@ -201,6 +203,33 @@ def test_what_aiohttp_or_the_edge_refuses_is_in_openai_shape_and_counted(server:
     assert "Traceback" not in server.output()
 
 
+CONTINUE = b"HTTP/1.1 100 Continue\r\n\r\n"
+
+
+@pytest.mark.parametrize("case", ONE_ANSWER)
+def test_a_body_gets_one_answer_however_tcp_cuts_it(server: ServerProcess, case: str):
+    """Sent with its head in one write, and after its head has been read (the server's 100 Continue),
+    so parsed whole or as it arrives: the same status and body (vectors within float noise)."""
+    body, status, param = ONE_ANSWER[case]
+    with connect(server) as sock:
+        sock.sendall(head(len(body)) + body)
+        whole = answer(sock)
+    with connect(server) as sock:
+        sock.sendall(head(len(body), extra="Expect: 100-continue\r\n"))
+        interim = b""
+        while len(interim) < len(CONTINUE) and (more := sock.recv(len(CONTINUE) - len(interim))):
+            interim += more  # and no further: an empty body's answer may follow at once
+        assert interim == CONTINUE
+        sock.sendall(body)
+        streamed = answer(sock)
+    assert whole[0] == status and whole[1].get("error", {}).get("param") == param, whole
+    if status == 200:
+        vectors = [np.asarray([item.pop("embedding") for item in got["data"]]) for _, got in (whole, streamed)]
+        np.testing.assert_allclose(vectors[0], vectors[1], atol=1e-5)
+    assert streamed == whole
+    assert "Traceback" not in server.output()
+
+
 def test_rest_connections_leave_descriptors_for_grpc(tmp_path: Path):
     nofile = 300  # as `ulimit -n 300`
     server = ServerProcess(tmp_path / "server.log", nofile=nofile, frontends=1, admission="").wait_ready()
@@ -252,6 +281,7 @@ def test_a_client_that_leaves_has_its_call_dropped_and_one_log_line(tmp_path: Pa
             assert blocker.result().count == 1
         assert count(server, "200") == ok
         assert server.output().count("left before its answer") == 3 and "Traceback" not in server.output()
+        assert server.metric('kembed_calls_gone_total{api="rest"}') == 4
     finally:
         server.stop()
 

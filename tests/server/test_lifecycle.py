@@ -3,12 +3,14 @@ supervisor, its engine and two front ends as separate processes."""
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import signal
 import socket
 import subprocess
 import sys
+import urllib.request
 from pathlib import Path
 
 import grpc
@@ -24,6 +26,7 @@ from kembed.v1 import embedder_pb2_grpc as pb_grpc
 from tests.server.held import EngineHold
 from tests.server.serving import ServerProcess, channel_per_frontend, wait_until
 
+JSON = "application/json"
 PARAGRAPH = "Readiness goes false at once, and everything accepted is finished and answered. " * 5
 
 pytestmark = pytest.mark.slow
@@ -85,6 +88,83 @@ def test_expired_work_is_dropped_before_compute(tmp_path: Path):
         assert float(real.group(1)) == sum(answered.token_counts)  # the expired request never reached the model
     finally:
         server.stop()
+
+
+def test_calls_that_end_before_their_answer_are_counted_not_logged(tmp_path: Path):
+    """Calls whose deadline passes while the engine holds them: at its deadline gRPC's core ends each
+    call as the front end answers DEADLINE_EXCEEDED, and whichever comes first, each is answered
+    (counted by its code) or gone (counted as such), never a failure with a traceback in the log (at
+    8a781ed an answer the core refused logged ExecuteBatchError's traceback at ERROR). Calls their
+    clients cancel are gone too."""
+    late, cancelled = 300, 20
+    server = ServerProcess(tmp_path / "server.log", held=True, frontends=1, admission="").wait_ready()
+    expired = 'kembed_requests_total{api="grpc",code="DEADLINE_EXCEEDED"}'
+    gone = 'kembed_calls_gone_total{api="grpc"}'
+    try:
+        with grpc.insecure_channel(server.target) as channel, server.engine:
+            stub = pb_grpc.EmbedderStub(channel)
+            expiring = [stub.Embed.future(pb.EmbedRequest(texts=[f"late {i}"]), timeout=0.3) for i in range(late)]
+            for call in expiring:
+                assert call.exception(timeout=120).code() is grpc.StatusCode.DEADLINE_EXCEEDED
+            leaving = [stub.Embed.future(pb.EmbedRequest(texts=[f"left {i}"]), timeout=120) for i in range(cancelled)]
+            server.wait_open_requests(cancelled)
+            for call in leaving:
+                call.cancel()
+            counted = lambda: server.metric(expired) + server.metric(gone) == late + cancelled  # noqa: E731
+            wait_until(counted, 120, "every call counted once: answered DEADLINE_EXCEEDED, or gone")
+        assert server.metric(gone) >= cancelled
+        assert "Traceback" not in server.output() and " ERROR " not in server.output()
+    finally:
+        server.stop()
+
+
+def _ipv6_loopback() -> bool:
+    try:
+        with socket.socket(socket.AF_INET6) as sock:
+            sock.bind(("::1", 0))
+    except OSError:
+        return False
+    return True
+
+
+def _answers(host: str, server: ServerProcess) -> bool:
+    """gRPC's Embed, REST's /v1/embeddings and the health port, each over ``host``."""
+    with grpc.insecure_channel(f"{host}:{server.grpc_port}") as channel:
+        assert pb_grpc.EmbedderStub(channel).Embed(pb.EmbedRequest(texts=["over IPv6"]), timeout=60).count == 1
+    request = urllib.request.Request(
+        f"http://{host}:{server.rest_port}/v1/embeddings", data=b'{"input": "a"}', headers={"Content-Type": JSON}
+    )
+    with urllib.request.urlopen(request, timeout=60) as response:
+        assert len(json.loads(response.read())["data"]) == 1
+    with urllib.request.urlopen(f"http://{host}:{server.http_port}/readyz", timeout=60) as response:
+        return bool(response.status == 200)
+
+
+@pytest.mark.skipif(not _ipv6_loopback(), reason="this machine has no IPv6 loopback")
+@pytest.mark.parametrize(
+    ("host", "reached_over"),
+    [("::", ("[::1]", "127.0.0.1")), ("[::1]", ("[::1]",)), ("::1", ("[::1]",))],
+    ids=["both families", "IPv6 loopback in brackets", "IPv6 loopback"],
+)
+def test_listens_on_ipv6(tmp_path: Path, host: str, reached_over: tuple[str, ...]):
+    """Every port (gRPC, REST, health) on an IPv6 address, and on both families on ``::``, the
+    operator's choice (at 8a781ed ``::`` failed to bind gRPC's port and ``[::1]`` to resolve)."""
+    server = ServerProcess(tmp_path / "server.log", frontends=1, grpc_host=host, http_host=host)
+    try:
+        wait_until(lambda: _ready(server, reached_over[0]) or server.process.poll() is not None, 300, "ready")
+        assert server.process.poll() is None, server.output()
+        for address in reached_over:
+            assert _answers(address, server)
+    finally:
+        server.stop()
+
+
+def _ready(server: ServerProcess, host: str) -> bool:
+    try:
+        with urllib.request.urlopen(f"http://{host}:{server.http_port}/readyz", timeout=10) as response:
+            return bool(response.status == 200)
+    except OSError:
+        return False
 
 
 def test_sigterm_answers_everything_accepted_in_every_front_end(tmp_path: Path):

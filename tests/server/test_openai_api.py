@@ -17,8 +17,10 @@ from kembed.errors import EmbedError, Failure, Field, InvalidInput
 from kembed.frontend import openai_api
 from kembed.frontend.call import EmbedResult, Limits, Texts, Timings
 from kembed.frontend.openai_api import MAX_FIELDS, ApiError, Body, Embeddings, failed, parse
+from kembed.frontend.rest import READ_CHUNK
 from kembed.inputs import Sequences
 from kembed.priority import Priority
+from tests.server.bodies import ONE_ANSWER, SERVICE_REFUSES
 
 SERVED = ("minilm", "sentence-transformers/all-MiniLM-L6-v2")
 LIMITS = Limits(max_items=8, max_text_chars=500)
@@ -149,6 +151,36 @@ def test_a_body_reads_the_same_however_it_is_split() -> None:
             64,
             True,
         )
+
+
+def read(body: bytes, size: int) -> tuple[Any, ...]:
+    """What ``body`` fed ``size`` bytes at a time reads as: its call, or the error a client reads."""
+    reader = Body(LIMITS)
+    try:
+        for start in range(0, len(body), size):
+            reader.feed(body[start : start + size])
+        call = reader.finish(SERVED).call
+    except ApiError as error:
+        return error.status, error.param, error.message
+    except EmbedError as error:
+        refused = failed(error)
+        return refused.status, refused.param, refused.message
+    inputs = call.inputs
+    items = list(inputs.items) if isinstance(inputs, Texts) else inputs.ids.tolist()
+    return 200, items, call.dimensions, call.priority
+
+
+@pytest.mark.parametrize("case", ONE_ANSWER)
+def test_a_body_reads_the_same_however_it_is_cut(case: str) -> None:
+    """Whole, and cut at every offset into chunks of a few bytes (an escape, a surrogate pair, a
+    number, a field name cut anywhere), and at the edge's chunk size: one answer, the expected one."""
+    body, status, param = ONE_ANSWER[case]
+    whole = read(body, max(1, len(body)))
+    if case in SERVICE_REFUSES:
+        status, param = 200, whole[1]
+    assert whole[:2] == (status, param) if status != 200 else whole[0] == 200, whole
+    for size in (1, 2, 3, 5, 7, 11, READ_CHUNK):
+        assert read(body, size) == whole, size
 
 
 @pytest.mark.parametrize("truncate_first", [True, False], ids=["truncate before input", "truncate after input"])

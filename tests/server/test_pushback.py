@@ -79,6 +79,7 @@ def test_past_the_table_clients_share_a_bucket_and_pacing_stays_on() -> None:
         ("10.1.2.3", "10.1.2.3"),
         ("2001:db8:1:2:3:4:5:6", "2001:db8:1:2::/64"),  # one host is usually given a /64
         ("2001:db8:1:2:ffff::1", "2001:db8:1:2::/64"),
+        ("::ffff:10.1.2.3", "10.1.2.3"),  # an IPv4 client of a socket of both families
         ("", ""),
     ],
 )

@@ -23,6 +23,7 @@ import asyncio
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass, fields
+from typing import NoReturn
 
 import grpc
 import numpy as np
@@ -31,7 +32,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1.health import aio as health_aio  # type: ignore[attr-defined]  # no stub
 from grpc_reflection.v1alpha import reflection
 
-from kembed import tls
+from kembed import listen, tls
 from kembed.config import Settings
 from kembed.contract import GRPC_SERVICE, RETRY_PUSHBACK_KEY
 from kembed.errors import EmbedError, Failure, Field, InvalidInput
@@ -220,7 +221,7 @@ class GrpcEdge:
             reflection.SERVICE_NAME,
         )
         reflection.enable_server_reflection(service_names, self._server)
-        tls.add_port(self._server, f"{self._settings.grpc_host}:{self._settings.grpc_port}", self._settings)
+        tls.add_port(self._server, listen.host_port(self._settings.grpc_host, self._settings.grpc_port), self._settings)
         await self.set_serving(False)
         await self._server.start()
 
@@ -274,16 +275,37 @@ class EmbedderServicer(pb_grpc.EmbedderServicer):
         try:
             result = await self._embed(request, context)
         except EmbedError as error:
-            status = self._count_failure(error)
             if error.retry_after_ms:
                 context.set_trailing_metadata(((RETRY_PUSHBACK_KEY, str(error.retry_after_ms)),))
-            await context.abort(status, message(error, request))
+            await self._abort(context, STATUS[error.failure], message(error, request))
+        except asyncio.CancelledError:  # gRPC's core ended the call: its deadline passed, or its client left
+            self._metrics.calls_gone.labels(api="grpc").inc()
+            raise
         except Exception:  # a bug: logged, and answered INTERNAL like any failure, counted
             log.exception("Embed failed")
-            self._count(grpc.StatusCode.INTERNAL)
-            await context.abort(grpc.StatusCode.INTERNAL, "internal error")
+            await self._abort(context, grpc.StatusCode.INTERNAL, "internal error")
+        if _past_deadline(context):  # computed too late: its client has stopped waiting
+            raise self._gone()
         self._count(grpc.StatusCode.OK)
         return response(result)
+
+    async def _abort(self, context: grpc.aio.ServicerContext, status: grpc.StatusCode, details: str) -> NoReturn:
+        """End the call with ``status``, counted by it. A call that ended first (its deadline passed
+        or its client left, and gRPC's core has not yet told this handler) cannot be answered: the
+        core refuses the answer, and the call is counted as gone instead of logged as a failure."""
+        try:
+            await context.abort(status, details)
+        except grpc.aio.AbortError:  # answered
+            self._count(status)
+            raise
+        except grpc.aio.InternalError:  # the core's ExecuteBatchError: no call left to answer
+            raise self._gone() from None
+
+    def _gone(self) -> asyncio.CancelledError:
+        """A call that ended before its answer: counted, and ended as gRPC ends a cancelled call
+        (quietly: it logs at debug level)."""
+        self._metrics.calls_gone.labels(api="grpc").inc()
+        return asyncio.CancelledError()
 
     async def EmbedStream(
         self, request_iterator: AsyncIterator[pb.EmbedRequest | Refused], context: grpc.aio.ServicerContext
@@ -385,6 +407,11 @@ class EmbedderServicer(pb_grpc.EmbedderServicer):
 
     def _count(self, code: grpc.StatusCode) -> None:
         self._metrics.requests.labels(api="grpc", code=code.name).inc()
+
+
+def _past_deadline(context: grpc.aio.ServicerContext) -> bool:
+    remaining = context.time_remaining()
+    return remaining is not None and remaining <= 0
 
 
 def to_call(request: pb.EmbedRequest, limits: Limits, time_remaining: float | None, peer: str) -> EmbedCall:

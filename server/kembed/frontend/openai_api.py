@@ -3,13 +3,15 @@
 OpenAI's JSON, and every failure in OpenAI's error shape (``{"error": {"message", "type", "param",
 "code"}}``) with the HTTP status peers use.
 
-No HTTP here (``rest.py`` serves it), so every mapping is tested without a server. A body is read
-by :class:`Body` as its bytes arrive, chunk by chunk: yajl (ijson's C backend) turns each chunk into
-events, and the walk over them is the one place REST input meets the limits. Each item is checked
-as it comes (the item count, each text's characters, each id's range and each sequence's length,
-no empty item, no nesting past an array of arrays of ids, a bounded number of fields), so a body
-that breaks a limit is refused at the item that breaks it, before the rest is read or anything
-sized by it is built; texts are kept as strings, ids straight in an int32 buffer. Bad input the
+No HTTP here (``rest.py`` serves it), so every mapping is tested without a server. Every body is
+read by :class:`Body`, whole or as its bytes arrive, chunk by chunk: yajl (ijson's C backend) turns
+each chunk into events, and the walk over them is the one place REST input meets the limits and the
+rules of JSON that yajl leaves out (a field given twice, half a surrogate pair). A body gets the
+same answer however it was cut: its first fault, in the order of its bytes, is the one named.
+Each item is checked as it comes (the item count, each text's characters, each id's range and each
+sequence's length, no empty item, no nesting past an array of arrays of ids, a bounded number of
+fields), so a body that breaks a limit is refused at the item that breaks it, before the rest is
+read or anything sized by it is built; texts are kept as strings, ids straight in an int32 buffer. Bad input the
 service finds (``InvalidInput``: the vocabulary, lengths in tokens, dimensions) is named from its
 location by the JSON's own paths (``input[3]``, ``input[1][4]``), so a REST client reads the field
 it sent.
@@ -19,8 +21,9 @@ from __future__ import annotations
 
 import base64
 import math
+import re
 from array import array
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable
 from dataclasses import dataclass
 from enum import Enum
 from typing import Any
@@ -40,10 +43,14 @@ MAX_TOKEN_ID = 2**31 - 1  # ids are int32 on the way to the model
 INPUT_SHAPES = "a string, an array of strings, an array of token ids, or an array of arrays of token ids"
 MAX_FIELDS = 64  # the API has seven: more is not a client of it
 MAX_FIELD_CHARS = 1024  # a field other than input: a model name, an encoding, a user id
-# A body up to this size that has arrived whole is parsed at once by orjson (at worst 2,000 values:
-# a fraction of a millisecond); larger ones, or ones still arriving, are read chunk by chunk by yajl.
-WHOLE_BODY_BYTES = 8192
 _YAJL = ijson.get_backend("yajl2_c")  # C: a Python backend would cost ten times as much per event
+# A high surrogate's escape (\uD800-\uDBFF) that no low one follows: yajl reads it as "?" or as a
+# wrong character (a lone low one it turns into bytes that are not UTF-8, which ijson refuses). An
+# escape only if an even number of backslashes comes before it. What may begin the low escape after
+# a high one is _LOW_START.
+_LONE_HIGH = re.compile(rb"\\u[dD][89abAB][0-9a-fA-F]{2}(?!\\u[dD][c-fC-F][0-9a-fA-F]{2})")
+_LOW_START = re.compile(rb"(?:\\(?:u(?:[dD](?:[c-fC-F][0-9a-fA-F]?)?)?)?)?")
+ESCAPE_BYTES = 6  # \uXXXX
 
 
 class ApiError(Exception):
@@ -80,35 +87,46 @@ class Embeddings:
 def parse(
     body: bytes, served: tuple[str, ...], limits: Limits, peer: str = "", timeout_s: float | None = None
 ) -> Embeddings:
-    """A small body that has arrived whole (at most :data:`WHOLE_BODY_BYTES`): parsed at once by
-    orjson, then walked as :class:`Body` walks the events of one that arrives in chunks."""
-    try:
-        data = orjson.loads(body)
-    except orjson.JSONDecodeError as error:
-        raise invalid(f"the body is not JSON: {error}", None) from None
+    """A body that has arrived whole: read by :class:`Body` in one chunk."""
     reader = Body(limits)
-    reader.walk(_events(data))
+    reader.feed(body)
     return reader.finish(served, peer, timeout_s)
 
 
-def _events(value: Any) -> Iterator[tuple[str, Any]]:
-    """The events yajl gives for a parsed JSON value."""
-    if isinstance(value, dict):
-        yield "start_map", None
-        for key, item in value.items():
-            yield "map_key", key
-            yield from _events(item)
-        yield "end_map", None
-    elif isinstance(value, list):
-        yield "start_array", None
-        for item in value:
-            yield from _events(item)
-        yield "end_array", None
-    else:
-        yield _SCALAR_EVENTS.get(type(value), "number"), value
+class _Surrogates:
+    """Finds a high surrogate alone in a body's escapes, chunk by chunk: a chunk's end may cut an
+    escape, or a high one from the low one that must follow it, so what it cannot decide yet is kept
+    (after the parity of the backslashes before it) and read again with the next chunk."""
+
+    def __init__(self) -> None:
+        self._kept = b""  # the end of what came before, already parsed
+
+    def find(self, chunk: bytes, last: bool = False) -> tuple[int, bytes] | None:
+        """The first high surrogate alone that the body so far shows: where its escape ends in
+        ``chunk`` (0 or less: in what came before), and the escape; ``last``: nothing follows."""
+        data, before = self._kept + chunk, len(self._kept)
+        match = _LONE_HIGH.search(data)
+        while match is not None and _backslashes(data, match.start()) % 2:  # an escaped backslash, then "u"
+            match = _LONE_HIGH.search(data, match.start() + 1)
+        if match is None:
+            # An escape that the chunk's end cuts begins in its last 5 bytes; of the backslashes
+            # before them, what counts is whether their number is odd.
+            start = max(0, len(data) - ESCAPE_BYTES + 1)
+            self._kept = data[start - _backslashes(data, start) % 2 :]
+            return None
+        end = match.end()
+        after = data[end : end + ESCAPE_BYTES]
+        if last or len(after) == ESCAPE_BYTES or not _LOW_START.fullmatch(after):
+            return end - before, match.group()
+        self._kept = data[match.start() :]  # its low one may come next
+        return None
 
 
-_SCALAR_EVENTS = {str: "string", bool: "boolean", type(None): "null"}  # the rest are numbers
+def _backslashes(data: bytes, end: int) -> int:
+    """How many backslashes come right before ``end``."""
+    if end == 0 or data[end - 1] != ord("\\"):
+        return 0
+    return end - len(data[:end].rstrip(b"\\"))
 
 
 class _Kind(Enum):
@@ -126,10 +144,11 @@ class Body:
     def __init__(self, limits: Limits) -> None:
         self._limits = limits
         self._events: list[tuple[str, Any]] = ijson.sendable_list()
-        self._parser: Any = None  # yajl's, from the first chunk: a body parsed whole needs none
+        self._parser: Any = _YAJL.basic_parse_coro(self._events)
+        self._surrogates = _Surrogates()
         self._depth = 0  # containers open: the body's object is 1, input's array 2, a sequence 3
         self._fields: dict[str, Any] = {}
-        self._key = ""
+        self._key = ""  # the field whose value comes next
         self._kind: _Kind | None = None  # what input holds, decided by its first item
         self._texts: list[str] = []
         self._chars = 0
@@ -139,12 +158,28 @@ class Body:
         self._length = 0  # ids so far in the sequence being read
 
     def feed(self, chunk: bytes) -> None:
-        if self._parser is None:
-            self._parser = _YAJL.basic_parse_coro(self._events)
+        """The body's next bytes: read up to its first fault, which is raised."""
+        lone = self._surrogates.find(chunk)
+        if lone is None:
+            self._parse(chunk)
+            return
+        end, escape = lone
+        self._parse(chunk[: max(0, end)])  # a fault before it comes first
+        raise self._lone(escape)
+
+    def _parse(self, chunk: bytes) -> None:
+        """yajl reads ``chunk``, and the events it gave are walked, those before a fault of JSON
+        too: a limit that one of them breaks comes first in the body."""
+        if not chunk:  # yajl would read it as the body's end
+            return
         try:
             self._parser.send(chunk)
-        except ijson.JSONError as error:
-            raise _not_json(error) from None
+        except (ijson.JSONError, UnicodeDecodeError) as error:
+            self._walk_parsed()
+            raise self._not_json(error) from None
+        self._walk_parsed()
+
+    def _walk_parsed(self) -> None:
         try:
             self.walk(self._events)
         finally:
@@ -166,11 +201,15 @@ class Body:
         """The whole body has been fed: the request, checked field by field; ``served`` are the model
         names this server answers to (the first is the one answers carry when the request names
         none); ``peer`` the caller's connection; ``timeout_s`` what is left of its deadline."""
+        lone = self._surrogates.find(b"", last=True)
+        if lone is not None:
+            raise self._lone(lone[1])
         try:
-            if self._parser is not None:
-                self._parser.close()
+            self._parser.close()  # a number that ends the body is only read now
         except ijson.JSONError as error:
-            raise _not_json(error) from None
+            self._walk_parsed()
+            raise self._not_json(error) from None
+        self._walk_parsed()
         if "input" not in self._fields:
             raise invalid("input: missing", "input")
         if self._too_long is not None and self._fields.get("truncate") is not True:
@@ -183,13 +222,17 @@ class Body:
         if event == "map_key":
             if len(self._fields) == MAX_FIELDS:
                 raise invalid(f"the body has more than {MAX_FIELDS} fields", None)
-            if len(value) > MAX_FIELD_CHARS or value in self._fields:
-                raise invalid(f"{value[:64]!r}: a field name given twice, or too long", None)
+            if len(value) > MAX_FIELD_CHARS:
+                raise invalid(f"{value[:64]!r}...: a field name longer than {MAX_FIELD_CHARS} characters", None)
+            if value in self._fields:
+                raise invalid(f"{value}: given twice", value)
             self._key = value
             self._fields[value] = None
-        elif event == "end_map":
+            return
+        key, self._key = self._key, ""
+        if event == "end_map":
             self._depth = 0
-        elif self._key == "input":
+        elif key == "input":
             if event == "start_array":
                 self._depth = 2
             elif event == "string":
@@ -197,11 +240,31 @@ class Body:
             else:
                 raise invalid(f"input: must be {INPUT_SHAPES}", "input")
         elif event in ("start_map", "start_array"):
-            raise invalid(f"{self._key}: an object or array is not accepted here", self._key)
+            raise invalid(f"{key}: an object or array is not accepted here", key)
         elif event == "string" and len(value) > MAX_FIELD_CHARS:
-            raise invalid(f"{self._key}: longer than {MAX_FIELD_CHARS} characters", self._key)
+            raise invalid(f"{key}: longer than {MAX_FIELD_CHARS} characters", key)
         else:
-            self._fields[self._key] = value
+            self._fields[key] = value
+
+    def _place(self) -> str | None:
+        """The field of the value being read: a text ``input[i]``, another part of input, another
+        field by its name; None for a field's name."""
+        if self._depth >= 2 or self._key == "input":
+            return f"input[{len(self._texts)}]" if self._kind in (None, _Kind.TEXTS) else "input"
+        return self._key or None
+
+    def _lone(self, escape: bytes) -> ApiError:
+        return self._not_text(f"{escape.decode()} is half a surrogate pair, alone")
+
+    def _not_json(self, error: ijson.JSONError | UnicodeDecodeError) -> ApiError:
+        if isinstance(error, UnicodeDecodeError):  # what yajl let through: overlong UTF-8, a surrogate
+            return self._not_text("not UTF-8, or half a surrogate pair alone")
+        return _not_json(error)
+
+    def _not_text(self, reason: str) -> ApiError:
+        """The string being read is not text: named by its place."""
+        place = self._place()
+        return invalid(f"{place or 'a field name'}: not text: {reason}", place)
 
     def _item(self, event: str, value: Any) -> None:
         """An event inside input's array: an item, an id, or where one begins or ends."""

@@ -102,11 +102,14 @@ class RefusalPacer:
 
 
 def rest_client(host: str) -> str:
-    """A REST client's key: its address, an IPv6 one by its /64 (what one host is usually given)."""
+    """A REST client's key: its address, an IPv6 one by its /64 (what one host is usually given), an
+    IPv4 one on a socket of both families (``::ffff:10.0.0.7``) as itself."""
     try:
         address = ipaddress.ip_address(host)
     except ValueError:
         return host
-    if address.version == 6:
+    if isinstance(address, ipaddress.IPv6Address):
+        if address.ipv4_mapped is not None:
+            return str(address.ipv4_mapped)
         return str(ipaddress.ip_network(f"{address}/64", strict=False))
     return str(address)

@@ -34,7 +34,6 @@ from __future__ import annotations
 import asyncio
 import logging
 import resource
-import socket
 import time
 from collections.abc import Callable
 from typing import Any
@@ -42,13 +41,13 @@ from typing import Any
 from aiohttp import web
 from aiohttp.web import RequestHandler
 
-from kembed import tls
+from kembed import listen, tls
 from kembed.config import Settings
 from kembed.errors import EmbedError, Failure
 from kembed.frontend import openai_api
 from kembed.frontend.budget import BODY_WEIGHT, MemoryBudget, Reservation
 from kembed.frontend.call import Limits
-from kembed.frontend.openai_api import WHOLE_BODY_BYTES, ApiError, Body, Embeddings
+from kembed.frontend.openai_api import ApiError, Body, Embeddings
 from kembed.frontend.pushback import rest_client
 from kembed.frontend.service import Gate, Service, warming_up
 from kembed.metrics import FrontendMetrics
@@ -114,7 +113,7 @@ class RestEdge:
     async def start(self) -> None:
         """Listen on the shared REST port (plaintext, or TLS only when TLS is configured)."""
         await self._runner.setup()
-        sock = _shared_socket(self._settings.grpc_host, self._settings.rest_port)
+        sock = listen.bind(self._settings.grpc_host, self._settings.rest_port, "REST", reuse_port=True)
         context = self._tls.context if self._tls else None
         await web.SockSite(self._runner, sock, ssl_context=context, backlog=self._backlog).start()
 
@@ -161,6 +160,7 @@ class RestEdge:
             if request.transport is None or request.transport.is_closing():
                 when = "before its answer" if request.content.is_eof() else "while sending its request"
                 log.info("rest: %s left %s; its call is dropped", _peer(request), when)
+                self._metrics.calls_gone.labels(api="rest").inc()
             raise
         except Exception:  # a bug: logged with its traceback, and the client still gets an answer in its API's shape
             log.exception("rest: %s %s failed", method, path)
@@ -197,6 +197,7 @@ class RestEdge:
                 error = ApiError(408, message, "invalid_request_error", None, "request_timeout")
         except (ConnectionError, web.RequestPayloadError):  # gone mid-body: nobody to answer
             log.info("rest: %s left while sending its request", _peer(request))
+            self._metrics.calls_gone.labels(api="rest").inc()
             return web.Response(status=400)
         finally:
             if reservation is not None:
@@ -220,19 +221,21 @@ class RestEdge:
             raise self._too_large()
 
     async def _read(self, request: web.BaseRequest, reservation: Reservation, deadline: float) -> Embeddings:
-        """The body, parsed as it arrives, by ``deadline``. A small one already here is parsed at
-        once; any other is fed chunk by chunk, the event loop free between chunks. The call states
-        no deadline (OpenAI's API has none): it gets the server's default for its size. Its peer is
-        the client's address, so a new connection per call does not evade its pushback."""
+        """The body, parsed as it arrives, by ``deadline``. One already here that fits a chunk is
+        read at once; any other chunk by chunk, the event loop free between chunks: the same parser
+        and the same answer either way. The call states no deadline (OpenAI's API has none): it gets
+        the server's default for its size. Its peer is the client's address, so a new connection per
+        call does not evade its pushback."""
         content, peer = request.content, f"rest:{rest_client(request.remote or '')}"
-        if content.is_eof() and content.total_bytes <= WHOLE_BODY_BYTES:
+        if content.is_eof() and content.total_bytes <= READ_CHUNK:
             return openai_api.parse(content.read_nowait(), self._served, self._limits, peer)
         reader, limit, chunked = Body(self._limits), self._settings.max_message_bytes, request.content_length is None
         async with asyncio.timeout_at(deadline) as timeout:
             self._reading.add(timeout)
             try:
                 while chunk := await content.read(READ_CHUNK):
-                    if content.total_bytes > limit:
+                    if content.total_bytes > limit:  # a fault within the limit comes first
+                        reader.feed(chunk[: len(chunk) - (content.total_bytes - limit)])
                         raise self._too_large()
                     if chunked:
                         reservation.grow(BODY_WEIGHT * len(chunk))
@@ -386,13 +389,3 @@ def raise_fd_limit() -> None:
 def _peer(request: web.BaseRequest) -> Any:
     transport = request.transport
     return transport.get_extra_info("peername") if transport is not None else request.remote
-
-
-def _shared_socket(host: str, port: int) -> socket.socket:
-    """A listening socket on ``host:port`` that every front end binds (SO_REUSEPORT): the kernel
-    spreads connections over them, as for gRPC."""
-    family = socket.AF_INET6 if ":" in host else socket.AF_INET
-    sock = socket.socket(family, socket.SOCK_STREAM, socket.IPPROTO_TCP)  # TCP: asyncio sets TCP_NODELAY
-    sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
-    sock.bind((host, port))
-    return sock
