@@ -78,7 +78,7 @@ INTERACTIVE_RESERVE = 0.125
 
 @dataclass(frozen=True)
 class Rejection:
-    reason: str  # "drain_time", "latency_shed", "latency_hard", "queue_full" or "displaced": the metric label
+    reason: str  # "drain_time", "latency_shed", "latency_hard", "queue_full", "displaced" or "deadline": the label
     retry_after_ms: int
     message: str
 
