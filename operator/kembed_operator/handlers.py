@@ -104,11 +104,16 @@ async def _wake_job(namespace: str | None, labels: Mapping[str, str], event: kop
 
 
 def _on_owned(owner: Kind, namespace: str | None, labels: Mapping[str, str], event: kopf.RawEvent) -> None:
-    """An owned object's event wakes its owner's loop; one that kopf listed (type None: a watch
-    started over) also asks for an audit of the indexes, which kopf does not diff against a list."""
+    """An owned object's event wakes its owner's loop."""
+    _relisted(event)
+    _wake(owner, namespace, labels.get(identity.LABEL_INSTANCE, ""))
+
+
+def _relisted(event: kopf.RawEvent) -> None:
+    """An object kopf listed (type None: a watch started over, maybe after a gap) asks for an audit
+    of the indexes, which kopf does not compare with its list."""
     if event["type"] is None:
         audit.relisted()
-    _wake(owner, namespace, labels.get(identity.LABEL_INSTANCE, ""))
 
 
 for _kind in kinds.CHILDREN:
@@ -126,8 +131,9 @@ kopf.index(*EJ, id="jobs_by_service")(_index_job_by_service)
 
 
 @kopf.on.event(*ES)
-async def wake_on_service_change(namespace: str | None, name: str, **kwargs: Any) -> None:
+async def wake_on_service_change(namespace: str | None, name: str, event: kopf.RawEvent, **kwargs: Any) -> None:
     """A spec change (or a status someone else wrote): wake its loop, and the jobs that call it."""
+    _relisted(event)
     _wake(kinds.EMBEDDING_SERVICE, namespace, name)
     jobs: kopf.Index[Any, str] = kwargs["jobs_by_service"]
     for job in jobs.get((namespace, name), []):
@@ -135,7 +141,8 @@ async def wake_on_service_change(namespace: str | None, name: str, **kwargs: Any
 
 
 @kopf.on.event(*EJ)
-async def wake_on_job_change(namespace: str | None, name: str, **_: Any) -> None:
+async def wake_on_job_change(namespace: str | None, name: str, event: kopf.RawEvent, **_: Any) -> None:
+    _relisted(event)
     _wake(kinds.EMBEDDING_JOB, namespace, name)
 
 

@@ -28,9 +28,11 @@ from tests.operator.faults import Faults, FaultyEmulator
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 CHILD_PLURALS = (DEPLOYMENTS, SERVICES, PDBS, HPAS, SCALED_OBJECTS)
 BAD_DAY = Faults(write_share=0.3, lost_answer_share=0.1, delay_s=0.02, watch_lifetime_s=4.0, gone_share=0.3)
-# Watches cut and expired on and on (every resumed one answered 410 Gone: a re-list each), writes healthy.
-RELISTING = Faults(watch_lifetime_s=BAD_DAY.watch_lifetime_s, gone_share=1.0)
+# Watches cut every 2-4 s and half of them expired (kopf watches from the resourceVersion of its
+# list too, so a share of 1 would expire every watch for good), writes healthy.
+RELISTING = Faults(watch_lifetime_s=BAD_DAY.watch_lifetime_s, gone_share=0.5)
 AT_REST_RELISTS = 40  # the window at rest, counted in the operator's re-lists instead of seconds
+SETTLED_RELISTS = 10  # a window with no write: at rest
 FRESH = 12  # resources created at once under the faults (12 did not converge in 150 s before)
 CONVERGE_TIMEOUT_S = 180.0  # a hang guard: the time it took (about 10 s here) is printed, not asserted
 PEERING_LIFETIME_S = 6  # a dead leader's lease lapses this fast here (60 s by default)
@@ -190,18 +192,23 @@ def test_a_failed_repair_is_retried_without_another_event(
 WITH_KEDA = {DEPLOYMENTS, SERVICES, PDBS, SCALED_OBJECTS}
 
 
-def delete_in_a_watch_gap(kube: Kube, faulty: FaultyEmulator, plural: str, name: str, during: Faults) -> str:
-    """Delete a child while the operator's watches of its kind are down (with the faults ``during``),
-    then let them resume: each is answered 410 Gone, so kopf re-lists and hears nothing of the
-    deletion. Returns the deleted child's uid."""
-    child = kube.child(plural, name)
-    assert child is not None
+def in_a_watch_gap(faulty: FaultyEmulator, plural: str, during: Faults, change: Callable[[], object]) -> None:
+    """Make ``change`` while the operator's watches of ``plural`` are down (with the faults ``during``),
+    then let them resume: each is answered 410 Gone, so kopf re-lists and hears nothing of what
+    ``change`` deleted."""
     faulty.faults, held = dataclasses.replace(during, gap=(plural.split("/")[-1],)), faulty.injected["watch held"]
     # A new watch held means the one before it has ended: from here on, kopf hears nothing of the kind.
     wait_for(f"the watch of {plural} down", lambda: faulty.injected["watch held"] > held)
-    kube.delete_child(plural, name)
+    change()
     expired, faulty.faults = faulty.injected["410"], during
     wait_for("the held watch expired (kopf re-lists)", lambda: faulty.injected["410"] > expired)
+
+
+def delete_in_a_watch_gap(kube: Kube, faulty: FaultyEmulator, plural: str, name: str, during: Faults) -> str:
+    """Delete a child by hand in a watch gap; returns its uid."""
+    child = kube.child(plural, name)
+    assert child is not None
+    in_a_watch_gap(faulty, plural, during, lambda: kube.delete_child(plural, name))
     return str(child["metadata"]["uid"])
 
 
@@ -225,17 +232,25 @@ def writes_over_relists(emulator: EmulatorThread, faulty: FaultyEmulator, relist
 def assert_quiet_while_relisting(emulator: EmulatorThread, faulty: FaultyEmulator) -> None:
     """Under :data:`RELISTING`, once settled: every re-list wakes the loops and has the indexes
     audited against the API server, and none of it may write."""
-    wait_for("the operator at rest", lambda: writes_over_relists(emulator, faulty, 3) == [], timeout=CONVERGE_TIMEOUT_S)
+    wait_for(
+        "the operator at rest",
+        lambda: writes_over_relists(emulator, faulty, SETTLED_RELISTS) == [],
+        timeout=CONVERGE_TIMEOUT_S,
+    )
+    started, audited = time.monotonic(), audits(emulator)
     assert writes_over_relists(emulator, faulty, AT_REST_RELISTS) == []
+    elapsed, lists = time.monotonic() - started, audits(emulator) - audited
+    print(f"at rest: 0 writes over {AT_REST_RELISTS} re-lists ({elapsed:.1f} s, {lists} audit lists)")
 
 
-def audits(emulator: EmulatorThread, plural: str) -> int:
-    """The operator's audit lists of ``plural``: kopf lists whole objects, the audit their metadata."""
+def audits(emulator: EmulatorThread, plural: str = "") -> int:
+    """The operator's audit lists (of ``plural``, else of every kind): kopf lists whole objects, the
+    audit their metadata."""
     return sum(
         1
         for request in cluster.operator_requests(emulator.requests())
         if request.resource is not None
-        and request.resource.plural == plural.split("/")[-1]
+        and request.resource.plural == (plural.split("/")[-1] or request.resource.plural)
         and request.action is not None
         and request.action.name == "LIST"
         and "PartialObjectMetadataList" in request.headers.get("Accept", "")
@@ -272,6 +287,24 @@ def test_a_child_deleted_in_a_watch_gap_comes_back_after_an_empty_re_list(
     # periodic audit, 30 s after that one, can find the deletion (the gap's own re-list finds nothing).
     wait_for("a first audit of the ScaledObject", lambda: audits(emulator, SCALED_OBJECTS) >= 1)
     made_again(kube, SCALED_OBJECTS, "lone", delete_in_a_watch_gap(kube, faulty, SCALED_OBJECTS, "lone", Faults()))
+
+
+def test_what_the_operator_deleted_in_a_watch_gap_is_not_deleted_again(
+    kube: Kube, emulator: EmulatorThread, faulty: FaultyEmulator, operators: StartOperator
+) -> None:
+    """The HPA deleted by the operator itself (autoscaling turned off) while the HPAs' watch is down:
+    kopf's index keeps it, and every reconcile would delete it again (a 404) and post an Event."""
+    operators()
+    kube.create_es("shrunk", maxReplicas=2, resources={"gpu": 0})
+    wait_for("shrunk converged", lambda: converged(kube, "shrunk", WITH_HPA))
+
+    def turn_autoscaling_off() -> None:
+        kube.patch_es("shrunk", {"autoscaling": {"enabled": False}})
+        wait_for("the HPA deleted", lambda: kube.child(HPAS, "shrunk") is None)
+
+    in_a_watch_gap(faulty, HPAS, RELISTING, turn_autoscaling_off)
+    wait_for("shrunk converged", lambda: converged(kube, "shrunk", FIXED), timeout=CONVERGE_TIMEOUT_S)
+    assert_quiet_while_relisting(emulator, faulty)
 
 
 def test_status_says_degraded_while_children_cannot_be_written(
