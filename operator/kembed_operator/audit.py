@@ -24,7 +24,7 @@ from typing import Any
 from kembed_operator import kube
 from kembed_operator.kinds import Kind, Manifest
 
-AUDIT_S = 30.0  # for a re-list that came back empty; a re-list with objects in it is audited at once
+AUDIT_S = 30.0  # for a re-list that came back empty; one with objects in it is audited SETTLE_S after
 SETTLE_S = 1.0  # a re-list sends one event per object: one audit for the lot
 _GONE: set[str] = set()  # uids the indexes hold that the API server deleted (uids are never reused)
 _RELISTED = asyncio.Event()
@@ -57,6 +57,8 @@ def relisted() -> None:
 
 @dataclass(frozen=True)
 class Auditor:
+    """Audits the kinds it watches for as long as :meth:`run` runs."""
+
     watched: list[Watched]
     client: kube.KubeClient
     clusterwide: bool  # one list per kind for every namespace, else one per namespace audited
