@@ -10,6 +10,8 @@ keeps its state in memory: it reconciles, and after a failure of any kind it tri
 own timer with exponential backoff. Events only wake it: an EmbeddingService's loop wakes on its
 own events and its children's; an EmbeddingJob's on its own, its Job's and its pods', and its
 service's. Watches carry label selectors, so the API server sends only the operator's own objects.
+Reconciles read kopf's indexes, which an audit checks against the API server after kopf re-lists
+(audit.py: kopf keeps what was deleted while a watch was down).
 kopf puts a finalizer on every resource for this, so that it can stop the daemon before the
 resource goes; deleting one therefore needs a running operator. Deleting an EmbeddingJob also
 deletes its Job, and with it the Job's pods.
@@ -21,15 +23,16 @@ import asyncio
 import copy
 import logging
 import random
-from collections.abc import Callable, Iterable, Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 import kopf
 
-from kembed_operator import identity, job_render, job_status, kinds, kube
+from kembed_operator import audit, identity, job_render, job_status, kinds, kube
 from kembed_operator.config import OperatorConfig
 from kembed_operator.job_reconcile import reconcile_job
 from kembed_operator.kinds import Kind, Manifest
+from kembed_operator.kube import selector
 from kembed_operator.reconcile import Client, ReconcileResult, owned, reconcile
 from kembed_operator.render import Owner
 
@@ -37,8 +40,8 @@ CONFIG = OperatorConfig.from_env()
 ES = (kinds.EMBEDDING_SERVICE.group, kinds.EMBEDDING_SERVICE.version, kinds.EMBEDDING_SERVICE.plural)
 EJ = (kinds.EMBEDDING_JOB.group, kinds.EMBEDDING_JOB.version, kinds.EMBEDDING_JOB.plural)
 MAX_BACKOFF_S = 30.0
-# Reads come from kopf's index; a resync reads the server itself, in case the index kept an object
-# that vanished while a watch was being re-listed (kopf does not drop those).
+# Reads come from kopf's index, audited against the server (audit.py); a resync reads the server
+# itself now and then, against whatever else could leave the index behind.
 RESYNC_S = 600.0
 # After a wake-up, let the burst of events behind it (our own writes echoing back) reach the
 # indexes first: one reconcile for the burst, reading an index that has caught up.
@@ -67,10 +70,6 @@ def configure(settings: kopf.OperatorSettings, **_: Any) -> None:
     kube.connect()
 
 
-def selector(labels: Mapping[str, str]) -> str:
-    return ",".join(f"{key}={value}" for key, value in sorted(labels.items()))
-
-
 def index_id(kind: Kind) -> str:
     """The keyword under which kopf passes the index of one kind."""
     return f"{kind.plural}_index"
@@ -96,12 +95,25 @@ def _index_job_by_service(namespace: str | None, name: str, spec: kopf.Spec, **_
     return {(namespace, spec.get("service", "")): name}
 
 
-async def _wake_service(namespace: str | None, labels: Mapping[str, str], **_: Any) -> None:
-    _wake(kinds.EMBEDDING_SERVICE, namespace, labels.get(identity.LABEL_INSTANCE, ""))
+async def _wake_service(namespace: str | None, labels: Mapping[str, str], event: kopf.RawEvent, **_: Any) -> None:
+    _on_owned(kinds.EMBEDDING_SERVICE, namespace, labels, event)
 
 
-async def _wake_job(namespace: str | None, labels: Mapping[str, str], **_: Any) -> None:
-    _wake(kinds.EMBEDDING_JOB, namespace, labels.get(identity.LABEL_INSTANCE, ""))
+async def _wake_job(namespace: str | None, labels: Mapping[str, str], event: kopf.RawEvent, **_: Any) -> None:
+    _on_owned(kinds.EMBEDDING_JOB, namespace, labels, event)
+
+
+def _on_owned(owner: Kind, namespace: str | None, labels: Mapping[str, str], event: kopf.RawEvent) -> None:
+    """An owned object's event wakes its owner's loop."""
+    _relisted(event)
+    _wake(owner, namespace, labels.get(identity.LABEL_INSTANCE, ""))
+
+
+def _relisted(event: kopf.RawEvent) -> None:
+    """An object kopf listed (type None: a watch started over, maybe after a gap) asks for an audit
+    of the indexes, which kopf does not compare with its list."""
+    if event["type"] is None:
+        audit.relisted()
 
 
 for _kind in kinds.CHILDREN:
@@ -119,8 +131,9 @@ kopf.index(*EJ, id="jobs_by_service")(_index_job_by_service)
 
 
 @kopf.on.event(*ES)
-async def wake_on_service_change(namespace: str | None, name: str, **kwargs: Any) -> None:
+async def wake_on_service_change(namespace: str | None, name: str, event: kopf.RawEvent, **kwargs: Any) -> None:
     """A spec change (or a status someone else wrote): wake its loop, and the jobs that call it."""
+    _relisted(event)
     _wake(kinds.EMBEDDING_SERVICE, namespace, name)
     jobs: kopf.Index[Any, str] = kwargs["jobs_by_service"]
     for job in jobs.get((namespace, name), []):
@@ -128,7 +141,8 @@ async def wake_on_service_change(namespace: str | None, name: str, **kwargs: Any
 
 
 @kopf.on.event(*EJ)
-async def wake_on_job_change(namespace: str | None, name: str, **_: Any) -> None:
+async def wake_on_job_change(namespace: str | None, name: str, event: kopf.RawEvent, **_: Any) -> None:
+    _relisted(event)
     _wake(kinds.EMBEDDING_JOB, namespace, name)
 
 
@@ -138,6 +152,24 @@ def _wake(kind: Kind, namespace: str | None, name: str) -> None:
         event.set()
 
 
+def _runs_here(kind: Kind, namespace: str, name: str) -> bool:
+    return (kind.plural, namespace, name) in _WAKEUPS
+
+
+@kopf.on.startup()
+async def start_audit(settings: kopf.OperatorSettings, memo: kopf.Memo, **kwargs: Any) -> None:
+    """Audit the indexes of owned objects against the API server for as long as the operator runs."""
+    services = [audit.Watched(k, kwargs[index_id(k)], OUR_CHILDREN, kinds.EMBEDDING_SERVICE) for k in kinds.CHILDREN]
+    jobs = [audit.Watched(k, kwargs[index_id(k)], OUR_JOBS, kinds.EMBEDDING_JOB) for k in (kinds.JOB, kinds.POD)]
+    auditor = audit.Auditor([*services, *jobs], API, settings.peering.clusterwide, _runs_here, _wake)
+    memo.audit = asyncio.create_task(auditor.run())
+
+
+@kopf.on.cleanup()
+async def stop_audit(memo: kopf.Memo, **_: Any) -> None:
+    memo.audit.cancel()
+
+
 class IndexedClient(kube.KubeClient):
     """Reads served from kopf's watch-fed indexes (a reconcile on an event costs no GET); writes as usual."""
 
@@ -145,12 +177,11 @@ class IndexedClient(kube.KubeClient):
         self._indexes = indexes
 
     def get(self, kind: Kind, namespace: str, name: str) -> Manifest | None:
-        store: Iterable[Manifest] = self._indexes[kind].get((namespace, name), [])
-        return next(iter(store), None)
+        return next(audit.live(self._indexes[kind].get((namespace, name), [])), None)
 
     def select(self, kind: Kind, namespace: str, labels: Mapping[str, str]) -> list[Manifest]:
         """The objects an owner's instance label names (the only selection a reconcile makes)."""
-        return list(self._indexes[kind].get((namespace, labels[identity.LABEL_INSTANCE]), []))
+        return list(audit.live(self._indexes[kind].get((namespace, labels[identity.LABEL_INSTANCE]), [])))
 
 
 @kopf.daemon(*ES)

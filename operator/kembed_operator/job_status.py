@@ -206,6 +206,7 @@ def trimmed(pod: Manifest) -> Manifest:
     return {
         "metadata": {
             "name": meta.get("name", ""),
+            "uid": meta.get("uid", ""),  # what tells a pod the indexes keep after its deletion was missed
             "annotations": {} if index is None else {INDEX_ANNOTATION: index},
             "ownerReferences": [{"uid": ref.get("uid")} for ref in meta.get("ownerReferences", [])],
         },

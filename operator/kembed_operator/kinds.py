@@ -24,8 +24,10 @@ class Kind:
         return f"{self.group}/{self.version}" if self.group else self.version
 
     def path(self, namespace: str, name: str = "", subresource: str = "") -> str:
+        """The API path of an object, or of the collection in ``namespace`` (every namespace when empty)."""
         root = f"/apis/{self.group}/{self.version}" if self.group else f"/api/{self.version}"
-        return "/".join(part for part in (root, "namespaces", namespace, self.plural, name, subresource) if part)
+        scope = f"namespaces/{namespace}" if namespace else ""
+        return "/".join(part for part in (root, scope, self.plural, name, subresource) if part)
 
 
 DEPLOYMENT: Final = Kind("apps", "v1", "deployments", "Deployment")

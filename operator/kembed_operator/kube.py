@@ -21,6 +21,9 @@ from kembed_operator import identity, permissions
 from kembed_operator.kinds import Kind, Manifest
 
 _MANAGER = ("fieldManager", identity.FIELD_MANAGER)
+# A list of PartialObjectMetadata (what kubectl and controller-runtime's metadata informers ask for),
+# plain JSON from a server that cannot.
+_METADATA_ONLY = "application/json;as=PartialObjectMetadataList;g=meta.k8s.io;v=v1,application/json"
 # (connect, read) seconds: a hung request fails and is retried instead of stalling its reconcile loop.
 REQUEST_TIMEOUT_S = (5.0, 30.0)
 
@@ -89,15 +92,26 @@ class KubeClient:
 
     def select(self, kind: Kind, namespace: str, labels: Mapping[str, str]) -> list[Manifest]:
         """The objects of ``kind`` in ``namespace`` that carry every one of ``labels``."""
-        selector = ",".join(f"{key}={value}" for key, value in sorted(labels.items()))
-        items = _call("list", kind, "GET", kind.path(namespace), query=[("labelSelector", selector)])["items"]
+        items = _call("list", kind, "GET", kind.path(namespace), query=[("labelSelector", selector(labels))])["items"]
         return [item for item in items if labels.items() <= item.get("metadata", {}).get("labels", {}).items()]
+
+    def uids(self, kind: Kind, namespace: str, labels: Mapping[str, str]) -> set[str]:
+        """The uids of the objects of ``kind`` carrying ``labels``, in ``namespace`` (every namespace
+        when empty): a consistent list, of the objects' metadata only."""
+        query = [("labelSelector", selector(labels))]
+        listed = _call("list", kind, "GET", kind.path(namespace), query=query, accept=_METADATA_ONLY)
+        return {item["metadata"]["uid"] for item in listed["items"]}
 
     def patch_status(self, kind: Kind, namespace: str, name: str, status: Manifest) -> Manifest:
         path = kind.path(namespace, name, "status")
         body = {"status": status}
         content_type = "application/merge-patch+json"
         return _call("patch", kind, "PATCH", path, body=body, content_type=content_type, subresource="status")
+
+
+def selector(labels: Mapping[str, str]) -> str:
+    """A label selector asking for every one of ``labels``."""
+    return ",".join(f"{key}={value}" for key, value in sorted(labels.items()))
 
 
 def _call(
@@ -110,12 +124,13 @@ def _call(
     content_type: str = "application/json",
     query: list[tuple[str, str]] | None = None,
     subresource: str = "",
+    accept: str = "application/json",
 ) -> Manifest:
     resource = f"{res.plural}/{subresource}" if subresource else res.plural
     if not permissions.allows(res.group, resource, verb):
         raise PermissionError(f"{verb} {res.group}/{resource} is not in kembed_operator.permissions.IN_NAMESPACE")
     api = _client()
-    headers = {"Accept": "application/json", "Content-Type": content_type}
+    headers = {"Accept": accept, "Content-Type": content_type}
     request = api.param_serialize(
         method=method,
         resource_path=path,

@@ -24,8 +24,8 @@ def _rule(group: str, resource: str, *verbs: str) -> Rule:
 
 
 # Children: kopf lists and watches them (its index is what a reconcile reads); the operator reads
-# them again after a failure or on a resync, creates, applies and deletes them (an autoscaler a spec
-# no longer asks for, a Service whose type changed).
+# them again after a failure or on a resync, lists them to audit the index (audit.py), creates,
+# applies and deletes them (an autoscaler a spec no longer asks for, a Service whose type changed).
 _CHILD = ("get", "list", "watch", "create", "patch", "delete")
 _ES, _EJ, _JOB, _POD = kinds.EMBEDDING_SERVICE, kinds.EMBEDDING_JOB, kinds.JOB, kinds.POD
 _PEERING = ("get", "list", "watch", "patch")
@@ -40,7 +40,8 @@ IN_NAMESPACE: Final = (
     _rule(_EJ.group, f"{_EJ.plural}/status", "patch"),
     *(_rule(kind.group, kind.plural, *_CHILD) for kind in kinds.CHILDREN),
     # An EmbeddingJob's Job is made once and never changed (its pod template is immutable), and
-    # deleted with it; its pods are only read (watched by label) for their termination messages.
+    # deleted with it; its pods are only read (watched by label, listed by the audit) for their
+    # termination messages.
     _rule(_JOB.group, _JOB.plural, "get", "list", "watch", "create", "delete"),
     _rule(_POD.group, _POD.plural, "list", "watch"),
     # kopf: events for `kubectl describe`.

@@ -45,6 +45,11 @@ def operator_calls(requests: Iterable[rendering.Request]) -> list[tuple[str, str
     return calls
 
 
+def operator_writes(requests: Iterable[rendering.Request]) -> list[tuple[str, str, str]]:
+    """The operator's writes, as :func:`operator_calls`, kopf's leader-election keepalive aside."""
+    return [call for call in operator_calls(requests) if call[2] in WRITES and call[1] != PEERING]
+
+
 class Kube:
     """The official client's APIs, reading and writing plain dicts; ``plural`` as in a path, e.g.
     ``apps/v1/deployments``."""

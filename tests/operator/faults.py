@@ -1,5 +1,5 @@
 """The stamping emulator on a bad day: failed writes, lost answers, slow answers, watches that end
-and expire.
+and expire, and watch gaps (a resource's watches down while something changes, then expired).
 
 Faults hit every client but the tests' own (told apart by their User-Agent), so a test can always
 see the truth. They are set at run time (``emulator.faults = Faults(...)``) and counted in
@@ -32,6 +32,9 @@ class Faults:
     delay_s: float = 0.0  # added to every answer
     watch_lifetime_s: float = 0.0  # watch streams end after 0.5-1x this (0: never)
     gone_share: float = 0.0  # share of resumed watches (with a resourceVersion) answered 410 Gone
+    # Plurals whose watches are down: open ones end, new ones wait for the gap to close and are then
+    # answered 410 Gone, so the client re-lists and hears of nothing that happened in between.
+    gap: tuple[str, ...] = ()
     # kopf exits when its leader-election keepalive fails (in a cluster the pod restarts; the
     # SIGKILL test covers that), which would end a test instead of exercising the operator.
     spared: tuple[str, ...] = ("clusterkopfpeerings",)
@@ -77,7 +80,14 @@ class FaultyEmulator(StampingEmulator):
             async for item in super()._serve_watch(request):
                 yield item
             return
-        if request.params.get("resourceVersion") and self._rng.random() < faults.gone_share:
+        plural = request.resource.plural if request.resource is not None else None
+        gapped = plural in faults.gap
+        if gapped:  # the headers now, the rest once the gap closes
+            yield b""
+            self.injected["watch held"] += 1
+            while plural in self.faults.gap:  # noqa: ASYNC110 (faults are set from the test's thread)
+                await asyncio.sleep(0.1)
+        if request.params.get("resourceVersion") and (gapped or self._rng.random() < faults.gone_share):
             self.injected["410"] += 1
             yield b""
             yield {"type": "ERROR", "object": {"kind": "Status", "code": 410, "reason": "Expired"}}
@@ -91,12 +101,12 @@ class FaultyEmulator(StampingEmulator):
             while True:
                 if deadline is None and self.faults.watch_lifetime_s:  # faults may start mid-stream
                     deadline = loop.time() + self.faults.watch_lifetime_s * self._rng.uniform(0.5, 1.0)
-                try:
-                    item = await asyncio.wait_for(queue.get(), 1.0 if deadline is None else deadline - loop.time())
+                if (deadline is not None and loop.time() >= deadline) or plural in self.faults.gap:
+                    self.injected["watch ended"] += 1
+                    return
+                try:  # a short wait, so that a gap opening ends the stream at once
+                    item = await asyncio.wait_for(queue.get(), 0.2)
                 except TimeoutError:
-                    if deadline is not None and loop.time() >= deadline:
-                        self.injected["watch ended"] += 1
-                        return
                     continue
                 if item is None:
                     return

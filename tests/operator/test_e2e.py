@@ -22,13 +22,12 @@ from tests.operator.cluster import (
     DEPLOYMENTS,
     HPAS,
     PDBS,
-    PEERING,
     SCALED_OBJECTS,
     SERVICES,
-    WRITES,
     Kube,
     condition,
     operator_calls,
+    operator_writes,
 )
 from tests.operator.conftest import PROMETHEUS_URL, wait_for
 from tests.operator.emulator import EmulatorThread
@@ -244,15 +243,11 @@ def test_deleting_a_resource_waits_only_for_its_loop_to_stop(kube: Kube) -> None
 QUIET_S = 20.0
 
 
-def _writes(calls: list[tuple[str, str, str]]) -> list[tuple[str, str, str]]:
-    return [call for call in calls if call[2] in WRITES and call[1] != PEERING]
-
-
 def _writes_over(emulator: EmulatorThread, seconds: float) -> list[tuple[str, str, str]]:
     """The operator's writes (leader election's keepalive aside) during the next ``seconds``."""
     mark = len(emulator.requests())
     time.sleep(seconds)
-    return _writes(operator_calls(emulator.requests()[mark:]))
+    return operator_writes(emulator.requests()[mark:])
 
 
 def _selected(service: dict[str, Any] | None) -> str:
@@ -274,9 +269,9 @@ def test_quiet_at_rest_and_reads_per_reconcile(kube: Kube, emulator: EmulatorThr
     kube.patch_child(SERVICES, "quiet", {"spec": {"selector": {identity.LABEL_INSTANCE: "other"}}})
     wait_for("the selector restored", lambda: _selected(kube.child(SERVICES, "quiet")) == "quiet")
     time.sleep(2)  # the echoes of the repair: more reconciles, no more writes
-    calls = [call for call in operator_calls(emulator.requests()[mark:]) if call[1] != PEERING]
-    assert sorted(_writes(calls)) == [("", "events", "create"), ("", "services", "patch")]  # the apply, its Event
-    assert [call for call in calls if call[2] == "get"] == []
+    requests = emulator.requests()[mark:]
+    assert sorted(operator_writes(requests)) == [("", "events", "create"), ("", "services", "patch")]  # apply, Event
+    assert [call for call in operator_calls(requests) if call[2] == "get"] == []
 
 
 def test_operator_health_endpoint(kube: Kube, health_url: str) -> None:

@@ -1,13 +1,15 @@
 """The operator on a bad day: real `kopf run` processes against the fault-injecting emulator.
 
 30% of the operator's writes fail (409, 500, 503, 429 with Retry-After), answers are slow, watches
-end every few seconds and resumed watches expire (410 Gone, so kopf re-lists). Also SIGKILL in the
-middle of a reconcile, and two replicas with peering. The tests' own calls are never faulted.
+end every few seconds and resumed watches expire (410 Gone, so kopf re-lists). Also a deletion in a
+watch gap, SIGKILL in the middle of a reconcile, and two replicas with peering. The tests' own calls
+are never faulted.
 """
 
 from __future__ import annotations
 
 import collections
+import dataclasses
 import signal
 import subprocess
 import time
@@ -17,6 +19,7 @@ from pathlib import Path
 import pytest
 from kubernetes import client
 
+from tests.operator import cluster
 from tests.operator.cluster import DEPLOYMENTS, HPAS, PDBS, SCALED_OBJECTS, SERVICES, Kube, condition
 from tests.operator.conftest import RESOURCES, start_operator, stop, wait_for
 from tests.operator.emulator import EmulatorThread
@@ -25,6 +28,11 @@ from tests.operator.faults import Faults, FaultyEmulator
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 CHILD_PLURALS = (DEPLOYMENTS, SERVICES, PDBS, HPAS, SCALED_OBJECTS)
 BAD_DAY = Faults(write_share=0.3, lost_answer_share=0.1, delay_s=0.02, watch_lifetime_s=4.0, gone_share=0.3)
+# Watches cut every 2-4 s and half of them expired (kopf watches from the resourceVersion of its
+# list too, so a share of 1 would expire every watch for good), writes healthy.
+RELISTING = Faults(watch_lifetime_s=BAD_DAY.watch_lifetime_s, gone_share=0.5)
+AT_REST_RELISTS = 40  # the window at rest, counted in the operator's re-lists instead of seconds
+SETTLED_RELISTS = 10  # a window with no write: at rest
 FRESH = 12  # resources created at once under the faults (12 did not converge in 150 s before)
 CONVERGE_TIMEOUT_S = 180.0  # a hang guard: the time it took (about 10 s here) is printed, not asserted
 PEERING_LIFETIME_S = 6  # a dead leader's lease lapses this fast here (60 s by default)
@@ -117,7 +125,7 @@ FIXED = {DEPLOYMENTS, SERVICES, PDBS}
 
 
 def test_converges_through_write_errors_and_dropped_watches(
-    kube: Kube, faulty: FaultyEmulator, operators: StartOperator
+    kube: Kube, emulator: EmulatorThread, faulty: FaultyEmulator, operators: StartOperator
 ) -> None:
     operators()
     kube.create_es("steady", maxReplicas=2, resources={"gpu": 0})
@@ -157,6 +165,9 @@ def test_converges_through_write_errors_and_dropped_watches(
     # The faults this claims to survive did happen.
     assert write_errors(injected) >= 20, injected
     assert injected["watch ended"] >= 3 and injected["410"] >= 1 and injected["lost answer"] >= 1, injected
+    # Then at rest, the watches still expiring: what the faults left in kopf's indexes writes nothing.
+    faulty.faults = RELISTING
+    assert_quiet_while_relisting(emulator, faulty)
 
 
 def one_converged(kube: Kube, operators: StartOperator, name: str) -> None:
@@ -176,6 +187,124 @@ def test_a_failed_repair_is_retried_without_another_event(
     wait_for("the repair to fail twice", lambda: write_errors(faulty.injected) >= before + 2)
     faulty.faults = Faults()
     wait_for("the Service back, on the retry timer", lambda: kube.child(SERVICES, "lonely"), timeout=CONVERGE_TIMEOUT_S)
+
+
+WITH_KEDA = {DEPLOYMENTS, SERVICES, PDBS, SCALED_OBJECTS}
+
+
+def in_a_watch_gap(faulty: FaultyEmulator, plural: str, during: Faults, change: Callable[[], object]) -> None:
+    """Make ``change`` while the operator's watches of ``plural`` are down (with the faults ``during``),
+    then let them resume: each is answered 410 Gone, so kopf re-lists and hears nothing of what
+    ``change`` deleted."""
+    faulty.faults, held = dataclasses.replace(during, gap=(plural.split("/")[-1],)), faulty.injected["watch held"]
+    # A new watch held means the one before it has ended: from here on, kopf hears nothing of the kind.
+    wait_for(f"the watch of {plural} down", lambda: faulty.injected["watch held"] > held)
+    change()
+    expired, faulty.faults = faulty.injected["410"], during
+    wait_for("the held watch expired (kopf re-lists)", lambda: faulty.injected["410"] > expired)
+
+
+def delete_in_a_watch_gap(kube: Kube, faulty: FaultyEmulator, plural: str, name: str, during: Faults) -> str:
+    """Delete a child by hand in a watch gap; returns its uid."""
+    child = kube.child(plural, name)
+    assert child is not None
+    in_a_watch_gap(faulty, plural, during, lambda: kube.delete_child(plural, name))
+    return str(child["metadata"]["uid"])
+
+
+def made_again(kube: Kube, plural: str, name: str, uid: str) -> None:
+    relisted = time.monotonic()
+    wait_for(
+        f"{plural}/{name} made again",
+        lambda: (made := kube.child(plural, name)) and made["metadata"]["uid"] != uid,
+        timeout=CONVERGE_TIMEOUT_S,  # a hang guard: before the audit, the resync 540-660 s later made it
+    )
+    print(f"{plural}/{name}, deleted in a watch gap, made again {time.monotonic() - relisted:.1f} s after the re-list")
+
+
+def writes_over_relists(emulator: EmulatorThread, faulty: FaultyEmulator, relists: int) -> list[tuple[str, str, str]]:
+    """The operator's writes (the leader election's keepalive aside) while its watches re-list ``relists`` times."""
+    mark, expired = len(emulator.requests()), faulty.injected["410"]
+    wait_for(f"{relists} re-lists", lambda: faulty.injected["410"] >= expired + relists)
+    return cluster.operator_writes(emulator.requests()[mark:])
+
+
+def assert_quiet_while_relisting(emulator: EmulatorThread, faulty: FaultyEmulator) -> None:
+    """Under :data:`RELISTING`, once settled: every re-list wakes the loops and has the indexes
+    audited against the API server, and none of it may write."""
+    wait_for(
+        "the operator at rest",
+        lambda: writes_over_relists(emulator, faulty, SETTLED_RELISTS) == [],
+        timeout=CONVERGE_TIMEOUT_S,
+    )
+    started, audited = time.monotonic(), audits(emulator)
+    assert writes_over_relists(emulator, faulty, AT_REST_RELISTS) == []
+    elapsed, lists = time.monotonic() - started, audits(emulator) - audited
+    print(f"at rest: 0 writes over {AT_REST_RELISTS} re-lists ({elapsed:.1f} s, {lists} audit lists)")
+
+
+def audits(emulator: EmulatorThread, plural: str = "") -> int:
+    """The operator's audit lists (of ``plural``, else of every kind): kopf lists whole objects, the
+    audit their metadata."""
+    return sum(
+        1
+        for request in cluster.operator_requests(emulator.requests())
+        if request.resource is not None
+        and request.resource.plural == (plural.split("/")[-1] or request.resource.plural)
+        and request.action is not None
+        and request.action.name == "LIST"
+        and "PartialObjectMetadataList" in request.headers.get("Accept", "")
+    )
+
+
+def test_a_child_deleted_in_a_watch_gap_comes_back_and_then_all_stays_quiet(
+    kube: Kube, emulator: EmulatorThread, faulty: FaultyEmulator, operators: StartOperator
+) -> None:
+    """Issue 34's case: a Deployment deleted by hand in a gap of the Deployments' watch, under the bad
+    day's faults. kopf's re-list finds the witness's Deployment, and asks for an audit by it."""
+    operators()
+    for name in ("gapped", "witness"):
+        kube.create_es(name, resources={"gpu": 0})
+        wait_for(f"{name} converged", lambda name=name: converged(kube, name, FIXED))  # type: ignore[misc]
+    made_again(kube, DEPLOYMENTS, "gapped", delete_in_a_watch_gap(kube, faulty, DEPLOYMENTS, "gapped", BAD_DAY))
+
+    faulty.faults = RELISTING
+    wait_for("gapped converged", lambda: converged(kube, "gapped", FIXED), timeout=CONVERGE_TIMEOUT_S)
+    assert_quiet_while_relisting(emulator, faulty)
+    assert converged(kube, "gapped", FIXED) and converged(kube, "witness", FIXED)
+
+
+def test_a_child_deleted_in_a_watch_gap_comes_back_after_an_empty_re_list(
+    kube: Kube, emulator: EmulatorThread, faulty: FaultyEmulator, operators: StartOperator
+) -> None:
+    """The only ScaledObject deleted in the gap: the re-list finds none, so no event follows it at all."""
+    operators()
+    keda = {"provider": "keda", "keda": {"serverAddress": "http://prom:9090"}}
+    kube.create_es("lone", maxReplicas=2, resources={"gpu": 0}, autoscaling=keda)
+    wait_for("lone converged", lambda: converged(kube, "lone", WITH_KEDA))
+    assert [o["metadata"]["name"] for o in kube.children(SCALED_OBJECTS)] == ["lone"]
+    # After a first audit of the ScaledObject, with no fault that makes kopf re-list: nothing but the
+    # periodic audit, 30 s after that one, can find the deletion (the gap's own re-list finds nothing).
+    wait_for("a first audit of the ScaledObject", lambda: audits(emulator, SCALED_OBJECTS) >= 1)
+    made_again(kube, SCALED_OBJECTS, "lone", delete_in_a_watch_gap(kube, faulty, SCALED_OBJECTS, "lone", Faults()))
+
+
+def test_what_the_operator_deleted_in_a_watch_gap_is_not_deleted_again(
+    kube: Kube, emulator: EmulatorThread, faulty: FaultyEmulator, operators: StartOperator
+) -> None:
+    """The HPA deleted by the operator itself (autoscaling turned off) while the HPAs' watch is down:
+    kopf's index keeps it, and every reconcile would delete it again (a 404) and post an Event."""
+    operators()
+    kube.create_es("shrunk", maxReplicas=2, resources={"gpu": 0})
+    wait_for("shrunk converged", lambda: converged(kube, "shrunk", WITH_HPA))
+
+    def turn_autoscaling_off() -> None:
+        kube.patch_es("shrunk", {"autoscaling": {"enabled": False}})
+        wait_for("the HPA deleted", lambda: kube.child(HPAS, "shrunk") is None)
+
+    in_a_watch_gap(faulty, HPAS, RELISTING, turn_autoscaling_off)
+    wait_for("shrunk converged", lambda: converged(kube, "shrunk", FIXED), timeout=CONVERGE_TIMEOUT_S)
+    assert_quiet_while_relisting(emulator, faulty)
 
 
 def test_status_says_degraded_while_children_cannot_be_written(

@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 from kubernetes import client
 
-from tests.operator.cluster import DEPLOYMENTS, HPAS, PDBS, PEERING, SERVICES, WRITES, Kube, condition, operator_calls
+from tests.operator.cluster import DEPLOYMENTS, HPAS, PDBS, SERVICES, Kube, condition, operator_calls, operator_writes
 from tests.operator.conftest import wait_for
 from tests.operator.emulator import EmulatorThread
 
@@ -57,7 +57,7 @@ def test_many_resources_converge_with_few_calls_and_then_stay_quiet(
 
     quiet_mark = len(emulator.requests())
     time.sleep(QUIET_S)
-    at_rest = [c for c in operator_calls(emulator.requests()[quiet_mark:]) if c[2] in WRITES and c[1] != PEERING]
+    at_rest = operator_writes(emulator.requests()[quiet_mark:])
 
     per_resource = {f"{verb} {resource}": round(count / N, 2) for (verb, resource), count in sorted(calls.items())}
     print(f"\n{N} resources converged (Ready) in {elapsed:.1f} s; operator memory {memory} KiB")
