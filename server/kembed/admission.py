@@ -333,6 +333,23 @@ class AdmissionController:
             return 0
         return max(0, backlog.total + request_tokens - self._max_queued)
 
+    def in_time(
+        self, request_tokens: int, backlog: Backlog, priority: Priority, seconds_left: float
+    ) -> Rejection | None:
+        """A call whose own deadline ends before the work ahead of it and its own would drain cannot
+        make it: refused now, instead of queued to expire (a throughput rule)."""
+        if Admission.THROUGHPUT not in self._strategies:
+            return None
+        tokens = backlog.ahead(priority) + request_tokens
+        wait = self.drain_seconds(tokens)
+        if wait <= seconds_left:
+            return None
+        message = (
+            f"server is overloaded: estimated queue wait {wait * 1000:.0f} ms exceeds the call's "
+            f"{seconds_left * 1000:.0f} ms deadline"
+        )
+        return Rejection("deadline", self.pushback(tokens), message)
+
     def displaced(self, request_tokens: int, backlog: Backlog) -> Rejection:
         """The refusal of batch work displaced from the queue: as if it arrived now, behind everything."""
         ahead = backlog.total + request_tokens

@@ -60,6 +60,20 @@ def test_throughput_rejects_when_the_backlog_would_not_drain_in_budget():
     assert "drain budget" in rejection.message
 
 
+def test_a_deadline_shorter_than_the_wait_ahead_is_refused_and_only_with_the_throughput_rule():
+    admission, load = controller(FakeClock(), admission=["throughput"], max_drain_ms=2000)
+    load.rate.seed(tokens=10_000, seconds=1.0)
+    backlog = Backlog(interactive=3000, batch=50_000)  # a query waits behind 0.3 s, not the ingest
+    assert admission.in_time(100, backlog, INTERACTIVE, seconds_left=0.5) is None
+    late = admission.in_time(100, backlog, INTERACTIVE, seconds_left=0.2)
+    assert late is not None and late.reason == "deadline" and late.retry_after_ms > 0
+    assert "310 ms exceeds the call's 200 ms deadline" in late.message
+    assert reason(admission.in_time(100, backlog, BATCH, seconds_left=1.0)) == "deadline"  # behind everything
+    off, off_load = controller(FakeClock(), admission=[], max_drain_ms=2000)
+    off_load.rate.seed(tokens=10_000, seconds=1.0)
+    assert off.in_time(100, backlog, INTERACTIVE, seconds_left=0.01) is None
+
+
 def test_buckets_budget_the_longest_wait_not_the_average():
     """A request that just missed its bucket's turn waits about twice the drain time."""
     admission, load = controller(FakeClock(), admission=["throughput"], max_drain_ms=1000)

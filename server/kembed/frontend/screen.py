@@ -76,9 +76,9 @@ class Screen:
         queue ahead of it served in order (the longest wait without its spread)."""
         return self._admission.drain_seconds(self._backlog().ahead(priority) + padded_tokens)
 
-    def pushback(self, padded_tokens: int, priority: Priority) -> int:
-        """The pushback of a refusal of a request of this cost and class now (milliseconds)."""
-        return self._admission.pushback(self._backlog().ahead(priority) + padded_tokens)
+    def in_time(self, least_padded_tokens: int, priority: Priority, seconds_left: float) -> Rejection | None:
+        """Whether a call with this much of its deadline left could be served before it ends."""
+        return self._admission.in_time(least_padded_tokens, self._backlog(), priority, seconds_left)
 
     def longest_wait(self, padded_tokens: int, priority: Priority) -> float:
         """The longest a request of this cost and class may wait now, its own work included."""

@@ -171,7 +171,8 @@ class EmbedService:
         priority = self._screen.class_of(least_cost, call.priority)
         stated = None if call.timeout_s is None else arrival + call.timeout_s  # the client's own deadline
         self._raise_if_rejected(self._screen.before_tokenizing(least_cost, priority), priority)
-        self._refuse_if_late(least_cost, priority, arrival, stated)
+        if call.timeout_s is not None:
+            self._raise_if_rejected(self._screen.in_time(least_cost, priority, call.timeout_s), priority)
         if call.nbytes <= INLINE_PREPARE_LIMIT:
             seqs = self._tokenize(call)  # on the event loop: no other call is screened meanwhile
         else:
@@ -191,20 +192,6 @@ class EmbedService:
         self._link.add_latency(done - arrival, priority)
         self._metrics.request_durations[priority].observe(done - arrival)
         return self._result(call, seqs, pending, tokenized - arrival, arrival, done)
-
-    def _refuse_if_late(self, least_cost: int, priority: Priority, arrival: float, deadline: float | None) -> None:
-        """A call whose own deadline ends before the work ahead of it drains cannot make it: refused
-        now, instead of queued to expire (and to enter the P95 at its short deadline)."""
-        if deadline is None:
-            return
-        wait = self._screen.expected_wait(least_cost, priority)
-        if arrival + wait > deadline:
-            message = (
-                f"server is overloaded: estimated queue wait {wait * 1000:.0f} ms exceeds the call's "
-                f"{(deadline - arrival) * 1000:.0f} ms deadline"
-            )
-            pushback = self._screen.pushback(least_cost, priority)
-            self._raise_if_rejected(Rejection("deadline", pushback, message), priority)
 
     def _default_budget(self, cost: int, priority: Priority) -> float:
         """The deadline of a call that states none: the server's default, or, for a request whose
