@@ -777,6 +777,18 @@ def test_an_output_of_unknown_format_fails_before_connecting(tmp_path: Path, cap
     assert "kembed embed: --output: no format named by 'x.txt'" in capsys.readouterr().err
 
 
+def test_parquet_without_pyarrow_fails_before_connecting(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+):
+    monkeypatch.setitem(__import__("sys").modules, "pyarrow", None)  # as if not installed
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text("a\n")
+    # Nothing listens, and the run would give up on it at once: only an error found first says pyarrow.
+    flags = ["--target", "127.0.0.1:1", "--give-up-after", "0", "--input", str(corpus)]
+    assert main(["embed", *flags, "--output", str(tmp_path / "x.parquet")]) == EXIT_EMBED_FINAL
+    assert capsys.readouterr().err == "kembed embed: --output: Parquet needs pyarrow (pip install pyarrow)\n"
+
+
 def test_the_bar_is_optional(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]):
     monkeypatch.setitem(__import__("sys").modules, "tqdm", None)  # as if tqdm were not installed
     bar = Bar(total=10, done=0, enabled=True)
