@@ -19,8 +19,6 @@ from kembed.client.__main__ import main
 from kembed.client.corpus import CorpusError, FinalError, file_error
 from kembed.client.corpus.parts import complete, growing_path, manifest_path, part_path, write_manifest
 from kembed.client.corpus.reader import (
-    REQUEST_ENVELOPE_BYTES,
-    TEXT_ENVELOPE_BYTES,
     CorpusReader,
     Limits,
     Shard,
@@ -41,6 +39,7 @@ from kembed.client.corpus.stream import (
     embed_request,
 )
 from kembed.client.corpus.writers import ParquetWriter, Writer, committed_shape, format_of, held_rows, open_writer
+from kembed.client.requests import REQUEST_ENVELOPE_BYTES, TEXT_ENVELOPE_BYTES
 from kembed.contract import EXIT_EMBED_FINAL
 from kembed.v1 import embedder_pb2 as pb
 
