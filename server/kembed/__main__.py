@@ -6,16 +6,26 @@ import argparse
 import asyncio
 import logging
 import sys
+import textwrap
 
 from kembed import tls
 from kembed.app import Supervisor
 from kembed.config import ConfigError, Settings, env_tables
-from kembed.contract import EXIT_CONFIG, EXIT_STARTUP_FAILED
+from kembed.contract import EXIT_CONFIG, EXIT_STARTUP_FAILED, env_name
+
+# What most runs set, shown by --help; every setting is in --env-table and docs/configuration.md.
+MAIN_SETTINGS = ("model", "served_model_name", "dtype", "device", "grpc_host", "grpc_port", "rest_port", "http_port")
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="kembed", description="kembed embedding server (configured by KEMBED_*)")
-    parser.add_argument("--env-table", action="store_true", help="print the KEMBED_* settings tables (Markdown)")
+    parser = argparse.ArgumentParser(
+        prog="python -m kembed",
+        description="kembed embedding server: gRPC, the OpenAI embeddings API (REST), health and metrics. "
+        "It takes no other arguments: KEMBED_* environment variables configure it.",
+        epilog=settings_help(),
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("--env-table", action="store_true", help="print every KEMBED_* setting's table (Markdown)")
     args = parser.parse_args(argv)
     if args.env_table:
         print(env_tables())
@@ -28,6 +38,20 @@ def main(argv: list[str] | None = None) -> int:
         return EXIT_CONFIG
     logging.basicConfig(level=settings.log_level, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     return serve(settings)
+
+
+def settings_help() -> str:
+    """The main settings, their defaults and meanings, and where the others are."""
+    lines = ["main settings (environment variables):"]
+    for name in MAIN_SETTINGS:
+        field = Settings.model_fields[name]
+        default = getattr(field.default, "value", field.default)
+        lines.append(f"  {env_name(name)}={default}")
+        lines.append(
+            textwrap.fill(str(field.description), width=100, initial_indent=" " * 6, subsequent_indent=" " * 6)
+        )
+    lines.append("every setting: python -m kembed --env-table, or docs/configuration.md")
+    return "\n".join(lines)
 
 
 def serve(settings: Settings, model_loader: str | None = None) -> int:

@@ -168,7 +168,9 @@ class Settings(BaseModel):
     device: str = Field("auto", description="auto, cpu, cuda or cuda:N", json_schema_extra=USER)
     served_model_name: str = Field(
         "",
-        description="The `model` name REST clients may use besides the model id (an alias); empty = none",
+        description="The name clients give as `model` (REST requests, first in /v1/models, gRPC Info's "
+        "`served_model_name`), e.g. a hub id for a model served from a folder; the model id is accepted too; "
+        "empty = the model id only",
         json_schema_extra=USER,
     )
 

@@ -3,7 +3,11 @@
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import json
+import re
+import shlex
+from pathlib import Path
 from typing import Any
 
 import helm_python
@@ -13,7 +17,7 @@ import pytest
 from kembed_operator import permissions
 from kembed_operator.config import PREFIX, OperatorConfig
 from kembed_operator.spec import REPLICAS_CEILING
-from tests.operator.conftest import CHART, CRD_PATH, chart_operator_args, render_chart
+from tests.operator.conftest import CHART, CRD_PATH, ROOT, chart_operator_args, render_chart
 
 K8S_VERSION = "1.34.0"
 CUSTOM_KINDS = {"ClusterKopfPeering", "KopfPeering", "PodMonitor"}  # CRD kinds: no built-in schema to validate with
@@ -152,6 +156,47 @@ def test_trust_settings_reach_the_operator() -> None:
     assert config.allowed_affinity == ("nodeAffinity", "podAffinity")
     assert config.allow_compile_cache_claims is True
     assert (config.max_replicas, config.keda_server_address) == (500, TRUST["kedaServerAddress"])
+
+
+# Where the docs tell how to install the operator: each `helm install` of the chart, followed literally.
+INSTALL_DOCS = [ROOT / "README.md", ROOT / "docs" / "operator.md", CHART / "README.md"]
+HELM_INSTALL = re.compile(r"^helm install kembed-operator charts/kembed-operator\b(?:.*\\\n)*.*$", re.MULTILINE)
+
+
+def documented_installs() -> list[tuple[str, dict[str, Any]]]:
+    """(where, the values its flags set) for every documented `helm install` of the chart, parsed by
+    Helm's own --set and --set-json parsers."""
+    installs = []
+    for doc in INSTALL_DOCS:
+        for match in HELM_INSTALL.finditer(doc.read_text()):
+            args = shlex.split(match.group(0).replace("\\\n", " "))
+            values: dict[str, Any] = {}
+            for flag, expression in itertools.pairwise(args):
+                if flag == "--set":
+                    merge(values, helm_python.parse_set_string(expression))
+                elif flag == "--set-json":
+                    merge(values, helm_python.parse_set_json(expression))
+            installs.append((f"{doc.relative_to(ROOT)}:{match.group(0)[:40]}...", values))
+    return installs
+
+
+def merge(values: dict[str, Any], more: dict[str, Any]) -> None:
+    """``more`` into ``values``, nested maps key by key, as Helm merges repeated flags."""
+    for key, value in more.items():
+        if isinstance(value, dict) and isinstance(values.get(key), dict):
+            merge(values[key], value)
+        else:
+            values[key] = value
+
+
+def test_every_documented_install_admits_prometheus_to_the_metrics() -> None:
+    installs = documented_installs()
+    assert {Path(where.split(":")[0]) for where, _ in installs} == {doc.relative_to(ROOT) for doc in INSTALL_DOCS}
+    for where, values in installs:
+        (deployment,) = [d for d in render_chart(values) if d["kind"] == "Deployment"]
+        env = {e["name"]: e["value"] for e in deployment["spec"]["template"]["spec"]["containers"][0]["env"]}
+        # Empty, every autoscaled resource reports MetricsAdmitted=False and its autoscaler gets no metrics.
+        assert OperatorConfig.from_env(env).metrics_from == (PROMETHEUS,), where
 
 
 def test_the_charts_replica_limit_stops_at_the_crds_ceiling() -> None:

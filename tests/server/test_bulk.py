@@ -19,8 +19,6 @@ from kembed.client.__main__ import main
 from kembed.client.corpus import CorpusError, FinalError, file_error
 from kembed.client.corpus.parts import complete, growing_path, manifest_path, part_path, write_manifest
 from kembed.client.corpus.reader import (
-    REQUEST_ENVELOPE_BYTES,
-    TEXT_ENVELOPE_BYTES,
     CorpusReader,
     Limits,
     Shard,
@@ -41,6 +39,7 @@ from kembed.client.corpus.stream import (
     embed_request,
 )
 from kembed.client.corpus.writers import ParquetWriter, Writer, committed_shape, format_of, held_rows, open_writer
+from kembed.client.requests import REQUEST_ENVELOPE_BYTES, TEXT_ENVELOPE_BYTES
 from kembed.contract import EXIT_EMBED_FINAL
 from kembed.v1 import embedder_pb2 as pb
 
@@ -775,6 +774,18 @@ def test_an_output_of_unknown_format_fails_before_connecting(tmp_path: Path, cap
     target = "127.0.0.1:1"  # nothing listens: the error must come first
     assert main(["embed", "--target", target, "--input", str(corpus), "--output", str(tmp_path / "x.txt")]) == 3
     assert "kembed embed: --output: no format named by 'x.txt'" in capsys.readouterr().err
+
+
+def test_parquet_without_pyarrow_fails_before_connecting(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]
+):
+    monkeypatch.setitem(__import__("sys").modules, "pyarrow", None)  # as if not installed
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text("a\n")
+    # Nothing listens, and the run would give up on it at once: only an error found first says pyarrow.
+    flags = ["--target", "127.0.0.1:1", "--give-up-after", "0", "--input", str(corpus)]
+    assert main(["embed", *flags, "--output", str(tmp_path / "x.parquet")]) == EXIT_EMBED_FINAL
+    assert capsys.readouterr().err == "kembed embed: --output: Parquet needs pyarrow (pip install pyarrow)\n"
 
 
 def test_the_bar_is_optional(monkeypatch: pytest.MonkeyPatch, capsys: pytest.CaptureFixture[str]):

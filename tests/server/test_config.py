@@ -5,6 +5,7 @@ from pathlib import Path
 
 import pytest
 
+from kembed.__main__ import main
 from kembed.config import Admission, ConfigError, Group, Settings, env_table, env_tables, group_of
 from kembed.contract import env_name
 
@@ -83,6 +84,16 @@ def test_the_docs_tables_are_current():
     assert page[page.index(begin) + len(begin) : page.index(end)] == env_tables(), (
         "docs/configuration.md's settings tables are stale: paste `make env-table` there"
     )
+
+
+def test_help_lists_the_main_settings_and_points_to_the_rest(capsys: pytest.CaptureFixture[str]):
+    with pytest.raises(SystemExit) as done:
+        main(["--help"])
+    assert done.value.code == 0
+    said = capsys.readouterr().out
+    for name in ("model", "served_model_name", "dtype", "grpc_port", "rest_port", "http_port"):
+        assert f"{env_name(name)}=" in said
+    assert "--env-table" in said and "docs/configuration.md" in said
 
 
 def test_the_operators_variables_are_not_the_servers_to_refuse():

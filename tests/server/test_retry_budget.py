@@ -1,9 +1,12 @@
 """The client's retry throttling, gRPC's ``retryThrottling``: failures spend tokens, answers earn a
-tenth of one back, and retries stop below half."""
+tenth of one back, and retries stop below half; and the policy around it (:class:`Retrying`)."""
 
 from __future__ import annotations
 
-from kembed.client.embed_client import RetryBudget
+import grpc
+
+from kembed.client.embed_client import RetryBudget, Retrying
+from kembed.contract import RETRY_PUSHBACK_KEY
 
 
 def test_retries_stop_once_failures_spend_half_the_tokens() -> None:
@@ -34,3 +37,36 @@ def test_tokens_stay_within_bounds() -> None:
     for _ in range(100):
         budget.failed()
     assert budget.tokens == 0
+
+
+def refused(pushback_ms: int) -> grpc.aio.AioRpcError:
+    """The server's refusal as grpc.aio raises it, with its pushback trailer."""
+    trailers = grpc.aio.Metadata((RETRY_PUSHBACK_KEY, str(pushback_ms)))
+    return answer(grpc.StatusCode.RESOURCE_EXHAUSTED, trailers)
+
+
+def answer(code: grpc.StatusCode, trailers: grpc.aio.Metadata | None = None) -> grpc.aio.AioRpcError:
+    return grpc.aio.AioRpcError(code, grpc.aio.Metadata(), trailers or grpc.aio.Metadata(), code.name, "")
+
+
+def test_a_pushback_holds_every_request_of_the_client() -> None:
+    retrying = Retrying(RetryBudget(), max_attempts=6, backoff_s=0.1, timeout_s=600)
+    assert retrying.held_s() == 0
+    wait = retrying.wait_s(refused(60_000), attempt=1, deadline=retrying.deadline())
+    assert wait is not None and 48 <= wait <= 72  # the pushback, with its jitter
+    assert retrying.held_s() > 0  # the other requests wait for it too, not only the refused one
+    assert retrying.retries == 1 and retrying.budget.tokens == 9
+
+
+def test_unavailable_backs_off_alone_and_other_codes_are_final() -> None:
+    retrying = Retrying(RetryBudget(), max_attempts=6, backoff_s=0.1, timeout_s=600)
+    wait = retrying.wait_s(answer(grpc.StatusCode.UNAVAILABLE), attempt=3, deadline=retrying.deadline())
+    assert wait is not None and 0.32 <= wait <= 0.48  # 0.1 s doubled twice, with its jitter
+    assert retrying.held_s() == 0
+    assert retrying.wait_s(answer(grpc.StatusCode.INVALID_ARGUMENT), attempt=1, deadline=retrying.deadline()) is None
+
+
+def test_a_pushback_past_the_deadline_is_not_waited_for() -> None:
+    retrying = Retrying(RetryBudget(), max_attempts=6, backoff_s=0.1, timeout_s=1)
+    assert retrying.wait_s(refused(60_000), attempt=1, deadline=retrying.deadline()) is None
+    assert retrying.retries == 0

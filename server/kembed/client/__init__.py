@@ -5,7 +5,9 @@
         vectors = client.embed(["hello world"])   # float32 [1, 384], L2-normalised
 
 - :mod:`.connection`: the target, TLS files and channel options, shared by everything below.
-- :mod:`.embed_client`: :class:`EmbedClient`, one request at a time, retried politely.
+- :mod:`.embed_client`: :class:`EmbedClient`: any number of texts, split into requests within the
+  server's limits (:mod:`.requests`), sent a few at a time, retried politely.
+- :mod:`.aio`: :class:`AsyncEmbedClient`, the same on asyncio (grpc.aio).
 - :mod:`.__main__`: ``python -m kembed.client [--target ...] TEXT...`` prints shapes and timings;
   ``python -m kembed.client embed ...`` is the corpus command (:mod:`.corpus`).
 
@@ -13,7 +15,8 @@ It imports nothing of the server (no torch, no tokenizer): ``pip install 'kembed
 it needs, and a test holds it to that.
 """
 
+from kembed.client.aio import AsyncEmbedClient
 from kembed.client.connection import Connection
 from kembed.client.embed_client import EmbedClient, decode
 
-__all__ = ["Connection", "EmbedClient", "decode"]
+__all__ = ["AsyncEmbedClient", "Connection", "EmbedClient", "decode"]

@@ -1,16 +1,27 @@
 """``python -m kembed.client``: embed a few texts and print their shapes and timings, or, with
 ``embed`` as the first argument, embed a corpus (:mod:`kembed.client.corpus.command`).
-``python -m kembed.client -- embed`` embeds the word "embed"."""
+``python -m kembed.client -- embed`` embeds the word "embed". An error the server or the connection
+gives is one line on stderr (``INVALID_ARGUMENT: texts[0]: ...``), exit 1."""
 
 from __future__ import annotations
 
 import argparse
 import sys
+import time
+
+import grpc
 
 from kembed.client import connection
-from kembed.client.embed_client import EmbedClient, decode
-from kembed.client.flags import add_dimensions
-from kembed.v1 import embedder_pb2 as pb
+from kembed.client.embed_client import EmbedClient
+from kembed.client.flags import add_dimensions, add_priority
+from kembed.client.requests import answered
+
+PROG = "python -m kembed.client"
+COMMANDS = f"""commands:
+  TEXT...          embed these texts and print the first values of each vector (this command)
+  embed ...        embed a corpus (a file or stdin) into .npy, JSONL or Parquet, resumably:
+                   {PROG} embed --help
+  -- embed         embed the word "embed" """
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -22,20 +33,50 @@ def main(argv: list[str] | None = None) -> int:
     return embed_texts(args)
 
 
-def embed_texts(argv: list[str]) -> int:
-    parser = argparse.ArgumentParser(prog="python -m kembed.client", description="embed texts with a kembed server")
+def parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog=PROG,
+        usage=f"{PROG} [options] TEXT... | {PROG} embed [options]",
+        description="embed texts with a kembed server",
+        epilog=COMMANDS,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     connection.add_arguments(parser)
     add_dimensions(parser)
-    parser.add_argument("texts", nargs="+")
-    args = parser.parse_args(argv)
-    with EmbedClient(connection.from_arguments(parser, args)) as client:
-        info = client.info()
-        response = client.embed_request(pb.EmbedRequest(texts=args.texts, dimensions=args.dimensions))
-    vectors = decode(response)
-    print(f"model {info.model_id}: {vectors.shape[0]} x {vectors.shape[1]} in {response.timings.total_ms:.1f} ms")
+    parser.add_argument(
+        "--truncate", action="store_true", help="cut texts longer than the model's limit instead of an error"
+    )
+    add_priority(parser, "interactive")
+    parser.add_argument("texts", nargs="+", metavar="TEXT")
+    return parser
+
+
+def embed_texts(argv: list[str]) -> int:
+    flags = parser()
+    args = flags.parse_args(argv)
+    started = time.monotonic()
+    try:
+        with EmbedClient(connection.from_arguments(flags, args)) as client:
+            vectors = client.embed(
+                args.texts, dimensions=args.dimensions, truncate=args.truncate, priority=args.priority
+            )
+            model = client.info().model_id
+    except grpc.RpcError as error:
+        print(f"kembed.client: {describe(error)}", file=sys.stderr)
+        return 1
+    took_ms = (time.monotonic() - started) * 1000
+    print(f"model {model}: {vectors.shape[0]} x {vectors.shape[1]} in {took_ms:.1f} ms")
     for text, vector in zip(args.texts, vectors, strict=True):
         print(f"{text[:40]!r:44} [{', '.join(f'{v:+.4f}' for v in vector[:6])}, ...]")
     return 0
+
+
+def describe(error: grpc.RpcError) -> str:
+    """The server's answer on one line: its code and its message, which names the field at fault."""
+    call = answered(error)
+    if call is None:
+        return str(error)
+    return f"{call.code().name}: {' '.join((call.details() or '').split())}"
 
 
 if __name__ == "__main__":

@@ -6,6 +6,8 @@ import argparse
 from collections.abc import Callable
 from typing import TypeVar
 
+from kembed.client.requests import PRIORITIES
+
 Number = TypeVar("Number", int, float)
 
 
@@ -24,3 +26,11 @@ def at_least(kind: Callable[[str], Number], minimum: Number) -> Callable[[str], 
 
 def add_dimensions(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dimensions", type=at_least(int, 0), default=0, help="0 (default): the model's")
+
+
+def add_priority(parser: argparse.ArgumentParser, default: str) -> None:
+    help = {
+        "batch": "the requests' class (default batch: an ingest, which queries go ahead of)",
+        "interactive": "the requests' class (default interactive: a caller waits; batch for an ingest)",
+    }[default]
+    parser.add_argument("--priority", choices=PRIORITIES, default=default, help=help)

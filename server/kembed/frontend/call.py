@@ -79,6 +79,7 @@ class ServerInfo:
     batching: str
     max_text_chars: int  # longer texts are refused, or cut with truncate
     max_message_bytes: int
+    served_model_name: str  # KEMBED_SERVED_MODEL_NAME, else the model id
 
 
 @dataclass(frozen=True, slots=True)

@@ -504,4 +504,5 @@ def info_response(info: ServerInfo) -> pb.InfoResponse:
         batching=info.batching,
         max_text_chars=info.max_text_chars,
         max_message_bytes=info.max_message_bytes,
+        served_model_name=info.served_model_name,
     )

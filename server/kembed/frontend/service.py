@@ -287,6 +287,7 @@ class EmbedService:
             settings.batching.value,
             settings.max_text_chars,
             settings.max_message_bytes,
+            settings.served_model_name or self._info.model_id,
         )
 
 

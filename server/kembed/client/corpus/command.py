@@ -21,9 +21,9 @@ from kembed.client import connection
 from kembed.client.corpus import CorpusError, FinalError
 from kembed.client.corpus.reader import STDIN, Shard
 from kembed.client.corpus.run import CorpusRun, Interrupted, Summary, embed_corpus
-from kembed.client.corpus.stream import PRIORITIES, Request
+from kembed.client.corpus.stream import Request
 from kembed.client.corpus.writers import FORMATS
-from kembed.client.flags import add_dimensions, at_least
+from kembed.client.flags import add_dimensions, add_priority, at_least
 from kembed.contract import EXIT_EMBED_FAILED, EXIT_EMBED_FINAL, EXIT_EMBED_INTERRUPTED
 
 MAX_ERROR_CHARS = 500
@@ -58,12 +58,7 @@ def parser() -> argparse.ArgumentParser:
         default=True,
         help="cut texts longer than the model's limit (default); --no-truncate: such a text fails the run",
     )
-    parser.add_argument(
-        "--priority",
-        choices=PRIORITIES,
-        default="batch",
-        help="the requests' class (default batch: an ingest, which queries go ahead of)",
-    )
+    add_priority(parser, "batch")
     parser.add_argument(
         "--give-up-after",
         type=at_least(float, 0.0),

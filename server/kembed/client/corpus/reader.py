@@ -31,13 +31,10 @@ from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import BinaryIO
 
-from kembed.client.corpus import CorpusError, FinalError, file_error
+from kembed.client.corpus import FinalError, file_error
+from kembed.client.requests import REQUEST_ENVELOPE_BYTES, TEXT_ENVELOPE_BYTES, split_texts
 
 STDIN = "-"
-# What a request carries besides its texts (request_id, dimensions, flags), and each text besides
-# its bytes (a field tag and a length): room kept in the message limit.
-REQUEST_ENVELOPE_BYTES = 1024
-TEXT_ENVELOPE_BYTES = 6
 # A JSONL line may hold this many times what its text may (escapes, other fields); past that it
 # cannot be parsed without holding it all, and is refused.
 JSONL_LINE_FACTOR = 4
@@ -292,23 +289,10 @@ def _whole_characters(data: bytes) -> bytes:
 
 def cut_spans(texts: Iterator[str], size: int, request_bytes: int, first: int, shard: Shard | None) -> Iterator[Span]:
     """Spans of at most ``size`` texts weighing at most ``request_bytes``, the first starting at row
-    ``first``; at a bad line, the texts before it, then its error."""
-    chunk: list[str] = []
-    weight = 0
-    try:
-        for text in texts:
-            cost = len(text.encode("utf-8")) + TEXT_ENVELOPE_BYTES
-            if chunk and (len(chunk) == size or weight + cost > request_bytes):
-                yield Span(first, chunk, shard)
-                first, chunk, weight = first + len(chunk), [], 0
-            chunk.append(text)
-            weight += cost
-    except CorpusError:
-        if chunk:  # the texts before a bad line are embedded too, so a re-run starts at that line
-            yield Span(first, chunk, shard)
-        raise
-    if chunk:
+    ``first``; at a bad line, the texts before it, then its error (a re-run starts at that line)."""
+    for chunk in split_texts(texts, size, request_bytes):
         yield Span(first, chunk, shard)
+        first += len(chunk)
 
 
 class ThreadedSpans:

@@ -29,6 +29,7 @@ from kembed.client.corpus.parts import complete, growing_path, part_path, write_
 from kembed.client.corpus.reader import CorpusReader, Limits, Shard, Span, ThreadedSpans
 from kembed.client.corpus.stream import RECONNECT, Counts, Pacing, Progress, Request, Sink, StreamDriver
 from kembed.client.corpus.writers import Writer, format_of, held_rows, open_writer
+from kembed.client.requests import message_bytes
 from kembed.v1 import embedder_pb2 as pb
 from kembed.v1 import embedder_pb2_grpc as pb_grpc
 
@@ -189,10 +190,7 @@ async def _embed_the_rest(streams: Streams, reader: CorpusReader, writer: Writer
 
 def _limits(run: CorpusRun, info: pb.InfoResponse) -> Limits:
     """What a request may carry: within the client's message limit and the server's (when it says)."""
-    message_bytes = run.connection.max_message_bytes
-    if info.max_message_bytes:
-        message_bytes = min(message_bytes, info.max_message_bytes)
-    return Limits(message_bytes, info.max_text_chars, run.request.truncate)
+    return Limits(message_bytes(run.connection, info), info.max_text_chars, run.request.truncate)
 
 
 def keep_or_replace(writer: Writer, row: np.ndarray, span: Span, progress: Progress, summary: Summary) -> None:

@@ -37,6 +37,7 @@ import numpy as np
 from kembed.client.corpus import CorpusError, FinalError
 from kembed.client.corpus.reader import Span, ThreadedSpans
 from kembed.client.embed_client import decode
+from kembed.client.requests import priority
 from kembed.v1 import embedder_pb2 as pb
 from kembed.v1 import embedder_pb2_grpc as pb_grpc
 
@@ -55,8 +56,6 @@ RECONNECT = (
     grpc.StatusCode.CANCELLED,  # by the server (a drain's end); the driver's own cancels never get here
 )
 STATUS_BY_NUMBER = {code.value[0]: code for code in grpc.StatusCode}
-# The requests' classes, by the label the command takes: the proto's PRIORITY_* names, lower case.
-PRIORITIES = tuple(pb.Priority.Name(value).removeprefix("PRIORITY_").lower() for value in pb.Priority.values())
 
 
 @dataclass(frozen=True)
@@ -75,7 +74,7 @@ def embed_request(span: Span, request: Request) -> pb.EmbedRequest:
         dimensions=request.dimensions,
         truncate=request.truncate,
         request_id=str(span.first),
-        priority=f"PRIORITY_{request.priority.upper()}",  # the proto's enum, by name
+        priority=priority(request.priority),
     )
 
 

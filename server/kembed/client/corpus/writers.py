@@ -66,13 +66,16 @@ class Writer(Protocol):
 
 
 def format_of(path: Path, named: str | None) -> str:
-    """The output format: ``named`` (``--format``), else from the file's extension."""
-    if named is not None:
-        return named
-    suffix = path.suffix.lstrip(".").lower()
-    if suffix in FORMATS:
-        return suffix
-    raise FinalError(f"--output: no format named by {path.name!r}: end it in .npy, .jsonl or .parquet, or use --format")
+    """The output format: ``named`` (``--format``), else from the file's extension; checked before
+    the run connects, with what writing it needs (pyarrow for Parquet)."""
+    output_format = named if named is not None else path.suffix.lstrip(".").lower()
+    if output_format not in FORMATS:
+        raise FinalError(
+            f"--output: no format named by {path.name!r}: end it in .npy, .jsonl or .parquet, or use --format"
+        )
+    if output_format == "parquet":
+        _pyarrow()
+    return output_format
 
 
 def open_writer(path: Path, output_format: str, dimensions: int) -> Writer:

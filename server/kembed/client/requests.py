@@ -1,0 +1,145 @@
+"""How texts become requests: what a request may carry (the server's limits, from ``Info``, and the
+connection's), the cut of a list into consecutive requests within them, and the request classes.
+Shared by the library (:mod:`.embed_client`, :mod:`.aio`) and the corpus command."""
+
+from __future__ import annotations
+
+import re
+from collections.abc import Iterable, Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import grpc
+
+from kembed.client.connection import Connection
+from kembed.v1 import embedder_pb2 as pb
+
+# What a request carries besides its texts (request_id, dimensions, flags), and each text besides
+# its bytes (a field tag and a length): room kept in the message limit.
+REQUEST_ENVELOPE_BYTES = 1024
+TEXT_ENVELOPE_BYTES = 6
+# The requests' classes, by the label the commands and the library take: the proto's PRIORITY_* names, lower case.
+PRIORITIES = tuple(pb.Priority.Name(value).removeprefix("PRIORITY_").lower() for value in pb.Priority.values())
+_TEXT_INDEX = re.compile(r"^texts\[(\d+)\]")
+
+
+def message_bytes(connection: Connection, info: pb.InfoResponse) -> int:
+    """The largest request: the connection's message limit, and the server's when it says one."""
+    if info.max_message_bytes:
+        return min(connection.max_message_bytes, info.max_message_bytes)
+    return connection.max_message_bytes
+
+
+def priority(label: str) -> str:
+    """A label of :data:`PRIORITIES` as the proto's enum name; any other is refused, naming the argument."""
+    if label not in PRIORITIES:
+        raise ValueError(f"priority: {label!r} is not one of {', '.join(PRIORITIES)}")
+    return f"PRIORITY_{label.upper()}"
+
+
+def split_texts(texts: Iterable[str], items: int, request_bytes: int) -> Iterator[list[str]]:
+    """Consecutive runs of at most ``items`` texts (0: any number) weighing at most ``request_bytes``
+    with their envelopes; a text heavier than that goes alone. If ``texts`` fails, the texts read
+    before the failure come first, then its error."""
+    chunk: list[str] = []
+    weight = 0
+    try:
+        for text in texts:
+            cost = len(text.encode("utf-8")) + TEXT_ENVELOPE_BYTES
+            if chunk and (len(chunk) == items or weight + cost > request_bytes):
+                yield chunk
+                chunk, weight = [], 0
+            chunk.append(text)
+            weight += cost
+    except Exception:
+        if chunk:
+            yield chunk
+        raise
+    if chunk:
+        yield chunk
+
+
+@dataclass(frozen=True)
+class Options:
+    """What every request of one ``embed`` call carries besides its texts."""
+
+    normalize: bool = True
+    dimensions: int = 0
+    truncate: bool = False
+    priority: str = "interactive"
+
+
+@dataclass(frozen=True)
+class Limits:
+    """What one request may carry, by the server's ``Info`` and the connection."""
+
+    items: int  # 0: the server did not say
+    request_bytes: int  # what a request's texts may weigh, their envelopes included
+    text_chars: int  # 0: the server did not say
+
+    @classmethod
+    def of(cls, connection: Connection, info: pb.InfoResponse) -> Limits:
+        return cls(info.max_batch_items, message_bytes(connection, info) - REQUEST_ENVELOPE_BYTES, info.max_text_chars)
+
+
+@dataclass(frozen=True)
+class Part:
+    """One request of a list split into several: ``first`` is the list's index of its first text."""
+
+    first: int
+    request: pb.EmbedRequest
+
+
+def plan(texts: Sequence[str], options: Options, limits: Limits) -> list[Part]:
+    """The requests that carry ``texts`` in order, each within ``limits``. With ``truncate`` a text is
+    cut to the server's character limit here, as the server would cut it, so it weighs no more."""
+    if isinstance(texts, str):
+        raise TypeError("texts: a list of strings, not one string")
+    kind = priority(options.priority)
+    if options.truncate and limits.text_chars:
+        texts = [text[: limits.text_chars] for text in texts]
+    parts, first = [], 0
+    for chunk in split_texts(texts, limits.items, limits.request_bytes) if texts else [[]]:
+        request = pb.EmbedRequest(
+            texts=chunk,
+            normalize=options.normalize,
+            dimensions=options.dimensions,
+            truncate=options.truncate,
+            priority=kind,
+        )
+        parts.append(Part(first, request))
+        first += len(chunk)
+    return parts
+
+
+def answered(error: grpc.RpcError) -> grpc.RpcError | None:
+    """The error when it is an answer (code, details, trailing metadata), not a bare RpcError."""
+    return error if isinstance(error, grpc.Call | grpc.aio.AioRpcError) else None
+
+
+class PartError(grpc.RpcError):
+    """The server's error for one request of a split list, the text it names (``texts[3]``)
+    counted in the whole list; its code and trailing metadata are the server's."""
+
+    def __init__(self, error: grpc.RpcError, first: int) -> None:
+        self.error = error
+        self._details = _TEXT_INDEX.sub(lambda m: f"texts[{int(m[1]) + first}]", error.details() or "")
+        super().__init__(self._details)
+
+    def code(self) -> grpc.StatusCode:
+        return self.error.code()
+
+    def details(self) -> str:
+        return self._details
+
+    def trailing_metadata(self) -> Any:  # the server's: a tuple (grpc) or Metadata (grpc.aio)
+        return self.error.trailing_metadata()
+
+    def __str__(self) -> str:
+        return f"{self.code().name}: {self._details}"
+
+
+def located(error: grpc.RpcError, part: Part) -> grpc.RpcError:
+    """``error`` as the caller should see it: a later part's text indices counted in the whole list."""
+    call = answered(error)
+    return PartError(call, part.first) if part.first and call is not None else error
