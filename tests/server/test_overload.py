@@ -14,7 +14,9 @@ from typing import Any
 import grpc
 import pytest
 
+from kembed.admission import MIN_LATENCY_SAMPLES
 from kembed.client import EmbedClient
+from kembed.client.embed_client import RetryBudget
 from kembed.contract import RETRY_PUSHBACK_KEY
 from kembed.v1 import embedder_pb2 as pb
 from kembed.v1 import embedder_pb2_grpc as pb_grpc
@@ -25,6 +27,10 @@ MAX_DRAIN_MS = 1000  # a few requests fit in the drain budget, whatever this mac
 REFUSAL_BURST = 700  # more than the burst below; the storm below goes past it
 SENTENCE = "Admission control rejects early instead of queueing into timeouts and memory exhaustion."
 REQUEST = pb.EmbedRequest(texts=[SENTENCE] * 8)  # 8 items in the 32 bucket: 256 padded tokens
+# The same as batch work, which waits behind everything: refused behind a full backlog whatever the
+# measured rate (at a low one, interactive requests of this size are served as batch work, which a
+# query does not wait behind).
+INGEST = pb.EmbedRequest(texts=[SENTENCE] * 8, priority=pb.PRIORITY_BATCH)
 ONE_TEXT, ONE_TEXT_TOKENS = pb.EmbedRequest(texts=[SENTENCE]), 32  # padded
 OK, EXHAUSTED = grpc.StatusCode.OK, grpc.StatusCode.RESOURCE_EXHAUSTED
 PACED = "kembed_refusals_paced_total"
@@ -109,16 +115,17 @@ def test_a_connection_refused_past_its_burst_is_paced_and_its_neighbours_are_not
         assert {f.code() for f in backlog} <= {OK, EXHAUSTED}
 
 
-def held_backlog(server: ServerProcess, stub: pb_grpc.EmbedderStub) -> tuple[list[Any], float]:
-    """One-text queries admitted into the held engine while the drain budget has room for one more
-    (whatever this machine's rate), and the drain time they make (seconds). Small, so that none is
-    served as batch work, which a query would not wait behind."""
+def held_backlog(server: ServerProcess, stub: pb_grpc.EmbedderStub, room_for: int = 1) -> tuple[list[Any], float]:
+    """One-text queries admitted into the held engine while the drain budget has room for
+    ``room_for`` more (whatever this machine's rate), and the drain time they make (seconds). Small,
+    so that none is served as batch work, which a query would not wait behind."""
     backlog: list[Any] = []
     health = server.health()
+    admitted = health["open_requests"]
     room = lambda tokens: 2 * tokens / health["service_rate_tokens_per_sec"] < MAX_DRAIN_MS / 1000  # noqa: E731
-    while room(health["queued_tokens"] + 2 * ONE_TEXT_TOKENS):
+    while room(health["queued_tokens"] + (1 + room_for) * ONE_TEXT_TOKENS):
         backlog.append(stub.Embed.future(ONE_TEXT, timeout=120))
-        server.wait_open_requests(len(backlog))
+        server.wait_open_requests(admitted + len(backlog))
         health = server.health()
     return backlog, health["estimated_drain_time_ms"] / 1000
 
@@ -140,18 +147,21 @@ def test_a_call_whose_deadline_ends_before_its_turn_is_refused_at_once(server: S
         assert {f.result() is not None for f in backlog} == {True}
 
 
-def test_a_call_whose_client_leaves_counts_in_the_p95_at_its_expected_wait(server: ServerProcess):
-    """A client that leaves while its call is queued (as a careless deadline does) does not pull the
-    exported P95 down to how long it stayed: its call counts at the wait it was admitted to."""
+def test_calls_whose_clients_leave_count_in_the_p95_at_their_expected_wait(server: ServerProcess):
+    """Clients that leave while their calls are queued (as careless deadlines do) do not pull the
+    exported P95 down to how long they stayed: their calls count at the wait they were admitted to."""
+    leaving_calls = MIN_LATENCY_SAMPLES  # the fewest the P95 is computed from
     wait_until(lambda: server.health()["p95_server_side_latency_ms"] == 0, 120, "an empty latency window")
     with grpc.insecure_channel(server.target, OWN_CONNECTION) as channel:
         stub = pb_grpc.EmbedderStub(channel)
         with server.engine:
-            backlog, drain_s = held_backlog(server, stub)
-            leaving = stub.Embed.future(ONE_TEXT, timeout=120)
-            server.wait_open_requests(len(backlog) + 1)
-            leaving.cancel()
-            wait_until(lambda: server.health()["p95_server_side_latency_ms"] > 0, 120, "the cancelled call counted")
+            backlog, drain_s = held_backlog(server, stub, room_for=leaving_calls)
+            admitted = server.health()["open_requests"]
+            leaving = [stub.Embed.future(ONE_TEXT, timeout=120) for _ in range(leaving_calls)]
+            server.wait_open_requests(admitted + leaving_calls)
+            for call in leaving:
+                call.cancel()
+            wait_until(lambda: server.health()["p95_server_side_latency_ms"] > 0, 120, "the cancelled calls counted")
             assert server.health()["p95_server_side_latency_ms"] >= drain_s * 1000
         assert {f.result() is not None for f in backlog} == {True}
 
@@ -161,24 +171,26 @@ def test_a_client_refused_again_and_again_stops_retrying(server: ServerProcess):
     up after a few retries instead of retrying for its whole timeout."""
     client = EmbedClient(server.target, timeout_s=300, max_attempts=1000)
     with grpc.insecure_channel(server.target) as channel, client, server.engine:
-        backlog = [pb_grpc.EmbedderStub(channel).Embed.future(REQUEST, timeout=120) for _ in range(40)]
+        backlog = [pb_grpc.EmbedderStub(channel).Embed.future(INGEST, timeout=120) for _ in range(40)]
         wait_until(lambda: all_decided(server, backlog), 120, "a backlog")
         with pytest.raises(grpc.RpcError) as refused:
-            client.embed(list(REQUEST.texts))
+            client.embed(list(INGEST.texts), priority="batch")
     assert refused.value.code() == EXHAUSTED
     assert client.retries == 4  # 10 tokens: retried at 9, 8, 7 and 6 left
 
 
 def test_client_retries_after_the_pushback(server: ServerProcess):
-    client = EmbedClient(server.target, timeout_s=300, max_attempts=1000)
+    # Retried for as long as it takes: throttling is the test above's.
+    client = EmbedClient(server.target, timeout_s=300, max_attempts=1000, retry_budget=RetryBudget(max_tokens=1000))
     with grpc.insecure_channel(server.target) as channel, client:
         stub = pb_grpc.EmbedderStub(channel)
         with server.engine:
-            backlog = [stub.Embed.future(REQUEST, timeout=120) for _ in range(40)]  # more than the budget holds
+            backlog = [stub.Embed.future(INGEST, timeout=120) for _ in range(40)]  # more than the budget holds
             wait_until(lambda: all_decided(server, backlog), 120, "a backlog")
             assert any(f.done() for f in backlog)  # refused: no room for one more such request
             answer: list[tuple[int, ...]] = []
-            retrying = threading.Thread(target=lambda: answer.append(client.embed(list(REQUEST.texts)).shape))
+            ingest = lambda: answer.append(client.embed(list(INGEST.texts), priority="batch").shape)  # noqa: E731
+            retrying = threading.Thread(target=ingest)
             retrying.start()
             wait_until(lambda: client.retries >= 1, 120, "the client refused and retrying")
         retrying.join(timeout=300)
