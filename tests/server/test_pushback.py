@@ -85,3 +85,15 @@ def test_past_the_table_clients_share_a_bucket_and_pacing_stays_on() -> None:
 )
 def test_a_rest_client_is_keyed_by_its_address(host: str, key: str) -> None:
     assert rest_client(host) == key
+
+
+def test_a_client_is_in_debt_while_its_refusals_are_paced() -> None:
+    clock, paced, _ = pacer()
+    assert not paced.in_debt("a")  # never refused
+    for _ in range(BURST):
+        paced.refused("a")
+    assert not paced.in_debt("a")  # its burst, answered at once
+    paced.refused("a")
+    assert paced.in_debt("a") and not paced.in_debt("b")
+    clock.now += 2 / RATE  # its debt of one refusal paid
+    assert not paced.in_debt("a")

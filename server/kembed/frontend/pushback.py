@@ -75,6 +75,12 @@ class RefusalPacer:
         bucket.tokens = max(bucket.tokens, -MAX_PACE_S * self._rate)  # the debt paced is bounded
         return -bucket.tokens / self._rate
 
+    def in_debt(self, client: Hashable) -> bool:
+        """Whether the client's refusals are being paced now: it has been refused past its burst,
+        faster than its rate (it ignores its pushback)."""
+        bucket = self._buckets.get(client)
+        return bucket is not None and bucket.tokens + (self._clock() - bucket.updated) * self._rate < 0
+
     def __len__(self) -> int:
         return len(self._buckets)
 

@@ -41,6 +41,8 @@ MAX_REQUEST_ID_CHARS = 256
 # executor (two thread switches and a loop wake-up) costs more than tokenizing a sentence. Larger
 # inputs go to the executor, where the Rust tokenizer runs without the GIL.
 INLINE_PREPARE_LIMIT = 2048
+# The weight of each call in the average of its padded cost over its pre-screen bound.
+COST_RATIO_WEIGHT = 0.05
 # Counting words for the pre-screen costs a fiftieth of tokenizing; above this many characters a
 # request's words are not counted on the event loop, and it is pre-screened at one token an item.
 WORD_COUNT_LIMIT = 65536
@@ -129,6 +131,7 @@ class EmbedService:
         self._clock = clock
         self._bucket_lengths = np.asarray(info.bucket_lengths)
         self._draining = asyncio.Event()
+        self._cost_over_least = 1.0  # padded cost over its pre-screen bound, averaged over calls
         self._pacer = RefusalPacer(
             settings.refusal_rate, settings.refusal_burst, clock, on_shared=metrics.refusals_shared.inc
         )
@@ -155,6 +158,14 @@ class EmbedService:
         finally:
             self._gate.leave()
 
+    def _screened_cost(self, least: int, client: str) -> int:
+        """The cost the pre-screen weighs: the lower bound, or, for a client whose refusals are being
+        paced (it ignores its pushback), the bound scaled to what this front end's calls have cost,
+        so that its calls at the margin are refused before a tokenization, not after one."""
+        if self._pacer.in_debt(client):
+            return max(least, int(least * self._cost_over_least))
+        return least
+
     async def _pace(self, client: str) -> None:
         if (delay := self._pacer.refused(client)) and not self._draining.is_set():
             self._metrics.refusals_paced.inc()
@@ -167,7 +178,8 @@ class EmbedService:
 
     async def _serve(self, call: EmbedCall, arrival: float) -> EmbedResult:
         self._validate(call)
-        least_cost = self._least_cost(call)
+        least = self._least_cost(call)
+        least_cost = self._screened_cost(least, call.peer)
         priority = self._screen.class_of(least_cost, call.priority)
         stated = None if call.timeout_s is None else arrival + call.timeout_s  # the client's own deadline
         self._raise_if_rejected(self._screen.before_tokenizing(least_cost, priority), priority)
@@ -180,6 +192,7 @@ class EmbedService:
                 seqs = await asyncio.get_running_loop().run_in_executor(self._executor, self._tokenize, call)
         tokenized = self._clock()
         cost = self._padded_tokens(seqs.lengths)
+        self._cost_over_least += COST_RATIO_WEIGHT * (cost / max(1, least) - self._cost_over_least)
         priority = self._screen.class_of(cost, priority)
         if priority is not call.priority:
             self._metrics.demoted.inc()
