@@ -21,7 +21,7 @@ from kubernetes import client
 
 from tests.operator import cluster
 from tests.operator.cluster import DEPLOYMENTS, HPAS, PDBS, SCALED_OBJECTS, SERVICES, Kube, condition
-from tests.operator.conftest import RESOURCES, start_operator, stop, wait_for
+from tests.operator.conftest import PROMETHEUS_URL, RESOURCES, start_operator, stop, wait_for
 from tests.operator.emulator import EmulatorThread
 from tests.operator.faults import Faults, FaultyEmulator
 
@@ -65,7 +65,12 @@ def operators(kubeconfig: Path, tmp_path: Path) -> Iterator[StartOperator]:
 
     def start(label: str = "kopf") -> subprocess.Popen[bytes]:
         log = tmp_path / f"{label}.log"
-        process = start_operator(kubeconfig, log, env={"KEMBED_OPERATOR_PEERING_LIFETIME_S": str(PEERING_LIFETIME_S)})
+        process = start_operator(
+            kubeconfig,
+            log,
+            env={"KEMBED_OPERATOR_PEERING_LIFETIME_S": str(PEERING_LIFETIME_S)},
+            values={"kedaServerAddress": PROMETHEUS_URL},  # KEDA's Prometheus: the administrator's choice
+        )
         process.log = log  # type: ignore[attr-defined]
         started.append(process)
         return process
@@ -279,7 +284,7 @@ def test_a_child_deleted_in_a_watch_gap_comes_back_after_an_empty_re_list(
 ) -> None:
     """The only ScaledObject deleted in the gap: the re-list finds none, so no event follows it at all."""
     operators()
-    keda = {"provider": "keda", "keda": {"serverAddress": "http://prom:9090"}}
+    keda = {"provider": "keda"}
     kube.create_es("lone", maxReplicas=2, resources={"gpu": 0}, autoscaling=keda)
     wait_for("lone converged", lambda: converged(kube, "lone", WITH_KEDA))
     assert [o["metadata"]["name"] for o in kube.children(SCALED_OBJECTS)] == ["lone"]
