@@ -159,9 +159,10 @@ def test_calls_whose_clients_leave_count_in_the_p95_at_their_expected_wait(serve
         with server.engine:
             # Half the budget: the leaving calls are admitted however the board lags.
             backlog, drain_s = held_backlog(server, stub, room_for=leaving_calls, share=0.5)
-            admitted = server.health()["open_requests"]
             leaving = [stub.Embed.future(ONE_TEXT, timeout=120) for _ in range(leaving_calls)]
-            server.wait_open_requests(admitted + leaving_calls)
+            wait_until(lambda: all_decided(server, [*backlog, *leaving]), 120, "the leaving calls decided")
+            if any(call.done() for call in leaving):  # a machine so loaded its measured rate has no room
+                pytest.skip("the drain budget had no room for five one-text queries at this machine's rate")
             for call in leaving:
                 call.cancel()
             wait_until(lambda: server.health()["p95_server_side_latency_ms"] > 0, 120, "the cancelled calls counted")
