@@ -74,3 +74,4 @@ class Metric:
     STREAM_ANSWERS_DROPPED: Final = "kembed_stream_answers_dropped"  # exposed as ..._total
     FRONTEND_STALLS: Final = "kembed_frontend_stalls"  # exposed as ..._total
     SERVING_DTYPE: Final = "kembed_serving_dtype"  # 1, labelled with the dtype served and why
+    SERVING_FORWARD: Final = "kembed_serving_forward"  # 1, labelled with the forward served and why

@@ -159,11 +159,11 @@ def test_warmup_runs_every_shape_largest_first_with_padding(engine: ModelRunner,
 def test_a_compiled_start_compiles_each_shape_whole_and_a_restart_loads_it_from_the_cache(
     tmp_path, monkeypatch: pytest.MonkeyPatch
 ):
-    """On CPU, graphs=capture compiles per shape (static), through inductor and the compile cache."""
+    """On CPU, graphs=static compiles per shape, through inductor and the compile cache."""
     for name in (compile_cache.INDUCTOR_ENV, compile_cache.TRITON_ENV):
         monkeypatch.setenv(name, "")  # restored after the test: the start points them at tmp_path
     settings = Settings.from_env(
-        {}, compile="on", max_input_tokens=16, max_batch_size=2, compile_cache_dir=str(tmp_path)
+        {}, compile="on", graphs="static", max_input_tokens=16, max_batch_size=2, compile_cache_dir=str(tmp_path)
     )
     try:
         for start in ("cold", "warm"):
@@ -188,7 +188,7 @@ async def test_a_worker_thread_that_dies_outside_compute_is_fatal(
 ):
     loop = asyncio.get_running_loop()
     fatal: asyncio.Future[BaseException] = loop.create_future()
-    settings = Settings.from_env({}, buckets="16", max_batch_size=2, max_tokens_per_batch=32)
+    settings = Settings.from_env({}, buckets="16", max_batch_size=2, max_tokens_per_batch=32, compile="off")
     worker = Worker(settings, loop, fatal.set_result, lambda _: stock_model)
     worker.start()
     assert isinstance(await worker.warm, ModelRunner)
@@ -206,7 +206,9 @@ async def test_lanes_compute_batches_side_by_side_each_on_its_share_of_the_threa
     stock_model: EmbeddingModel, monkeypatch: pytest.MonkeyPatch
 ):
     loop = asyncio.get_running_loop()
-    settings = Settings.from_env({}, buckets="16", max_batch_size=2, max_tokens_per_batch=32, compute_lanes=2)
+    settings = Settings.from_env(
+        {}, buckets="16", max_batch_size=2, max_tokens_per_batch=32, compute_lanes=2, compile="off"
+    )
     worker = Worker(settings, loop, lambda error: None, lambda _: stock_model)
     worker.start()
     runner = await worker.warm
@@ -300,7 +302,7 @@ class Loads:
         return EmbeddingModel.load(settings)
 
 
-SMALL = {"buckets": "16", "max_input_tokens": 32, "max_batch_size": 2, "max_tokens_per_batch": 32}
+SMALL = {"buckets": "16", "max_input_tokens": 32, "max_batch_size": 2, "max_tokens_per_batch": 32, "compile": "off"}
 
 
 @pytest.mark.parametrize(
@@ -339,7 +341,7 @@ def test_auto_times_fp32_on_two_shapes_and_warms_the_dtype_it_keeps_on_every_one
 
     monkeypatch.setattr(ModelRunner, "timed", recording)
     sizes = {"max_batch_size": 4, "max_tokens_per_batch": 64}
-    settings = Settings.from_env({}, buckets="16,32,64", max_input_tokens=128, **sizes)
+    settings = Settings.from_env({}, buckets="16,32,64", max_input_tokens=128, compile="off", **sizes)
     runner = start_runner(settings, EmbeddingModel.load, lambda: None)
     shapes = runner.plan.warmup_shapes()
     compared = comparison_shapes(runner.plan)
