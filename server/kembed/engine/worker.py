@@ -40,7 +40,7 @@ WARMUP_REPEATS_EAGER = 2
 OVERHEAD_REPEATS = 3  # a small batch's time is the most easily inflated by load elsewhere
 # Compiled against eager on a CPU: the compiled forward's first call compiles, the fastest of the
 # rest is timed, interleaved with eager's.
-COMPARE_REPEATS = 3
+COMPARE_REPEATS = 5
 _STANCES = {"fail_on_recompile": "raises (that batch fails)", "none": "is possible (this torch has no stances)"}
 
 
@@ -232,17 +232,20 @@ class ModelRunner:
 def warm_up_together(
     runners: Sequence[ModelRunner], beat: Callable[[], None], shapes: Sequence[tuple[int, int]], repeats: int = 0
 ) -> list[list[float]]:
-    """Run planned shapes on each runner in turn, on the same batches (so
-    their timings compare, and a burst of load elsewhere slows each alike); time the largest batch
-    per bucket. Returns each runner's seconds on each shape."""
+    """Run planned shapes on each runner, on the same batches and alternating call by call (so their
+    timings compare, and a burst of load elsewhere slows each alike); time the largest batch per
+    bucket. Returns each runner's seconds (its fastest call) on each shape."""
     plan, info = runners[0].plan, runners[0].model.info
     repeats = repeats or (WARMUP_REPEATS_COMPILED if plan.compiled else WARMUP_REPEATS_EAGER)
     generator = torch.Generator().manual_seed(0)
     spent: list[list[float]] = [[] for _ in runners]
     for seq_len, rows in shapes:
         ids, mask = warmup_batch(rows, seq_len, info.vocab_size, info.pad_token_id, generator)
-        for index, runner in enumerate(runners):
-            seconds = runner.timed(ids, mask, repeats, beat)
+        fastest = [math.inf] * len(runners)
+        for _ in range(repeats):
+            for index, runner in enumerate(runners):
+                fastest[index] = min(fastest[index], runner.timed(ids, mask, 1, beat))
+        for index, (runner, seconds) in enumerate(zip(runners, fastest, strict=True)):
             spent[index].append(seconds)
             if rows == plan.shapes.max_rows(seq_len):
                 runner.warmup_tokens += rows * seq_len
