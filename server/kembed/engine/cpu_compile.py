@@ -1,8 +1,10 @@
 """Which forward serves on a CPU (``KEMBED_COMPILE``), and why: eager, or compiled by inductor.
 
 On a CPU the eager plan (batches packed by length, computed in lanes) keeps its shapes; what
-changes is the forward: ``torch.compile(dynamic=True)`` with inductor's ``freezing`` (weights
-folded in as constants), so one compile covers every packed shape. Inductor on a CPU writes C++ and
+changes is the forward: ``torch.compile(dynamic=True)``, so one compile covers every packed shape.
+Inductor's ``freezing`` (weights folded in as constants) is off: it computed no faster here, and it
+tripled the cold compile and bypasses AOT autograd's cache, so a warm start took 16 s instead of 2 s
+(docs/decisions/cpu-compile.md). Inductor on a CPU writes C++ and
 builds it with ``g++`` (``CXX``) into its cache (``KEMBED_COMPILE_CACHE_DIR`` when set), and its
 kernels fix their OpenMP thread count when generated: they are compiled for a lane's threads
 (``cpp.threads``), so lanes computing at once never run more threads than the CPUs.
@@ -91,9 +93,9 @@ def failed(error: BaseException) -> Served:
 
 def compile_forward(forward: Forward, threads: int) -> Forward:
     """``forward`` compiled by inductor for any batch shape, its C++ kernels for ``threads`` threads.
-    Compiles on its first call (under inference mode: freezing needs it); an error raises there."""
+    Compiles on its first call; an error raises there."""
     # Duck shaping would take rows and length for one size whenever the first batch has them equal,
     # and recompile at the next batch that does not.
     torch.fx.experimental._config.use_duck_shape = False
-    options: dict[str, str | int | bool | Callable[..., Any]] = {"freezing": True, "cpp.threads": threads}
+    options: dict[str, str | int | bool | Callable[..., Any]] = {"freezing": False, "cpp.threads": threads}
     return torch.compile(forward, dynamic=True, fullgraph=True, options=options)
