@@ -5,17 +5,22 @@ every other one pins ``KEMBED_COMPILE=off`` (tests/server/serving.py)."""
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Iterator
 from typing import Any
 
 import grpc
 import numpy as np
 import pytest
+import torch
 
-from kembed.config import Graphs, Toggle
-from kembed.engine import cpu_compile
+from kembed.config import Graphs, Settings, Toggle
+from kembed.engine import compile_cache, cpu, cpu_compile
 from kembed.engine.cpu_compile import COMPILED, EAGER, GRAPHS
+from kembed.engine.graphs import CompileCount
+from kembed.engine.model import EmbeddingModel
 from kembed.engine.precision import MIN_COSINE, PROBE_TEXTS
+from kembed.engine.worker import start_runner
 from kembed.shapes import Queueing
 from kembed.v1 import embedder_pb2 as pb
 from kembed.v1 import embedder_pb2_grpc as pb_grpc
@@ -77,6 +82,36 @@ def test_a_failed_compile_says_what_failed_on_one_line() -> None:
     assert served == cpu_compile.Served(
         EAGER, "compile failed, serving eager: RuntimeError: InvalidCxxCompiler: No working C++ compiler found"
     )
+
+
+@pytest.mark.slow
+def test_warmup_compiles_at_a_lanes_threads_so_a_lane_runs_what_it_compiled(tmp_path, monkeypatch) -> None:
+    """Dynamo guards on the thread count: a forward warmed at another count than a lane's would
+    compile again at every lane's first batch, mid-traffic (on one core, the counts cannot differ)."""
+    for name in (compile_cache.INDUCTOR_ENV, compile_cache.TRITON_ENV):
+        monkeypatch.setenv(name, "")  # restored after the test: the start points them at tmp_path
+    monkeypatch.setattr(cpu, "share_cores", lambda *_: None)  # niceness is never lowered again: not here
+    plan = {key: value for key, value in SMALL.items() if key != "frontends"}
+    settings = Settings.from_env(
+        {}, compile="on", dtype="bfloat16", compute_lanes=2, compile_cache_dir=str(tmp_path), **plan
+    )
+    threads = cpu.lane_threads(settings.cpus(), 2)
+    before = CompileCount.now()
+    try:
+        runner = start_runner(settings, EmbeddingModel.load, lambda: None)
+        assert runner.served.forward == COMPILED
+        assert (CompileCount.now() - before).graphs == 2  # the general graph and the one-row one
+
+        def lane() -> None:
+            cpu.enter_lane(threads)
+            runner.embed(runner.model.tokenizer.from_texts(list(PROBE_TEXTS[:5]), truncate=True))
+
+        computing = threading.Thread(target=lane)
+        computing.start()
+        computing.join()
+        assert (CompileCount.now() - before).graphs == 2  # the lane ran what warmup compiled
+    finally:
+        torch.compiler.reset()
 
 
 def rows(reply: pb.EmbedResponse) -> np.ndarray:

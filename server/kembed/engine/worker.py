@@ -360,13 +360,15 @@ def served_runner(settings: Settings, eager: ModelRunner, beat: Callable[[], Non
     candidate = ModelRunner(eager.model.compiled_on_cpu(threads), plan, why=eager.why)
     started = time.monotonic()
     try:
+        # All of it at a lane's threads, as served: dynamo guards on the thread count, so a call at
+        # another count would compile a graph no lane runs.
         with cpu.threads_of_a_lane(threads):
             eager_s, compiled_s = warm_up_together([eager, candidate], beat, compared, COMPARE_REPEATS)
             cosine = min_cosine(*map(probe_vectors, (eager, candidate)))
-        choice = cpu_compile.measured(settings.compile, compared, eager_s, compiled_s, cosine)
-        if choice.forward == cpu_compile.COMPILED:
-            candidate.warm_up(beat, done=compared)
-            candidate.timed(*one_row_batch(plan, info), 1, beat)  # dynamo specialises one-row batches
+            choice = cpu_compile.measured(settings.compile, compared, eager_s, compiled_s, cosine)
+            if choice.forward == cpu_compile.COMPILED:
+                candidate.warm_up(beat, done=compared)
+                candidate.timed(*one_row_batch(plan, info), 1, beat)  # dynamo specialises one-row batches
     except Exception as error:  # no compiler, an unwritable cache, a bug in inductor: eager still serves
         eager.served = cpu_compile.failed(error)
         log.error("%s", eager.served.why, exc_info=True)
