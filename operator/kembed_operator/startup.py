@@ -45,8 +45,9 @@ ASSUMED_CAPTURE = WarmupCost(once_s=60.0, per_shape_s=1.0)
 # fp32 and in bf16 (kembed.engine.precision): 2 s a bucket, rounded up.
 EAGER = WarmupCost(once_s=0.0, per_shape_s=2.0)
 # Eager's warmup, and once: the CPU's dynamic compile, its one-row specialization and the comparison
-# with eager, cold. Measured 94 s on 2 cores of an Intel Xeon with AMX beside other work (load average
-# 4 to 6; torch 2.13, 2026-11-26); 13 s on a quiet machine (issue 35). The slow figure, rounded up.
+# with eager, cold. Measured on 2 cores of an Intel Xeon with AMX beside other work (torch 2.13,
+# 2026-11-26): 47 to 53 s at load average 1 to 2.5, 94 s at 4 to 7 (then with inductor's freezing,
+# which compiles slower); 13 s on a quiet machine (issue 35). The slow figure, rounded up.
 CPU_COMPILE = WarmupCost(once_s=100.0, per_shape_s=EAGER.per_shape_s)
 # Model load and everything else before warmup, the larger of two H100 cold starts: ready 20 s
 # after a 74 s warmup, and 12 s after a 174 s one.
