@@ -58,7 +58,7 @@ def pip(*args: str) -> None:
     subprocess.run([sys.executable, "-m", "pip", *args], check=True)
 
 
-def trim(site: Path, drop: list[str], torch_build: str) -> None:
+def trim(site: Path, drop: list[str]) -> None:
     """Test suites, torch's C++ test programs and its protoc, and what ``drop`` names."""
     for tests in [*site.glob("**/tests"), site / "torch" / "test"]:
         if tests.is_dir():
@@ -66,8 +66,6 @@ def trim(site: Path, drop: list[str], torch_build: str) -> None:
     for program in (site / "torch" / "bin").glob("*"):
         if program.is_file() and program.name != "torch_shm_manager":
             program.unlink()
-    if torch_build == "cpu":  # the CPU image has no compiler: C++ headers serve nothing there
-        drop = [*drop, "torch/include"]
     for path in drop:
         shutil.rmtree(site / path)
 
@@ -93,7 +91,7 @@ def main() -> None:
     pip("uninstall", "--yes", "pip")  # no installer in the image
     site = Path(sysconfig.get_paths()["purelib"])
     (site / "kembed.pth").write_text(APP + "\n")
-    trim(site, args.drop, args.torch)
+    trim(site, args.drop)
     # Bytecode for what is left, on every core (pip compiles one file at a time): the image's root is
     # read-only, so without it every start would compile torch and transformers in memory again.
     # Quiet as pip is: torch ships modules for newer Pythons, which no 3.11 can compile.

@@ -201,7 +201,13 @@ class Supervisor:
             "open_requests": int(board[Cell.OPEN_REQUESTS]),
             "waiting_requests": {p.label: int(board.of_class(p, ClassCell.WAITING_REQUESTS)) for p in Priority},
             "embedding_dimension": int(board[Cell.DIMENSIONS]) or None,
-            **{"dtype": None, "dtype_reason": None, **read_serving(self._runtime)},
+            **{
+                "dtype": None,
+                "dtype_reason": None,
+                "forward": None,
+                "forward_reason": None,
+                **read_serving(self._runtime),
+            },
             "frontends": self.frontends,
             "uptime_seconds": round(time.monotonic() - self.started, 1),
         }

@@ -238,11 +238,14 @@ class Settings(BaseModel):
         json_schema_extra=TUNING,
     )
     compile: Toggle = Field(
-        Toggle.AUTO, description="torch.compile with CUDA graphs: auto = on for CUDA", json_schema_extra=TUNING
+        Toggle.AUTO,
+        description="torch.compile: auto = CUDA graphs on CUDA; on a CPU, inductor if warmup measures it faster "
+        "and accurate, else eager (docs/decisions/cpu-compile.md)",
+        json_schema_extra=TUNING,
     )
     graphs: Graphs = Field(
         Graphs.CAPTURE,
-        description='When compiling: capture or static (docs/configuration.md, "Compile, cache and warmup")',
+        description="When compiling: capture or static (on a CPU: static, fixed shapes; capture, one dynamic compile)",
         json_schema_extra=TUNING,
     )
     warmup: Warmup = Field(

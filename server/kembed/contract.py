@@ -78,3 +78,4 @@ class Metric:
     CALLS_GONE: Final = "kembed_calls_gone"  # exposed as kembed_calls_gone_total{api}
     FRONTEND_STALLS: Final = "kembed_frontend_stalls"  # exposed as ..._total
     SERVING_DTYPE: Final = "kembed_serving_dtype"  # 1, labelled with the dtype served and why
+    SERVING_FORWARD: Final = "kembed_serving_forward"  # 1, labelled with the forward served and why

@@ -3,7 +3,7 @@
 Every process of the server counts what it sees in prometheus-client's multiprocess mode (the
 supervisor points ``PROMETHEUS_MULTIPROC_DIR`` at a folder of its own before starting them): front
 ends count requests, their latency and their pre-screen rejections; the engine counts its own
-rejections and its batches, and says which dtype it serves in and why. The supervisor serves
+rejections and its batches, and says which dtype and which forward it serves with, and why. The supervisor serves
 ``/metrics``: those files, merged, plus gauges of the present (drain time, P95, backlog, rate, by
 class where it differs) read off the engine's board at scrape time, so they are never stale.
 
@@ -86,6 +86,17 @@ class FrontendMetrics:
         )
 
 
+def _choice(registry: CollectorRegistry, name: str, label: str, what: str) -> Gauge:
+    """A start-up choice: 1 for what was chosen, labelled with it and the reason."""
+    return Gauge(
+        name,
+        f"1 for {what}, with the reason it was chosen",
+        [label, "reason"],
+        registry=registry,
+        multiprocess_mode="max",
+    )
+
+
 class EngineMetrics:
     def __init__(self) -> None:
         r = CollectorRegistry()
@@ -103,12 +114,9 @@ class EngineMetrics:
             "Times the engine stopped reading a front end's work because it had left its answers unread",
             registry=r,
         )
-        self.serving_dtype = Gauge(
-            Metric.SERVING_DTYPE,
-            "1 for the dtype the model serves in, with the reason it was chosen",
-            ["dtype", "reason"],
-            registry=r,
-            multiprocess_mode="max",
+        self.serving_dtype = _choice(r, Metric.SERVING_DTYPE, "dtype", "the dtype the model serves in")
+        self.serving_forward = _choice(
+            r, Metric.SERVING_FORWARD, "forward", "the forward that serves (eager, compiled on a CPU, or graphs)"
         )
         self._real_tokens = self.tokens.labels(kind="real")
         self._padding_tokens = self.tokens.labels(kind="padding")

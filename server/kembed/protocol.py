@@ -110,6 +110,7 @@ class ServingInfo:
     tokenizer_fingerprint: str
     dtype: str
     device: str
+    forward: str  # eager, compiled (inductor on a CPU) or graphs: kembed.engine.cpu_compile
     bucket_lengths: list[int]
     batch_sizes: list[int]
     tokenizer_json: str  # the engine's tokenizer, so every process splits text the same way

@@ -15,7 +15,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from kembed.config import Batching, Settings, Toggle
+from kembed.config import Batching, Graphs, Settings, Toggle
 
 if TYPE_CHECKING:
     import numpy as np
@@ -62,20 +62,31 @@ class Queueing:
 
     one_queue: bool  # naive
     compile: Toggle
+    graphs: Graphs = Graphs.CAPTURE
 
     @classmethod
     def of(cls, settings: Settings) -> Queueing:
-        return cls(one_queue=settings.batching is Batching.NAIVE, compile=settings.compile)
+        return cls(one_queue=settings.batching is Batching.NAIVE, compile=settings.compile, graphs=settings.graphs)
 
     def ladder(self, bucket_lengths: Sequence[int], max_input_tokens: int) -> list[int]:
         """The bucket lengths served with a model that takes at most ``max_input_tokens``."""
         return [max_input_tokens] if self.one_queue else clip_buckets(bucket_lengths, max_input_tokens)
 
     def compiles(self, device_type: str) -> bool:
-        """Compiled graphs need fixed shapes; one queue padded to its longest has none."""
-        if self.one_queue:
+        """Whether batches take fixed shapes, each with its compiled graph: on CUDA unless off, on a CPU
+        only for ``KEMBED_GRAPHS=static`` with ``KEMBED_COMPILE=on`` (a CPU otherwise compiles, if at
+        all, one forward for the packed shapes: kembed.engine.cpu_compile). One queue padded to its
+        longest has no fixed shapes."""
+        if self.one_queue or self.compile is Toggle.OFF:
             return False
-        return self.compile is Toggle.ON or (self.compile is Toggle.AUTO and device_type == "cuda")
+        if device_type == "cpu":
+            return self.compile is Toggle.ON and self.graphs is Graphs.STATIC
+        return self.compile is Toggle.ON or device_type == "cuda"
+
+    def compiles_forward(self, device_type: str) -> bool:
+        """Whether a CPU compiles one forward for its packed batches, measured against eager when auto
+        (kembed.engine.cpu_compile)."""
+        return device_type == "cpu" and self.compile is not Toggle.OFF and self.packs(device_type)
 
     def packs(self, device_type: str) -> bool:
         """Whether eager batches are packed by length from neighbouring buckets (see the batcher)."""

@@ -42,10 +42,13 @@ BATCHING["maxTokensPerBatch"] = FAST["max_tokens_per_batch"]
 SPEC = {"resources": {"gpu": 0, "cpu": "2", "memory": "4Gi"}, "admission": {"strategies": []}, "batching": BATCHING}
 TEXTS = ["hello world", "Kubernetes schedules pods onto nodes.", "naïve café, 東京, emoji 🚀", "A short one."]
 PARAGRAPH = "Readiness goes false at once, and everything accepted is finished and answered. " * 6
-MAX_SIZE_BYTES = 1_200_000_000
-# What a CPU image must not carry: a compiler, build tools or headers, an installer, and anything of
-# the build machine's pip settings (carried in as secrets and loopback URLs, never into a layer).
-TOOLS = r"(cc|c\+\+|cpp|gcc|g\+\+|clang|clang\+\+|ld|ld\.bfd|ld\.gold|as|make|cmake|ninja|protoc)"
+# 1.16 GB built without a compiler, plus the compiler layer (280 MB, built for the GPU stage) and
+# torch's C++ headers (39 MB) that inductor compiles a CPU's forward with: about 1.48 GB, computed.
+MAX_SIZE_BYTES = 1_500_000_000
+# What a CPU image must not carry: build tools beyond the compiler inductor runs (gcc, g++ and their
+# binutils), an installer, and anything of the build machine's pip settings (carried in as secrets
+# and loopback URLs, never into a layer).
+TOOLS = r"(clang|clang\+\+|make|cmake|ninja|protoc)"
 BUILD_TOOL = re.compile(rf"^/usr/(local/)?s?bin/(x86_64-linux-gnu-)?{TOOLS}(-[\d.]+)?$")
 BUILD_TOOL_IN_VENV = re.compile(r"^/opt/venv/bin/(pip.*|protoc.*)$")
 LEFTOVERS = ["/etc/pip.conf", "/etc/xdg/pip", "/opt/wheels", "/opt/pypi", "/opt/pypi-more", "/run/secrets"]
@@ -133,10 +136,13 @@ def test_the_image_carries_the_contract(server_image: str) -> None:
     assert config["Size"] <= MAX_SIZE_BYTES, f"{config['Size'] / 1e9:.2f} GB"
 
 
-def test_no_compiler_no_build_tools_nothing_of_the_build_machine(server_image: str) -> None:
+def test_the_compiler_inductor_runs_no_other_build_tools_nothing_of_the_build_machine(server_image: str) -> None:
     files = image_files(server_image)
+    assert "/usr/bin/g++" in files or any(re.match(r"^/usr/bin/g\+\+-[\d.]+$", path) for path in files)
+    assert [path for path in files if path.endswith("/Python.h")]
+    assert [path for path in files if path.endswith("/torch/include/torch/csrc/inductor/cpp_prefix.h")]
     assert not [path for path in files if BUILD_TOOL.match(path) or BUILD_TOOL_IN_VENV.match(path)]
-    assert not [path for path in files if path.endswith("/Python.h") or "/site-packages/pip/" in path]
+    assert not [path for path in files if "/site-packages/pip/" in path]
     assert not [path for path in LEFTOVERS if path in files or any(f.startswith(path + "/") for f in files)]
     assert not [path for path in files if path.endswith("/pip.conf")]
     assert not [path for path in files if path.startswith("/tmp/")]  # where the build's mounts were

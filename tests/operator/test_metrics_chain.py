@@ -60,6 +60,7 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
         "KEMBED_BUCKETS": "16,32",
         "KEMBED_MAX_BATCH_SIZE": "8",
         "KEMBED_LATENCY_WINDOW_S": "600",  # keeps the P95 still while the test compares it
+        "KEMBED_COMPILE": "off",  # as every test server (tests/server/serving.py FAST)
     }
     log = tmp_path_factory.mktemp("kembed") / "server.log"
     with log.open("wb") as out:

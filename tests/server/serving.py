@@ -14,6 +14,7 @@ import sys
 import time
 import urllib.error
 import urllib.request
+from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, ClassVar
 
@@ -31,6 +32,9 @@ FAST = {
     # What tests compare against is fp32 (sentence-transformers, vectors of one text in different
     # batches); auto would measure and may serve bf16 on a CPU with bf16 units (tests/server/test_cpu.py).
     "dtype": "float32",
+    # Auto compiles the forward on a CPU (kembed.engine.cpu_compile): a minute of warmup on two busy
+    # cores, in every test server. Eager unless a test asks for compiled (tests/server/test_cpu_compile.py).
+    "compile": "off",
 }
 
 
@@ -58,8 +62,10 @@ class ServerProcess:
     running: ClassVar[list[ServerProcess]] = []
 
     def __init__(self, log: Path, module: str = "kembed", held: bool = False, **settings: Any) -> None:
-        """``nofile=N`` among the settings: the file descriptors each process may open (``ulimit -n``)."""
+        """``nofile=N`` among the settings: the file descriptors each process may open (``ulimit -n``);
+        ``environ={...}``: variables other than settings (``CXX``...)."""
         nofile = int(settings.pop("nofile", 0))
+        environ: Mapping[str, str] = settings.pop("environ", {})
         self.grpc_port = int(settings.pop("grpc_port", 0)) or free_port()
         self.http_port = int(settings.pop("http_port", 0)) or free_port()
         self.rest_port = int(settings.pop("rest_port", 0)) or free_port()
@@ -68,6 +74,7 @@ class ServerProcess:
         env = {k: v for k, v in os.environ.items() if not k.startswith("KEMBED_")}
         env.update({env_name(k): str(v) for k, v in values.items()})
         env["HF_HUB_OFFLINE"] = "1"
+        env.update(environ)
         self.engine = EngineHold(log.with_suffix(".hold"))
         if held:
             module = "tests.server.held"

@@ -116,7 +116,7 @@ def test_a_result_maps_to_the_response() -> None:
 
 
 def test_info_tells_the_serving_info_and_the_servers_own() -> None:
-    serving = ServingInfo("m", 4, 16, 100, 0, "mean", [101], "fp", "float32", "cpu", [16, 32], [1, 2], "{}")
+    serving = ServingInfo("m", 4, 16, 100, 0, "mean", [101], "fp", "float32", "cpu", "eager", [16, 32], [1, 2], "{}")
     info = info_response(ServerInfo(serving, "1.2.3", 64, "token_bucket", 100, 2048, "alias"))
     assert (info.model_id, info.dimensions, info.vocab_size, info.tokenizer_fingerprint) == ("m", 4, 100, "fp")
     assert list(info.buckets) == [16, 32] and list(info.excluded_token_ids) == [101]

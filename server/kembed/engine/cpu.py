@@ -19,6 +19,7 @@ import contextlib
 import logging
 import os
 import threading
+from collections.abc import Iterator
 from pathlib import Path
 
 import torch
@@ -64,3 +65,15 @@ def enter_lane(threads: int) -> None:
     """Run this thread's batches on ``threads`` intra-op threads. OpenMP keeps the count per
     calling thread, so each lane sets its own and the lanes' batches never share a barrier."""
     torch.set_num_threads(threads)
+
+
+@contextlib.contextmanager
+def threads_of_a_lane(threads: int) -> Iterator[None]:
+    """This thread's batches on ``threads`` intra-op threads for a while: timing a batch as one lane
+    computes it."""
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(before)

@@ -7,6 +7,7 @@ come from the sentence-transformers files in the model folder, so vectors match 
 
 from __future__ import annotations
 
+import copy
 import json
 import logging
 from collections import Counter
@@ -20,6 +21,7 @@ from transformers import AutoModel, AutoTokenizer, PreTrainedModel, PreTrainedTo
 
 from kembed.config import Dtype, Graphs, Pooling, Settings
 from kembed.contract import env_name
+from kembed.engine import cpu_compile
 from kembed.engine.graphs import ShapeGuard, compile_graphs
 from kembed.engine.pooling import pool
 from kembed.engine.precision import loaded_first
@@ -144,6 +146,13 @@ class EmbeddingModel:
         guard = compile_graphs(self._pooled, mode, planned_shapes, self.info.device)
         self._compute = guard
         return guard
+
+    def compiled_on_cpu(self, threads: int) -> EmbeddingModel:
+        """The same model, weights and tokenizer, its forward compiled by inductor for any batch shape
+        (kembed.engine.cpu_compile), its kernels for ``threads`` threads; it compiles on its first call."""
+        twin = copy.copy(self)
+        twin._compute = cpu_compile.compile_forward(self._pooled, threads)
+        return twin
 
     def _pooled(self, ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:
         hidden = self._model(input_ids=ids, attention_mask=attention_mask).last_hidden_state

@@ -146,6 +146,7 @@ def _serving_info(runner: ModelRunner) -> ServingInfo:
     return ServingInfo(
         **{name: getattr(info, name) for name in _MODEL_FIELDS},
         dtype=runner.precision.dtype,
+        forward=runner.served.forward,
         device=str(info.device),
         bucket_lengths=list(plan.bucket_lengths),
         batch_sizes=list(plan.shapes.sizes),
@@ -207,9 +208,18 @@ class EngineProcess:
             self._publish(core)  # the backlog just shrank: front ends admit against it at once
 
         worker.serve(deliver)
-        served = runner.precision
-        self._metrics.serving_dtype.labels(dtype=served.dtype, reason=served.why).set(1)
-        write_serving(self._runtime, {"dtype": served.dtype, "dtype_reason": served.why})
+        precision, served = runner.precision, runner.served
+        self._metrics.serving_dtype.labels(dtype=precision.dtype, reason=precision.why).set(1)
+        self._metrics.serving_forward.labels(forward=served.forward, reason=served.why).set(1)
+        write_serving(
+            self._runtime,
+            {
+                "dtype": precision.dtype,
+                "dtype_reason": precision.why,
+                "forward": served.forward,
+                "forward_reason": served.why,
+            },
+        )
         self._publish(core)
         self._board[Cell.DIMENSIONS] = core.info.dimensions
         self._board[Cell.ENGINE_READY] = 1.0

@@ -21,10 +21,11 @@ import numpy as np
 import torch
 
 from kembed.config import Dtype, Settings, Warmup
-from kembed.engine import compile_cache, cpu, precision
+from kembed.engine import compile_cache, cpu, cpu_compile, precision
 from kembed.engine.buckets import route
+from kembed.engine.cpu_compile import Served
 from kembed.engine.graphs import CompileCount, ShapeGuard, UnplannedShapeError
-from kembed.engine.model import EmbeddingModel
+from kembed.engine.model import EmbeddingModel, ModelInfo
 from kembed.engine.precision import PROBE_TEXTS, Precision
 from kembed.engine.units import Batch, Chunk
 from kembed.inputs import Sequences
@@ -37,6 +38,9 @@ log = logging.getLogger(__name__)
 WARMUP_REPEATS_COMPILED = 3
 WARMUP_REPEATS_EAGER = 2
 OVERHEAD_REPEATS = 3  # a small batch's time is the most easily inflated by load elsewhere
+# Compiled against eager on a CPU: the compiled forward's first call compiles, the fastest of the
+# rest is timed, interleaved with eager's.
+COMPARE_REPEATS = 5
 _STANCES = {"fail_on_recompile": "raises (that batch fails)", "none": "is possible (this torch has no stances)"}
 
 
@@ -139,12 +143,18 @@ class ModelRunner:
     """The loaded model and its serving plan: warmup and batch compute, on the worker thread."""
 
     def __init__(
-        self, model: EmbeddingModel, plan: Plan, graphs: ShapeGuard | None = None, why: str = "as loaded"
+        self,
+        model: EmbeddingModel,
+        plan: Plan,
+        graphs: ShapeGuard | None = None,
+        why: str = "as loaded",
+        served: Served = cpu_compile.AS_LOADED,
     ) -> None:
         self.model = model
         self.plan = plan
         self.graphs = graphs  # when compiled: which shapes have a graph, sealed after warmup
         self.why = why  # why the model serves in its dtype
+        self.served = served  # which forward serves (eager, compiled, graphs), and why
         self.warmup_tokens = 0  # of the largest batch of each bucket: what seeds the service rate
         self.warmup_seconds = 0.0
         self.overhead_tokens = 0.0  # packed: what a batch costs beyond its padded tokens
@@ -220,20 +230,23 @@ class ModelRunner:
 
 
 def warm_up_together(
-    runners: Sequence[ModelRunner], beat: Callable[[], None], shapes: Sequence[tuple[int, int]]
-) -> list[float]:
-    """Run planned shapes on each runner in turn, on the same batches (so
-    their timings compare, and a burst of load elsewhere slows each alike); time the largest batch
-    per bucket. Returns each runner's seconds over these shapes."""
+    runners: Sequence[ModelRunner], beat: Callable[[], None], shapes: Sequence[tuple[int, int]], repeats: int = 0
+) -> list[list[float]]:
+    """Run planned shapes on each runner, on the same batches and alternating call by call (so their
+    timings compare, and a burst of load elsewhere slows each alike); time the largest batch per
+    bucket. Returns each runner's seconds (its fastest call) on each shape."""
     plan, info = runners[0].plan, runners[0].model.info
-    repeats = WARMUP_REPEATS_COMPILED if plan.compiled else WARMUP_REPEATS_EAGER
+    repeats = repeats or (WARMUP_REPEATS_COMPILED if plan.compiled else WARMUP_REPEATS_EAGER)
     generator = torch.Generator().manual_seed(0)
-    spent = [0.0] * len(runners)
+    spent: list[list[float]] = [[] for _ in runners]
     for seq_len, rows in shapes:
         ids, mask = warmup_batch(rows, seq_len, info.vocab_size, info.pad_token_id, generator)
-        for index, runner in enumerate(runners):
-            seconds = runner.timed(ids, mask, repeats, beat)
-            spent[index] += seconds
+        fastest = [math.inf] * len(runners)
+        for _ in range(repeats):
+            for index, runner in enumerate(runners):
+                fastest[index] = min(fastest[index], runner.timed(ids, mask, 1, beat))
+        for index, (runner, seconds) in enumerate(zip(runners, fastest, strict=True)):
+            spent[index].append(seconds)
             if rows == plan.shapes.max_rows(seq_len):
                 runner.warmup_tokens += rows * seq_len
                 runner.warmup_seconds += seconds
@@ -304,7 +317,7 @@ def measured_runner(
         return _warm(ModelRunner(fp32, plan, why=f"auto: bf16 asked, the loader gave {candidate.info.dtype}"), beat)
     runners = [ModelRunner(fp32, plan), ModelRunner(candidate, plan)]
     compared = comparison_shapes(plan)
-    fp32_seconds, bf16_seconds = warm_up_together(runners, beat, compared)
+    fp32_seconds, bf16_seconds = map(sum, warm_up_together(runners, beat, compared))
     cosine = min_cosine(*map(probe_vectors, runners))
     choice = precision.measured(fp32_seconds, bf16_seconds, cosine)
     kept = runners[1] if choice.dtype == Dtype.BFLOAT16.value else runners[0]
@@ -331,6 +344,47 @@ def _warm(runner: ModelRunner, beat: Callable[[], None]) -> ModelRunner:
     return runner
 
 
+def served_runner(settings: Settings, eager: ModelRunner, beat: Callable[[], None]) -> ModelRunner:
+    """The forward that serves (see :mod:`kembed.engine.cpu_compile`): on a CPU unless off, the warm
+    eager runner's forward compiled, timed against eager on the shapes the dtype choice compares
+    (at a lane's threads, as served) and checked on real text; the runner
+    :func:`cpu_compile.measured` picks, warmed on every shape. Eager where the compile fails."""
+    plan, info = eager.plan, eager.model.info
+    if not Queueing.of(settings).compiles_forward(info.device.type):
+        eager.served = cpu_compile.unmeasured(settings.compile, plan.compiled)
+        return eager
+    threads = cpu.lane_threads(settings.cpus(), plan.lanes)
+    compared = comparison_shapes(plan)
+    ident = compile_cache.identity(info.device, info.path, info.dtype, info.pooling, f"cpu-{threads}-threads")
+    compile_cache.use(settings.compile_cache_dir, ident, compared)
+    candidate = ModelRunner(eager.model.compiled_on_cpu(threads), plan, why=eager.why)
+    started = time.monotonic()
+    try:
+        # All of it at a lane's threads, as served: dynamo guards on the thread count, so a call at
+        # another count would compile a graph no lane runs.
+        with cpu.threads_of_a_lane(threads):
+            eager_s, compiled_s = warm_up_together([eager, candidate], beat, compared, COMPARE_REPEATS)
+            cosine = min_cosine(*map(probe_vectors, (eager, candidate)))
+            choice = cpu_compile.measured(settings.compile, compared, eager_s, compiled_s, cosine)
+            if choice.forward == cpu_compile.COMPILED:
+                candidate.warm_up(beat, done=compared)
+                candidate.timed(*one_row_batch(plan, info), 1, beat)  # dynamo specialises one-row batches
+    except Exception as error:  # no compiler, an unwritable cache, a bug in inductor: eager still serves
+        eager.served = cpu_compile.failed(error)
+        log.error("%s", eager.served.why, exc_info=True)
+        return eager
+    log.info(
+        "forward: %s (%s), compiled and compared in %.1f s", choice.forward, choice.why, time.monotonic() - started
+    )
+    kept = candidate if choice.forward == cpu_compile.COMPILED else eager
+    kept.served = choice
+    return kept
+
+
+def one_row_batch(plan: Plan, info: ModelInfo) -> tuple[torch.Tensor, torch.Tensor]:
+    return warmup_batch(1, plan.bucket_lengths[0], info.vocab_size, info.pad_token_id, torch.Generator())
+
+
 def start_runner(settings: Settings, load_model: LoadModel, beat: Callable[[], None]) -> ModelRunner:
     """Load, choose the dtype (see :mod:`kembed.engine.precision`), compile (through the compile
     cache when set) and warm up every planned shape."""
@@ -344,8 +398,9 @@ def start_runner(settings: Settings, load_model: LoadModel, beat: Callable[[], N
     if runner is None:
         why = precision.unmeasured(settings.dtype, device.type, bf16_units(device.type)).why
         runner = _warm(ModelRunner(model, plan, _graphs(settings, model, plan), why), beat)
+    runner = served_runner(settings, runner, beat)
     log.info(
-        "warm: %d shapes in %.1f s, %.0f padded tokens/s, batch overhead %.0f tokens (%s, %s: %s; compiled=%s, "
+        "warm: %d shapes in %.1f s, %.0f padded tokens/s, batch overhead %.0f tokens (%s, %s: %s; %s: %s; "
         "graphs=%s, torch %s)",
         len(plan.warmup_shapes()),
         time.monotonic() - started,
@@ -354,7 +409,8 @@ def start_runner(settings: Settings, load_model: LoadModel, beat: Callable[[], N
         device,
         runner.precision.dtype,
         runner.why,
-        plan.compiled,
+        runner.served.forward,
+        runner.served.why,
         settings.graphs if plan.compiled else "none",
         torch.__version__,
     )

@@ -1,0 +1,101 @@
+"""Which forward serves on a CPU (``KEMBED_COMPILE``), and why: eager, or compiled by inductor.
+
+On a CPU the eager plan (batches packed by length, computed in lanes) keeps its shapes; what
+changes is the forward: ``torch.compile(dynamic=True)``, so one compile covers every packed shape.
+Inductor's ``freezing`` (weights folded in as constants) is off: it computed no faster here, and it
+tripled the cold compile and bypasses AOT autograd's cache, so a warm start took 16 s instead of 2 s
+(docs/decisions/cpu-compile.md). Inductor on a CPU writes C++ and
+builds it with ``g++`` (``CXX``) into its cache (``KEMBED_COMPILE_CACHE_DIR`` when set), and its
+kernels fix their OpenMP thread count when generated: they are compiled for a lane's threads
+(``cpp.threads``), so lanes computing at once never run more threads than the CPUs.
+
+An explicit setting wins: ``off`` serves eager, ``on`` compiled. ``auto`` compiles, times compiled
+against eager on the same warmup batches (at a lane's threads, as served) and compares their
+vectors on :data:`~kembed.engine.precision.PROBE_TEXTS`; it serves compiled where every compared
+shape is faster, at least ``MIN_SPEEDUP`` overall, and the cosine is at least ``MIN_COSINE``; else
+eager. A compile that fails (no compiler, a cache it cannot write) serves eager. The reason is
+logged and published (Info, ``/health``, ``kembed_serving_forward``), as the dtype's is.
+
+Batching ``naive`` (the baseline) and fixed-shape graphs (CUDA, or ``KEMBED_GRAPHS=static``) are
+not this module's: see :mod:`kembed.engine.graphs`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from kembed.config import Toggle
+from kembed.contract import env_name
+from kembed.engine.precision import MIN_COSINE
+
+EAGER = "eager"
+COMPILED = "compiled"  # inductor, dynamic shapes, on a CPU
+GRAPHS = "graphs"  # fixed-shape graphs (kembed.engine.graphs)
+# Compiled vectors differ from eager's by rounding only (cosine ~0.99995): it must be clearly faster
+# to be worth its compile, not faster within the noise of a warmup on shared cores.
+MIN_SPEEDUP = 1.05
+
+Forward = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+@dataclass(frozen=True)
+class Served:
+    """The forward a model serves with, and why."""
+
+    forward: str  # EAGER, COMPILED or GRAPHS
+    why: str
+
+
+AS_LOADED = Served(EAGER, "as loaded")
+
+
+def unmeasured(asked: Toggle, graphs: bool) -> Served:
+    """The forward served where the CPU compile does not apply (``Queueing.compiles_forward``), and why."""
+    if graphs:
+        return Served(GRAPHS, f"{env_name('compile')}={asked.value}: fixed-shape graphs")
+    if asked is Toggle.OFF:
+        return Served(EAGER, f"{env_name('compile')}=off")
+    return Served(EAGER, f"{env_name('compile')}={asked.value}: naive batching is never compiled")
+
+
+def measured(
+    asked: Toggle,
+    shapes: Sequence[tuple[int, int]],
+    eager_s: Sequence[float],
+    compiled_s: Sequence[float],
+    cosine: float,
+) -> Served:
+    """Once warmup has timed both forwards on the same (seq_len, rows) batches and compared their
+    vectors: ``on`` serves compiled; ``auto`` compiled where accurate, faster on every shape and at
+    least ``MIN_SPEEDUP`` faster overall."""
+    ratios = [eager / compiled if compiled > 0 else 0.0 for eager, compiled in zip(eager_s, compiled_s, strict=True)]
+    overall = sum(eager_s) / sum(compiled_s) if sum(compiled_s) > 0 else 0.0
+    each = ", ".join(f"{rows}x{seq_len} {ratio:.2f}x" for (seq_len, rows), ratio in zip(shapes, ratios, strict=True))
+    figures = f"compiled {overall:.2f}x eager's speed ({each}), min cosine {cosine:.5f}"
+    if asked is Toggle.ON:
+        return Served(COMPILED, f"{env_name('compile')}=on: {figures}")
+    if cosine < MIN_COSINE:
+        return Served(EAGER, f"auto: {figures}, under {MIN_COSINE}")
+    if overall < MIN_SPEEDUP or min(ratios) < 1.0:
+        return Served(EAGER, f"auto: {figures}: not {MIN_SPEEDUP}x overall and faster on every shape")
+    return Served(COMPILED, f"auto: {figures}")
+
+
+def failed(error: BaseException) -> Served:
+    """A compile that failed: eager serves, and the first line of the error says why."""
+    first = str(error).strip().splitlines()[0] if str(error).strip() else ""
+    return Served(EAGER, f"compile failed, serving eager: {type(error).__name__}: {first[:300]}")
+
+
+def compile_forward(forward: Forward, threads: int) -> Forward:
+    """``forward`` compiled by inductor for any batch shape, its C++ kernels for ``threads`` threads.
+    Compiles on its first call; an error raises there."""
+    # Duck shaping would take rows and length for one size whenever the first batch has them equal,
+    # and recompile at the next batch that does not.
+    torch.fx.experimental._config.use_duck_shape = False
+    options: dict[str, str | int | bool | Callable[..., Any]] = {"freezing": False, "cpp.threads": threads}
+    return torch.compile(forward, dynamic=True, fullgraph=True, options=options)

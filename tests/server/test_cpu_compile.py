@@ -1,0 +1,181 @@
+"""The CPU's compiled forward (kembed.engine.cpu_compile): which forward serves and why, decided on
+measured figures; a real server that compiles, computing in lanes and matching sentence-transformers;
+one whose compiler is missing, serving eager and saying why. The only test servers that compile:
+every other one pins ``KEMBED_COMPILE=off`` (tests/server/serving.py)."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator
+from typing import Any
+
+import grpc
+import numpy as np
+import pytest
+import torch
+
+from kembed.config import Graphs, Settings, Toggle
+from kembed.engine import compile_cache, cpu, cpu_compile
+from kembed.engine.cpu_compile import COMPILED, EAGER, GRAPHS
+from kembed.engine.graphs import CompileCount
+from kembed.engine.model import EmbeddingModel
+from kembed.engine.precision import MIN_COSINE, PROBE_TEXTS
+from kembed.engine.worker import start_runner
+from kembed.shapes import Queueing
+from kembed.v1 import embedder_pb2 as pb
+from kembed.v1 import embedder_pb2_grpc as pb_grpc
+from tests.server.serving import ServerProcess
+
+SHAPES = [(64, 8), (16, 32)]  # (seq_len, rows)
+# Few, small shapes: the compile is paid once per server, and its shapes are dynamic anyway.
+SMALL: dict[str, Any] = {"buckets": "16,64", "max_batch_size": 16, "max_tokens_per_batch": 512, "frontends": 1}
+
+
+@pytest.mark.parametrize(
+    ("asked", "eager_s", "compiled_s", "cosine", "forward", "why"),
+    [
+        (
+            "auto",
+            [1.0, 1.0],
+            [0.7, 0.9],
+            0.9999,
+            COMPILED,
+            "auto: compiled 1.25x eager's speed (8x64 1.43x, 32x16 1.11x)",
+        ),
+        ("auto", [1.0, 1.0], [0.5, 1.1], 0.9999, EAGER, "not 1.05x overall and faster on every shape"),  # one slower
+        ("auto", [1.0, 1.0], [0.99, 0.99], 0.9999, EAGER, "not 1.05x overall"),  # within the noise
+        ("auto", [1.0, 1.0], [0.5, 0.5], 0.99, EAGER, "min cosine 0.99000, under 0.999"),
+        ("on", [1.0, 1.0], [1.5, 1.5], 0.99, COMPILED, "KEMBED_COMPILE=on: compiled 0.67x"),  # explicit wins
+    ],
+)
+def test_auto_serves_compiled_only_where_it_is_faster_on_every_shape_and_accurate(
+    asked: str, eager_s: list[float], compiled_s: list[float], cosine: float, forward: str, why: str
+) -> None:
+    served = cpu_compile.measured(Toggle(asked), SHAPES, eager_s, compiled_s, cosine)
+    assert served.forward == forward and why in served.why, served
+
+
+@pytest.mark.parametrize(
+    ("asked", "device", "batching", "graphs", "fixed", "tried", "forward"),
+    [
+        ("auto", "cpu", "token_bucket", "capture", False, True, None),
+        ("on", "cpu", "token_bucket", "capture", False, True, None),
+        ("on", "cpu", "token_bucket", "static", True, False, GRAPHS),
+        ("off", "cpu", "token_bucket", "capture", False, False, EAGER),
+        ("auto", "cpu", "naive", "capture", False, False, EAGER),
+        ("auto", "cuda", "token_bucket", "capture", True, False, GRAPHS),
+        ("off", "cuda", "token_bucket", "capture", False, False, EAGER),
+    ],
+)
+def test_a_cpu_compiles_one_forward_for_packed_batches_and_fixed_shapes_only_when_static(
+    asked: str, device: str, batching: str, graphs: str, fixed: bool, tried: bool, forward: str | None
+) -> None:
+    queueing = Queueing(one_queue=batching == "naive", compile=Toggle(asked), graphs=Graphs(graphs))
+    assert queueing.compiles(device) is fixed
+    assert queueing.compiles_forward(device) is tried
+    if forward is not None:
+        assert cpu_compile.unmeasured(Toggle(asked), fixed).forward == forward
+
+
+def test_a_failed_compile_says_what_failed_on_one_line() -> None:
+    served = cpu_compile.failed(RuntimeError("InvalidCxxCompiler: No working C++ compiler found\ntraceback..."))
+    assert served == cpu_compile.Served(
+        EAGER, "compile failed, serving eager: RuntimeError: InvalidCxxCompiler: No working C++ compiler found"
+    )
+
+
+@pytest.mark.slow
+def test_warmup_compiles_at_a_lanes_threads_so_a_lane_runs_what_it_compiled(tmp_path, monkeypatch) -> None:
+    """Dynamo guards on the thread count: a forward warmed at another count than a lane's would
+    compile again at every lane's first batch, mid-traffic (on one core, the counts cannot differ)."""
+    for name in (compile_cache.INDUCTOR_ENV, compile_cache.TRITON_ENV):
+        monkeypatch.setenv(name, "")  # restored after the test: the start points them at tmp_path
+    monkeypatch.setattr(cpu, "share_cores", lambda *_: None)  # niceness is never lowered again: not here
+    plan = {key: value for key, value in SMALL.items() if key != "frontends"}
+    settings = Settings.from_env(
+        {}, compile="on", dtype="bfloat16", compute_lanes=2, compile_cache_dir=str(tmp_path), **plan
+    )
+    threads = cpu.lane_threads(settings.cpus(), 2)
+    before = CompileCount.now()
+    try:
+        runner = start_runner(settings, EmbeddingModel.load, lambda: None)
+        assert runner.served.forward == COMPILED
+        assert (CompileCount.now() - before).graphs == 2  # the general graph and the one-row one
+
+        def lane() -> None:
+            cpu.enter_lane(threads)
+            runner.embed(runner.model.tokenizer.from_texts(list(PROBE_TEXTS[:5]), truncate=True))
+
+        computing = threading.Thread(target=lane)
+        computing.start()
+        computing.join()
+        assert (CompileCount.now() - before).graphs == 2  # the lane ran what warmup compiled
+    finally:
+        torch.compiler.reset()
+
+
+def rows(reply: pb.EmbedResponse) -> np.ndarray:
+    return np.frombuffer(reply.embeddings, dtype="<f4").reshape(reply.count, reply.dimensions)
+
+
+def served_forward(server: ServerProcess) -> tuple[str, str]:
+    health = server.health()
+    with grpc.insecure_channel(server.target) as channel:
+        assert pb_grpc.EmbedderStub(channel).Info(pb.InfoRequest(), timeout=10).forward == health["forward"]
+    forward, why = health["forward"], health["forward_reason"]
+    assert server.metric(f'kembed_serving_forward{{forward="{forward}",reason="{why}"}}') == 1
+    return forward, why
+
+
+@pytest.fixture(scope="module")
+def compiled(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
+    folder = tmp_path_factory.mktemp("compiled")
+    running = ServerProcess(
+        folder / "server.log",
+        compile="on",
+        dtype="bfloat16",  # what auto serves on a CPU with bf16 units, and where compiling pays most
+        compute_lanes=2,
+        compile_cache_dir=str(folder / "cache"),
+        **SMALL,
+    )
+    yield running.wait_ready(timeout=900)  # a cold compile on two busy cores
+    running.stop()
+
+
+@pytest.mark.slow
+def test_a_compiled_server_says_so_and_its_lanes_match_sentence_transformers(
+    compiled: ServerProcess, st_model: Any
+) -> None:
+    forward, why = served_forward(compiled)
+    assert forward == COMPILED and why.startswith("KEMBED_COMPILE=on: compiled "), why
+    texts = list(PROBE_TEXTS)
+    reference = st_model.encode(texts, normalize_embeddings=True, convert_to_numpy=True)
+    with grpc.insecure_channel(compiled.target) as channel:
+        stub = pb_grpc.EmbedderStub(channel)
+        # Two calls at once, each of every text: batches for both lanes.
+        calls = [stub.Embed.future(pb.EmbedRequest(texts=texts, truncate=True), timeout=120) for _ in range(2)]
+        served = np.concatenate([rows(call.result()) for call in calls])
+    cosines = np.sum(served * np.tile(reference, (2, 1)), axis=1) / np.linalg.norm(served, axis=1)
+    assert cosines.min() >= MIN_COSINE, cosines.min()
+    assert "computing 2 batches at once" in compiled.output()
+
+
+@pytest.mark.slow
+def test_a_missing_compiler_serves_eager_and_says_why(tmp_path) -> None:
+    server = ServerProcess(
+        tmp_path / "server.log",
+        environ={"CXX": str(tmp_path / "no-such-g++")},
+        compile="on",
+        compile_cache_dir=str(tmp_path / "cache"),  # empty: nothing compiled before can be loaded
+        **SMALL,
+    )
+    try:
+        server.wait_ready(timeout=600)
+        forward, why = served_forward(server)
+        assert forward == EAGER and why.startswith("compile failed, serving eager: "), why
+        with grpc.insecure_channel(server.target) as channel:
+            reply = pb_grpc.EmbedderStub(channel).Embed(pb.EmbedRequest(texts=["still served"]), timeout=120)
+        assert rows(reply).shape == (1, 384)
+        assert "compile failed, serving eager" in server.output()
+    finally:
+        server.stop()
