@@ -1,24 +1,34 @@
-"""The operator's own configuration, from ``KEMBED_OPERATOR_*`` environment variables (set by the chart)."""
+"""The operator's own configuration, from ``KEMBED_OPERATOR_*`` environment variables (set by the chart).
+
+Read like the server's settings (:func:`kembed.config.read_env`): an unknown ``KEMBED_OPERATOR_*``
+name or a bad value stops start-up with :class:`~kembed.config.ConfigError` naming the variable.
+"""
 
 from __future__ import annotations
 
 import json
-import os
 from collections.abc import Mapping
-from dataclasses import dataclass
 from typing import Any
 from urllib.parse import urlsplit
 
-from kembed.contract import OPERATOR_ENV_PREFIX as PREFIX
+from pydantic import BaseModel, ConfigDict, Field, field_validator
+
+from kembed.config import read_env
+from kembed.contract import OPERATOR_ENV_PREFIX
 from kembed_operator.spec import REPLICAS_CEILING
 
+AFFINITY_KINDS = ("nodeAffinity", "podAffinity", "podAntiAffinity")
+PEER_FIELDS = frozenset({"podSelector", "namespaceSelector", "ipBlock"})
 
-@dataclass(frozen=True)
-class OperatorConfig:
+
+class OperatorConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
     default_image: str = "ghcr.io/kembed/kembed-server:0.1.0"
     # The Prometheus every ScaledObject queries (KEDA appends /api/v1/query?query=...); empty = no KEDA.
     keda_server_address: str = ""
-    peering_lifetime_s: int = 60  # how long a silent leader holds its lease before a standby takes over
+    # How long a silent leader holds its lease before a standby takes over.
+    peering_lifetime_s: int = Field(60, ge=1)
     # Glob patterns (fnmatch: `*` spans `/` too) a spec's image must match; the default image always may.
     allowed_images: tuple[str, ...] = ()
     # NetworkPolicyPeers admitted to the metrics port when a spec's networkPolicy.metricsFrom is empty.
@@ -33,78 +43,61 @@ class OperatorConfig:
     # can plant compiled code the servers load.
     allow_compile_cache_claims: bool = False
     # The most replicas a resource may ask for (minReplicas, maxReplicas), up to the schema's ceiling.
-    max_replicas: int = 100
+    max_replicas: int = Field(100, ge=1, le=REPLICAS_CEILING)
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None) -> OperatorConfig:
-        """The configuration; :class:`ValueError` naming the variable when one is malformed."""
-        env = os.environ if environ is None else environ
-        defaults = cls()
-        return cls(
-            default_image=env.get(PREFIX + "DEFAULT_IMAGE", defaults.default_image),
-            keda_server_address=_prometheus(
-                PREFIX + "KEDA_SERVER_ADDRESS", env.get(PREFIX + "KEDA_SERVER_ADDRESS", defaults.keda_server_address)
-            ),
-            peering_lifetime_s=int(env.get(PREFIX + "PEERING_LIFETIME_S", defaults.peering_lifetime_s)),
-            allowed_images=_patterns(env.get(PREFIX + "ALLOWED_IMAGES", "")),
-            metrics_from=_peers(PREFIX + "METRICS_FROM", env.get(PREFIX + "METRICS_FROM", "[]")),
-            allowed_env=_patterns(env.get(PREFIX + "ALLOWED_ENV", "")),
-            allowed_pod_annotations=_patterns(env.get(PREFIX + "ALLOWED_POD_ANNOTATIONS", "")),
-            allowed_tolerations=_patterns(env.get(PREFIX + "ALLOWED_TOLERATIONS", "")),
-            allowed_affinity=_affinity(
-                PREFIX + "ALLOWED_AFFINITY", env.get(PREFIX + "ALLOWED_AFFINITY", ",".join(defaults.allowed_affinity))
-            ),
-            allow_compile_cache_claims=_flag(
-                PREFIX + "ALLOW_COMPILE_CACHE_CLAIMS", env.get(PREFIX + "ALLOW_COMPILE_CACHE_CLAIMS", "false")
-            ),
-            max_replicas=_bounded(
-                PREFIX + "MAX_REPLICAS", env.get(PREFIX + "MAX_REPLICAS", str(defaults.max_replicas)), REPLICAS_CEILING
-            ),
-        )
+        return read_env(cls, OPERATOR_ENV_PREFIX, environ)
+
+    @field_validator(
+        "allowed_images",
+        "allowed_env",
+        "allowed_pod_annotations",
+        "allowed_tolerations",
+        "allowed_affinity",
+        mode="before",
+    )
+    @classmethod
+    def _patterns(cls, value: Any) -> Any:
+        """Comma-separated (image references, variable names and annotation keys hold no commas or spaces)."""
+        return tuple(p.strip() for p in value.split(",") if p.strip()) if isinstance(value, str) else value
+
+    @field_validator("allowed_affinity")
+    @classmethod
+    def _affinity(cls, kinds: tuple[str, ...]) -> tuple[str, ...]:
+        if unknown := [kind for kind in kinds if kind not in AFFINITY_KINDS]:
+            raise ValueError(f"{', '.join(unknown)} is not one of {', '.join(AFFINITY_KINDS)}")
+        return kinds
+
+    @field_validator("allow_compile_cache_claims", mode="before")
+    @classmethod
+    def _flag(cls, value: Any) -> Any:
+        if isinstance(value, str) and value.lower() not in ("true", "false"):
+            raise ValueError(f"must be true or false, not {value!r}")
+        return value
+
+    @field_validator("keda_server_address")
+    @classmethod
+    def _prometheus(cls, text: str) -> str:
+        """An http(s) URL with a host and nothing after its path, to which KEDA appends its query."""
+        url = urlsplit(text)
+        if text and (url.scheme not in ("http", "https") or not url.hostname or "?" in text or "#" in text):
+            raise ValueError(f"must be an http(s) URL of Prometheus, without a query or fragment, not {text!r}")
+        return text
+
+    @field_validator("metrics_from", mode="before")
+    @classmethod
+    def _peers(cls, value: Any) -> Any:
+        """A JSON list of NetworkPolicyPeers, each naming at least one of the peer fields and nothing else."""
+        if isinstance(value, str):
+            try:
+                value = json.loads(value)
+            except ValueError as err:
+                raise ValueError(f"not JSON ({err})") from None
+        if not isinstance(value, list | tuple) or not all(_peer(p) for p in value):
+            raise ValueError(f"must be a list of NetworkPolicyPeers ({', '.join(sorted(PEER_FIELDS))})")
+        return tuple(value)
 
 
-def _patterns(text: str) -> tuple[str, ...]:
-    """Comma-separated (image references, variable names and annotation keys hold no commas or spaces)."""
-    return tuple(part.strip() for part in text.split(",") if part.strip())
-
-
-AFFINITY_KINDS = ("nodeAffinity", "podAffinity", "podAntiAffinity")
-
-
-def _affinity(name: str, text: str) -> tuple[str, ...]:
-    kinds = _patterns(text)
-    if unknown := [kind for kind in kinds if kind not in AFFINITY_KINDS]:
-        raise ValueError(f"{name}: {', '.join(unknown)} is not one of {', '.join(AFFINITY_KINDS)}")
-    return kinds
-
-
-def _flag(name: str, text: str) -> bool:
-    if text.lower() not in ("true", "false"):
-        raise ValueError(f"{name}: must be true or false, not {text!r}")
-    return text.lower() == "true"
-
-
-def _prometheus(name: str, text: str) -> str:
-    """An http(s) URL with a host and nothing after its path, to which KEDA appends its query."""
-    url = urlsplit(text)
-    if text and (url.scheme not in ("http", "https") or not url.hostname or "?" in text or "#" in text):
-        raise ValueError(f"{name}: must be an http(s) URL of Prometheus, without a query or fragment, not {text!r}")
-    return text
-
-
-def _bounded(name: str, text: str, ceiling: int) -> int:
-    if not text.isdigit() or not 1 <= int(text) <= ceiling:
-        raise ValueError(f"{name}: must be a whole number from 1 to {ceiling}, not {text!r}")
-    return int(text)
-
-
-def _peers(name: str, text: str) -> tuple[dict[str, Any], ...]:
-    """A JSON list of NetworkPolicyPeers, each naming at least one of the peer fields and nothing else."""
-    try:
-        peers = json.loads(text)
-    except ValueError as err:
-        raise ValueError(f"{name}: not JSON ({err})") from None
-    fields = {"podSelector", "namespaceSelector", "ipBlock"}
-    if not isinstance(peers, list) or not all(isinstance(p, dict) and p and set(p) <= fields for p in peers):
-        raise ValueError(f"{name}: must be a list of NetworkPolicyPeers ({', '.join(sorted(fields))})")
-    return tuple(peers)
+def _peer(peer: Any) -> bool:
+    return isinstance(peer, dict) and bool(peer) and set(peer) <= PEER_FIELDS

@@ -24,6 +24,7 @@ import copy
 import logging
 import random
 from collections.abc import Callable, Mapping
+from dataclasses import dataclass, field
 from typing import Any
 
 import kopf
@@ -36,7 +37,6 @@ from kembed_operator.kube import selector
 from kembed_operator.reconcile import Client, ReconcileResult, owned, reconcile
 from kembed_operator.render import Owner
 
-CONFIG = OperatorConfig.from_env()
 ES = (kinds.EMBEDDING_SERVICE.group, kinds.EMBEDDING_SERVICE.version, kinds.EMBEDDING_SERVICE.plural)
 EJ = (kinds.EMBEDDING_JOB.group, kinds.EMBEDDING_JOB.version, kinds.EMBEDDING_JOB.plural)
 MAX_BACKOFF_S = 30.0
@@ -48,17 +48,34 @@ RESYNC_S = 600.0
 SETTLE_S = 0.5
 OUR_CHILDREN = {identity.LABEL_MANAGED_BY: identity.MANAGED_BY}  # the label every child of ours carries
 OUR_JOBS = {**OUR_CHILDREN, identity.LABEL_COMPONENT: job_render.COMPONENT}
-API = kube.KubeClient()
 Reconcile = Callable[[Mapping[str, Any], OperatorConfig, Client, int], ReconcileResult]
-_WAKEUPS: dict[tuple[str, str, str], asyncio.Event] = {}  # (plural, namespace, name) -> its loop's wake-up call
+
+
+@dataclass
+class Shared:
+    """What every handler shares, built at start-up and kept in kopf's memo (``memo.shared``)."""
+
+    config: OperatorConfig
+    api: kube.KubeClient
+    # (plural, namespace, name) -> its loop's wake-up call
+    wakeups: dict[tuple[str, str, str], asyncio.Event] = field(default_factory=dict)
+
+    def wake(self, kind: Kind, namespace: str | None, name: str) -> None:
+        event = self.wakeups.get((kind.plural, namespace or "", name))
+        if event is not None:
+            event.set()
+
+    def runs_here(self, kind: Kind, namespace: str, name: str) -> bool:
+        return (kind.plural, namespace, name) in self.wakeups
 
 
 @kopf.on.startup()
-def configure(settings: kopf.OperatorSettings, **_: Any) -> None:
+def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> None:
+    config = OperatorConfig.from_env()  # a bad setting stops the operator here, naming the variable
     settings.posting.level = logging.INFO  # creations, updates and problems become Events
     # kopf freezes every replica that shares the top priority; a random one elects a single leader.
     settings.peering.priority = random.SystemRandom().randint(1, 2**31)
-    settings.peering.lifetime = CONFIG.peering_lifetime_s
+    settings.peering.lifetime = config.peering_lifetime_s
     # Serving listed namespaces, kopf would list namespaces and watch CRDs, which Roles cannot grant:
     # it takes the listed namespaces as existing and discovers resources once, at start.
     settings.scanning.disabled = not settings.peering.clusterwide
@@ -68,6 +85,7 @@ def configure(settings: kopf.OperatorSettings, **_: Any) -> None:
     for kind in (kinds.JOB, kinds.POD):
         settings.watching.label_selectors[kind.group, kind.version, kind.plural] = selector(OUR_JOBS)
     kube.connect()
+    memo.shared = Shared(config, kube.KubeClient())
 
 
 def index_id(kind: Kind) -> str:
@@ -95,18 +113,24 @@ def _index_job_by_service(namespace: str | None, name: str, spec: kopf.Spec, **_
     return {(namespace, spec.get("service", "")): name}
 
 
-async def _wake_service(namespace: str | None, labels: Mapping[str, str], event: kopf.RawEvent, **_: Any) -> None:
-    _on_owned(kinds.EMBEDDING_SERVICE, namespace, labels, event)
+async def _wake_service(
+    namespace: str | None, labels: Mapping[str, str], event: kopf.RawEvent, memo: kopf.Memo, **_: Any
+) -> None:
+    _on_owned(memo.shared, kinds.EMBEDDING_SERVICE, namespace, labels, event)
 
 
-async def _wake_job(namespace: str | None, labels: Mapping[str, str], event: kopf.RawEvent, **_: Any) -> None:
-    _on_owned(kinds.EMBEDDING_JOB, namespace, labels, event)
+async def _wake_job(
+    namespace: str | None, labels: Mapping[str, str], event: kopf.RawEvent, memo: kopf.Memo, **_: Any
+) -> None:
+    _on_owned(memo.shared, kinds.EMBEDDING_JOB, namespace, labels, event)
 
 
-def _on_owned(owner: Kind, namespace: str | None, labels: Mapping[str, str], event: kopf.RawEvent) -> None:
+def _on_owned(
+    shared: Shared, owner: Kind, namespace: str | None, labels: Mapping[str, str], event: kopf.RawEvent
+) -> None:
     """An owned object's event wakes its owner's loop."""
     _relisted(event)
-    _wake(owner, namespace, labels.get(identity.LABEL_INSTANCE, ""))
+    shared.wake(owner, namespace, labels.get(identity.LABEL_INSTANCE, ""))
 
 
 def _relisted(event: kopf.RawEvent) -> None:
@@ -131,29 +155,21 @@ kopf.index(*EJ, id="jobs_by_service")(_index_job_by_service)
 
 
 @kopf.on.event(*ES)
-async def wake_on_service_change(namespace: str | None, name: str, event: kopf.RawEvent, **kwargs: Any) -> None:
+async def wake_on_service_change(
+    namespace: str | None, name: str, event: kopf.RawEvent, memo: kopf.Memo, **kwargs: Any
+) -> None:
     """A spec change (or a status someone else wrote): wake its loop, and the jobs that call it."""
     _relisted(event)
-    _wake(kinds.EMBEDDING_SERVICE, namespace, name)
+    memo.shared.wake(kinds.EMBEDDING_SERVICE, namespace, name)
     jobs: kopf.Index[Any, str] = kwargs["jobs_by_service"]
     for job in jobs.get((namespace, name), []):
-        _wake(kinds.EMBEDDING_JOB, namespace, job)
+        memo.shared.wake(kinds.EMBEDDING_JOB, namespace, job)
 
 
 @kopf.on.event(*EJ)
-async def wake_on_job_change(namespace: str | None, name: str, event: kopf.RawEvent, **_: Any) -> None:
+async def wake_on_job_change(namespace: str | None, name: str, event: kopf.RawEvent, memo: kopf.Memo, **_: Any) -> None:
     _relisted(event)
-    _wake(kinds.EMBEDDING_JOB, namespace, name)
-
-
-def _wake(kind: Kind, namespace: str | None, name: str) -> None:
-    event = _WAKEUPS.get((kind.plural, namespace or "", name))
-    if event is not None:
-        event.set()
-
-
-def _runs_here(kind: Kind, namespace: str, name: str) -> bool:
-    return (kind.plural, namespace, name) in _WAKEUPS
+    memo.shared.wake(kinds.EMBEDDING_JOB, namespace, name)
 
 
 @kopf.on.startup()
@@ -161,7 +177,8 @@ async def start_audit(settings: kopf.OperatorSettings, memo: kopf.Memo, **kwargs
     """Audit the indexes of owned objects against the API server for as long as the operator runs."""
     services = [audit.Watched(k, kwargs[index_id(k)], OUR_CHILDREN, kinds.EMBEDDING_SERVICE) for k in kinds.CHILDREN]
     jobs = [audit.Watched(k, kwargs[index_id(k)], OUR_JOBS, kinds.EMBEDDING_JOB) for k in (kinds.JOB, kinds.POD)]
-    auditor = audit.Auditor([*services, *jobs], API, settings.peering.clusterwide, _runs_here, _wake)
+    shared: Shared = memo.shared
+    auditor = audit.Auditor([*services, *jobs], shared.api, settings.peering.clusterwide, shared.runs_here, shared.wake)
     memo.audit = asyncio.create_task(auditor.run())
 
 
@@ -186,35 +203,38 @@ class IndexedClient(kube.KubeClient):
 
 @kopf.daemon(*ES)
 async def reconcile_loop(
-    body: kopf.Body, name: str, stopped: kopf.DaemonStopped, logger: kopf.Logger, **kwargs: Any
+    body: kopf.Body, name: str, stopped: kopf.DaemonStopped, logger: kopf.Logger, memo: kopf.Memo, **kwargs: Any
 ) -> None:
     """An EmbeddingService: reconcile on start and on every wake-up; after a failure, again after a backoff."""
     cached = IndexedClient({kind: kwargs[index_id(kind)] for kind in kinds.CHILDREN})
-    await _loop(kinds.EMBEDDING_SERVICE, reconcile, cached, body, name, stopped, logger)
+    await _loop(memo.shared, kinds.EMBEDDING_SERVICE, reconcile, cached, body, name, stopped, logger)
 
 
 @kopf.daemon(*EJ)
-async def job_loop(body: kopf.Body, name: str, stopped: kopf.DaemonStopped, logger: kopf.Logger, **kwargs: Any) -> None:
+async def job_loop(
+    body: kopf.Body, name: str, stopped: kopf.DaemonStopped, logger: kopf.Logger, memo: kopf.Memo, **kwargs: Any
+) -> None:
     """An EmbeddingJob: the same loop around its own reconcile."""
     cached = IndexedClient({kind: kwargs[index_id(kind)] for kind in (kinds.JOB, kinds.POD, kinds.EMBEDDING_SERVICE)})
-    await _loop(kinds.EMBEDDING_JOB, reconcile_job, cached, body, name, stopped, logger)
+    await _loop(memo.shared, kinds.EMBEDDING_JOB, reconcile_job, cached, body, name, stopped, logger)
 
 
 @kopf.on.delete(*EJ)
-async def delete_job(body: kopf.Body, name: str, **_: Any) -> None:
+async def delete_job(body: kopf.Body, name: str, memo: kopf.Memo, **_: Any) -> None:
     """The Job goes with its EmbeddingJob, its pods with it (the garbage collector would too, in its time)."""
     meta = body["metadata"]
     owner = Owner(name, meta["namespace"], meta["uid"], kinds.EMBEDDING_JOB)
-    await asyncio.to_thread(_delete_owned, kinds.JOB, owner)
+    await asyncio.to_thread(_delete_owned, memo.shared.api, kinds.JOB, owner)
 
 
-def _delete_owned(kind: Kind, owner: Owner) -> None:
-    live = API.get(kind, owner.namespace, owner.name)
+def _delete_owned(api: kube.KubeClient, kind: Kind, owner: Owner) -> None:
+    live = api.get(kind, owner.namespace, owner.name)
     if live is not None and owned(live, owner):
-        API.delete(kind, owner.namespace, owner.name)
+        api.delete(kind, owner.namespace, owner.name)
 
 
 async def _loop(
+    shared: Shared,
     kind: Kind,
     reconcile_one: Reconcile,
     cached: Client,
@@ -224,7 +244,7 @@ async def _loop(
     logger: kopf.Logger,
 ) -> None:
     namespace = body["metadata"]["namespace"]
-    wake = _WAKEUPS.setdefault((kind.plural, namespace, name), asyncio.Event())
+    wake = shared.wakeups.setdefault((kind.plural, namespace, name), asyncio.Event())
     loop = asyncio.get_running_loop()
     failures, resync_at = 0, loop.time() + _resync_delay()
     try:
@@ -232,13 +252,14 @@ async def _loop(
             wake.clear()
             fresh = failures > 0 or loop.time() >= resync_at  # after a failure, trust only the server
             resync_at = loop.time() + _resync_delay() if fresh else resync_at
-            failures, retry_after = await _attempt(body, reconcile_one, API if fresh else cached, failures, logger)
+            client = shared.api if fresh else cached
+            failures, retry_after = await _attempt(body, reconcile_one, shared.config, client, failures, logger)
             if failures:  # wake-ups do not cut a backoff short: our own partial progress makes them
                 await stopped.wait(max(retry_after, backoff(failures)))
             elif await _wait(wake, stopped, resync_at - loop.time()):
                 await stopped.wait(SETTLE_S)
     finally:
-        _WAKEUPS.pop((kind.plural, namespace, name), None)
+        shared.wakeups.pop((kind.plural, namespace, name), None)
 
 
 def _resync_delay() -> float:
@@ -251,12 +272,17 @@ def backoff(failures: int) -> float:
 
 
 async def _attempt(
-    body: kopf.Body, reconcile_one: Reconcile, client: Client, failures: int, logger: kopf.Logger
+    body: kopf.Body,
+    reconcile_one: Reconcile,
+    config: OperatorConfig,
+    client: Client,
+    failures: int,
+    logger: kopf.Logger,
 ) -> tuple[int, float]:
     """One reconcile of a snapshot of ``body``; returns (failures in a row, server's Retry-After)."""
     snapshot = copy.deepcopy(dict(body))
     try:
-        result = await asyncio.to_thread(reconcile_one, snapshot, CONFIG, client, failures)
+        result = await asyncio.to_thread(reconcile_one, snapshot, config, client, failures)
     except Exception as err:  # whatever it was (an API error writing the status, a bug): try again
         logger.warning("reconcile failed (attempt %d), will retry: %r", failures + 1, err)
         return failures + 1, kube.retry_after(err)

@@ -13,7 +13,7 @@ import os
 from collections.abc import Mapping
 from enum import StrEnum
 from pathlib import Path
-from typing import Annotated, Any, Final
+from typing import Annotated, Any, Final, TypeVar
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 from pydantic.config import JsonDict
@@ -470,28 +470,42 @@ class Settings(BaseModel):
     def from_env(cls, environ: Mapping[str, str] | None = None, **overrides: Any) -> Settings:
         """Read ``KEMBED_*`` variables; unknown ``KEMBED_*`` names are an error (likely a typo), but
         ``KEMBED_OPERATOR_*`` are the operator's own, so a shell may hold both."""
-        environ = os.environ if environ is None else environ
-        fields = cls.model_fields
-        values: dict[str, Any] = {}
-        for key, raw in environ.items():
-            if not key.startswith(ENV_PREFIX) or key.startswith(OPERATOR_ENV_PREFIX):
-                continue
-            name = key[len(ENV_PREFIX) :].lower()
-            if name not in fields:
-                raise ConfigError(f"{key}: unknown setting")
-            values[name] = raw
-        values.update(overrides)
-        try:
-            return cls(**values)
-        except ValidationError as err:
-            raise ConfigError(_describe(err)) from None
+        return read_env(cls, ENV_PREFIX, environ, overrides, besides=OPERATOR_ENV_PREFIX)
 
 
-def _describe(err: ValidationError) -> str:
+M = TypeVar("M", bound=BaseModel)
+
+
+def read_env(
+    model: type[M],
+    prefix: str,
+    environ: Mapping[str, str] | None = None,
+    overrides: Mapping[str, Any] | None = None,
+    besides: str = "",
+) -> M:
+    """A settings model from the variables ``prefix + FIELD`` (``besides``: a longer prefix that is
+    someone else's); :class:`ConfigError` naming the variable for an unknown name or a bad value."""
+    environ = os.environ if environ is None else environ
+    values: dict[str, Any] = {}
+    for key, raw in environ.items():
+        if not key.startswith(prefix) or (besides and key.startswith(besides)):
+            continue
+        name = key[len(prefix) :].lower()
+        if name not in model.model_fields:
+            raise ConfigError(f"{key}: unknown setting")
+        values[name] = raw
+    values.update(overrides or {})
+    try:
+        return model(**values)
+    except ValidationError as err:
+        raise ConfigError(_describe(err, prefix)) from None
+
+
+def _describe(err: ValidationError, prefix: str) -> str:
     problems = []
     for error in err.errors():
         loc = error["loc"]
-        where = env_name(str(loc[0])) if loc else "settings"
+        where = prefix + str(loc[0]).upper() if loc else "settings"
         problems.append(f"{where}: {error['msg']}")
     return "; ".join(problems)
 

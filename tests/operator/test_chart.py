@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import dataclasses
 import itertools
 import json
 import re
@@ -14,8 +13,9 @@ import helm_python
 import kubernetes_validate
 import pytest
 
+from kembed.contract import OPERATOR_ENV_PREFIX as PREFIX
 from kembed_operator import permissions
-from kembed_operator.config import PREFIX, OperatorConfig
+from kembed_operator.config import OperatorConfig
 from kembed_operator.spec import REPLICAS_CEILING
 from tests.operator.conftest import CHART, CRD_PATH, ROOT, chart_operator_args, render_chart
 
@@ -128,7 +128,7 @@ def test_operator_deployment() -> None:
     assert "--liveness=http://[::]:8080/healthz" in ipv6 and "--liveness=http://0.0.0.0:8080/healthz" in args
     env = {e["name"]: e["value"] for e in container["env"]}
     assert OperatorConfig.from_env(env) == OperatorConfig()  # the chart's defaults are the operator's
-    assert set(env) == {PREFIX + f.name.upper() for f in dataclasses.fields(OperatorConfig)}
+    assert set(env) == {PREFIX + name.upper() for name in OperatorConfig.model_fields}
 
 
 TRUST: dict[str, Any] = {

@@ -7,8 +7,10 @@ from typing import Any
 
 import pytest
 
+from kembed.config import ConfigError
+from kembed.contract import OPERATOR_ENV_PREFIX as PREFIX
 from kembed_operator import trust
-from kembed_operator.config import PREFIX, OperatorConfig
+from kembed_operator.config import OperatorConfig
 from kembed_operator.job_spec import parse_job_spec
 from kembed_operator.spec import REPLICAS_CEILING, InvalidSpec, parse_spec
 
@@ -241,6 +243,23 @@ def test_settings_from_the_chart() -> None:
 def test_malformed_metrics_peers_name_the_variable(text: str) -> None:
     with pytest.raises(ValueError, match=PREFIX + "METRICS_FROM"):
         OperatorConfig.from_env({PREFIX + "METRICS_FROM": text})
+
+
+@pytest.mark.parametrize(
+    ("variable", "text"),
+    [
+        ("MAX_REPLICAS", "0"),
+        ("MAX_REPLICAS", "ten"),
+        ("PEERING_LIFETIME_S", "0"),
+        ("ALLOW_COMPILE_CACHE_CLAIMS", "yes"),
+        ("ALLOWED_AFFINITY", "nodeAffinity,anyAffinity"),
+        ("KEDA_SERVER_ADDRESS", "http://prom:9090/?q=1"),
+        ("MAX_REPLICA", "5"),  # a typo is no setting, not a silent default
+    ],
+)
+def test_a_bad_operator_setting_names_its_variable(variable: str, text: str) -> None:
+    with pytest.raises(ConfigError, match=f"^{PREFIX}{variable}: "):
+        OperatorConfig.from_env({PREFIX + variable: text})
 
 
 def test_pod_policy_from_the_chart() -> None:
