@@ -29,6 +29,7 @@ from typing import Any
 
 import kopf
 
+from kembed.config import ConfigError
 from kembed_operator import audit, identity, job_render, job_status, kinds, kube
 from kembed_operator.config import OperatorConfig
 from kembed_operator.job_reconcile import reconcile_job
@@ -70,8 +71,12 @@ class Shared:
 
 
 @kopf.on.startup()
-def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> None:
-    config = OperatorConfig.from_env()  # a bad setting stops the operator here, naming the variable
+async def start(settings: kopf.OperatorSettings, memo: kopf.Memo, **kwargs: Any) -> None:
+    """The settings read, kopf configured, what the handlers share built, and the audit started."""
+    try:
+        config = OperatorConfig.from_env()
+    except ConfigError as err:  # a bad setting stops the operator, naming the variable: no retry mends it
+        raise kopf.PermanentError(str(err)) from None
     settings.posting.level = logging.INFO  # creations, updates and problems become Events
     # kopf freezes every replica that shares the top priority; a random one elects a single leader.
     settings.peering.priority = random.SystemRandom().randint(1, 2**31)
@@ -86,6 +91,7 @@ def configure(settings: kopf.OperatorSettings, memo: kopf.Memo, **_: Any) -> Non
         settings.watching.label_selectors[kind.group, kind.version, kind.plural] = selector(OUR_JOBS)
     kube.connect()
     memo.shared = Shared(config, kube.KubeClient())
+    memo.audit = asyncio.create_task(_auditor(settings, memo.shared, kwargs).run())
 
 
 def index_id(kind: Kind) -> str:
@@ -172,19 +178,17 @@ async def wake_on_job_change(namespace: str | None, name: str, event: kopf.RawEv
     memo.shared.wake(kinds.EMBEDDING_JOB, namespace, name)
 
 
-@kopf.on.startup()
-async def start_audit(settings: kopf.OperatorSettings, memo: kopf.Memo, **kwargs: Any) -> None:
-    """Audit the indexes of owned objects against the API server for as long as the operator runs."""
-    services = [audit.Watched(k, kwargs[index_id(k)], OUR_CHILDREN, kinds.EMBEDDING_SERVICE) for k in kinds.CHILDREN]
-    jobs = [audit.Watched(k, kwargs[index_id(k)], OUR_JOBS, kinds.EMBEDDING_JOB) for k in (kinds.JOB, kinds.POD)]
-    shared: Shared = memo.shared
-    auditor = audit.Auditor([*services, *jobs], shared.api, settings.peering.clusterwide, shared.runs_here, shared.wake)
-    memo.audit = asyncio.create_task(auditor.run())
+def _auditor(settings: kopf.OperatorSettings, shared: Shared, indexes: Mapping[str, Any]) -> audit.Auditor:
+    """Audits the indexes of owned objects against the API server for as long as the operator runs."""
+    services = [audit.Watched(k, indexes[index_id(k)], OUR_CHILDREN, kinds.EMBEDDING_SERVICE) for k in kinds.CHILDREN]
+    jobs = [audit.Watched(k, indexes[index_id(k)], OUR_JOBS, kinds.EMBEDDING_JOB) for k in (kinds.JOB, kinds.POD)]
+    return audit.Auditor([*services, *jobs], shared.api, settings.peering.clusterwide, shared.runs_here, shared.wake)
 
 
 @kopf.on.cleanup()
 async def stop_audit(memo: kopf.Memo, **_: Any) -> None:
-    memo.audit.cancel()
+    if "audit" in memo:  # not when start-up failed
+        memo.audit.cancel()
 
 
 class IndexedClient(kube.KubeClient):

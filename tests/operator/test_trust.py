@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import json
+import os
+import subprocess
+import sys
 from typing import Any
 
 import pytest
@@ -260,6 +263,15 @@ def test_malformed_metrics_peers_name_the_variable(text: str) -> None:
 def test_a_bad_operator_setting_names_its_variable(variable: str, text: str) -> None:
     with pytest.raises(ConfigError, match=f"^{PREFIX}{variable}: "):
         OperatorConfig.from_env({PREFIX + variable: text})
+
+
+def test_a_bad_operator_setting_stops_kopf_run_naming_it() -> None:
+    """Read in kopf's start-up handler: a bad value fails it for good, and `kopf run` exits."""
+    env = {**os.environ, PREFIX + "MAX_REPLICAS": "0", "KUBECONFIG": "/nonexistent"}
+    command = [sys.executable, "-m", "kopf", "run", "-m", "kembed_operator.handlers", "--standalone", "-A"]
+    done = subprocess.run(command, env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode != 0
+    assert f"failed permanently: {PREFIX}MAX_REPLICAS" in done.stderr
 
 
 def test_pod_policy_from_the_chart() -> None:
