@@ -4,6 +4,7 @@ input and combined here. The split and combination alone: test_chunks."""
 
 from __future__ import annotations
 
+import asyncio
 import json
 import urllib.error
 import urllib.request
@@ -15,7 +16,9 @@ import numpy as np
 import pytest
 from transformers import PreTrainedTokenizerBase
 
-from kembed.client import decode
+from kembed.client import AsyncEmbedClient, EmbedClient, decode
+from kembed.client.__main__ import main
+from kembed.client.requests import Limits, Options, plan
 from kembed.v1 import embedder_pb2 as pb
 from kembed.v1 import embedder_pb2_grpc as pb_grpc
 from tests.server.serving import ServerProcess
@@ -209,3 +212,39 @@ def test_rest_refusals_name_the_field(server: ServerProcess, body: dict[str, Any
     message = answer["error"]["message"]
     assert (status, answer["error"]["param"]) == (400, param)
     assert message.startswith(f"{param}: ") and reason in message, message
+
+
+# --- the client -----------------------------------------------------------------------------------
+
+
+def test_the_client_takes_chunk(server: ServerProcess, by_hand: tuple[np.ndarray, int]) -> None:
+    with EmbedClient(server.target, timeout_s=120) as client:
+        chunked = client.embed([LONG] * 5, chunk=True)  # 15 chunks: requests of two texts
+        with pytest.raises(grpc.RpcError) as refused:
+            client.embed([LONG], chunk=False)
+    np.testing.assert_allclose(chunked, np.tile(unit(by_hand[0]), (5, 1)), atol=2e-6)
+    assert refused.value.code() is grpc.StatusCode.INVALID_ARGUMENT
+
+    async def embed() -> np.ndarray:
+        async with AsyncEmbedClient(server.target, timeout_s=120) as client:
+            return await client.embed([LONG, SHORT], chunk=True)
+
+    np.testing.assert_allclose(asyncio.run(embed())[0], unit(by_hand[0]), atol=2e-6)
+
+
+def test_the_command_takes_chunk(server: ServerProcess, capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["--target", server.target, "--no-chunk", LONG]) == 1
+    assert "INVALID_ARGUMENT: texts[0]: over the model's" in capsys.readouterr().err
+    assert main(["--target", server.target, "--chunk", LONG]) == 0
+    assert ": 1 x 384 in " in capsys.readouterr().out
+
+
+def test_a_chunked_list_is_split_so_every_request_holds_its_chunks() -> None:
+    limits = Limits(items=MAX_ITEMS, request_bytes=1 << 20, text_chars=0, chunks=MAX_CHUNKS)
+    assert [len(part.request.texts) for part in plan(["a"] * 5, Options(chunk=True), limits)] == [2, 2, 1]
+    assert [part.request.chunk for part in plan(["a"] * 5, Options(chunk=True), limits)] == [True] * 3
+    assert len(plan(["a"] * 5, Options(), limits)) == 1  # the server does not chunk by default
+    by_default = Limits(items=MAX_ITEMS, request_bytes=1 << 20, text_chars=0, chunks=MAX_CHUNKS, chunk_by_default=True)
+    assert len(plan(["a"] * 5, Options(), by_default)) == 3
+    assert len(plan(["a"] * 5, Options(truncate=True), by_default)) == 1
+    assert not plan(["a"], Options(), limits)[0].request.HasField("chunk")
