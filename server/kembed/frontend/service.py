@@ -261,8 +261,8 @@ class EmbedService:
 
     def _check_chunks(self, count: int) -> None:
         if count > (most := self._settings.max_items_per_request):
-            reason = f"needs at least {count} chunks, more than the {most} items a request holds (max_batch_items): split it"
-            raise InvalidInput(Field.INPUT, reason)
+            reason = f"needs at least {count} chunks, more than the {most} items a request holds (max_batch_items)"
+            raise InvalidInput(Field.INPUT, f"{reason}: split it")
 
     def _least_cost(self, call: EmbedCall, chunked: bool) -> int:
         """A lower bound of the call's padded cost, read without tokenizing, so that the pre-screen
