@@ -37,7 +37,7 @@ TOO_LONG = LONG * 2  # more than four chunks
 
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
-    limits = {"max_chunks_per_input": MAX_CHUNKS, "max_items_per_request": MAX_ITEMS}
+    limits: dict[str, Any] = {"max_chunks_per_input": MAX_CHUNKS, "max_items_per_request": MAX_ITEMS}
     # No admission: these tests are about the answers, not the machine's service rate.
     running = ServerProcess(
         tmp_path_factory.mktemp("chunked") / "server.log", admission="", chunk_long_inputs=True, **limits
