@@ -321,7 +321,11 @@ class Settings(BaseModel):
         json_schema_extra=USER,
     )
     max_chunks_per_input: int = Field(
-        16, ge=1, description="Most chunks one input is embedded as, with `chunk`", json_schema_extra=TUNING
+        16,
+        ge=1,
+        description="Most chunks one input is embedded as, with `chunk` (16: 4,066 tokens for all-MiniLM-L6-v2); "
+        "a text is still at most KEMBED_MAX_TEXT_CHARS characters",
+        json_schema_extra=TUNING,
     )
     max_message_bytes: int = Field(
         2 * 1024 * 1024,
