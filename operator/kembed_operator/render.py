@@ -246,6 +246,8 @@ def _decided_settings(spec: EmbeddingServiceSpec, thresholds: Thresholds) -> dic
         "p95_hard_ms": thresholds.p95_hard_ms,
         "latency_window_s": admission.latency_window_seconds,
         "max_queued_tokens": admission.max_queued_tokens,
+        "chunk_long_inputs": spec.long_inputs.chunk,
+        "max_chunks_per_input": spec.long_inputs.max_chunks,
         "drain_timeout_s": spec.grace_seconds,
         "compile_cache_dir": COMPILE_CACHE_DIR if spec.compile_cache.enabled else None,
         **_model_source(spec),
@@ -287,13 +289,15 @@ def _model_source(spec: EmbeddingServiceSpec) -> dict[str, str]:
 def _text(value: Any) -> str:
     """A value as an environment variable or a manifest string spells it: lists of free text (control
     tokens, which may hold commas or spaces) as a JSON list, other lists comma-separated, enums by
-    value, whole floats without a fraction."""
+    value, booleans as true or false, whole floats without a fraction."""
     if isinstance(value, list) and any(isinstance(item, str) and not isinstance(item, Enum) for item in value):
         return json.dumps(value)
     if isinstance(value, list):
         return ",".join(_text(item) for item in value)
     if isinstance(value, Enum):
         return str(value.value)
+    if isinstance(value, bool):
+        return "true" if value else "false"
     if isinstance(value, float) and value.is_integer():
         return str(int(value))
     return str(value)

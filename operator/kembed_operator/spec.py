@@ -195,6 +195,15 @@ class AdmissionSpec(SpecModel):
     max_queued_tokens: int | None = Field(None, ge=1)
 
 
+class LongInputsSpec(SpecModel):
+    chunk: bool | None = Field(
+        None,
+        description="Embed an input longer than the model's limit as chunks, their vectors averaged by their "
+        "tokens, where a request sets neither `chunk` nor `truncate`; unset = the server's default (off).",
+    )
+    max_chunks: int | None = Field(None, ge=1, description="The most chunks one input is embedded as.")
+
+
 class SloSpec(SpecModel):
     p95_latency_ms: int = Field(
         1000,
@@ -353,6 +362,11 @@ class EmbeddingServiceSpec(PodOptions):
     admission: AdmissionSpec = Field(
         default_factory=AdmissionSpec,
         description="The server's load shedding; unset thresholds are derived from slo.p95LatencyMs.",
+    )
+    long_inputs: LongInputsSpec = Field(
+        default_factory=LongInputsSpec,
+        description="Inputs longer than the model's limit; unset = the server's defaults (refused unless a "
+        "request asks for `chunk` or `truncate`).",
     )
     slo: SloSpec = Field(default_factory=SloSpec)
     autoscaling: AutoscalingSpec = Field(default_factory=AutoscalingSpec)

@@ -314,6 +314,19 @@ class Settings(BaseModel):
         description="Longest text in characters (bounds tokenization work); cut to it with truncate",
         json_schema_extra=TUNING,
     )
+    chunk_long_inputs: bool = Field(
+        False,
+        description="Embed an input longer than the model's limit as chunks of the model's length, their "
+        "vectors averaged by their tokens, where a request sets neither `chunk` nor `truncate` (docs/api.md)",
+        json_schema_extra=USER,
+    )
+    max_chunks_per_input: int = Field(
+        16,
+        ge=1,
+        description="Most chunks one input is embedded as, with `chunk` (16: 4,066 tokens for all-MiniLM-L6-v2); "
+        "a text is still at most KEMBED_MAX_TEXT_CHARS characters",
+        json_schema_extra=TUNING,
+    )
     max_message_bytes: int = Field(
         2 * 1024 * 1024,
         ge=1024,

@@ -31,6 +31,7 @@ class Field(StrEnum):
     INPUT = "input"  # the inputs as a whole, one item of them, or one token id of an item
     DIMENSIONS = "dimensions"
     REQUEST_ID = "request_id"
+    CHUNK = "chunk"
 
 
 class InvalidInput(EmbedError):

@@ -42,6 +42,16 @@ _TOKENIZER_FILES = frozenset(
 _TRUNCATE = "set truncate=true to cut it to fit"
 
 
+@dataclass(frozen=True, slots=True)
+class TokenLimit:
+    """The most tokens an input may have, special tokens included, and what an error past it says:
+    the model's limit, or, with ``chunk``, what an input's most chunks hold."""
+
+    tokens: int
+    name: str  # "the model's 256 tokens"
+    advice: str  # how to make it fit
+
+
 @dataclass(frozen=True)
 class Sequences:
     """Token sequences, concatenated: ``ids[offsets[i] : offsets[i] + lengths[i]]`` is sequence ``i``."""
@@ -81,7 +91,11 @@ class Tokenizer:
         self._full = _configured_copy(backend, max_length=None)
         self._truncating = _configured_copy(backend, max_length=max_input_tokens)
         self._special_tokens = len(self._full.encode("", add_special_tokens=True).ids)
-        self._max_content = max_input_tokens - self._special_tokens  # tokens of its own a text may have
+        # The special tokens before a text's own and after them ([CLS] and [SEP] for BERT).
+        mask = self._full.encode("a", add_special_tokens=True).special_tokens_mask
+        self.head = next((i for i, special in enumerate(mask) if not special), len(mask))
+        self.tail = len(mask) - self.head - mask.count(0)
+        self.limit = TokenLimit(max_input_tokens, f"the model's {max_input_tokens} tokens", _TRUNCATE)
         # Texts up to this many characters are tokenized whole, in one batch: a text of a token a
         # character (``"a." * n`` for WordPiece) then costs at most four times the work of the
         # longest a model takes, and most texts (prose of up to 400 words) take the fast path.
@@ -107,13 +121,16 @@ class Tokenizer:
         """The tokenizer, serialized for another process (padding and truncation reset)."""
         return str(self._full.to_str())
 
-    def from_texts(self, texts: Sequence[str], truncate: bool) -> Sequences:
-        """Each text's tokens, the work bounded by the model's limit whatever the text: a text of
-        more than ``whole_chars`` characters is tokenized from prefixes (:meth:`_from_prefix`)."""
+    def from_texts(self, texts: Sequence[str], truncate: bool, limit: TokenLimit | None = None) -> Sequences:
+        """Each text's tokens, the work bounded by the ``limit`` (the model's by default; truncation
+        cuts to the model's) whatever the text: a text of more than ``whole_chars`` characters, or
+        four times the limit, is tokenized from prefixes (:meth:`_from_prefix`)."""
+        limit = limit or self.limit
         encoded: list[list[int]] = [[] for _ in texts]
         whole, cut = [], set()  # tokenized whole, in one batch; from a prefix
+        whole_chars = 4 * (limit.tokens + 1)  # self.whole_chars at the model's limit
         for i, text in enumerate(texts):
-            prefixed = self._from_prefix(text, truncate) if len(text) > self.whole_chars else None
+            prefixed = self._from_prefix(text, truncate, limit.tokens) if len(text) > whole_chars else None
             if prefixed is None:
                 whole.append(i)
             else:
@@ -124,40 +141,42 @@ class Tokenizer:
         for i, encoding in zip(whole, batch, strict=True):
             encoded[i] = encoding.ids
         lengths = np.fromiter(map(len, encoded), dtype=np.int32, count=len(encoded))
-        if not truncate and (too_long := lengths > self.max_input_tokens).any():
+        if not truncate and (too_long := lengths > limit.tokens).any():
             index = int(np.argmax(too_long))
             if index in cut:  # only a prefix was tokenized: how many more tokens the text has is not known
-                raise InvalidInput(Field.INPUT, f"over the model's {self.max_input_tokens} tokens; {_TRUNCATE}", index)
-        self._check_lengths(lengths, truncate)
+                raise InvalidInput(Field.INPUT, f"over {limit.name}; {limit.advice}", index)
+        self._check_lengths(lengths, truncate, limit)
         ids = np.fromiter(chain.from_iterable(encoded), dtype=np.int32, count=int(lengths.sum()))
         return Sequences(ids=ids, lengths=lengths)
 
-    def _from_prefix(self, text: str, truncate: bool) -> list[int] | None:
-        """A long text's ids from the shortest prefix that holds more tokens than the model takes
-        (not truncated, all of that prefix's: over the limit), or None once a prefix would be half
-        the text (it is tokenized whole, with the short texts). The first prefix is as many
-        characters as the limit (a text of a token a character fills it at once); each next one is
-        what the tokens per character so far say holds the limit, a quarter more, and at least
-        twice as long."""
-        size = self.max_input_tokens + 1
+    def _from_prefix(self, text: str, truncate: bool, limit: int) -> list[int] | None:
+        """A long text's ids from the shortest prefix that holds more tokens than ``limit`` (not
+        truncated, all of that prefix's: over the limit; truncated, cut to the model's), or None
+        once a prefix would be half the text (it is tokenized whole, with the short texts). The
+        first prefix is as many characters as the limit (a text of a token a character fills it at
+        once); each next one is what the tokens per character so far say holds the limit, a
+        quarter more, and at least twice as long."""
+        content = limit - self._special_tokens  # tokens of its own a text may have
+        size = limit + 1
         while 2 * size < len(text):
             encoding = self._full.encode(text[:size], add_special_tokens=True)
             exact = _exact_tokens(encoding)
-            if exact >= self._max_content:
+            if exact >= content:
                 # At least that many, and the cut words are one token more: over the limit.
-                return _truncated(encoding, self._max_content) if truncate else encoding.ids
-            size = max(2 * size, size * (self._max_content + 1) * 5 // (4 * max(exact, 1)))
+                return _truncated(encoding, content) if truncate else encoding.ids
+            size = max(2 * size, size * (content + 1) * 5 // (4 * max(exact, 1)))
         return None
 
-    def least_lengths(self, texts: Sequence[str]) -> np.ndarray:
+    def least_lengths(self, texts: Sequence[str], limit: TokenLimit | None = None) -> np.ndarray:
         """A lower bound of each text's length in tokens, at a fiftieth of tokenizing's cost: its
         words plus the special tokens. Tokenizers split on whitespace before anything else, so a
         word is at least one token (English prose averages 1.5: the bound is about two thirds of
-        the length); capped at the model's limit, where truncation or a refusal ends it."""
+        the length); capped at the ``limit`` (the model's by default), where truncation or a refusal
+        ends it."""
         words = np.fromiter((len(text.split()) for text in texts), dtype=np.int64, count=len(texts))
-        return np.minimum(words + self._special_tokens, self.max_input_tokens)
+        return np.minimum(words + self._special_tokens, (limit or self.limit).tokens)
 
-    def from_ids(self, seqs: Sequences, truncate: bool) -> Sequences:
+    def from_ids(self, seqs: Sequences, truncate: bool, limit: TokenLimit | None = None) -> Sequences:
         """Pre-tokenized sequences (whole, non-empty: the edge checked) checked against the model."""
         flat, counts = seqs.ids, seqs.lengths
         outside = (flat < 0) | (flat >= self.vocab_size)
@@ -168,7 +187,7 @@ class Tokenizer:
             position = index - int(ends[item] - counts[item])
             reason = f"{flat[index]} is outside the vocabulary [0, {self.vocab_size})"
             raise InvalidInput(Field.INPUT, reason, item, position)
-        self._check_lengths(counts, truncate)
+        self._check_lengths(counts, truncate, limit or self.limit)
         if truncate and counts.max() > self.max_input_tokens:
             return self._truncate(flat, counts)
         return Sequences(ids=flat.astype(np.int32, copy=False), lengths=counts.astype(np.int32, copy=False))
@@ -182,11 +201,11 @@ class Tokenizer:
         kept = np.minimum(counts, self.max_input_tokens)
         return Sequences(ids=flat[keep].astype(np.int32), lengths=kept.astype(np.int32))
 
-    def _check_lengths(self, lengths: np.ndarray, truncate: bool) -> None:
-        too_long = lengths > self.max_input_tokens
+    def _check_lengths(self, lengths: np.ndarray, truncate: bool, limit: TokenLimit) -> None:
+        too_long = lengths > limit.tokens
         if not truncate and too_long.any():
             index = int(np.argmax(too_long))
-            reason = f"{lengths[index]} tokens, longer than the model's {self.max_input_tokens}; {_TRUNCATE}"
+            reason = f"{lengths[index]} tokens, longer than {limit.name}; {limit.advice}"
             raise InvalidInput(Field.INPUT, reason, index)
 
 

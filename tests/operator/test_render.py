@@ -49,6 +49,7 @@ FEATURES: dict[str, dict[str, Any]] = {
         }
     },
     "no admission": {"admission": {"strategies": []}},
+    "long inputs": {"longInputs": {"chunk": True, "maxChunks": 8}},
     "slo": {"slo": {"p95LatencyMs": 250}},
     "hpa": {"maxReplicas": 6, "autoscaling": {"behavior": {"scaleDown": {"stabilizationWindowSeconds": 600}}}},
     "hpa explicit targets": {
@@ -275,6 +276,14 @@ def test_batching_and_admission_pass_through() -> None:
     assert [admission[env_name(k)] for k in names] == ["latency", "900", "700", "1200", "5", "100000"]
     # An empty strategy list means "no admission"; the API server drops empty values, so none is sent.
     assert {"name": env_name("admission")} in container(FEATURES["no admission"])["env"]
+
+
+def test_long_inputs_reach_the_server_and_unset_keep_its_defaults() -> None:
+    chunked = env(FEATURES["long inputs"])
+    assert (chunked[env_name("chunk_long_inputs")], chunked[env_name("max_chunks_per_input")]) == ("true", "8")
+    assert env({"longInputs": {"chunk": False}})[env_name("chunk_long_inputs")] == "false"
+    unset = env({})
+    assert env_name("chunk_long_inputs") not in unset and env_name("max_chunks_per_input") not in unset
 
 
 def test_slo_drives_admission_and_hpa() -> None:

@@ -710,6 +710,9 @@ def test_the_request_carries_the_job_settings_and_the_rows_it_is_for():
     asked = embed_request(Span(0, ["a"]), Request(dimensions=0, truncate=False, priority="interactive"))
     assert asked.priority == pb.PRIORITY_INTERACTIVE
     assert not request.HasField("normalize")  # the server's default: normalised
+    assert not request.HasField("chunk")  # the server's default
+    chunked = embed_request(Span(0, ["a"]), Request(dimensions=0, truncate=False, chunk=True))
+    assert chunked.HasField("chunk") and chunked.chunk
 
 
 # --- the CLI ----------------------------------------------------------------------------------
@@ -738,6 +741,7 @@ def test_bad_flags_are_usage_errors(flags: list[str], message: str, capsys: pyte
         (["--shard", "4/4"], "argument --shard: '4/4': I must be in [0, N)"),
         (["--shard", "1-4"], "argument --shard: '1-4' is not I/N"),
         (["--shard", "0/2", "--input", "-"], "--shard: a shard is a byte range of a file; stdin cannot be split"),
+        (["--chunk", "--truncate"], "--chunk, --truncate: a long text is either chunked or cut; choose one"),
     ],
 )
 def test_bad_shards_are_usage_errors(flags: list[str], message: str, capsys: pytest.CaptureFixture[str]):

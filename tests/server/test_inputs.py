@@ -14,7 +14,7 @@ import pytest
 from transformers import PreTrainedTokenizerBase
 
 from kembed.errors import Field, InvalidInput
-from kembed.inputs import Sequences, Tokenizer, tokenizer_fingerprint
+from kembed.inputs import Sequences, Tokenizer, TokenLimit, tokenizer_fingerprint
 
 VOCAB = 30522
 LIMIT = 16
@@ -63,6 +63,28 @@ def test_a_text_over_the_models_limit_is_located(tok: Tokenizer) -> None:
     assert located(caught) == (Field.INPUT, 2, None)
     # Tokenized from a prefix that holds more than the limit: how many more is not counted.
     assert caught.value.reason == f"over the model's {LIMIT} tokens; set truncate=true to cut it to fit"
+
+
+def test_the_special_tokens_around_a_text_are_read_from_the_tokenizer(tok: Tokenizer) -> None:
+    assert (tok.head, tok.tail) == (1, 1)  # [CLS] ... [SEP]
+
+
+def test_a_longer_limit_takes_longer_texts_and_names_itself(
+    tok: Tokenizer, hf_tokenizer: PreTrainedTokenizerBase
+) -> None:
+    """The limit chunking sets: a text up to it is tokenized whole, one past it refused by its name,
+    whether tokenized whole or from a prefix."""
+    full = hf_tokenizer(LONG_TEXT)["input_ids"]
+    roomy = TokenLimit(len(full), "the 4 chunks' tokens", "split it")
+    assert tok.from_texts([LONG_TEXT], truncate=False, limit=roomy).ids.tolist() == full
+    tight = TokenLimit(len(full) - 1, "the 4 chunks' tokens", "split it")
+    with pytest.raises(InvalidInput) as caught:
+        tok.from_texts(["short", LONG_TEXT], truncate=False, limit=tight)
+    assert located(caught) == (Field.INPUT, 1, None)
+    assert caught.value.reason == f"{len(full)} tokens, longer than the 4 chunks' tokens; split it"
+    with pytest.raises(InvalidInput) as caught:
+        tok.from_texts([LONG_TEXT * 20], truncate=False, limit=tight)  # from a prefix
+    assert caught.value.reason == "over the 4 chunks' tokens; split it"
 
 
 def test_text_truncation_keeps_the_closing_token(tok: Tokenizer, hf_tokenizer: PreTrainedTokenizerBase) -> None:

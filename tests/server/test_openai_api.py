@@ -51,6 +51,11 @@ def test_texts_and_options_map_to_the_call() -> None:
     assert (parsed.model, parsed.encoding, parsed.nested) == ("minilm", "float", False)
 
 
+@pytest.mark.parametrize(("fields", "chunk"), [({}, None), ({"chunk": True}, True), ({"chunk": False}, False)])
+def test_chunk_maps_to_the_call_absent_as_the_servers_default(fields: dict[str, bool], chunk: bool | None) -> None:
+    assert from_json({"input": "a", **fields}).call.chunk is chunk
+
+
 def test_a_lone_string_is_one_text() -> None:
     inputs = from_json({"input": "hello", "model": SERVED[1]}).call.inputs
     assert isinstance(inputs, Texts) and list(inputs.items) == ["hello"]
@@ -93,6 +98,7 @@ BAD_BODIES: dict[str, tuple[Any, int, str | None, str]] = {
     "dimensions zero": ({"input": "x", "dimensions": 0}, 400, "dimensions", "dimensions: must be a whole number"),
     "dimensions a string": ({"input": "x", "dimensions": "64"}, 400, "dimensions", "dimensions: must be"),
     "truncate not a flag": ({"input": "x", "truncate": "yes"}, 400, "truncate", "truncate: must be true or false"),
+    "chunk not a flag": ({"input": "x", "chunk": 1}, 400, "chunk", "chunk: must be true or false"),
     "unknown priority": ({"input": "x", "priority": 1}, 400, "priority", "priority: 1 is not one of"),
     "model not a string": ({"input": "x", "model": 5}, 400, "model", "model: must be a string"),
     "unknown model": ({"input": "x", "model": "gpt-4"}, 404, "model", "model: 'gpt-4' is not served here"),

@@ -13,7 +13,7 @@ import grpc
 
 from kembed.client import connection
 from kembed.client.embed_client import EmbedClient
-from kembed.client.flags import add_dimensions, add_priority
+from kembed.client.flags import add_chunk, add_dimensions, add_priority
 from kembed.client.requests import answered
 
 PROG = "python -m kembed.client"
@@ -46,6 +46,7 @@ def parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--truncate", action="store_true", help="cut texts longer than the model's limit instead of an error"
     )
+    add_chunk(parser)
     add_priority(parser, "interactive")
     parser.add_argument("texts", nargs="+", metavar="TEXT")
     return parser
@@ -58,7 +59,11 @@ def embed_texts(argv: list[str]) -> int:
     try:
         with EmbedClient(connection.from_arguments(flags, args)) as client:
             vectors = client.embed(
-                args.texts, dimensions=args.dimensions, truncate=args.truncate, priority=args.priority
+                args.texts,
+                dimensions=args.dimensions,
+                truncate=args.truncate,
+                priority=args.priority,
+                chunk=args.chunk,
             )
             model = client.info().model_id
     except grpc.RpcError as error:

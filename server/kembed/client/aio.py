@@ -34,8 +34,9 @@ class AsyncEmbedClient(ClientBase[grpc.aio.Channel]):
         dimensions: int = 0,
         truncate: bool = False,
         priority: str = "interactive",
+        chunk: bool | None = None,
     ) -> np.ndarray:
-        parts = plan(texts, Options(normalize, dimensions, truncate, priority), await self.limits())
+        parts = plan(texts, Options(normalize, dimensions, truncate, priority, chunk), await self.limits())
         slots = asyncio.Semaphore(self._in_flight)
 
         async def send(part: Part) -> pb.EmbedResponse:

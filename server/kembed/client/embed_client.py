@@ -169,10 +169,12 @@ class EmbedClient(ClientBase[grpc.Channel]):
         dimensions: int = 0,
         truncate: bool = False,
         priority: str = "interactive",
+        chunk: bool | None = None,
     ) -> np.ndarray:
         """Any number of texts, as requests within the server's limits; ``priority`` is
-        ``"interactive"`` (a caller waits) or ``"batch"`` (an ingest, which queries go ahead of)."""
-        parts = plan(texts, Options(normalize, dimensions, truncate, priority), self.limits())
+        ``"interactive"`` (a caller waits) or ``"batch"`` (an ingest, which queries go ahead of);
+        ``chunk=True`` embeds a text longer than the model's limit as chunks (None: the server's default)."""
+        parts = plan(texts, Options(normalize, dimensions, truncate, priority, chunk), self.limits())
         if len(parts) == 1:
             return decode(self._embed_part(parts[0]))
         with ThreadPoolExecutor(min(self._in_flight, len(parts)), thread_name_prefix="kembed-embed") as pool:

@@ -28,6 +28,15 @@ def add_dimensions(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--dimensions", type=at_least(int, 0), default=0, help="0 (default): the model's")
 
 
+def add_chunk(parser: argparse.ArgumentParser) -> None:
+    parser.add_argument(
+        "--chunk",
+        action=argparse.BooleanOptionalAction,
+        help="embed a text longer than the model's limit as chunks, their vectors averaged (--no-chunk: "
+        "refuse or truncate it; neither: the server's default)",
+    )
+
+
 def add_priority(parser: argparse.ArgumentParser, default: str) -> None:
     help = {
         "batch": "the requests' class (default batch: an ingest, which queries go ahead of)",

@@ -67,6 +67,7 @@ class Options:
     dimensions: int = 0
     truncate: bool = False
     priority: str = "interactive"
+    chunk: bool | None = None  # None: the server's default
 
 
 @dataclass(frozen=True)
@@ -76,10 +77,23 @@ class Limits:
     items: int  # 0: the server did not say
     request_bytes: int  # what a request's texts may weigh, their envelopes included
     text_chars: int  # 0: the server did not say
+    chunks: int = 0  # the most chunks an input is embedded as with chunk (0: the server did not say)
+    chunk_by_default: bool = False  # the server chunks a request that sets neither chunk nor truncate
 
     @classmethod
     def of(cls, connection: Connection, info: pb.InfoResponse) -> Limits:
-        return cls(info.max_batch_items, message_bytes(connection, info) - REQUEST_ENVELOPE_BYTES, info.max_text_chars)
+        request_bytes = message_bytes(connection, info) - REQUEST_ENVELOPE_BYTES
+        return cls(
+            info.max_batch_items, request_bytes, info.max_text_chars, info.max_chunks_per_input, info.chunk_long_inputs
+        )
+
+    def texts_per_request(self, options: Options) -> int:
+        """Texts a request carries: with chunking, as many as fit the server's items however many
+        chunks each needs (the client does not tokenize, so it counts each at the most)."""
+        chunked = options.chunk if options.chunk is not None else self.chunk_by_default and not options.truncate
+        if chunked and self.items and self.chunks:
+            return max(1, self.items // self.chunks)
+        return self.items
 
 
 @dataclass(frozen=True)
@@ -99,16 +113,17 @@ def plan(texts: Sequence[str], options: Options, limits: Limits) -> list[Part]:
     if options.truncate and limits.text_chars:
         texts = [text[: limits.text_chars] for text in texts]
     parts, first = [], 0
-    for chunk in split_texts(texts, limits.items, limits.request_bytes) if texts else [[]]:
+    for run in split_texts(texts, limits.texts_per_request(options), limits.request_bytes) if texts else [[]]:
         request = pb.EmbedRequest(
-            texts=chunk,
+            texts=run,
             normalize=options.normalize,
             dimensions=options.dimensions,
             truncate=options.truncate,
             priority=kind,
+            chunk=options.chunk,
         )
         parts.append(Part(first, request))
-        first += len(chunk)
+        first += len(run)
     return parts
 
 

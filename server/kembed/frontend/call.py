@@ -32,6 +32,7 @@ class Texts:
 class EmbedCall:
     inputs: Texts | Sequences  # texts, or pre-tokenized ids
     truncate: bool = False  # cut over-long inputs to the model's limit instead of refusing them
+    chunk: bool | None = None  # embed over-long inputs as chunks (frontend/chunks.py); None = the server's default
     normalize: bool = True
     dimensions: int = 0  # keep the first this many (0 = all), then normalize
     priority: Priority = Priority.INTERACTIVE
@@ -80,6 +81,8 @@ class ServerInfo:
     max_text_chars: int  # longer texts are refused, or cut with truncate
     max_message_bytes: int
     served_model_name: str  # KEMBED_SERVED_MODEL_NAME, else the model id
+    max_chunks_per_input: int  # with chunk, an input is embedded as at most this many chunks
+    chunk_long_inputs: bool  # the server's default for a call that sets neither chunk nor truncate
 
 
 @dataclass(frozen=True, slots=True)

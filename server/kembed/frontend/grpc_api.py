@@ -424,6 +424,7 @@ def to_call(request: pb.EmbedRequest, limits: Limits, time_remaining: float | No
     return EmbedCall(
         inputs=_sequences(request.tokens, limits) if has_tokens else limits.texts(request.texts, request.truncate),
         truncate=request.truncate,
+        chunk=request.chunk if request.HasField("chunk") else None,
         normalize=request.normalize if request.HasField("normalize") else True,
         dimensions=request.dimensions,
         priority=BY_VALUE[request.priority],
@@ -505,4 +506,6 @@ def info_response(info: ServerInfo) -> pb.InfoResponse:
         max_text_chars=info.max_text_chars,
         max_message_bytes=info.max_message_bytes,
         served_model_name=info.served_model_name,
+        max_chunks_per_input=info.max_chunks_per_input,
+        chunk_long_inputs=info.chunk_long_inputs,
     )

@@ -354,6 +354,7 @@ def _embeddings(
     call = EmbedCall(
         inputs=inputs,
         truncate=truncate,
+        chunk=_flag(fields, "chunk") if "chunk" in fields else None,
         dimensions=dimensions or 0,
         priority=priority,
         timeout_s=timeout_s,

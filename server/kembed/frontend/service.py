@@ -27,11 +27,12 @@ from kembed.config import Settings
 from kembed.errors import EmbedError, Failure, Field, InvalidInput
 from kembed.frontend.budget import MemoryBudget, call_weight
 from kembed.frontend.call import EmbedCall, EmbedResult, ServerInfo, Texts, Timings
+from kembed.frontend.chunks import Chunking, Chunks
 from kembed.frontend.inbox import Pending
 from kembed.frontend.link import EngineLink
 from kembed.frontend.pushback import RefusalPacer
 from kembed.frontend.screen import Screen
-from kembed.inputs import Sequences, Tokenizer
+from kembed.inputs import Sequences, Tokenizer, TokenLimit
 from kembed.metrics import FrontendMetrics
 from kembed.priority import Priority
 from kembed.shapes import padded_lengths
@@ -141,6 +142,12 @@ class EmbedService:
             max_input_tokens=info.max_input_tokens,
             vocab_size=info.vocab_size,
         )
+        tokenizer = self._tokenizer
+        self._chunking = Chunking(info.max_input_tokens, tokenizer.head, tokenizer.tail, settings.max_chunks_per_input)
+        most = self._chunking.max_tokens
+        self._chunked_limit = TokenLimit(
+            most, f"the {most} tokens of {settings.max_chunks_per_input} chunks (max_chunks_per_input)", "split it"
+        )
 
     async def embed(self, call: EmbedCall) -> EmbedResult:
         """The call is admitted or refused as it arrives, never held. What it holds is weighed against
@@ -149,7 +156,7 @@ class EmbedService:
         arrival = self._clock()
         self._gate.enter()
         try:
-            with self._memory.reserve(call_weight(call.nbytes, call.count, self._info.dimensions)):
+            with self._memory.reserve(call_weight(call.nbytes, self._most_items(call), self._info.dimensions)):
                 return await self._serve(call, arrival)
         except EmbedError as error:
             if error.failure is Failure.REJECTED:
@@ -178,7 +185,8 @@ class EmbedService:
 
     async def _serve(self, call: EmbedCall, arrival: float) -> EmbedResult:
         self._validate(call)
-        least = self._least_cost(call)
+        chunked = self._chunked(call)
+        least = self._least_cost(call, chunked)
         least_cost = self._screened_cost(least, call.peer)
         priority = self._screen.class_of(least_cost, call.priority)
         stated = None if call.timeout_s is None else arrival + call.timeout_s  # the client's own deadline
@@ -186,11 +194,13 @@ class EmbedService:
         if call.timeout_s is not None:
             self._raise_if_rejected(self._screen.in_time(least_cost, priority, call.timeout_s), priority)
         if call.nbytes <= INLINE_PREPARE_LIMIT:
-            seqs = self._tokenize(call)  # on the event loop: no other call is screened meanwhile
+            chunks = self._prepare(call, chunked)  # on the event loop: no other call is screened meanwhile
         else:
             with self._screen.tokenizing(least_cost, priority):
-                seqs = await asyncio.get_running_loop().run_in_executor(self._executor, self._tokenize, call)
+                loop = asyncio.get_running_loop()
+                chunks = await loop.run_in_executor(self._executor, self._prepare, call, chunked)
         tokenized = self._clock()
+        seqs = chunks.seqs
         cost = self._padded_tokens(seqs.lengths)
         self._cost_over_least += COST_RATIO_WEIGHT * (cost / max(1, least) - self._cost_over_least)
         priority = self._screen.class_of(cost, priority)
@@ -204,7 +214,7 @@ class EmbedService:
         done = self._clock()
         self._link.add_latency(done - arrival, priority)
         self._metrics.request_durations[priority].observe(done - arrival)
-        return self._result(call, seqs, pending, tokenized - arrival, arrival, done)
+        return self._result(call, chunks, pending, tokenized - arrival, arrival, done)
 
     def _default_budget(self, cost: int, priority: Priority) -> float:
         """The deadline of a call that states none: the server's default, or, for a request whose
@@ -219,24 +229,57 @@ class EmbedService:
             raise InvalidInput(Field.DIMENSIONS, reason)
         if len(call.request_id) > MAX_REQUEST_ID_CHARS:
             raise InvalidInput(Field.REQUEST_ID, f"longer than {MAX_REQUEST_ID_CHARS} characters")
+        if call.chunk and call.truncate:
+            raise InvalidInput(
+                Field.CHUNK, "chunk and truncate are both true: choose one (chunk embeds a long input whole)"
+            )
 
-    def _tokenize(self, call: EmbedCall) -> Sequences:
+    def _chunked(self, call: EmbedCall) -> bool:
+        """Whether the call's long inputs are chunked: as it says, else the server's default where
+        it does not ask to truncate them."""
+        return call.chunk if call.chunk is not None else self._settings.chunk_long_inputs and not call.truncate
+
+    def _most_items(self, call: EmbedCall) -> int:
+        """The most items the engine may compute for the call: its inputs, or their chunks."""
+        if not self._chunked(call):
+            return call.count
+        return min(call.count * self._chunking.max_chunks, self._settings.max_items_per_request)
+
+    def _prepare(self, call: EmbedCall, chunked: bool) -> Chunks:
+        """The call's inputs as the items the engine computes: tokenized, and chunked if asked."""
+        limit = self._chunked_limit if chunked else self._tokenizer.limit
         inputs = call.inputs
         if isinstance(inputs, Texts):
-            return self._tokenizer.from_texts(inputs.items, call.truncate)
-        return self._tokenizer.from_ids(inputs, call.truncate)
+            seqs = self._tokenizer.from_texts(inputs.items, call.truncate, limit)
+        else:
+            seqs = self._tokenizer.from_ids(inputs, call.truncate, limit)
+        if not chunked:
+            return Chunks.whole(seqs)
+        chunks = self._chunking.split(seqs)
+        self._check_chunks(chunks.seqs.count)
+        return chunks
 
-    def _least_cost(self, call: EmbedCall) -> int:
+    def _check_chunks(self, count: int) -> None:
+        if count > (most := self._settings.max_items_per_request):
+            reason = f"needs at least {count} chunks, more than the {most} items a request holds (max_batch_items)"
+            raise InvalidInput(Field.INPUT, f"{reason}: split it")
+
+    def _least_cost(self, call: EmbedCall, chunked: bool) -> int:
         """A lower bound of the call's padded cost, read without tokenizing, so that the pre-screen
         refuses what the server cannot take before it costs a tokenization: exact for pre-tokenized
-        ids, from the word counts for texts (see ``Tokenizer.least_lengths``)."""
+        ids, from the word counts for texts (see ``Tokenizer.least_lengths``). Chunked, it counts the
+        chunks, and a call that would need more than a request holds is refused here."""
+        limit = self._chunked_limit if chunked else self._tokenizer.limit
         inputs = call.inputs
         if isinstance(inputs, Sequences):
-            lengths = np.clip(inputs.lengths, 1, self._info.max_input_tokens)
+            lengths = np.clip(inputs.lengths, 1, limit.tokens)
         elif inputs.chars <= WORD_COUNT_LIMIT:
-            lengths = self._tokenizer.least_lengths(inputs.items)
+            lengths = self._tokenizer.least_lengths(inputs.items, limit)
         else:
             lengths = np.ones(call.count, dtype=np.int64)
+        if chunked:
+            lengths = self._chunking.lengths(lengths)
+            self._check_chunks(len(lengths))
         return self._padded_tokens(lengths)
 
     def _padded_tokens(self, lengths: np.ndarray) -> int:
@@ -281,12 +324,12 @@ class EmbedService:
         self._link.add_latency(max(self._clock() - pending.arrival, expected), pending.priority)
 
     def _result(
-        self, call: EmbedCall, seqs: Sequences, pending: Pending, tokenize_s: float, arrival: float, done: float
+        self, call: EmbedCall, chunks: Chunks, pending: Pending, tokenize_s: float, arrival: float, done: float
     ) -> EmbedResult:
         queue_s = max(0.0, pending.last_start - arrival - tokenize_s)
         return EmbedResult(
-            embeddings=postprocess(pending.embeddings, call.dimensions, call.normalize),
-            token_counts=seqs.lengths,
+            embeddings=postprocess(chunks.combine(pending.embeddings), call.dimensions, call.normalize),
+            token_counts=chunks.token_counts(),
             request_id=call.request_id,
             timings=Timings(queue_s, tokenize_s, pending.inference_s, done - arrival),
         )
@@ -301,6 +344,8 @@ class EmbedService:
             settings.max_text_chars,
             settings.max_message_bytes,
             settings.served_model_name or self._info.model_id,
+            settings.max_chunks_per_input,
+            settings.chunk_long_inputs,
         )
 
 

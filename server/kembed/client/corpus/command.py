@@ -23,7 +23,7 @@ from kembed.client.corpus.reader import STDIN, Shard
 from kembed.client.corpus.run import CorpusRun, Interrupted, Summary, embed_corpus
 from kembed.client.corpus.stream import Request
 from kembed.client.corpus.writers import FORMATS
-from kembed.client.flags import add_dimensions, add_priority, at_least
+from kembed.client.flags import add_chunk, add_dimensions, add_priority, at_least
 from kembed.contract import EXIT_EMBED_FAILED, EXIT_EMBED_FINAL, EXIT_EMBED_INTERRUPTED
 
 MAX_ERROR_CHARS = 500
@@ -55,9 +55,10 @@ def parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--truncate",
         action=argparse.BooleanOptionalAction,
-        default=True,
-        help="cut texts longer than the model's limit (default); --no-truncate: such a text fails the run",
+        help="cut texts longer than the model's limit (default without --chunk); --no-truncate: such a text "
+        "fails the run",
     )
+    add_chunk(parser)
     add_priority(parser, "batch")
     parser.add_argument(
         "--give-up-after",
@@ -85,11 +86,14 @@ def main(argv: list[str]) -> int:
     args = flags.parse_args(argv)
     if args.shard is not None and args.input == STDIN:
         flags.error("--shard: a shard is a byte range of a file; stdin cannot be split (give --input FILE)")
+    if args.chunk and args.truncate:
+        flags.error("--chunk, --truncate: a long text is either chunked or cut; choose one")
+    truncate = args.truncate if args.truncate is not None else not args.chunk
     run = CorpusRun(
         connection=connection.from_arguments(flags, args),
         input=args.input,
         output=args.output,
-        request=Request(args.dimensions, args.truncate, args.priority),
+        request=Request(args.dimensions, truncate, args.priority, args.chunk),
         output_format=args.format,
         jsonl_field=args.jsonl_field,
         shard=args.shard,

@@ -65,6 +65,7 @@ class Request:
     dimensions: int
     truncate: bool
     priority: str = "batch"  # a label of PRIORITIES
+    chunk: bool | None = None  # None: the server's default
 
 
 def embed_request(span: Span, request: Request) -> pb.EmbedRequest:
@@ -75,6 +76,7 @@ def embed_request(span: Span, request: Request) -> pb.EmbedRequest:
         truncate=request.truncate,
         request_id=str(span.first),
         priority=priority(request.priority),
+        chunk=request.chunk,
     )
 
 
