@@ -48,7 +48,7 @@ def start_once(model_dir: str, graphs: str, cache_dir: str) -> dict[str, Any]:
     """Load and warm up as the server does, in this process; what a start-up took and left."""
     from kembed.config import Settings
     from kembed.engine.model import EmbeddingModel
-    from kembed.engine.worker import start_runner
+    from kembed.engine.warmup import start_runner
 
     settings = Settings.from_env(
         {}, model=model_dir, device="cuda", compile="on", graphs=graphs, compile_cache_dir=cache_dir

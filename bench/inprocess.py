@@ -48,7 +48,8 @@ def load(overrides: Mapping[str, str]) -> InProcessModel:
     from kembed.config import Settings
     from kembed.engine import precision
     from kembed.engine.model import EmbeddingModel
-    from kembed.engine.worker import bf16_units, make_plan, measured_runner
+    from kembed.engine.runner import make_plan
+    from kembed.engine.warmup import bf16_units, measured_runner
 
     settings = Settings.from_env({env_name(k): v for k, v in overrides.items()})
     loaded = EmbeddingModel.load(settings)

@@ -20,7 +20,7 @@ from kembed.engine.cpu_compile import COMPILED, EAGER, GRAPHS
 from kembed.engine.graphs import CompileCount
 from kembed.engine.model import EmbeddingModel
 from kembed.engine.precision import MIN_COSINE, PROBE_TEXTS
-from kembed.engine.worker import start_runner
+from kembed.engine.warmup import start_runner
 from kembed.shapes import Queueing
 from kembed.v1 import embedder_pb2 as pb
 from kembed.v1 import embedder_pb2_grpc as pb_grpc

@@ -18,7 +18,8 @@ import torch
 from kembed.config import Graphs, Settings
 from kembed.engine.graphs import CompileCount, UnplannedShapeError
 from kembed.engine.model import EmbeddingModel
-from kembed.engine.worker import ModelRunner, start_runner
+from kembed.engine.runner import ModelRunner
+from kembed.engine.warmup import start_runner
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
 

@@ -14,7 +14,7 @@ import torch
 from kembed.config import Graphs, Settings
 from kembed.engine import graphs
 from kembed.engine.model import EmbeddingModel
-from kembed.engine.worker import start_runner, warmup_batch
+from kembed.engine.warmup import start_runner, warmup_batch
 from tests.server.test_gpu import PLAN, batch, planned
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]

@@ -22,7 +22,7 @@ from kembed.engine.graphs import (
     recompile_limit,
 )
 from kembed.engine.model import EmbeddingModel
-from kembed.engine.worker import warmup_batch
+from kembed.engine.warmup import warmup_batch
 
 
 @pytest.fixture

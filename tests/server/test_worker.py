@@ -19,22 +19,19 @@ from kembed.config import Dtype, Settings, Warmup
 from kembed.engine import compile_cache, cpu, precision
 from kembed.engine.graphs import ShapeGuard, UnplannedShapeError
 from kembed.engine.model import EmbeddingModel
+from kembed.engine.runner import ModelRunner, Outcome, make_plan, warmup_order
 from kembed.engine.units import Batch, Chunk, Job
-from kembed.engine.worker import (
+from kembed.engine.warmup import (
     WARMUP_REPEATS_EAGER,
-    Computed,
-    ModelRunner,
-    Outcome,
-    Worker,
     batch_overhead,
     comparison_shapes,
-    make_plan,
     min_cosine,
     probe_vectors,
     start_runner,
+    warm_up,
     warmup_batch,
-    warmup_order,
 )
+from kembed.engine.worker import Computed, Worker
 from tests.server.queueing import chunks
 
 POISON = 4242  # a real vocabulary id that the injected fault treats as fatal to its batch
@@ -92,7 +89,7 @@ def rows_of(job: Job, outcomes: list[Outcome]) -> np.ndarray:
 
 def test_warmup_times_the_largest_batch_of_each_bucket(engine: ModelRunner):
     assert engine.plan.warmup_shapes() == [(32, 8), (16, 8), (256, 1)]  # the model's limit is the last bucket
-    engine.warm_up(lambda: None)
+    warm_up(engine, lambda: None)
     assert engine.warmup_tokens == 16 * 8 + 32 * 8 + 256
     assert engine.warmup_seconds > 0
 
@@ -109,7 +106,7 @@ def test_after_warmup_an_unplanned_shape_fails_its_batch_whole(engine: ModelRunn
     monkeypatch.setattr(engine.model, "forward", guard)
     sealed = ModelRunner(engine.model, dataclasses.replace(engine.plan, packed=False), graphs=guard)  # fixed shapes
     try:
-        sealed.warm_up(lambda: None)
+        warm_up(sealed, lambda: None)
     finally:
         torch.compiler.set_stance("default")  # sealing forbids recompiles process-wide
     assert guard.sealed
@@ -150,7 +147,7 @@ def test_warmup_runs_every_shape_largest_first_with_padding(engine: ModelRunner,
         return real_forward(ids, mask)
 
     monkeypatch.setattr(engine.model, "forward", recording)
-    ModelRunner(engine.model, dataclasses.replace(engine.plan, warmup=Warmup.GRID)).warm_up(lambda: None)
+    warm_up(ModelRunner(engine.model, dataclasses.replace(engine.plan, warmup=Warmup.GRID)), lambda: None)
     shapes = list(dict.fromkeys(shape for shape, _, _ in seen))
     assert shapes == [(rows, seq_len) for seq_len, rows in warmup_order(engine.plan.shapes.grid([16, 32, 256]))]
     assert all(real < total for _, real, total in seen)  # no warmup batch is all real tokens

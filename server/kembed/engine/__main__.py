@@ -13,7 +13,7 @@ from pathlib import Path
 from kembed.config import ConfigError, Settings
 from kembed.contract import EXIT_CONFIG
 from kembed.engine.process import EngineProcess
-from kembed.engine.worker import LoadModel
+from kembed.engine.runner import LoadModel
 
 DEFAULT_MODEL_LOADER = "kembed.engine.model:EmbeddingModel.load"
 

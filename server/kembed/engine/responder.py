@@ -13,8 +13,9 @@ import numpy as np
 from kembed.admission import ServiceRate
 from kembed.engine.batcher import Batcher
 from kembed.engine.jobs import Jobs
+from kembed.engine.runner import Outcome
 from kembed.engine.units import Batch, Chunk
-from kembed.engine.worker import Computed, Outcome
+from kembed.engine.worker import Computed
 from kembed.errors import EmbedError, Failure
 from kembed.metrics import EngineMetrics
 from kembed.protocol import Result
