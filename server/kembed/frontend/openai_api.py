@@ -9,8 +9,8 @@ each chunk into events, and the walk over them is the one place REST input meets
 rules of JSON that yajl leaves out (a field given twice, half a surrogate pair). A body gets the
 same answer however it was cut: its first fault, in the order of its bytes, is the one named.
 Each item is checked as it comes (the item count, each text's characters, each id's range and each
-sequence's length, no empty item, no nesting past an array of arrays of ids, a bounded number of
-fields), so a body that breaks a limit is refused at the item that breaks it, before the rest is
+sequence's length, no empty item, no nesting past an array of arrays of ids, no field the API does
+not have), so a body that breaks a limit is refused at the item that breaks it, before the rest is
 read or anything sized by it is built; texts are kept as strings, ids straight in an int32 buffer. Bad input the
 service finds (``InvalidInput``: the vocabulary, lengths in tokens, dimensions) is named from its
 location by the JSON's own paths (``input[3]``, ``input[1][4]``), so a REST client reads the field
@@ -41,7 +41,11 @@ ENCODINGS = ("float", "base64")
 PRIORITIES = {"interactive": Priority.INTERACTIVE, "batch": Priority.BATCH}
 MAX_TOKEN_ID = 2**31 - 1  # ids are int32 on the way to the model
 INPUT_SHAPES = "a string, an array of strings, an array of token ids, or an array of arrays of token ids"
-MAX_FIELDS = 64  # the API has seven: more is not a client of it
+# The body's fields: OpenAI's (what its SDK and LangChain's OpenAIEmbeddings send), then kembed's
+# extensions. Any other is refused, as OpenAI refuses it: ignored, a misspelt option would be lost.
+OPENAI_FIELDS = ("input", "model", "encoding_format", "dimensions", "user")
+EXTENSIONS = ("truncate", "priority")
+FIELDS = frozenset(OPENAI_FIELDS + EXTENSIONS)
 MAX_FIELD_CHARS = 1024  # a field other than input: a model name, an encoding, a user id
 _YAJL = ijson.get_backend("yajl2_c")  # C: a Python backend would cost ten times as much per event
 # A high surrogate's escape (\uD800-\uDBFF) that no low one follows: yajl reads it as "?" or as a
@@ -220,10 +224,8 @@ class Body:
     def _field(self, event: str, value: Any) -> None:
         """An event in the body's object: a field's name, or its value."""
         if event == "map_key":
-            if len(self._fields) == MAX_FIELDS:
-                raise invalid(f"the body has more than {MAX_FIELDS} fields", None)
-            if len(value) > MAX_FIELD_CHARS:
-                raise invalid(f"{value[:64]!r}...: a field name longer than {MAX_FIELD_CHARS} characters", None)
+            if value not in FIELDS:
+                raise _unknown(value)
             if value in self._fields:
                 raise invalid(f"{value}: given twice", value)
             self._key = value
@@ -367,6 +369,12 @@ def _not_json(error: ijson.JSONError) -> ApiError:
     reason = error.args[0] if error.args else ""
     text = reason.decode(errors="replace") if isinstance(reason, bytes) else str(reason)
     return invalid(f"the body is not JSON: {text.strip().splitlines()[0] if text.strip() else 'incomplete'}", None)
+
+
+def _unknown(name: str) -> ApiError:
+    shown = name if len(name) <= 64 else f"{name[:64]}..."
+    known = ", ".join(OPENAI_FIELDS + EXTENSIONS)
+    return invalid(f"{shown}: not a field of this API (it takes {known})", shown)
 
 
 def _bad_ids() -> ApiError:
