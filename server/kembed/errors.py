@@ -31,6 +31,9 @@ class Field(StrEnum):
     INPUT = "input"  # the inputs as a whole, one item of them, or one token id of an item
     DIMENSIONS = "dimensions"
     REQUEST_ID = "request_id"
+    PROMPT_NAME = "prompt_name"
+    PROMPT = "prompt"
+    INPUT_TYPE = "input_type"
 
 
 class InvalidInput(EmbedError):

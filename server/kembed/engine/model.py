@@ -26,6 +26,7 @@ from kembed.engine.graphs import ShapeGuard, compile_graphs
 from kembed.engine.pooling import pool
 from kembed.engine.precision import loaded_first
 from kembed.inputs import Tokenizer, tokenizer_fingerprint
+from kembed.prompts import ST_CONFIG, ModelPrompts
 
 log = logging.getLogger(__name__)
 
@@ -63,6 +64,8 @@ class ModelInfo:
     tokenizer_fingerprint: str
     dtype: torch.dtype
     device: torch.device
+    prompts: dict[str, str]
+    default_prompt_name: str
 
 
 def resolve_model_path(settings: Settings) -> tuple[str, Path]:
@@ -112,6 +115,7 @@ class EmbeddingModel:
         hf_tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=settings.trust_remote_code)
         excluded = _control_token_ids(hf_tokenizer, settings.control_tokens)
         pooling = _pooling(settings, path)
+        prompts = _prompts(settings, path)
         model = _load_strict(path, settings.trust_remote_code, dtype, device)
         loaded_dtype = weights_dtype(model)
         if loaded_dtype != dtype:
@@ -133,6 +137,8 @@ class EmbeddingModel:
             tokenizer_fingerprint=tokenizer_fingerprint(path),
             dtype=loaded_dtype,
             device=device,
+            prompts=prompts.prompts,
+            default_prompt_name=prompts.default_name,
         )
         return cls(model, tokenizer, info)
 
@@ -236,6 +242,15 @@ def _pooling(settings: Settings, path: Path) -> str:
             f"set {env_name('pooling')} to mean, cls or last to override"
         )
     return _ST_POOLING[modes[0]]
+
+
+def _prompts(settings: Settings, path: Path) -> ModelPrompts:
+    """The folder's prompts, or the settings'; a mistake in either stops start-up."""
+    try:
+        return ModelPrompts.of(path, settings.prompts, settings.default_prompt_name)
+    except ValueError as error:  # json's errors too
+        where = f"{path / ST_CONFIG} or {env_name('prompts')}, {env_name('default_prompt_name')}"
+        raise ModelLoadError(f"{where}: {error}") from None
 
 
 def _max_input_tokens(

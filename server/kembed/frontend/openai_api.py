@@ -36,6 +36,7 @@ from kembed.errors import EmbedError, Failure, Field, InvalidInput
 from kembed.frontend.call import EmbedCall, EmbedResult, Limits, Texts
 from kembed.inputs import Sequences
 from kembed.priority import Priority
+from kembed.prompts import ModelPrompts, PromptChoice
 
 ENCODINGS = ("float", "base64")
 PRIORITIES = {"interactive": Priority.INTERACTIVE, "batch": Priority.BATCH}
@@ -44,7 +45,7 @@ INPUT_SHAPES = "a string, an array of strings, an array of token ids, or an arra
 # The body's fields: OpenAI's (what its SDK and LangChain's OpenAIEmbeddings send), then kembed's
 # extensions. Any other is refused, as OpenAI refuses it: ignored, a misspelt option would be lost.
 OPENAI_FIELDS = ("input", "model", "encoding_format", "dimensions", "user")
-EXTENSIONS = ("truncate", "priority")
+EXTENSIONS = ("truncate", "priority", "prompt_name", "prompt", "input_type")
 FIELDS = frozenset(OPENAI_FIELDS + EXTENSIONS)
 MAX_FIELD_CHARS = 1024  # a field other than input: a model name, an encoding, a user id
 _YAJL = ijson.get_backend("yajl2_c")  # C: a Python backend would cost ten times as much per event
@@ -358,6 +359,7 @@ def _embeddings(
         truncate=truncate,
         dimensions=dimensions or 0,
         priority=priority,
+        prompt=_prompt(fields),
         timeout_s=timeout_s,
         peer=peer,
     )
@@ -400,9 +402,21 @@ def answer(request: Embeddings, result: EmbedResult) -> bytes:
     )
 
 
-def models(served: tuple[str, ...], created: int) -> bytes:
-    """``GET /v1/models``: every name this server answers to."""
-    data = [{"id": name, "object": "model", "created": created, "owned_by": "kembed"} for name in served]
+def models(served: tuple[str, ...], created: int, prompts: ModelPrompts) -> bytes:
+    """``GET /v1/models``: every name this server answers to, with the model's prompts (kembed's
+    fields beside OpenAI's)."""
+    default = prompts.default_name or None
+    data = [
+        {
+            "id": name,
+            "object": "model",
+            "created": created,
+            "owned_by": "kembed",
+            "prompts": prompts.prompts,
+            "default_prompt_name": default,
+        }
+        for name in served
+    ]
     return orjson.dumps({"object": "list", "data": data})
 
 
@@ -447,6 +461,15 @@ def _priority(data: dict[str, Any]) -> Priority:
     if not isinstance(value, str) or value not in PRIORITIES:
         raise invalid(f"priority: {value!r} is not one of {', '.join(PRIORITIES)}", "priority")
     return PRIORITIES[value]
+
+
+def _prompt(data: dict[str, Any]) -> PromptChoice:
+    """kembed's extensions ``prompt_name``, ``prompt`` and ``input_type``: strings, null as absent."""
+    name, text, input_type = (data.get(field) for field in ("prompt_name", "prompt", "input_type"))
+    for field, value in (("prompt_name", name), ("prompt", text), ("input_type", input_type)):
+        if value is not None and not isinstance(value, str):
+            raise invalid(f"{field}: must be a string", field)
+    return PromptChoice(name or "", text, input_type or "")
 
 
 def _flag(data: dict[str, Any], name: str) -> bool:

@@ -34,6 +34,7 @@ from kembed.frontend.screen import Screen
 from kembed.inputs import Sequences, Tokenizer
 from kembed.metrics import FrontendMetrics
 from kembed.priority import Priority
+from kembed.prompts import ModelPrompts
 from kembed.shapes import padded_lengths
 
 MAX_REQUEST_ID_CHARS = 256
@@ -135,6 +136,7 @@ class EmbedService:
         self._pacer = RefusalPacer(
             settings.refusal_rate, settings.refusal_burst, clock, on_shared=metrics.refusals_shared.inc
         )
+        self._prompts = ModelPrompts(info.prompts, info.default_prompt_name)
         self._tokenizer = Tokenizer(
             tokenizers.Tokenizer.from_str(info.tokenizer_json),
             pad_token_id=info.pad_token_id,
@@ -178,6 +180,7 @@ class EmbedService:
 
     async def _serve(self, call: EmbedCall, arrival: float) -> EmbedResult:
         self._validate(call)
+        prompt = self._prompt(call)
         least = self._least_cost(call)
         least_cost = self._screened_cost(least, call.peer)
         priority = self._screen.class_of(least_cost, call.priority)
@@ -186,10 +189,10 @@ class EmbedService:
         if call.timeout_s is not None:
             self._raise_if_rejected(self._screen.in_time(least_cost, priority, call.timeout_s), priority)
         if call.nbytes <= INLINE_PREPARE_LIMIT:
-            seqs = self._tokenize(call)  # on the event loop: no other call is screened meanwhile
+            seqs = self._tokenize(call, prompt)  # on the event loop: no other call is screened meanwhile
         else:
             with self._screen.tokenizing(least_cost, priority):
-                seqs = await asyncio.get_running_loop().run_in_executor(self._executor, self._tokenize, call)
+                seqs = await asyncio.get_running_loop().run_in_executor(self._executor, self._tokenize, call, prompt)
         tokenized = self._clock()
         cost = self._padded_tokens(seqs.lengths)
         self._cost_over_least += COST_RATIO_WEIGHT * (cost / max(1, least) - self._cost_over_least)
@@ -220,10 +223,26 @@ class EmbedService:
         if len(call.request_id) > MAX_REQUEST_ID_CHARS:
             raise InvalidInput(Field.REQUEST_ID, f"longer than {MAX_REQUEST_ID_CHARS} characters")
 
-    def _tokenize(self, call: EmbedCall) -> Sequences:
+    def _prompt(self, call: EmbedCall) -> str:
+        """The text put before each of the call's texts: none before pre-tokenized ids, whose
+        client tokenized what it wants embedded (a prompt asked for with them is refused)."""
+        choice = call.prompt
+        choice.check()
+        if isinstance(call.inputs, Texts):
+            return self._prompts.text(choice)
+        if choice.given:
+            raise InvalidInput(
+                choice.given[0], "not taken with pre-tokenized input: put the prompt's tokens in the ids"
+            )
+        return ""
+
+    def _tokenize(self, call: EmbedCall, prompt: str) -> Sequences:
         inputs = call.inputs
         if isinstance(inputs, Texts):
-            return self._tokenizer.from_texts(inputs.items, call.truncate)
+            # As sentence-transformers does: the prompt and the text tokenized as one, so it counts
+            # in the tokens, and truncation cuts the text's end, never the prompt.
+            texts = [prompt + text for text in inputs.items] if prompt else inputs.items
+            return self._tokenizer.from_texts(texts, call.truncate)
         return self._tokenizer.from_ids(inputs, call.truncate)
 
     def _least_cost(self, call: EmbedCall) -> int:
