@@ -5,7 +5,9 @@ and the rules on their own (which prompt a request gets, what is refused)."""
 
 from __future__ import annotations
 
+import asyncio
 import json
+import subprocess
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
@@ -16,7 +18,8 @@ import numpy as np
 import openai
 import pytest
 
-from kembed.client import decode
+from kembed.client import AsyncEmbedClient, EmbedClient, decode
+from kembed.client.__main__ import main
 from kembed.config import Settings
 from kembed.engine.model import EmbeddingModel, ModelLoadError
 from kembed.errors import Field, InvalidInput
@@ -24,6 +27,7 @@ from kembed.prompts import MAX_PROMPT_CHARS, ModelPrompts, PromptChoice
 from kembed.v1 import embedder_pb2 as pb
 from kembed.v1 import embedder_pb2_grpc as pb_grpc
 from tests.server.serving import ServerProcess
+from tests.server.test_bulk_serving import embed_command
 from tests.server.test_model import model_copy, write_json
 from tests.server.test_rest import post
 
@@ -206,3 +210,44 @@ def test_a_default_that_is_not_a_prompt_stops_the_load(bundled_path: Path, tmp_p
     folder = prompted_folder(bundled_path, tmp_path, prompts=PROMPTS, default_prompt_name="title")
     with pytest.raises(ModelLoadError, match="default prompt name 'title' is not one of the prompts"):
         EmbeddingModel.load(Settings.from_env({}, model=str(folder)))
+
+
+# --- the client -----------------------------------------------------------------------------------
+
+
+@pytest.mark.slow
+def test_the_clients_take_the_prompt(server: ServerProcess, st: Any) -> None:
+    with EmbedClient(server.target) as client:
+        np.testing.assert_allclose(
+            client.embed(TEXTS, prompt_name="passage"), reference(st, TEXTS, prompt_name="passage"), atol=2e-6
+        )
+        np.testing.assert_allclose(client.embed(TEXTS, prompt=""), reference(st, TEXTS, prompt=""), atol=2e-6)
+        np.testing.assert_allclose(client.embed(TEXTS, input_type="query"), reference(st, TEXTS), atol=2e-6)
+
+    async def literal() -> np.ndarray:
+        async with AsyncEmbedClient(server.target) as client:
+            return await client.embed(TEXTS, prompt="Represent this: ")
+
+    np.testing.assert_allclose(asyncio.run(literal()), reference(st, TEXTS, prompt="Represent this: "), atol=2e-6)
+
+
+@pytest.mark.slow
+def test_the_command_takes_the_prompt_flags(server: ServerProcess, st: Any, capsys: pytest.CaptureFixture[str]) -> None:
+    expected = reference(st, TEXTS[:1], prompt_name="passage")[0]
+    assert main(["--target", server.target, "--prompt-name", "passage", TEXTS[0]]) == 0
+    printed = capsys.readouterr().out.splitlines()[1]
+    assert printed.endswith(f"[{', '.join(f'{v:+.4f}' for v in expected[:6])}, ...]"), printed
+    with pytest.raises(SystemExit) as exited:
+        main(["--target", server.target, "--prompt", "x", "--input-type", "query", TEXTS[0]])
+    assert exited.value.code == 2 and "not allowed with argument" in capsys.readouterr().err
+
+
+@pytest.mark.slow
+def test_the_corpus_command_takes_the_prompt(server: ServerProcess, st: Any, tmp_path: Path) -> None:
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text("".join(f"{text}\n" for text in TEXTS), encoding="utf-8")
+    output = tmp_path / "out.npy"
+    flags = ["--input", str(corpus), "--output", str(output), "--input-type", "passage"]
+    done = subprocess.run(embed_command(server, *flags), capture_output=True, text=True, timeout=600)
+    assert done.returncode == 0, done.stderr
+    np.testing.assert_allclose(np.load(output), reference(st, TEXTS, prompt_name="passage"), atol=2e-6)

@@ -13,7 +13,7 @@ import grpc
 
 from kembed.client import connection
 from kembed.client.embed_client import EmbedClient
-from kembed.client.flags import add_dimensions, add_priority
+from kembed.client.flags import add_dimensions, add_priority, add_prompt
 from kembed.client.requests import answered
 
 PROG = "python -m kembed.client"
@@ -47,6 +47,7 @@ def parser() -> argparse.ArgumentParser:
         "--truncate", action="store_true", help="cut texts longer than the model's limit instead of an error"
     )
     add_priority(parser, "interactive")
+    add_prompt(parser)
     parser.add_argument("texts", nargs="+", metavar="TEXT")
     return parser
 
@@ -58,7 +59,13 @@ def embed_texts(argv: list[str]) -> int:
     try:
         with EmbedClient(connection.from_arguments(flags, args)) as client:
             vectors = client.embed(
-                args.texts, dimensions=args.dimensions, truncate=args.truncate, priority=args.priority
+                args.texts,
+                dimensions=args.dimensions,
+                truncate=args.truncate,
+                priority=args.priority,
+                prompt_name=args.prompt_name,
+                prompt=args.prompt,
+                input_type=args.input_type,
             )
             model = client.info().model_id
     except grpc.RpcError as error:

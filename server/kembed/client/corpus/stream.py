@@ -37,7 +37,7 @@ import numpy as np
 from kembed.client.corpus import CorpusError, FinalError
 from kembed.client.corpus.reader import Span, ThreadedSpans
 from kembed.client.embed_client import decode
-from kembed.client.requests import priority
+from kembed.client.requests import NO_PROMPT, Prompt, priority
 from kembed.v1 import embedder_pb2 as pb
 from kembed.v1 import embedder_pb2_grpc as pb_grpc
 
@@ -65,6 +65,7 @@ class Request:
     dimensions: int
     truncate: bool
     priority: str = "batch"  # a label of PRIORITIES
+    prompt: Prompt = NO_PROMPT
 
 
 def embed_request(span: Span, request: Request) -> pb.EmbedRequest:
@@ -75,6 +76,9 @@ def embed_request(span: Span, request: Request) -> pb.EmbedRequest:
         truncate=request.truncate,
         request_id=str(span.first),
         priority=priority(request.priority),
+        prompt_name=request.prompt.name,
+        prompt=request.prompt.text,
+        input_type=request.prompt.input_type,
     )
 
 
