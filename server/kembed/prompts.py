@@ -23,7 +23,7 @@ from kembed.errors import Field, InvalidInput
 MAX_PROMPT_CHARS = 1024  # a prompt's text: an instruction, not a document
 MAX_PROMPTS = 64
 NAME_PATTERN = r"^[A-Za-z0-9][A-Za-z0-9_.-]{0,62}$"  # also the CRDs' pattern for a prompt name
-_NAME = re.compile(NAME_PATTERN)
+_NAME = re.compile(NAME_PATTERN)  # used with fullmatch: "$" alone matches before a final newline
 ST_CONFIG = "config_sentence_transformers.json"
 # An input type's prompt: the first of these names the model declares (sentence-transformers'
 # encode_query and encode_document look for the same names).
@@ -36,7 +36,7 @@ INPUT_TYPES: dict[str, tuple[str, ...]] = {
 
 def name_problem(name: str) -> str | None:
     """Why ``name`` cannot be a prompt's name, or None."""
-    return None if _NAME.match(name) else f"prompt name {name[:64]!r} must match {NAME_PATTERN}"
+    return None if _NAME.fullmatch(name) else f"prompt name {name[:64]!r} must match {NAME_PATTERN}"
 
 
 def problem(prompts: Mapping[str, Any], default: str) -> str | None:

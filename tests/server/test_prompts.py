@@ -21,9 +21,10 @@ import pytest
 from kembed.client import AsyncEmbedClient, EmbedClient, decode
 from kembed.client.__main__ import main
 from kembed.config import Settings
+from kembed.contract import EXIT_EMBED_FINAL
 from kembed.engine.model import EmbeddingModel, ModelLoadError
 from kembed.errors import Field, InvalidInput
-from kembed.prompts import MAX_PROMPT_CHARS, ModelPrompts, PromptChoice
+from kembed.prompts import MAX_PROMPT_CHARS, ModelPrompts, PromptChoice, name_problem
 from kembed.v1 import embedder_pb2 as pb
 from kembed.v1 import embedder_pb2_grpc as pb_grpc
 from tests.server.serving import ServerProcess
@@ -198,6 +199,11 @@ def test_input_types_map_to_the_models_prompts() -> None:
     assert "it declares none" in caught.value.reason
 
 
+def test_a_name_is_the_whole_string() -> None:
+    assert name_problem("query") is None
+    assert name_problem("query\n") is not None  # re's "$" would match before the newline
+
+
 def test_settings_override_the_folders_prompts(folder: Path) -> None:
     declared = ModelPrompts.of(folder, None, "")
     assert (declared.prompts, declared.default_name) == (PROMPTS, "query")
@@ -251,3 +257,6 @@ def test_the_corpus_command_takes_the_prompt(server: ServerProcess, st: Any, tmp
     done = subprocess.run(embed_command(server, *flags), capture_output=True, text=True, timeout=600)
     assert done.returncode == 0, done.stderr
     np.testing.assert_allclose(np.load(output), reference(st, TEXTS, prompt_name="passage"), atol=2e-6)
+    flags = ["--input", str(corpus), "--output", str(tmp_path / "none.npy"), "--prompt-name", "title"]
+    unknown = subprocess.run(embed_command(server, *flags), capture_output=True, text=True, timeout=600)
+    assert unknown.returncode == EXIT_EMBED_FINAL and "prompt_name: 'title' is not one of" in unknown.stderr, unknown
