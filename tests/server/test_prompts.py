@@ -260,3 +260,16 @@ def test_the_corpus_command_takes_the_prompt(server: ServerProcess, st: Any, tmp
     flags = ["--input", str(corpus), "--output", str(tmp_path / "none.npy"), "--prompt-name", "title"]
     unknown = subprocess.run(embed_command(server, *flags), capture_output=True, text=True, timeout=600)
     assert unknown.returncode == EXIT_EMBED_FINAL and "prompt_name: 'title' is not one of" in unknown.stderr, unknown
+
+
+def test_prompts_for_a_model_that_pools_without_them_stop_the_load(bundled_path: Path, tmp_path: Path) -> None:
+    """sentence-transformers' include_prompt false leaves the prompt's tokens out of pooling; kembed
+    pools them, so it refuses to serve such a model's prompts rather than differ from it."""
+    folder = model_copy(
+        bundled_path, tmp_path, rewritten=["config_sentence_transformers.json", "1_Pooling/config.json"]
+    )
+    write_json(folder / "config_sentence_transformers.json", {"prompts": PROMPTS})
+    pooling = {"embedding_dimension": 384, "pooling_mode": "mean", "include_prompt": False}
+    write_json(folder / "1_Pooling/config.json", pooling)
+    with pytest.raises(ModelLoadError, match="include_prompt is false"):
+        EmbeddingModel.load(Settings.from_env({}, model=str(folder)))

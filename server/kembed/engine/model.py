@@ -228,29 +228,49 @@ def _pooling(settings: Settings, path: Path) -> str:
         raise ModelLoadError(f"{path}/modules.json: kembed does not apply {', '.join(unsupported)}")
     if settings.pooling is not Pooling.AUTO:
         return settings.pooling.value
-    pooling = next((m for m in modules if m["type"].endswith(".Pooling")), None)
-    if pooling is None:
+    found = _pooling_config(path)
+    if found is None:
         return "mean"
-    config = _read_json(path / pooling["path"] / "config.json") or {}
+    where, config = found
     if "pooling_mode" in config:
         modes = [config["pooling_mode"]] if isinstance(config["pooling_mode"], str) else config["pooling_mode"]
     else:
         modes = [mode for key, mode in _ST_LEGACY_POOLING.items() if config.get(key)]
     if len(modes) != 1 or modes[0] not in _ST_POOLING:
         raise ModelLoadError(
-            f"{path / pooling['path']}/config.json: pooling {modes or 'none'} is not supported; "
-            f"set {env_name('pooling')} to mean, cls or last to override"
+            f"{where}: pooling {modes or 'none'} is not supported; set {env_name('pooling')} to mean, cls or last "
+            "to override"
         )
     return _ST_POOLING[modes[0]]
 
 
+def _pooling_config(path: Path) -> tuple[Path, dict[str, Any]] | None:
+    """modules.json's Pooling module's config.json, and where it is; None when the folder has none."""
+    modules = _read_json(path / "modules.json") or []
+    pooling = next((m for m in modules if m["type"].endswith(".Pooling")), None)
+    if pooling is None:
+        return None
+    where = path / pooling["path"] / "config.json"
+    return where, _read_json(where) or {}
+
+
 def _prompts(settings: Settings, path: Path) -> ModelPrompts:
-    """The folder's prompts, or the settings'; a mistake in either stops start-up."""
+    """The folder's prompts, or the settings'; a mistake in either stops start-up, and so do prompts
+    for a model that pools without them (sentence-transformers' include_prompt false), which kembed
+    does not reproduce: its vectors would differ from the model's."""
     try:
-        return ModelPrompts.of(path, settings.prompts, settings.default_prompt_name)
+        prompts = ModelPrompts.of(path, settings.prompts, settings.default_prompt_name)
     except ValueError as error:  # json's errors too
         where = f"{path / ST_CONFIG} or {env_name('prompts')}, {env_name('default_prompt_name')}"
         raise ModelLoadError(f"{where}: {error}") from None
+    found = _pooling_config(path)
+    if prompts.prompts and found is not None and found[1].get("include_prompt") is False:
+        raise ModelLoadError(
+            f"{found[0]}: include_prompt is false (the prompt's tokens left out of pooling), which kembed does not "
+            f"do; the model's prompts ({', '.join(prompts.prompts)}) cannot be served (set {env_name('prompts')}={{}} "
+            "to serve it without them)"
+        )
+    return prompts
 
 
 def _max_input_tokens(
