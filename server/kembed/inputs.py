@@ -149,6 +149,12 @@ class Tokenizer:
             size = max(2 * size, size * (self._max_content + 1) * 5 // (4 * max(exact, 1)))
         return None
 
+    def crowds_out(self, prompt: str) -> int | None:
+        """The tokens of ``prompt`` when they leave no room for a text's within the model's limit
+        (truncation would cut the prompt), else None."""
+        tokens = len(self._full.encode(prompt, add_special_tokens=False).ids)
+        return tokens if tokens >= self._max_content else None
+
     def least_lengths(self, texts: Sequence[str]) -> np.ndarray:
         """A lower bound of each text's length in tokens, at a fiftieth of tokenizing's cost: its
         words plus the special tokens. Tokenizers split on whitespace before anything else, so a

@@ -154,6 +154,7 @@ BAD: dict[str, tuple[dict[str, Any], str, str]] = {
     "a name that cannot be one": ({"prompt_name": "a b"}, "prompt_name", "prompt name 'a b' must match"),
     "an unknown type": ({"input_type": "code"}, "input_type", "'code' is not one of query, passage, document"),
     "a prompt too long": ({"prompt": "p" * (MAX_PROMPT_CHARS + 1)}, "prompt", "1025 characters, more than 1024"),
+    "a prompt that leaves no room": ({"prompt": "word " * 70}, "prompt", "70 tokens, leaving no room for a text"),
 }
 
 
@@ -273,3 +274,10 @@ def test_prompts_for_a_model_that_pools_without_them_stop_the_load(bundled_path:
     write_json(folder / "1_Pooling/config.json", pooling)
     with pytest.raises(ModelLoadError, match="include_prompt is false"):
         EmbeddingModel.load(Settings.from_env({}, model=str(folder)))
+
+
+def test_a_prompt_that_leaves_no_room_for_a_text_stops_the_load(bundled_path: Path, tmp_path: Path) -> None:
+    """Truncation cuts the text, never the prompt: a prompt of the model's whole limit has no text to cut."""
+    folder = prompted_folder(bundled_path, tmp_path, prompts={"long": "word " * 70})
+    with pytest.raises(ModelLoadError, match="prompt 'long' is 70 tokens, leaving no room for a text"):
+        EmbeddingModel.load(Settings.from_env({}, model=str(folder), max_input_tokens=MAX_INPUT_TOKENS))

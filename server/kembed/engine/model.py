@@ -125,6 +125,7 @@ class EmbeddingModel:
             raise ModelLoadError(f"{path}: the tokenizer has {len(hf_tokenizer)} tokens, the model only {vocab_size}")
         max_input_tokens = _max_input_tokens(settings, path, model, hf_tokenizer)
         tokenizer = Tokenizer.from_transformers(hf_tokenizer, max_input_tokens=max_input_tokens, vocab_size=vocab_size)
+        _check_prompt_room(prompts, tokenizer)
         info = ModelInfo(
             model_id=model_id,
             path=path,
@@ -271,6 +272,16 @@ def _prompts(settings: Settings, path: Path) -> ModelPrompts:
             "to serve it without them)"
         )
     return prompts
+
+
+def _check_prompt_room(prompts: ModelPrompts, tokenizer: Tokenizer) -> None:
+    """Each prompt leaves room for a text within the model's limit: truncation cuts a text, never its prompt."""
+    for name, text in prompts.prompts.items():
+        if (tokens := tokenizer.crowds_out(text)) is not None:
+            raise ModelLoadError(
+                f"prompt {name!r} is {tokens} tokens, leaving no room for a text in the model's "
+                f"{tokenizer.max_input_tokens} ({env_name('max_input_tokens')})"
+            )
 
 
 def _max_input_tokens(

@@ -229,6 +229,10 @@ class EmbedService:
         choice = call.prompt
         choice.check()
         if isinstance(call.inputs, Texts):
+            # The model's own prompts were measured as it loaded; a literal one is measured here.
+            if choice.text and (tokens := self._tokenizer.crowds_out(choice.text)) is not None:
+                reason = f"{tokens} tokens, leaving no room for a text in the model's {self._info.max_input_tokens}"
+                raise InvalidInput(Field.PROMPT, reason)
             return self._prompts.text(choice)
         if choice.given:
             raise InvalidInput(
