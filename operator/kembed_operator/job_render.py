@@ -158,6 +158,8 @@ def arguments(spec: EmbeddingJobSpec, target: Target) -> list[str]:
         args += ["--dimensions", str(spec.dimensions)]
     if not spec.truncate:
         args.append("--no-truncate")
+    if spec.prompt_name:
+        args += ["--prompt-name", spec.prompt_name]
     return [*args, "--no-progress", "--summary-file", TERMINATION_LOG]
 
 

@@ -11,7 +11,7 @@ from typing import Any, Literal
 
 from pydantic import Field, model_validator
 
-from kembed_operator.spec import PodOptions, Quantity, RelativePath, SpecModel, parse
+from kembed_operator.spec import PodOptions, PromptName, Quantity, RelativePath, SpecModel, parse
 
 # Part names carry the index in five digits (`emb.part-00003-of-00016.npy`), and the operator keeps
 # a few hundred bytes of every pod of a running job: ten thousand keeps both well within reach.
@@ -105,6 +105,11 @@ class EmbeddingJobSpec(PodOptions):
     truncate: bool = Field(True, description="Cut documents longer than the model's limit; false: such a line fails.")
     priority: Literal["batch", "interactive"] = Field(
         "batch", description="The requests' class: batch lets the service's queries go first."
+    )
+    prompt_name: PromptName | None = Field(
+        None,
+        description="One of the model's prompts, put before each document (the corpus command's --prompt-name); "
+        "unset = the model's default prompt, if any. One the model does not have fails every shard at once.",
     )
     resources: JobResources = Field(default_factory=JobResources)
     image: str = Field("", description="The pods' image; empty = the service's server image, which has the client.")

@@ -230,6 +230,7 @@ def _decided_settings(spec: EmbeddingServiceSpec, thresholds: Thresholds) -> dic
         "http_port": HTTP_PORT,
         "rest_port": REST_PORT,
         "served_model_name": model.served_name,
+        "default_prompt_name": model.default_prompt_name,
         "device": device_type(spec),
         "pooling": model.pooling,
         "control_tokens": model.control_tokens,

@@ -27,6 +27,7 @@ from pydantic import (
 from pydantic.alias_generators import to_camel
 
 from kembed.config import Admission, Batching, Dtype, Pooling
+from kembed.prompts import NAME_PATTERN as PROMPT_NAME_PATTERN
 
 
 class InvalidSpec(ValueError):
@@ -89,6 +90,12 @@ HubId = Annotated[
     matching(HUB_ID_PATTERN, "a hub id: NAME or OWNER/NAME, of letters, digits and _ joined by single . or -"),
     Field(min_length=1, max_length=HUB_ID_MAX_LENGTH, json_schema_extra={"pattern": HUB_ID_PATTERN}),
 ]
+# One of a model's prompts, by name (kembed.prompts: the server's own rule for a name).
+PromptName = Annotated[
+    str,
+    matching(PROMPT_NAME_PATTERN, "a prompt name: a letter or digit, then up to 62 letters, digits, _, . or -"),
+    Field(json_schema_extra={"pattern": PROMPT_NAME_PATTERN}),
+]
 # A Kubernetes object passed through verbatim (the API server checks it when the child is applied).
 Verbatim = dict[str, Any]
 
@@ -137,6 +144,11 @@ class ModelSpec(SpecModel):
     max_input_tokens: int = Field(0, ge=0, description="0 = the model's limit.")
     dtype: Dtype = Dtype.AUTO
     served_name: str = Field("", description="A name REST clients may give as `model`, besides the model id.")
+    default_prompt_name: PromptName | None = Field(
+        None,
+        description="The prompt put before a text whose request picks none (KEMBED_DEFAULT_PROMPT_NAME); unset = "
+        "the model folder's default_prompt_name, if any. One the model does not have stops the server's start.",
+    )
 
     @model_validator(mode="after")
     def _one_source(self) -> ModelSpec:

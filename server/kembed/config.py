@@ -19,6 +19,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from pydantic.config import JsonDict
 
 from kembed.contract import ENV_PREFIX, GRPC_PORT, HTTP_PORT, OPERATOR_ENV_PREFIX, REST_PORT, env_name
+from kembed.prompts import name_problem, problem
 
 MAX_FRONTENDS = 64
 AUTO_MAX_FRONTENDS = 8
@@ -171,6 +172,18 @@ class Settings(BaseModel):
         description="The name clients give as `model` (REST requests, first in /v1/models, gRPC Info's "
         "`served_model_name`), e.g. a hub id for a model served from a folder; the model id is accepted too; "
         "empty = the model id only",
+        json_schema_extra=USER,
+    )
+    prompts: dict[str, str] | None = Field(
+        None,
+        description='The model\'s prompts by name, a JSON object (`{"query": "query: "}`), in place of '
+        "those of its folder's config_sentence_transformers.json; unset = the folder's",
+        json_schema_extra=USER,
+    )
+    default_prompt_name: str = Field(
+        "",
+        description="The prompt put before a text whose request picks none; empty = the folder's "
+        "`default_prompt_name`, if any",
         json_schema_extra=USER,
     )
 
@@ -416,6 +429,25 @@ class Settings(BaseModel):
     def _split_list(cls, value: Any) -> Any:
         return _list(value)
 
+    @field_validator("prompts", mode="before")
+    @classmethod
+    def _json_object(cls, value: Any) -> Any:
+        return json.loads(value) if isinstance(value, str) else value
+
+    @field_validator("prompts")
+    @classmethod
+    def _prompts_bounded(cls, value: dict[str, str] | None) -> dict[str, str] | None:
+        if value is not None and (reason := problem(value, "")) is not None:
+            raise ValueError(reason)
+        return value
+
+    @field_validator("default_prompt_name")
+    @classmethod
+    def _a_prompt_name(cls, value: str) -> str:
+        if value and (reason := name_problem(value)) is not None:
+            raise ValueError(reason)
+        return value
+
     @field_validator("buckets")
     @classmethod
     def _buckets_ascending(cls, value: list[int]) -> list[int]:
@@ -542,7 +574,7 @@ def env_table(group: Group) -> str:
         if isinstance(default, list):
             default = ",".join(str(getattr(v, "value", v)) for v in default)
         default = getattr(default, "value", default)
-        shown = f"`{default}`" if default != "" else "(empty)"
+        shown = "(unset)" if default is None else f"`{default}`" if default != "" else "(empty)"
         rows.append(f"| `{env_name(name)}` | {shown} | {field.description} |")
     return "\n".join(rows)
 

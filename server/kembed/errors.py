@@ -32,6 +32,9 @@ class Field(StrEnum):
     DIMENSIONS = "dimensions"
     REQUEST_ID = "request_id"
     CHUNK = "chunk"
+    PROMPT_NAME = "prompt_name"
+    PROMPT = "prompt"
+    INPUT_TYPE = "input_type"
 
 
 class InvalidInput(EmbedError):

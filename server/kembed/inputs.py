@@ -167,6 +167,16 @@ class Tokenizer:
             size = max(2 * size, size * (content + 1) * 5 // (4 * max(exact, 1)))
         return None
 
+    def count(self, text: str) -> int:
+        """The tokens of ``text`` alone, without special tokens (a prompt's)."""
+        return len(self._full.encode(text, add_special_tokens=False).ids)
+
+    def crowds_out(self, prompt: str) -> int | None:
+        """The tokens of ``prompt`` when they leave no room for a text's within the model's limit
+        (truncation would cut the prompt), else None."""
+        tokens = self.count(prompt)
+        return tokens if tokens >= self.max_input_tokens - self._special_tokens else None
+
     def least_lengths(self, texts: Sequence[str], limit: TokenLimit | None = None) -> np.ndarray:
         """A lower bound of each text's length in tokens, at a fiftieth of tokenizing's cost: its
         words plus the special tokens. Tokenizers split on whitespace before anything else, so a

@@ -23,7 +23,7 @@ import asyncio
 import json
 import struct
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field
 from enum import IntEnum
 from typing import Any, ClassVar
 
@@ -114,6 +114,8 @@ class ServingInfo:
     bucket_lengths: list[int]
     batch_sizes: list[int]
     tokenizer_json: str  # the engine's tokenizer, so every process splits text the same way
+    prompts: dict[str, str] = field(default_factory=dict)  # the model's, by name (kembed.prompts)
+    default_prompt_name: str = ""  # the one a request that picks none gets; empty: none
 
 
 @dataclass(frozen=True)

@@ -92,6 +92,8 @@ BAD: dict[str, dict[str, Any]] = {
     "more dimensions than any model has": {**BASE, "dimensions": 100_000},
     "input without a claim": {**BASE, "input": {"path": "x.txt"}},
     "env without a name": {**BASE, "env": [{"value": "1"}]},
+    "a prompt name with a space": {**BASE, "promptName": "a query"},
+    "an empty prompt name": {**BASE, "promptName": ""},
 }
 
 

@@ -38,6 +38,7 @@ JOB_FEATURES: dict[str, dict[str, Any]] = {
         "dimensions": 256,
         "truncate": False,
         "priority": "interactive",
+        "promptName": "passage",
         "resources": {"cpu": 2, "memory": "4Gi"},
         "image": "registry.example/kembed-server:10",
         "imagePullPolicy": "Always",
@@ -145,11 +146,12 @@ def test_every_option_reaches_the_command() -> None:
     assert args[args.index("--dimensions") + 1] == "256"
     assert "--no-truncate" in args
     assert args[args.index("--priority") + 1] == "interactive"
+    assert args[args.index("--prompt-name") + 1] == "passage"
     assert args[args.index("--format") + 1] == "jsonl"  # the spec's format wins over the extension
     jsonl = container(JOB_FEATURES["jsonl in, parquet out, one claim"])["args"]
     assert jsonl[jsonl.index("--jsonl-field") + 1] == "body"
     assert jsonl[jsonl.index("--format") + 1] == "parquet"
-    assert "--dimensions" not in container(BASE)["args"] and "--no-truncate" not in container(BASE)["args"]
+    assert not {"--dimensions", "--no-truncate", "--prompt-name"} & set(container(BASE)["args"])
 
 
 def test_claims_are_mounted_by_name_the_input_read_only() -> None:

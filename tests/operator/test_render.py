@@ -27,6 +27,7 @@ FEATURES: dict[str, dict[str, Any]] = {
     "hub model, emptyDir cache": {"model": {"hub": {"id": "BAAI/bge-small-en-v1.5", "revision": "main"}}},
     "hub model, PVC cache": {"model": {"hub": {"id": "intfloat/e5-small", "cacheClaimName": "hf-cache"}}},
     "control tokens": {"model": {"controlTokens": ["[query]", "[doc]"], "maxInputTokens": 256}},
+    "a default prompt": {"model": {"defaultPromptName": "query"}},
     "cpu only": {"resources": {"gpu": 0, "cpu": 2, "memory": "4Gi"}},
     "two gpus": {"resources": {"gpu": 2}},
     "batching": {
@@ -151,6 +152,11 @@ def test_control_tokens_reach_the_server_as_the_spec_lists_them(tokens: list[str
     """spec -> the container's env -> the server's Settings: the same list, item for item."""
     served = Settings.from_env({k: v for k, v in env({"model": {"controlTokens": tokens}}).items()})
     assert served.control_tokens == tokens
+
+
+def test_the_default_prompt_reaches_the_server() -> None:
+    assert env({"model": {"defaultPromptName": "query"}})["KEMBED_DEFAULT_PROMPT_NAME"] == "query"
+    assert "KEMBED_DEFAULT_PROMPT_NAME" not in env({})  # unset: the model folder's default
 
 
 def test_deployment_defaults() -> None:
@@ -415,6 +421,11 @@ BOUNDED: dict[str, tuple[Callable[[Any], dict[str, Any]], list[Any], list[Any]]]
         lambda revision: {"model": {"hub": {"id": "a/b", "revision": revision}}},
         ["../../../tmp/x", "/abs", "refs/../../x"],
         ["main", "refs/pr/1", "v1.0", "0" * 40],
+    ),
+    "spec.model.defaultPromptName": (
+        lambda name: {"model": {"defaultPromptName": name}},
+        ["", "a b", "-query", "x" * 64, "é"],
+        ["query", "s2p_query", "v1.0", "x" * 63],
     ),
     "spec.minReplicas": (lambda count: {"minReplicas": count}, [100_000], [1, 100]),
     "spec.maxReplicas": (lambda count: {"maxReplicas": count}, [2_000_000_000, 10_001], [2, 10_000]),

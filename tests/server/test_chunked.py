@@ -106,6 +106,22 @@ def test_normalize_and_dimensions_apply_to_the_combined_vector(
     np.testing.assert_allclose(cut, unit(vector[:64]), atol=2e-6)
 
 
+def test_a_prompt_starts_every_chunk(stub: pb_grpc.EmbedderStub, hf_tokenizer: PreTrainedTokenizerBase) -> None:
+    """The prompt and the text tokenized as one, as without chunks; each chunk repeats [CLS] and the
+    prompt's tokens at its head, so every chunk is embedded as a query would be."""
+    prompt = "query: "
+    ids = list(hf_tokenizer(prompt + LONG)["input_ids"])
+    head = 1 + len(hf_tokenizer(prompt, add_special_tokens=False)["input_ids"])
+    own, step = ids[head:-1], LIMIT - head - 1
+    chunks = [[*ids[:head], *own[i : i + step], ids[-1]] for i in range(0, len(own), step)]
+    rows = [decode(stub.Embed(pb.EmbedRequest(tokens=tokens([c]), normalize=False), timeout=120))[0] for c in chunks]
+    weights = np.array([len(c) for c in chunks], dtype=np.float64)
+    vector = (np.asarray(rows, np.float64) * weights[:, None]).sum(axis=0) / weights.sum()
+    answer = stub.Embed(pb.EmbedRequest(texts=[LONG], chunk=True, prompt=prompt), timeout=120)
+    np.testing.assert_allclose(decode(answer)[0], unit(vector), atol=2e-6)
+    assert list(answer.token_counts) == [int(weights.sum())]
+
+
 def test_pre_tokenized_ids_are_chunked_as_the_text_is(stub: pb_grpc.EmbedderStub, long_ids: list[int]) -> None:
     from_ids = stub.Embed(pb.EmbedRequest(tokens=tokens([long_ids]), chunk=True), timeout=120)
     from_text = stub.Embed(pb.EmbedRequest(texts=[LONG], chunk=True), timeout=120)

@@ -16,7 +16,7 @@ import pytest
 from kembed.errors import EmbedError, Failure, Field, InvalidInput
 from kembed.frontend import openai_api
 from kembed.frontend.call import EmbedResult, Limits, Texts, Timings
-from kembed.frontend.openai_api import MAX_FIELDS, ApiError, Body, Embeddings, failed, parse
+from kembed.frontend.openai_api import ApiError, Body, Embeddings, failed, parse
 from kembed.frontend.rest import READ_CHUNK
 from kembed.inputs import Sequences
 from kembed.priority import Priority
@@ -93,7 +93,8 @@ BAD_BODIES: dict[str, tuple[Any, int, str | None, str]] = {
     "an object among texts": ({"input": ["a", {"b": 1}]}, 400, "input", "input: must be"),
     "an array in another field": ({"input": "x", "user": ["u"]}, 400, "user", "user: an object or array"),
     "a long field": ({"input": "x", "user": "u" * 1025}, 400, "user", "user: longer than 1024"),
-    "too many fields": ({"input": "x", **{f"f{i}": 0 for i in range(MAX_FIELDS)}}, 400, None, "the body has more"),
+    "an unknown field": ({"input": "x", "inputs": "y"}, 400, "inputs", "inputs: not a field of this API (it takes"),
+    "a long unknown field": ({"input": "x", "f" * 2000: 0}, 400, "f" * 64 + "...", "f" * 64 + "...: not a field"),
     "unknown encoding": ({"input": "x", "encoding_format": "hex"}, 400, "encoding_format", "encoding_format: 'hex'"),
     "dimensions zero": ({"input": "x", "dimensions": 0}, 400, "dimensions", "dimensions: must be a whole number"),
     "dimensions a string": ({"input": "x", "dimensions": "64"}, 400, "dimensions", "dimensions: must be"),

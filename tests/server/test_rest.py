@@ -123,6 +123,29 @@ def test_token_ids_give_the_same_vectors_and_usage_counts_tokens(
     assert by_text.usage.prompt_tokens == by_text.usage.total_tokens == sum(counts) == sum(map(len, ids))
 
 
+def test_every_field_the_openai_client_sends_is_taken(client: openai.OpenAI):
+    """What the SDK's create sends (LangChain's OpenAIEmbeddings sends a subset: model, input as
+    token ids, dimensions), and kembed's extensions through extra_body."""
+    response = client.embeddings.create(
+        model=ALIAS,
+        input=TEXTS[:2],
+        dimensions=384,
+        encoding_format="float",
+        user="someone",
+        extra_body={"truncate": True, "priority": "batch"},
+    )
+    assert vectors(response).shape == (2, 384)
+
+
+def test_an_unknown_field_is_refused_naming_it(client: openai.OpenAI):
+    """Ignored, a misspelt option would be lost without a word (OpenAI refuses it too)."""
+    with pytest.raises(openai.BadRequestError) as caught:
+        client.embeddings.create(model=ALIAS, input="hi", extra_body={"promt": "query: "})
+    error = caught.value.body
+    assert isinstance(error, dict) and error["param"] == "promt", error
+    assert error["message"].startswith("promt: not a field of this API"), error
+
+
 def test_models_lists_the_alias_and_the_id(client: openai.OpenAI):
     assert [model.id for model in client.models.list().data] == [ALIAS, MODEL_ID]
 
@@ -149,6 +172,7 @@ BAD_BODIES: dict[str, tuple[Body, int, str | None]] = {
     "truncate not a flag": ({"input": "x", "truncate": "yes"}, 400, "truncate"),
     "unknown priority": ({"input": "x", "priority": 1}, 400, "priority"),
     "unknown model": ({"input": "x", "model": "gpt-4"}, 404, "model"),
+    "an unknown field": ({"input": "x", "normalise": False}, 400, "normalise"),
     "body over the limit": (json.dumps({"input": "x" * (MAX_MESSAGE + 10)}).encode(), 413, None),
 }
 

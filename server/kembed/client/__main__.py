@@ -13,7 +13,7 @@ import grpc
 
 from kembed.client import connection
 from kembed.client.embed_client import EmbedClient
-from kembed.client.flags import add_chunk, add_dimensions, add_priority
+from kembed.client.flags import add_chunk, add_dimensions, add_priority, add_prompt
 from kembed.client.requests import answered
 
 PROG = "python -m kembed.client"
@@ -48,6 +48,7 @@ def parser() -> argparse.ArgumentParser:
     )
     add_chunk(parser)
     add_priority(parser, "interactive")
+    add_prompt(parser)
     parser.add_argument("texts", nargs="+", metavar="TEXT")
     return parser
 
@@ -64,6 +65,9 @@ def embed_texts(argv: list[str]) -> int:
                 truncate=args.truncate,
                 priority=args.priority,
                 chunk=args.chunk,
+                prompt_name=args.prompt_name,
+                prompt=args.prompt,
+                input_type=args.input_type,
             )
             model = client.info().model_id
     except grpc.RpcError as error:

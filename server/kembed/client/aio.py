@@ -13,7 +13,7 @@ import numpy as np
 
 from kembed.client.connection import Connection
 from kembed.client.embed_client import ClientBase, decode, tokens_request
-from kembed.client.requests import Limits, Options, Part, located, plan
+from kembed.client.requests import Limits, Options, Part, Prompt, located, plan
 from kembed.v1 import embedder_pb2 as pb
 
 T = TypeVar("T")
@@ -35,8 +35,12 @@ class AsyncEmbedClient(ClientBase[grpc.aio.Channel]):
         truncate: bool = False,
         priority: str = "interactive",
         chunk: bool | None = None,
+        prompt_name: str = "",
+        prompt: str | None = None,
+        input_type: str = "",
     ) -> np.ndarray:
-        parts = plan(texts, Options(normalize, dimensions, truncate, priority, chunk), await self.limits())
+        options = Options(normalize, dimensions, truncate, priority, chunk, Prompt(prompt_name, prompt, input_type))
+        parts = plan(texts, options, await self.limits())
         slots = asyncio.Semaphore(self._in_flight)
 
         async def send(part: Part) -> pb.EmbedResponse:

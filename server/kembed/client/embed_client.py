@@ -25,7 +25,7 @@ import grpc
 import numpy as np
 
 from kembed.client.connection import MAX_MESSAGE_BYTES, Connection
-from kembed.client.requests import Limits, Options, Part, answered, located, plan
+from kembed.client.requests import Limits, Options, Part, Prompt, answered, located, plan
 from kembed.contract import RETRY_PUSHBACK_KEY
 from kembed.v1 import embedder_pb2 as pb
 from kembed.v1 import embedder_pb2_grpc as pb_grpc
@@ -170,11 +170,17 @@ class EmbedClient(ClientBase[grpc.Channel]):
         truncate: bool = False,
         priority: str = "interactive",
         chunk: bool | None = None,
+        prompt_name: str = "",
+        prompt: str | None = None,
+        input_type: str = "",
     ) -> np.ndarray:
         """Any number of texts, as requests within the server's limits; ``priority`` is
         ``"interactive"`` (a caller waits) or ``"batch"`` (an ingest, which queries go ahead of);
-        ``chunk=True`` embeds a text longer than the model's limit as chunks (None: the server's default)."""
-        parts = plan(texts, Options(normalize, dimensions, truncate, priority, chunk), self.limits())
+        ``chunk=True`` embeds a text longer than the model's limit as chunks (None: the server's default). At
+        most one of ``prompt_name`` (one of the model's prompts), ``prompt`` (its text; ``""``: none)
+        and ``input_type`` (query, passage or document); none: the model's default prompt."""
+        options = Options(normalize, dimensions, truncate, priority, chunk, Prompt(prompt_name, prompt, input_type))
+        parts = plan(texts, options, self.limits())
         if len(parts) == 1:
             return decode(self._embed_part(parts[0]))
         with ThreadPoolExecutor(min(self._in_flight, len(parts)), thread_name_prefix="kembed-embed") as pool:

@@ -6,7 +6,7 @@ import argparse
 from collections.abc import Callable
 from typing import TypeVar
 
-from kembed.client.requests import PRIORITIES
+from kembed.client.requests import PRIORITIES, Prompt
 
 Number = TypeVar("Number", int, float)
 
@@ -43,3 +43,18 @@ def add_priority(parser: argparse.ArgumentParser, default: str) -> None:
         "interactive": "the requests' class (default interactive: a caller waits; batch for an ingest)",
     }[default]
     parser.add_argument("--priority", choices=PRIORITIES, default=default, help=help)
+
+
+INPUT_TYPES = ("query", "passage", "document")
+
+
+def add_prompt(parser: argparse.ArgumentParser) -> None:
+    group = parser.add_argument_group("prompt (at most one; none: the model's default prompt)")
+    one = group.add_mutually_exclusive_group()
+    one.add_argument("--prompt-name", default="", help="one of the model's prompts, by name (Info lists them)")
+    one.add_argument("--prompt", help='the prompt\'s text itself, put before each text; "" for none')
+    one.add_argument("--input-type", choices=INPUT_TYPES, default="", help="the model's prompt for that side")
+
+
+def prompt_of(args: argparse.Namespace) -> Prompt:
+    return Prompt(args.prompt_name, args.prompt, args.input_type)

@@ -14,9 +14,10 @@ import grpc
 from kembed.client.connection import Connection
 from kembed.v1 import embedder_pb2 as pb
 
-# What a request carries besides its texts (request_id, dimensions, flags), and each text besides
-# its bytes (a field tag and a length): room kept in the message limit.
-REQUEST_ENVELOPE_BYTES = 1024
+# What a request carries besides its texts (request_id, dimensions, flags, and a prompt: at most 1,024
+# characters of up to 4 bytes), and each text besides its bytes (a field tag and a length): room kept
+# in the message limit.
+REQUEST_ENVELOPE_BYTES = 1024 + 4 * 1024
 TEXT_ENVELOPE_BYTES = 6
 # The requests' classes, by the label the commands and the library take: the proto's PRIORITY_* names, lower case.
 PRIORITIES = tuple(pb.Priority.Name(value).removeprefix("PRIORITY_").lower() for value in pb.Priority.values())
@@ -60,6 +61,19 @@ def split_texts(texts: Iterable[str], items: int, request_bytes: int) -> Iterato
 
 
 @dataclass(frozen=True)
+class Prompt:
+    """The prompt the server puts before each text: at most one of these; none, the model's default
+    (``prompt=""``: no prompt at all)."""
+
+    name: str = ""  # one of the model's prompts (Info.prompts)
+    text: str | None = None  # the prompt's text itself
+    input_type: str = ""  # query, passage or document: the model's prompt for that side
+
+
+NO_PROMPT = Prompt()
+
+
+@dataclass(frozen=True)
 class Options:
     """What every request of one ``embed`` call carries besides its texts."""
 
@@ -68,6 +82,7 @@ class Options:
     truncate: bool = False
     priority: str = "interactive"
     chunk: bool | None = None  # None: the server's default
+    prompt: Prompt = NO_PROMPT
 
 
 @dataclass(frozen=True)
@@ -121,6 +136,9 @@ def plan(texts: Sequence[str], options: Options, limits: Limits) -> list[Part]:
             truncate=options.truncate,
             priority=kind,
             chunk=options.chunk,
+            prompt_name=options.prompt.name,
+            prompt=options.prompt.text,  # None leaves it unset: "" is no prompt, unset the default
+            input_type=options.prompt.input_type,
         )
         parts.append(Part(first, request))
         first += len(run)

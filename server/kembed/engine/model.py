@@ -26,6 +26,7 @@ from kembed.engine.graphs import ShapeGuard, compile_graphs
 from kembed.engine.pooling import pool
 from kembed.engine.precision import loaded_first
 from kembed.inputs import Tokenizer, tokenizer_fingerprint
+from kembed.prompts import ST_CONFIG, ModelPrompts
 
 log = logging.getLogger(__name__)
 
@@ -63,6 +64,8 @@ class ModelInfo:
     tokenizer_fingerprint: str
     dtype: torch.dtype
     device: torch.device
+    prompts: dict[str, str]
+    default_prompt_name: str
 
 
 def resolve_model_path(settings: Settings) -> tuple[str, Path]:
@@ -112,6 +115,7 @@ class EmbeddingModel:
         hf_tokenizer = AutoTokenizer.from_pretrained(path, trust_remote_code=settings.trust_remote_code)
         excluded = _control_token_ids(hf_tokenizer, settings.control_tokens)
         pooling = _pooling(settings, path)
+        prompts = _prompts(settings, path)
         model = _load_strict(path, settings.trust_remote_code, dtype, device)
         loaded_dtype = weights_dtype(model)
         if loaded_dtype != dtype:
@@ -121,6 +125,7 @@ class EmbeddingModel:
             raise ModelLoadError(f"{path}: the tokenizer has {len(hf_tokenizer)} tokens, the model only {vocab_size}")
         max_input_tokens = _max_input_tokens(settings, path, model, hf_tokenizer)
         tokenizer = Tokenizer.from_transformers(hf_tokenizer, max_input_tokens=max_input_tokens, vocab_size=vocab_size)
+        _check_prompt_room(prompts, tokenizer)
         info = ModelInfo(
             model_id=model_id,
             path=path,
@@ -133,6 +138,8 @@ class EmbeddingModel:
             tokenizer_fingerprint=tokenizer_fingerprint(path),
             dtype=loaded_dtype,
             device=device,
+            prompts=prompts.prompts,
+            default_prompt_name=prompts.default_name,
         )
         return cls(model, tokenizer, info)
 
@@ -222,20 +229,59 @@ def _pooling(settings: Settings, path: Path) -> str:
         raise ModelLoadError(f"{path}/modules.json: kembed does not apply {', '.join(unsupported)}")
     if settings.pooling is not Pooling.AUTO:
         return settings.pooling.value
-    pooling = next((m for m in modules if m["type"].endswith(".Pooling")), None)
-    if pooling is None:
+    found = _pooling_config(path)
+    if found is None:
         return "mean"
-    config = _read_json(path / pooling["path"] / "config.json") or {}
+    where, config = found
     if "pooling_mode" in config:
         modes = [config["pooling_mode"]] if isinstance(config["pooling_mode"], str) else config["pooling_mode"]
     else:
         modes = [mode for key, mode in _ST_LEGACY_POOLING.items() if config.get(key)]
     if len(modes) != 1 or modes[0] not in _ST_POOLING:
         raise ModelLoadError(
-            f"{path / pooling['path']}/config.json: pooling {modes or 'none'} is not supported; "
-            f"set {env_name('pooling')} to mean, cls or last to override"
+            f"{where}: pooling {modes or 'none'} is not supported; set {env_name('pooling')} to mean, cls or last "
+            "to override"
         )
     return _ST_POOLING[modes[0]]
+
+
+def _pooling_config(path: Path) -> tuple[Path, dict[str, Any]] | None:
+    """modules.json's Pooling module's config.json, and where it is; None when the folder has none."""
+    modules = _read_json(path / "modules.json") or []
+    pooling = next((m for m in modules if m["type"].endswith(".Pooling")), None)
+    if pooling is None:
+        return None
+    where = path / pooling["path"] / "config.json"
+    return where, _read_json(where) or {}
+
+
+def _prompts(settings: Settings, path: Path) -> ModelPrompts:
+    """The folder's prompts, or the settings'; a mistake in either stops start-up, and so do prompts
+    for a model that pools without them (sentence-transformers' include_prompt false), which kembed
+    does not reproduce: its vectors would differ from the model's."""
+    try:
+        prompts = ModelPrompts.of(path, settings.prompts, settings.default_prompt_name)
+    except ValueError as error:  # json's errors too
+        where = f"{path / ST_CONFIG} or {env_name('prompts')}, {env_name('default_prompt_name')}"
+        raise ModelLoadError(f"{where}: {error}") from None
+    found = _pooling_config(path)
+    if prompts.prompts and found is not None and found[1].get("include_prompt") is False:
+        raise ModelLoadError(
+            f"{found[0]}: include_prompt is false (the prompt's tokens left out of pooling), which kembed does not "
+            f"do; the model's prompts ({', '.join(prompts.prompts)}) cannot be served (set {env_name('prompts')}={{}} "
+            "to serve it without them)"
+        )
+    return prompts
+
+
+def _check_prompt_room(prompts: ModelPrompts, tokenizer: Tokenizer) -> None:
+    """Each prompt leaves room for a text within the model's limit: truncation cuts a text, never its prompt."""
+    for name, text in prompts.prompts.items():
+        if (tokens := tokenizer.crowds_out(text)) is not None:
+            raise ModelLoadError(
+                f"prompt {name!r} is {tokens} tokens, leaving no room for a text in the model's "
+                f"{tokenizer.max_input_tokens} ({env_name('max_input_tokens')})"
+            )
 
 
 def _max_input_tokens(

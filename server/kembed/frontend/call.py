@@ -19,6 +19,7 @@ from kembed.config import Settings
 from kembed.errors import Field, InvalidInput
 from kembed.inputs import Sequences
 from kembed.priority import Priority
+from kembed.prompts import NO_CHOICE, PromptChoice
 from kembed.protocol import ServingInfo
 
 
@@ -36,6 +37,7 @@ class EmbedCall:
     normalize: bool = True
     dimensions: int = 0  # keep the first this many (0 = all), then normalize
     priority: Priority = Priority.INTERACTIVE
+    prompt: PromptChoice = NO_CHOICE
     request_id: str = ""  # echoed in the answer
     timeout_s: float | None = None  # what the caller allows from arrival; None = the server's default
     peer: str = ""  # the caller, where its pushback is enforced: its connection (gRPC), its address (REST)

@@ -42,6 +42,7 @@ from kembed.frontend.service import Gate, Service
 from kembed.inputs import Sequences
 from kembed.metrics import FrontendMetrics
 from kembed.priority import BY_VALUE
+from kembed.prompts import PromptChoice
 from kembed.protocol import ServingInfo
 from kembed.v1 import embedder_pb2 as pb
 from kembed.v1 import embedder_pb2_grpc as pb_grpc
@@ -428,6 +429,9 @@ def to_call(request: pb.EmbedRequest, limits: Limits, time_remaining: float | No
         normalize=request.normalize if request.HasField("normalize") else True,
         dimensions=request.dimensions,
         priority=BY_VALUE[request.priority],
+        prompt=PromptChoice(
+            request.prompt_name, request.prompt if request.HasField("prompt") else None, request.input_type
+        ),
         request_id=request.request_id,
         timeout_s=time_remaining,
         peer=peer,

@@ -9,8 +9,8 @@ each chunk into events, and the walk over them is the one place REST input meets
 rules of JSON that yajl leaves out (a field given twice, half a surrogate pair). A body gets the
 same answer however it was cut: its first fault, in the order of its bytes, is the one named.
 Each item is checked as it comes (the item count, each text's characters, each id's range and each
-sequence's length, no empty item, no nesting past an array of arrays of ids, a bounded number of
-fields), so a body that breaks a limit is refused at the item that breaks it, before the rest is
+sequence's length, no empty item, no nesting past an array of arrays of ids, no field the API does
+not have), so a body that breaks a limit is refused at the item that breaks it, before the rest is
 read or anything sized by it is built; texts are kept as strings, ids straight in an int32 buffer. Bad input the
 service finds (``InvalidInput``: the vocabulary, lengths in tokens, dimensions) is named from its
 location by the JSON's own paths (``input[3]``, ``input[1][4]``), so a REST client reads the field
@@ -36,12 +36,17 @@ from kembed.errors import EmbedError, Failure, Field, InvalidInput
 from kembed.frontend.call import EmbedCall, EmbedResult, Limits, Texts
 from kembed.inputs import Sequences
 from kembed.priority import Priority
+from kembed.prompts import ModelPrompts, PromptChoice
 
 ENCODINGS = ("float", "base64")
 PRIORITIES = {"interactive": Priority.INTERACTIVE, "batch": Priority.BATCH}
 MAX_TOKEN_ID = 2**31 - 1  # ids are int32 on the way to the model
 INPUT_SHAPES = "a string, an array of strings, an array of token ids, or an array of arrays of token ids"
-MAX_FIELDS = 64  # the API has seven: more is not a client of it
+# The body's fields: OpenAI's (what its SDK and LangChain's OpenAIEmbeddings send), then kembed's
+# extensions. Any other is refused, as OpenAI refuses it: ignored, a misspelt option would be lost.
+OPENAI_FIELDS = ("input", "model", "encoding_format", "dimensions", "user")
+EXTENSIONS = ("truncate", "chunk", "priority", "prompt_name", "prompt", "input_type")
+FIELDS = frozenset(OPENAI_FIELDS + EXTENSIONS)
 MAX_FIELD_CHARS = 1024  # a field other than input: a model name, an encoding, a user id
 _YAJL = ijson.get_backend("yajl2_c")  # C: a Python backend would cost ten times as much per event
 # A high surrogate's escape (\uD800-\uDBFF) that no low one follows: yajl reads it as "?" or as a
@@ -220,10 +225,8 @@ class Body:
     def _field(self, event: str, value: Any) -> None:
         """An event in the body's object: a field's name, or its value."""
         if event == "map_key":
-            if len(self._fields) == MAX_FIELDS:
-                raise invalid(f"the body has more than {MAX_FIELDS} fields", None)
-            if len(value) > MAX_FIELD_CHARS:
-                raise invalid(f"{value[:64]!r}...: a field name longer than {MAX_FIELD_CHARS} characters", None)
+            if value not in FIELDS:
+                raise _unknown(value)
             if value in self._fields:
                 raise invalid(f"{value}: given twice", value)
             self._key = value
@@ -357,6 +360,7 @@ def _embeddings(
         chunk=_flag(fields, "chunk") if "chunk" in fields else None,
         dimensions=dimensions or 0,
         priority=priority,
+        prompt=_prompt(fields),
         timeout_s=timeout_s,
         peer=peer,
     )
@@ -368,6 +372,12 @@ def _not_json(error: ijson.JSONError) -> ApiError:
     reason = error.args[0] if error.args else ""
     text = reason.decode(errors="replace") if isinstance(reason, bytes) else str(reason)
     return invalid(f"the body is not JSON: {text.strip().splitlines()[0] if text.strip() else 'incomplete'}", None)
+
+
+def _unknown(name: str) -> ApiError:
+    shown = name if len(name) <= 64 else f"{name[:64]}..."
+    known = ", ".join(OPENAI_FIELDS + EXTENSIONS)
+    return invalid(f"{shown}: not a field of this API (it takes {known})", shown)
 
 
 def _bad_ids() -> ApiError:
@@ -393,9 +403,21 @@ def answer(request: Embeddings, result: EmbedResult) -> bytes:
     )
 
 
-def models(served: tuple[str, ...], created: int) -> bytes:
-    """``GET /v1/models``: every name this server answers to."""
-    data = [{"id": name, "object": "model", "created": created, "owned_by": "kembed"} for name in served]
+def models(served: tuple[str, ...], created: int, prompts: ModelPrompts) -> bytes:
+    """``GET /v1/models``: every name this server answers to, with the model's prompts (kembed's
+    fields beside OpenAI's)."""
+    default = prompts.default_name or None
+    data = [
+        {
+            "id": name,
+            "object": "model",
+            "created": created,
+            "owned_by": "kembed",
+            "prompts": prompts.prompts,
+            "default_prompt_name": default,
+        }
+        for name in served
+    ]
     return orjson.dumps({"object": "list", "data": data})
 
 
@@ -440,6 +462,15 @@ def _priority(data: dict[str, Any]) -> Priority:
     if not isinstance(value, str) or value not in PRIORITIES:
         raise invalid(f"priority: {value!r} is not one of {', '.join(PRIORITIES)}", "priority")
     return PRIORITIES[value]
+
+
+def _prompt(data: dict[str, Any]) -> PromptChoice:
+    """kembed's extensions ``prompt_name``, ``prompt`` and ``input_type``: strings, null as absent."""
+    name, text, input_type = (data.get(field) for field in ("prompt_name", "prompt", "input_type"))
+    for field, value in (("prompt_name", name), ("prompt", text), ("input_type", input_type)):
+        if value is not None and not isinstance(value, str):
+            raise invalid(f"{field}: must be a string", field)
+    return PromptChoice(name or "", text, input_type or "")
 
 
 def _flag(data: dict[str, Any], name: str) -> bool:

@@ -102,7 +102,7 @@ class FrontendProcess:
             self._settings, link, screen, self._gate, self._metrics, self._executor, self._budget
         )
         if self._rest is not None:
-            self._rest.serve_model(link.info.model_id, link.info.dimensions)
+            self._rest.serve_model(link.info)
         await self._grpc.set_serving(True)
         self._board.set_frontend(self._index, FrontendCell.SERVING, 1.0)
         self._child.freeze_heap()

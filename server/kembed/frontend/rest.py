@@ -51,6 +51,8 @@ from kembed.frontend.openai_api import ApiError, Body, Embeddings
 from kembed.frontend.pushback import rest_client
 from kembed.frontend.service import Gate, Service, warming_up
 from kembed.metrics import FrontendMetrics
+from kembed.prompts import ModelPrompts
+from kembed.protocol import ServingInfo
 
 log = logging.getLogger(__name__)
 
@@ -93,6 +95,7 @@ class RestEdge:
         self._timeout_s = settings.default_timeout_ms / 1000  # a request's, from its head
         self._served: tuple[str, ...] = ()  # the model names answered to, once the engine is warm
         self._dimensions = 0  # the model's, once warm
+        self._prompts = ModelPrompts({})  # the model's, once warm
         self._created = int(time.time())
         self._draining = False
         self._reading: set[asyncio.Timeout] = set()  # the deadlines of bodies still arriving
@@ -117,11 +120,12 @@ class RestEdge:
         context = self._tls.context if self._tls else None
         await web.SockSite(self._runner, sock, ssl_context=context, backlog=self._backlog).start()
 
-    def serve_model(self, model_id: str, dimensions: int) -> None:
+    def serve_model(self, info: ServingInfo) -> None:
         """The engine is warm: answer to its model id, and to the configured alias first."""
         alias = self._settings.served_model_name
-        self._served = tuple(dict.fromkeys(name for name in (alias, model_id) if name))
-        self._dimensions = dimensions
+        self._served = tuple(dict.fromkeys(name for name in (alias, info.model_id) if name))
+        self._dimensions = info.dimensions
+        self._prompts = ModelPrompts(info.prompts, info.default_prompt_name)
 
     def refresh_tls(self) -> None:
         """Pick up rotated certificate files (every front-end tick)."""
@@ -147,7 +151,7 @@ class RestEdge:
                 return await self._embeddings(request)
             if path == MODELS_PATH and method == "GET":
                 self._server.working(request.protocol)
-                return self._reply(200, openai_api.models(self._served, self._created))
+                return self._reply(200, openai_api.models(self._served, self._created, self._prompts))
             if path in (EMBEDDINGS_PATH, MODELS_PATH):
                 allowed = "POST" if path == EMBEDDINGS_PATH else "GET"
                 error = ApiError(

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import time
 from collections.abc import Callable
 from concurrent.futures import Executor
@@ -35,6 +36,7 @@ from kembed.frontend.screen import Screen
 from kembed.inputs import Sequences, Tokenizer, TokenLimit
 from kembed.metrics import FrontendMetrics
 from kembed.priority import Priority
+from kembed.prompts import ModelPrompts
 from kembed.shapes import padded_lengths
 
 MAX_REQUEST_ID_CHARS = 256
@@ -136,6 +138,7 @@ class EmbedService:
         self._pacer = RefusalPacer(
             settings.refusal_rate, settings.refusal_burst, clock, on_shared=metrics.refusals_shared.inc
         )
+        self._prompts = ModelPrompts(info.prompts, info.default_prompt_name)
         self._tokenizer = Tokenizer(
             tokenizers.Tokenizer.from_str(info.tokenizer_json),
             pad_token_id=info.pad_token_id,
@@ -186,6 +189,7 @@ class EmbedService:
     async def _serve(self, call: EmbedCall, arrival: float) -> EmbedResult:
         self._validate(call)
         chunked = self._chunked(call)
+        prompt = self._prompt(call)
         least = self._least_cost(call, chunked)
         least_cost = self._screened_cost(least, call.peer)
         priority = self._screen.class_of(least_cost, call.priority)
@@ -194,11 +198,11 @@ class EmbedService:
         if call.timeout_s is not None:
             self._raise_if_rejected(self._screen.in_time(least_cost, priority, call.timeout_s), priority)
         if call.nbytes <= INLINE_PREPARE_LIMIT:
-            chunks = self._prepare(call, chunked)  # on the event loop: no other call is screened meanwhile
+            chunks = self._prepare(call, chunked, prompt)  # on the event loop: no other call is screened meanwhile
         else:
             with self._screen.tokenizing(least_cost, priority):
                 loop = asyncio.get_running_loop()
-                chunks = await loop.run_in_executor(self._executor, self._prepare, call, chunked)
+                chunks = await loop.run_in_executor(self._executor, self._prepare, call, chunked, prompt)
         tokenized = self._clock()
         seqs = chunks.seqs
         cost = self._padded_tokens(seqs.lengths)
@@ -245,19 +249,41 @@ class EmbedService:
             return call.count
         return min(call.count * self._chunking.max_chunks, self._settings.max_items_per_request)
 
-    def _prepare(self, call: EmbedCall, chunked: bool) -> Chunks:
+    def _prepare(self, call: EmbedCall, chunked: bool, prompt: str) -> Chunks:
         """The call's inputs as the items the engine computes: tokenized, and chunked if asked."""
         limit = self._chunked_limit if chunked else self._tokenizer.limit
         inputs = call.inputs
         if isinstance(inputs, Texts):
-            seqs = self._tokenizer.from_texts(inputs.items, call.truncate, limit)
+            # As sentence-transformers does: the prompt and the text tokenized as one, so it counts
+            # in the tokens, and truncation cuts the text's end, never the prompt.
+            texts = [prompt + text for text in inputs.items] if prompt else inputs.items
+            seqs = self._tokenizer.from_texts(texts, call.truncate, limit)
         else:
             seqs = self._tokenizer.from_ids(inputs, call.truncate, limit)
         if not chunked:
             return Chunks.whole(seqs)
-        chunks = self._chunking.split(seqs)
+        # Every chunk starts with the prompt, as the whole input would.
+        head = self._chunking.head + (self._tokenizer.count(prompt) if prompt else 0)
+        chunks = dataclasses.replace(self._chunking, head=head).split(seqs)
         self._check_chunks(chunks.seqs.count)
         return chunks
+
+    def _prompt(self, call: EmbedCall) -> str:
+        """The text put before each of the call's texts: none before pre-tokenized ids, whose
+        client tokenized what it wants embedded (a prompt asked for with them is refused)."""
+        choice = call.prompt
+        choice.check()
+        if isinstance(call.inputs, Texts):
+            # The model's own prompts were measured as it loaded; a literal one is measured here.
+            if choice.text and (tokens := self._tokenizer.crowds_out(choice.text)) is not None:
+                reason = f"{tokens} tokens, leaving no room for a text in the model's {self._info.max_input_tokens}"
+                raise InvalidInput(Field.PROMPT, reason)
+            return self._prompts.text(choice)
+        if choice.given:
+            raise InvalidInput(
+                choice.given[0], "not taken with pre-tokenized input: put the prompt's tokens in the ids"
+            )
+        return ""
 
     def _check_chunks(self, count: int) -> None:
         if count > (most := self._settings.max_items_per_request):

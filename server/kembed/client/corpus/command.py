@@ -23,7 +23,7 @@ from kembed.client.corpus.reader import STDIN, Shard
 from kembed.client.corpus.run import CorpusRun, Interrupted, Summary, embed_corpus
 from kembed.client.corpus.stream import Request
 from kembed.client.corpus.writers import FORMATS
-from kembed.client.flags import add_chunk, add_dimensions, add_priority, at_least
+from kembed.client.flags import add_chunk, add_dimensions, add_priority, add_prompt, at_least, prompt_of
 from kembed.contract import EXIT_EMBED_FAILED, EXIT_EMBED_FINAL, EXIT_EMBED_INTERRUPTED
 
 MAX_ERROR_CHARS = 500
@@ -60,6 +60,7 @@ def parser() -> argparse.ArgumentParser:
     )
     add_chunk(parser)
     add_priority(parser, "batch")
+    add_prompt(parser)
     parser.add_argument(
         "--give-up-after",
         type=at_least(float, 0.0),
@@ -93,7 +94,7 @@ def main(argv: list[str]) -> int:
         connection=connection.from_arguments(flags, args),
         input=args.input,
         output=args.output,
-        request=Request(args.dimensions, truncate, args.priority, args.chunk),
+        request=Request(args.dimensions, truncate, args.priority, args.chunk, prompt_of(args)),
         output_format=args.format,
         jsonl_field=args.jsonl_field,
         shard=args.shard,

@@ -37,7 +37,7 @@ import numpy as np
 from kembed.client.corpus import CorpusError, FinalError
 from kembed.client.corpus.reader import Span, ThreadedSpans
 from kembed.client.embed_client import decode
-from kembed.client.requests import priority
+from kembed.client.requests import NO_PROMPT, Prompt, priority
 from kembed.v1 import embedder_pb2 as pb
 from kembed.v1 import embedder_pb2_grpc as pb_grpc
 
@@ -66,6 +66,7 @@ class Request:
     truncate: bool
     priority: str = "batch"  # a label of PRIORITIES
     chunk: bool | None = None  # None: the server's default
+    prompt: Prompt = NO_PROMPT
 
 
 def embed_request(span: Span, request: Request) -> pb.EmbedRequest:
@@ -77,6 +78,9 @@ def embed_request(span: Span, request: Request) -> pb.EmbedRequest:
         request_id=str(span.first),
         priority=priority(request.priority),
         chunk=request.chunk,
+        prompt_name=request.prompt.name,
+        prompt=request.prompt.text,
+        input_type=request.prompt.input_type,
     )
 
 
