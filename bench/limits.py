@@ -30,7 +30,9 @@ from dataclasses import dataclass
 from typing import Any
 
 import numpy as np
+import sentence_transformers
 import torch
+from sentence_transformers import SentenceTransformer
 
 from bench import inprocess
 from bench.ceiling import PaddedBatch, compiles, materialize, plan_groups, rates
@@ -66,13 +68,11 @@ def round_of(index: int, rounds: int) -> int:
     return index % rounds
 
 
-def sentence_transformer(path: str, dtype: torch.dtype) -> Any:
-    from sentence_transformers import SentenceTransformer
-
+def sentence_transformer(path: str, dtype: torch.dtype) -> SentenceTransformer:
     return SentenceTransformer(path, device="cpu").to(dtype)
 
 
-def _encode(model: Any, texts: list[str]) -> np.ndarray:
+def _encode(model: SentenceTransformer, texts: list[str]) -> np.ndarray:
     return np.asarray(model.encode(texts, batch_size=ST_BATCH_SIZE, convert_to_numpy=True), dtype=np.float32)
 
 
@@ -111,6 +111,16 @@ def timed_pass(
         for (name, i), future in zip(jobs, futures, strict=True):
             seconds[name][i] = future.result()[0]
     return seconds
+
+
+def _figures(passes: list[list[float]], texts: list[int], tokens: list[int], cosine: float) -> dict[str, Any]:
+    """A contender's rates from its batches' seconds in each pass, and its least cosine."""
+    return {
+        "batches": len(passes[0]),
+        "emb_per_s": rates(passes, texts).to_dict(),
+        "tokens_per_s": rates(passes, tokens).to_dict(),
+        "min_cosine_to_st_fp32": cosine,
+    }
 
 
 def measure(
@@ -167,16 +177,9 @@ def measure(
     }
     for name in CONTENDERS:
         per_pass = [[s / scale[name] for s in p[name]] for p in passes]
-        result[name] = {
-            "batches": len(per_pass[0]),
-            "emb_per_s": rates(per_pass, texts_of[name]).to_dict(),
-            "tokens_per_s": rates(per_pass, tokens_of[name]).to_dict(),
-            "min_cosine_to_st_fp32": min_cosine(vectors[name], reference),
-        }
+        result[name] = _figures(per_pass, texts_of[name], tokens_of[name], min_cosine(vectors[name], reference))
         print(f"  limits, {name}: {result[name]['emb_per_s']['median']:.1f} emb/s, "
               f"min cosine to sentence-transformers fp32 {result[name]['min_cosine_to_st_fp32']:.5f}")  # fmt: skip
-    import sentence_transformers
-
     result["st_encode"] |= {"batch_size": ST_BATCH_SIZE, "version": sentence_transformers.__version__}
     padded = sum(b.padded_tokens for b in batches)
     for name in kembed:
