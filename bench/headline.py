@@ -21,6 +21,11 @@ class Ratio:
         op, bound = self.target.split()
         return self.value.median >= float(bound) if op == ">=" else self.value.median <= float(bound)
 
+    def digits(self) -> int:
+        """Decimals shown: 2, or two more than a finer target has (a cosine's 0.999 shows 0.99993)."""
+        decimals = len(self.target.partition(".")[2])
+        return decimals + 2 if decimals >= 3 else 2
+
 
 def _rate(phase: dict[str, Any]) -> Spread:
     return Spread.from_dict(phase["emb_per_s"])
@@ -79,19 +84,19 @@ def pad(serve: dict[str, Any]) -> float:
     return float(serve["saturation"]["padding_ratio"])
 
 
-def _fmt(s: Spread) -> str:
+def _fmt(s: Spread, digits: int = 2) -> str:
     if math.isnan(s.median):
         return "—"
     if math.isclose(s.lo, s.hi):
-        return f"{s.median:.2f}"
-    return f"{s.median:.2f} ({s.lo:.2f}–{s.hi:.2f})"
+        return f"{s.median:.{digits}f}"
+    return f"{s.median:.{digits}f} ({s.lo:.{digits}f}–{s.hi:.{digits}f})"
 
 
 def ratio_table(rows: list[Ratio]) -> str:
     lines = ["| Figure | Measured (range) | Target | Met |", "| --- | --- | --- | --- |"]
     for r in rows:
         met = {True: "yes", False: "**no**", None: ""}[r.met()]
-        lines.append(f"| {r.name} | {_fmt(r.value)} | {r.target} | {met} |")
+        lines.append(f"| {r.name} | {_fmt(r.value, r.digits())} | {r.target} | {met} |")
     return "\n".join(lines)
 
 

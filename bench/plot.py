@@ -192,7 +192,10 @@ def cpu_block(
     flags = ", ".join(m.get("cpu_flags", [])) or "not recorded"
     served = f"kembed served {one_text.get('dtype') or '?'}, forward {one_text.get('forward') or '?'}"
     heading = f"Against what users would otherwise run, on {m['cpu']} ({m['cores']} cores; flags: {flags}), {served}:"
-    return "\n\n".join([heading, headline.ratio_table(rows)])
+    sources = {"bench.ceiling": ceiling, "bench.serve_load": one_text, "bench.serve_load, many texts": many_texts,
+               "bench.hostpath": judged.get("hostpath"), "bench.startup": judged.get("startup")}  # fmt: skip
+    found = [f"{name} at {r['machine']['time_utc']} on {r['machine']['cpu']}" for name, r in sources.items() if r]
+    return "\n\n".join([heading, headline.ratio_table(rows), f"From {'; '.join(found)}."])
 
 
 def _bf16(m: dict[str, Any]) -> str:

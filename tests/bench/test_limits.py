@@ -64,6 +64,9 @@ def test_vectors_go_back_to_their_texts() -> None:
     assert limits._vectors(3, [[2, 0], [1]], outputs).ravel().tolist() == [0.0, 1.0, 2.0]
 
 
+MACHINE = {"cpu": "Test CPU", "cores": 2, "cpu_flags": ["avx512_bf16", "amx_bf16"], "time_utc": "2026-11-26T10:00:00Z"}
+
+
 def _contender(rate: float, cosine: float = 0.9999) -> dict[str, Any]:
     spread = Spread(rate, rate * 0.95, rate * 1.05).to_dict()
     return {"emb_per_s": spread, "tokens_per_s": spread, "min_cosine_to_st_fp32": cosine, "batches": 3}
@@ -71,7 +74,7 @@ def _contender(rate: float, cosine: float = 0.9999) -> dict[str, Any]:
 
 def _ceiling(st: float, eager: float, compiled: float, cosine: float = 0.9999) -> dict[str, Any]:
     return {
-        "machine": {"cpu": "Test CPU", "cores": 2, "cpu_flags": ["avx512_bf16", "amx_bf16"]},
+        "machine": MACHINE,
         "limits": {
             "texts": 1024,
             "passes": 2,
@@ -89,7 +92,13 @@ def _ceiling(st: float, eager: float, compiled: float, cosine: float = 0.9999) -
 def _serve(rate: float, texts: int, callers: int, padding: float = 0.05) -> dict[str, Any]:
     phase = {"emb_per_s": Spread(rate, rate, rate).to_dict(), "padding_ratio": padding}
     options = {"texts_per_call": texts, "concurrency": callers}
-    return {"saturation": phase, "options": options, "dtype": "torch.bfloat16", "forward": "compiled"}
+    return {
+        "saturation": phase,
+        "options": options,
+        "dtype": "torch.bfloat16",
+        "forward": "compiled",
+        "machine": MACHINE,
+    }
 
 
 def _hostpath(kembed: float, infinity: float) -> dict[str, Any]:
@@ -129,6 +138,8 @@ def test_the_server_is_judged_against_sentence_transformers_the_compiled_ceiling
     assert by_name["Ready after start (s), default settings, the compile cache the cold start filled"].met() is True
     assert by_name["Padding share of computed tokens, 1 text a call, 32 callers"].met() is True
     assert all(r.met() for r in rows if r.name.startswith("Min cosine"))
+    assert "| 0.99990 | >= 0.999 | yes |" in headline.ratio_table(rows)  # a cosine shown finer than its target
+    assert "| 1.70 (1.62–1.79) | >= 1.10 | yes |" in headline.ratio_table(rows)
     assert by_name["Compiled in-process ceiling / eager, same batches and lanes (emb/s)"].met() is None
 
 
@@ -154,6 +165,9 @@ def test_the_headline_block_names_the_cpu_and_its_flags() -> None:
         "Against what users would otherwise run, on Test CPU (2 cores; flags: avx512_bf16, amx_bf16)"
     )
     assert "kembed served torch.bfloat16, forward compiled" in block
+    assert block.endswith(
+        "From bench.ceiling at 2026-11-26T10:00:00Z on Test CPU; bench.serve_load at 2026-11-26T10:00:00Z on Test CPU."
+    )
     table = headline.limits_table(_ceiling(100, 150, 180))
     assert "cold compile 41.0 s" in table and "| st_encode |" in table and "2 lane(s) x 1 thread(s)" in table
     assert headline.limits_table({}) == ""
