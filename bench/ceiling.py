@@ -18,6 +18,11 @@ smallest batch within 10% of the best, ``budget_90``), and a straight-line fit o
 tokens whose intercept, in tokens, is what a batch costs beyond its tokens (what the server's
 packing weighs; its warmup measures its own).
 
+On a CPU that computes eager batches, the *limits* (``bench.limits``, the ``limits`` block): the
+*sorted* batches in the server's lanes, eager and through the server's CPU compile, interleaved with
+sentence-transformers' own ``encode`` on the same texts, and each one's vectors against
+sentence-transformers in fp32.
+
 ``python -m bench.ceiling`` (eager: all three; compiled: bucketed only, as other shapes recompile).
 """
 
@@ -149,7 +154,7 @@ def rates(passes: list[list[float]], weights: Sequence[int]) -> Spread:
     return Spread(sum(weights) * len(passes) / sum(map(sum, passes)), min(per_pass), max(per_pass))
 
 
-def _compiles() -> int:
+def compiles() -> int:
     """Frames torch.compile has compiled so far (a rise after warmup is a recompile)."""
     from torch._dynamo.utils import counters
 
@@ -197,12 +202,12 @@ def measure(loaded: inprocess.InProcessModel, plans: Plans, repeats: int, max_se
     """Warm, then time interleaved passes over every batching until ``repeats`` or ``max_seconds``."""
     plans = {name: [b.to(loaded.device) for b in batches] for name, batches in plans.items()}
     timed_pass(loaded, {name: _warmup(batches, loaded.compiled) for name, batches in plans.items()})
-    compiles_after_warmup = _compiles()
+    compiles_after_warmup = compiles()
     passes: list[dict[str, list[float]]] = []
     deadline = time.monotonic() + max_seconds
     while len(passes) < repeats and (not passes or time.monotonic() < deadline):
         passes.append(timed_pass(loaded, plans))
-    result: dict[str, Any] = {"recompiles_after_warmup": _compiles() - compiles_after_warmup}
+    result: dict[str, Any] = {"recompiles_after_warmup": compiles() - compiles_after_warmup}
     for name, batches in plans.items():
         result[name] = _summary(loaded, batches, [p[name] for p in passes])
         print(f"  {name}: {result[name]['emb_per_s']['median']:.1f} emb/s, padding {result[name]['padding_ratio']:.1%}")
@@ -216,13 +221,13 @@ def run(
     ids, lengths = loaded.tokenize(texts, True)
     tokenize_s = time.perf_counter() - start
     plans = {
-        name: materialize(*_plan(name, lengths.tolist(), loaded), ids, lengths, loaded.pad_token_id)
+        name: materialize(*plan_groups(name, lengths.tolist(), loaded), ids, lengths, loaded.pad_token_id)
         for name in batchings
     }
     return {"texts": len(texts), "tokenize_s": tokenize_s, **measure(loaded, plans, repeats, max_seconds)}
 
 
-def _plan(batching: str, lengths: list[int], loaded: inprocess.InProcessModel) -> tuple[list[list[int]], ShapeOf]:
+def plan_groups(batching: str, lengths: list[int], loaded: inprocess.InProcessModel) -> tuple[list[list[int]], ShapeOf]:
     """The groups of text indices, and how a group's (rows, longest) becomes its padded shape."""
     if batching == "bucketed":
 
@@ -302,6 +307,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any] | None:
     parser.add_argument("--repeats", type=int, default=2, help="timed passes (their spread is the range)")
     parser.add_argument("--max-seconds", type=float, default=300.0, help="no new pass after this")
     parser.add_argument("--curve-passes", type=int, default=3, help="CPU batch curve passes; 0 = no curve")
+    parser.add_argument("--limits-rounds", type=int, default=8, help="CPU limits: rounds a pass; 0 = no limits")
     parser.add_argument("--name", default="ceiling", help="result file: bench/results/NAME.json")
     args = parser.parse_args(argv)
     if args.device.startswith("cuda") and not torch.cuda.is_available():
@@ -318,6 +324,12 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any] | None:
         )
         print(f"  {loaded.dtype}: {loaded.dtype_reason}")
         result = run(loaded, texts, args.repeats, args.max_seconds, batchings.split(","))
+        if loaded.compile_on_cpu is not None and args.limits_rounds:
+            from bench import limits  # it builds on this module's batches
+
+            print(f"  limits: sentence-transformers encode, eager and compiled, {loaded.lanes} lane(s)")
+            cache = str(Path(scratch) / "compile-cache")
+            result["limits"] = limits.measure(loaded, texts, args.repeats, args.limits_rounds, cache)
         if loaded.device.type == "cpu" and args.curve_passes:
             result["batch_curve"] = batch_curve(curve_models(settings), CURVE_TOKENS, args.curve_passes)
     result.update(model=args.model or loaded.model, device=str(loaded.device), dtype=str(loaded.dtype),

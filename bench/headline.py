@@ -21,6 +21,11 @@ class Ratio:
         op, bound = self.target.split()
         return self.value.median >= float(bound) if op == ">=" else self.value.median <= float(bound)
 
+    def digits(self) -> int:
+        """Decimals shown: 2, or two more than a finer target has (a cosine's 0.999 shows 0.99993)."""
+        decimals = len(self.target.partition(".")[2])
+        return decimals + 2 if decimals >= 3 else 2
+
 
 def _rate(phase: dict[str, Any]) -> Spread:
     return Spread.from_dict(phase["emb_per_s"])
@@ -79,19 +84,19 @@ def pad(serve: dict[str, Any]) -> float:
     return float(serve["saturation"]["padding_ratio"])
 
 
-def _fmt(s: Spread) -> str:
+def _fmt(s: Spread, digits: int = 2) -> str:
     if math.isnan(s.median):
         return "—"
     if math.isclose(s.lo, s.hi):
-        return f"{s.median:.2f}"
-    return f"{s.median:.2f} ({s.lo:.2f}–{s.hi:.2f})"
+        return f"{s.median:.{digits}f}"
+    return f"{s.median:.{digits}f} ({s.lo:.{digits}f}–{s.hi:.{digits}f})"
 
 
 def ratio_table(rows: list[Ratio]) -> str:
     lines = ["| Figure | Measured (range) | Target | Met |", "| --- | --- | --- | --- |"]
     for r in rows:
         met = {True: "yes", False: "**no**", None: ""}[r.met()]
-        lines.append(f"| {r.name} | {_fmt(r.value)} | {r.target} | {met} |")
+        lines.append(f"| {r.name} | {_fmt(r.value, r.digits())} | {r.target} | {met} |")
     return "\n".join(lines)
 
 
@@ -712,3 +717,117 @@ def _side_cells(label: str, side: dict[str, Any]) -> list[str]:
     codes = ", ".join(f"{code} {n}" for code, n in sorted(side["codes"].items()))
     emb = _fmt(Spread.from_dict(side["emb_per_s"]))
     return [label, emb, f"{_ms(lat['p50'])} / {_ms(lat['p95'])} / {_ms(lat['p99'])}", codes]
+
+
+# --- a CPU against what users would otherwise run, and against its compiled limit (issue 35) -----
+
+ST_ONE_TEXT_TARGET = ">= 1.10"  # kembed at 1 text a call over sentence-transformers' sorted encode
+COMPILED_CEILING_TARGET = ">= 0.90"  # kembed at 1 text a call over the compiled in-process ceiling
+INFINITY_TARGET = ">= 3.00"  # kembed over Infinity in its own bf16 mode, 1 text a call
+ST_MANY_TEXTS_TARGET = ">= 1.20"  # kembed at 16 texts a call over sentence-transformers' sorted encode
+COSINE_TARGET = ">= 0.999"  # against sentence-transformers in fp32, every workload text
+COLD_START_TARGET = "<= 40"  # seconds to ready, empty compile cache, default settings
+WARM_START_TARGET = "<= 15"  # the same, from the cache the cold start filled
+
+
+def cpu_ratios(
+    ceiling: dict[str, Any] | None,
+    one_text: dict[str, Any] | None,
+    many_texts: dict[str, Any] | None,
+    hostpath: dict[str, Any] | None,
+    startup: dict[str, Any] | None,
+) -> list[Ratio]:
+    """The server against sentence-transformers' encode and the compiled ceiling (``bench.ceiling``'s
+    ``limits``), against Infinity (``bench.hostpath``'s REST part), its vectors, padding and
+    start-up; each row where its results are."""
+    limits = (ceiling or {}).get("limits")
+    rows = []
+    if limits:
+        st = _rate(limits["st_encode"])
+        encode = f"sentence-transformers encode (sorted, batch {limits['st_encode']['batch_size']}, {limits['dtype']})"
+        for serve, target in ((one_text, ST_ONE_TEXT_TARGET), (many_texts, ST_MANY_TEXTS_TARGET)):
+            if serve:
+                rows.append(Ratio(f"{_calls_of(serve)}: kembed / {encode} (emb/s)", _rate(serve["saturation"]).over(st),
+                                  target))  # fmt: skip
+        if one_text:
+            compiled = _rate(one_text["saturation"]).over(_rate(limits["compiled"]))
+            name = f"{_calls_of(one_text)}: kembed / compiled in-process ceiling (emb/s)"
+            rows.append(Ratio(name, compiled, COMPILED_CEILING_TARGET))
+    peer = ((hostpath or {}).get("rest") or {}).get("peer") or {}
+    if "kembed" in peer:
+        name = f"REST, 1 text a call: kembed / {peer['peer']} in its {peer['infinity'].get('dtype', '?')} (calls/s)"
+        rows.append(Ratio(name, _calls(peer["kembed"]).over(_calls(peer["infinity"])), INFINITY_TARGET))
+    if limits:
+        for name in ("compiled", "eager"):
+            cosine = _exact(limits[name]["min_cosine_to_st_fp32"])
+            rows.append(Ratio(f"Min cosine to sentence-transformers fp32, {limits['texts']} workload texts: kembed "
+                              f"{name}, {limits['dtype']}", cosine, COSINE_TARGET))  # fmt: skip
+    if one_text:
+        rows.append(Ratio(f"Padding share of computed tokens, {_calls_of(one_text)}", _exact(pad(one_text)),
+                          PADDING_TARGET))  # fmt: skip
+    if startup:
+        rows += startup_ratios(startup)
+    if limits:
+        compiled, eager = _rate(limits["compiled"]), _rate(limits["eager"])
+        rows.append(
+            Ratio("Compiled in-process ceiling / eager, same batches and lanes (emb/s)", compiled.over(eager), "")
+        )
+        rows.append(Ratio(f"Eager in-process ceiling / {encode} (emb/s)", eager.over(_rate(limits["st_encode"])), ""))
+    return rows
+
+
+def _calls_of(serve: dict[str, Any]) -> str:
+    options = serve["options"]
+    n = options["texts_per_call"]
+    return f"{n} text{'s' if n > 1 else ''} a call, {options['concurrency']} callers"
+
+
+def startup_ratios(startup: dict[str, Any]) -> list[Ratio]:
+    """Seconds to ready, cold and warm, over the rounds (``bench.startup``)."""
+    rows = []
+    for start, target in (("cold", COLD_START_TARGET), ("warm", WARM_START_TARGET)):
+        seconds = Spread.of([r[start]["ready_s"] for r in startup["rounds"]])
+        cache = "an empty compile cache" if start == "cold" else "the compile cache the cold start filled"
+        rows.append(Ratio(f"Ready after start (s), default settings, {cache}", seconds, target))
+    return rows
+
+
+def startup_table(startup: dict[str, Any]) -> str:
+    """Every start of a ``startup.json``: its seconds and the forward and dtype it chose."""
+    lines = ["| Round | Start | Ready s | Compile and compare s | Warmup s | Forward | Dtype |", "| --- " * 7 + "|"]
+    for i, starts in enumerate(startup["rounds"], 1):
+        for start, s in starts.items():
+            logged = f"{_seconds(s.get('compile_s'))} | {_seconds(s.get('warmup_s'))}"
+            lines.append(f"| {i} | {start} | {s['ready_s']:.1f} | {logged} | {s['forward']} ({s['forward_reason']}) "
+                         f"| {s['dtype']} |")  # fmt: skip
+    return "\n".join(lines)
+
+
+def _seconds(value: float | None) -> str:
+    return "—" if value is None else f"{value:.1f}"
+
+
+def limits_table(ceiling: dict[str, Any]) -> str:
+    """The ``limits`` block of a ceiling: each contender on the same texts; empty where not measured."""
+    limits = ceiling.get("limits")
+    if not limits:
+        return ""
+    lanes = f"{limits['lanes']} lane(s) x {limits['lane_threads']} thread(s)"
+    how = {
+        "st_encode": f"`SentenceTransformer.encode`, batch {limits['st_encode']['batch_size']}, "
+        f"{limits['st_threads']} threads, one batch at a time (sentence-transformers {limits['st_encode']['version']})",
+        "eager": f"kembed's model, sorted and packed, {lanes}",
+        "compiled": f"the same, `torch.compile(dynamic=True)`, cold compile {limits['compiled']['compile_s']:.1f} s",
+    }
+    lines = [
+        f"Against what users would otherwise run, in one process, {limits['texts']} texts, {limits['dtype']}, "
+        f"{limits['passes']} interleaved passes:",
+        "",
+        "| Contender | How | emb/s (range) | tokens/s | Min cosine to sentence-transformers fp32 |",
+        "| --- | --- | --- | --- | --- |",
+    ]
+    for name, text in how.items():
+        c = limits[name]
+        lines.append(f"| {name} | {text} | {_fmt(Spread.from_dict(c['emb_per_s']))} | "
+                     f"{c['tokens_per_s']['median']:.0f} | {c['min_cosine_to_st_fp32']:.5f} |")  # fmt: skip
+    return "\n".join(lines)

@@ -349,7 +349,7 @@ def rest_peer(opts: Options, short_texts: list[str]) -> dict[str, Any]:
     with running(settings, _log("rest_kembed"), module="kembed") as server:
         before = server.metrics()
         kembed = _rest_closed_loop(server, _one_text_bodies(short_texts, server), opts, opts.peer_duration)
-        kembed.update(_counters(before, server.metrics(), kembed["span_s"]), **server.dtype())
+        kembed.update(_counters(before, server.metrics(), kembed["span_s"]), **server.served())
     infinity["dtype"] = peers.infinity_dtype(opts.peer_dtype)
     worker = kembed["worker"]
     print(f"  REST, real model: Infinity {_calls(infinity)}, kembed {_calls(kembed)} calls/s (kembed's worker busy "

@@ -35,6 +35,12 @@ class InProcessModel:
     pad_token_id: int
     tokenize: Tokenize  # (texts, truncate) -> (int32 ids, concatenated; int32 lengths)
     forward: Forward  # (ids [B, L], attention mask [B, L]) -> float32 [B, dim]; call under inference_mode
+    path: Path  # the model's folder
+    lanes: int = 1  # batches the server's worker computes at once (CPU, eager)
+    lane_threads: int = 1  # intra-op threads of each lane
+    # The server's CPU compile of this forward (kernels for a lane's threads), its caches under the
+    # given root (a fresh folder: a cold compile); compiles on its first call.
+    compile_on_cpu: Callable[[str], Forward] | None = None
 
 
 def bundled_model_dir() -> Path:
@@ -46,10 +52,10 @@ def bundled_model_dir() -> Path:
 def load(overrides: Mapping[str, str]) -> InProcessModel:
     """Load as the server would with these settings (names without ``KEMBED_``; unset = default)."""
     from kembed.config import Settings
-    from kembed.engine import precision
+    from kembed.engine import compile_cache, cpu, precision
     from kembed.engine.model import EmbeddingModel
     from kembed.engine.runner import make_plan
-    from kembed.engine.warmup import bf16_units, measured_runner
+    from kembed.engine.warmup import bf16_units, cpu_cache_identity, measured_runner
 
     settings = Settings.from_env({env_name(k): v for k, v in overrides.items()})
     loaded = EmbeddingModel.load(settings)
@@ -69,6 +75,13 @@ def load(overrides: Mapping[str, str]) -> InProcessModel:
         parts = [loaded.tokenizer.from_texts(texts[i : i + step], truncate) for i in range(0, len(texts), step)]
         return np.concatenate([p.ids for p in parts]), np.concatenate([p.lengths for p in parts])
 
+    threads = cpu.lane_threads(settings.cpus(), plan.lanes)
+
+    def compile_on_cpu(cache_root: str) -> Forward:
+        """As the server's ``served_runner`` compiles: its cache identity, ``cpp.threads`` a lane's."""
+        compile_cache.use(cache_root, cpu_cache_identity(info, threads), [])
+        return loaded.compiled_on_cpu(threads).forward
+
     return InProcessModel(
         model=info.model_id,
         device=info.device,
@@ -80,6 +93,10 @@ def load(overrides: Mapping[str, str]) -> InProcessModel:
         pad_token_id=info.pad_token_id,
         tokenize=tokenize,
         forward=loaded.forward,
+        path=info.path,
+        lanes=plan.lanes,
+        lane_threads=threads,
+        compile_on_cpu=compile_on_cpu if info.device.type == "cpu" and not plan.compiled else None,
     )
 
 

@@ -21,7 +21,11 @@ import torch
 
 from bench import RESULTS_DIR
 from bench.headline import Ratio, ratio_table
-from kembed.engine.precision import bf16_units
+from kembed.engine.precision import bf16_units, cpu_flags
+
+# The vector and matrix units a CPU's forward pass may use (x86, then Arm), recorded where present.
+MATH_FLAGS = ("avx2", "fma", "avx512f", "avx512_vnni", "avx512_bf16", "avx512_fp16", "amx_tile", "amx_bf16",
+              "amx_int8", "asimd", "sve", "bf16", "i8mm")  # fmt: skip
 
 
 def _cpu_model() -> str:
@@ -55,6 +59,7 @@ def describe() -> dict[str, Any]:
         "host": platform.node(),
         "cpu": _cpu_model(),
         "cpu_bf16_flags": list(bf16_units()),  # none: bf16 runs emulated here, slower than fp32
+        "cpu_flags": [flag for flag in MATH_FLAGS if flag in cpu_flags()],
         "cores": os.cpu_count(),
         "memory_gib": round(_memory_gib(), 1),
         "gpu": gpu,

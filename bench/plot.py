@@ -133,6 +133,8 @@ SECTIONS = (
             headline.fairness_ratios, headline.fairness_table),
     Section("corpus", "Corpus job", "A corpus job's shards beside queries, one server,",
             headline.corpus_ratios, headline.corpus_table),
+    Section("startup", "Start-up", "Ready after start, default settings, each start alone,",
+            headline.startup_ratios, headline.startup_table),
 )  # fmt: skip
 
 
@@ -149,8 +151,10 @@ def markdown(
     naive: dict[str, Any] | None,
     gpu: dict[str, Any] | None,
     judged: Mapping[str, dict[str, Any] | None],
+    many_texts: dict[str, Any] | None = None,
 ) -> str:
-    """The summary; ``judged`` holds each of :data:`SECTIONS`' results by name (None: not run)."""
+    """The summary; ``judged`` holds each of :data:`SECTIONS`' results by name (None: not run);
+    ``many_texts`` the server's saturation at many texts a call."""
     m = ceiling["machine"]
     runs = "; ".join(
         f"{r.get('batching', 'ceiling')} at {r['machine']['time_utc']} (load {r['machine']['loadavg_1_5_15'][0]})"
@@ -161,10 +165,12 @@ def markdown(
             f"Measured on {m['cpu']} ({m['cores']} cores, {m['memory_gib']} GiB, {m['gpu'] or 'no GPU'}, "
             f"{_bf16(m)}), torch {m['torch']}, git {m['git']}: {runs}. Ranges: over passes (ceiling) "
             "or time windows (server) within one run; ratios pair the worst and best ends of both ranges.",
+            cpu_block(ceiling, serves[0], many_texts, judged),
             headline.ratio_table(headline.ratios(ceiling, serves[0], naive)),
             "![throughput](results/throughput.png)\n![latency](results/latency.png)\n![padding](results/padding.png)",
             f"Ceiling (one process, no server), {ceiling.get('dtype', 'torch.float32')} "
             f"({ceiling.get('dtype_reason', 'before the dtype was recorded')}):\n\n" + headline.ceiling_table(ceiling),
+            headline.limits_table(ceiling),
             headline.curve_table(ceiling),
             "Server phases:\n\n" + headline.phase_table(serves),
             headline.workload_text(ceiling["workload"]),
@@ -172,6 +178,24 @@ def markdown(
             headline.gpu_table(gpu),
         ]
     )
+
+
+def cpu_block(
+    ceiling: dict[str, Any],
+    one_text: dict[str, Any],
+    many_texts: dict[str, Any] | None,
+    judged: Mapping[str, dict[str, Any] | None],
+) -> str:
+    """The server against sentence-transformers, the compiled ceiling and Infinity, with the CPU named."""
+    m = ceiling["machine"]
+    rows = headline.cpu_ratios(ceiling, one_text, many_texts, judged.get("hostpath"), judged.get("startup"))
+    flags = ", ".join(m.get("cpu_flags", [])) or "not recorded"
+    served = f"kembed served {one_text.get('dtype') or '?'}, forward {one_text.get('forward') or '?'}"
+    heading = f"Against what users would otherwise run, on {m['cpu']} ({m['cores']} cores; flags: {flags}), {served}:"
+    sources = {"bench.ceiling": ceiling, "bench.serve_load": one_text, "bench.serve_load, many texts": many_texts,
+               "bench.hostpath": judged.get("hostpath"), "bench.startup": judged.get("startup")}  # fmt: skip
+    found = [f"{name} at {r['machine']['time_utc']} on {r['machine']['cpu']}" for name, r in sources.items() if r]
+    return "\n\n".join([heading, headline.ratio_table(rows), f"From {'; '.join(found)}."])
 
 
 def _bf16(m: dict[str, Any]) -> str:
@@ -188,11 +212,20 @@ def splice(readme: str, block: str, markers: tuple[str, str]) -> str:
     return pattern.sub(lambda _: f"{begin}\n{block}\n{end}", readme)
 
 
-def headline_block(ceiling: dict[str, Any], token_bucket: dict[str, Any], naive: dict[str, Any] | None) -> str:
-    """For the top-level README: the ratios, the throughput plot, a pointer to the method."""
+def headline_block(
+    ceiling: dict[str, Any],
+    token_bucket: dict[str, Any],
+    naive: dict[str, Any] | None,
+    many_texts: dict[str, Any] | None = None,
+    judged: Mapping[str, dict[str, Any] | None] | None = None,
+) -> str:
+    """For the top-level README: the server against what users would otherwise run (the CPU named),
+    the serving ratios, the throughput plot, a pointer to the method."""
     m = ceiling["machine"]
     return "\n\n".join(
         [
+            cpu_block(ceiling, token_bucket, many_texts, judged or {}),
+            "Serving against the in-process ceiling of one batch at a time, and under overload:",
             headline.ratio_table(headline.ratios(ceiling, token_bucket, naive)),
             "![throughput vs offered load](bench/results/throughput.png)",
             f"One run of `make bench` on {m['cpu']} ({m['cores']} cores, {m['gpu'] or 'no GPU'}), "
@@ -203,18 +236,22 @@ def headline_block(ceiling: dict[str, Any], token_bucket: dict[str, Any], naive:
 
 def main() -> None:
     ceiling, token_bucket, naive, gpu = map(read_result, ("ceiling", "serve_token_bucket", "serve_naive", "gpu"))
+    many_texts = read_result("serve_token_bucket_16texts")
     if ceiling is None or token_bucket is None:
         raise SystemExit("need bench/results/ceiling.json and serve_token_bucket.json: run python -m bench.run_all")
     serves = [token_bucket] + ([naive] if naive else [])
     throughput(ceiling, serves, RESULTS_DIR / "throughput.png")
     latency(serves, RESULTS_DIR / "latency.png")
     padding(ceiling, serves, RESULTS_DIR / "padding.png")
-    block = markdown(ceiling, serves, naive, gpu, {section.name: read_result(section.name) for section in SECTIONS})
+    judged = {section.name: read_result(section.name) for section in SECTIONS}
+    block = markdown(ceiling, serves, naive, gpu, judged, many_texts)
     (RESULTS_DIR / "summary.md").write_text(block + "\n")
     README.write_text(splice(README.read_text(), block, RESULTS_MARKERS))
     top = TOP_README.read_text()
     if HEADLINE_MARKERS[0] in top:
-        TOP_README.write_text(splice(top, headline_block(ceiling, token_bucket, naive), HEADLINE_MARKERS))
+        TOP_README.write_text(
+            splice(top, headline_block(ceiling, token_bucket, naive, many_texts, judged), HEADLINE_MARKERS)
+        )
     print(f"wrote {RESULTS_DIR / 'summary.md'} and the generated blocks of the READMEs")
 
 

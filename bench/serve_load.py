@@ -128,7 +128,7 @@ async def _run(server: Server, opts: Options, loads: list[float], capacity: floa
     requests = encode_requests(wl.texts, per_call)
     clipped = [min(t, workload.BUCKETS[-1]) for t in wl.tokens]
     tokens = [sum(call) for call in per_call_groups(clipped, per_call)]
-    result: dict[str, Any] = {"server_info": server.info(), **server.dtype()}
+    result: dict[str, Any] = {"server_info": server.info(), **server.served()}
     print(f"{opts.name}: capacity, closed loop x{opts.concurrency}, {per_call} texts a call, {opts.duration:.0f} s")
     result["saturation"] = await _phase(server, requests, tokens, opts, rate=0)
     saturated = result["saturation"]["emb_per_s"]["median"]

@@ -46,11 +46,15 @@ class Server:
             reply = embedder_pb2_grpc.EmbedderStub(channel).Info(embedder_pb2.InfoRequest(), timeout=30)
         return MessageToDict(reply)
 
-    def dtype(self) -> dict[str, Any]:
-        """The dtype the server serves in and why, off its ``/health``."""
+    def health(self) -> dict[str, Any]:
+        """The server's ``/health`` document."""
         with urllib.request.urlopen(self.http_url + HEALTH_PATH, timeout=10) as reply:
-            health = json.loads(reply.read())
-        return {"dtype": health.get("dtype"), "dtype_reason": health.get("dtype_reason")}
+            return dict(json.loads(reply.read()))
+
+    def served(self) -> dict[str, Any]:
+        """The dtype and the forward the server serves with, and why, off its ``/health``."""
+        health = self.health()
+        return {key: health.get(key) for key in ("dtype", "dtype_reason", "forward", "forward_reason")}
 
     def metrics(self) -> Samples:
         with urllib.request.urlopen(self.http_url + METRICS_PATH, timeout=10) as reply:

@@ -148,7 +148,9 @@ def test_the_headline_block_is_what_bench_plot_writes() -> None:
     readme = FRONT_PAGE.read_text()
     begin, end = plot.HEADLINE_MARKERS
     assert readme.count(begin) == 1 and readme.count(end) == 1 and readme.index(begin) < readme.index(end)
-    block = plot.headline_block(ceiling, token_bucket, naive)
+    many_texts = read_result("serve_token_bucket_16texts")
+    judged = {section.name: read_result(section.name) for section in plot.SECTIONS}
+    block = plot.headline_block(ceiling, token_bucket, naive, many_texts, judged)
     assert plot.splice(readme, block, plot.HEADLINE_MARKERS) == readme, "run python -m bench.plot"
 
 

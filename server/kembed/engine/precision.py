@@ -70,17 +70,23 @@ class Precision:
     why: str
 
 
-def bf16_units(cpuinfo: Path = CPUINFO) -> tuple[str, ...]:
-    """The bf16 flags this CPU reports (none where the file cannot be read)."""
+def cpu_flags(cpuinfo: Path = CPUINFO) -> set[str]:
+    """The feature flags this CPU reports (none where the file cannot be read)."""
     try:
         text = cpuinfo.read_text()
     except OSError:
-        return ()
+        return set()
     flags = set()
     for line in text.splitlines():
         name, _, value = line.partition(":")
         if name.strip() in ("flags", "Features"):  # x86, Arm
             flags.update(value.split())
+    return flags
+
+
+def bf16_units(cpuinfo: Path = CPUINFO) -> tuple[str, ...]:
+    """The bf16 flags this CPU reports (none where the file cannot be read)."""
+    flags = cpu_flags(cpuinfo)
     return tuple(flag for flag in BF16_FLAGS if flag in flags)
 
 

@@ -199,8 +199,7 @@ def served_runner(settings: Settings, eager: ModelRunner, beat: Callable[[], Non
         return eager
     threads = cpu.lane_threads(settings.cpus(), plan.lanes)
     compared = comparison_shapes(plan)
-    ident = compile_cache.identity(info.device, info.path, info.dtype, info.pooling, f"cpu-{threads}-threads")
-    compile_cache.use(settings.compile_cache_dir, ident, compared)
+    compile_cache.use(settings.compile_cache_dir, cpu_cache_identity(info, threads), compared)
     candidate = ModelRunner(eager.model.compiled_on_cpu(threads), plan, why=eager.why)
     started = time.monotonic()
     try:
@@ -223,6 +222,11 @@ def served_runner(settings: Settings, eager: ModelRunner, beat: Callable[[], Non
     kept = candidate if choice.forward == cpu_compile.COMPILED else eager
     kept.served = choice
     return kept
+
+
+def cpu_cache_identity(info: ModelInfo, threads: int) -> compile_cache.Identity:
+    """The compile cache's identity of a CPU compile with kernels for ``threads`` threads."""
+    return compile_cache.identity(info.device, info.path, info.dtype, info.pooling, f"cpu-{threads}-threads")
 
 
 def one_row_batch(plan: Plan, info: ModelInfo) -> tuple[torch.Tensor, torch.Tensor]:
