@@ -794,10 +794,11 @@ def startup_ratios(startup: dict[str, Any]) -> list[Ratio]:
 
 def startup_table(startup: dict[str, Any]) -> str:
     """Every start of a ``startup.json``: its seconds and the forward and dtype it chose."""
-    lines = ["| Round | Start | Ready s | Compile and compare s | Warmup s | Forward | Dtype |", "| --- " * 7 + "|"]
+    header = "| Round | Start | Ready s | Forward settled s | Compile and compare s | Warmup s | Forward | Dtype |"
+    lines = [header, "| --- " * 8 + "|"]
     for i, starts in enumerate(startup["rounds"], 1):
         for start, s in starts.items():
-            logged = f"{_seconds(s.get('compile_s'))} | {_seconds(s.get('warmup_s'))}"
+            logged = f"{_seconds(s.get('settled_s'))} | {_seconds(s.get('compile_s'))} | {_seconds(s.get('warmup_s'))}"
             lines.append(f"| {i} | {start} | {s['ready_s']:.1f} | {logged} | {s['forward']} ({s['forward_reason']}) "
                          f"| {s['dtype']} |")  # fmt: skip
     return "\n".join(lines)

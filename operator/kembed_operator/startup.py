@@ -10,8 +10,8 @@ docs/operator.md ("Compile cache and the startup budget") tabulates the figures 
   :data:`ASSUMED_CAPTURE` holds the only figures here that are assumed, not measured: replace them
   with a GPU's timings.
 - eager (``KEMBED_COMPILE=off``, or ``batching: naive``) runs each bucket's largest batch.
-- a CPU (``KEMBED_COMPILE`` auto or on) also compiles one forward for its packed batches and times
-  it against eager (``kembed.engine.cpu_compile``): :data:`CPU_COMPILE`.
+- a CPU (``KEMBED_COMPILE`` auto or on) warms up eager: it compiles its forward once it serves
+  (``kembed.engine.cpu_compile``), which readiness does not wait for.
 
 A warm restart from the compile cache is faster still; the probe only bounds the slow case, and
 ``startupTimeoutSeconds`` overrides it.
@@ -23,7 +23,7 @@ import math
 from dataclasses import dataclass
 
 from kembed.config import Graphs, Settings
-from kembed.shapes import BatchShapes, Queueing, batch_tokens, compiles
+from kembed.shapes import BatchShapes, batch_tokens, compiles
 
 
 @dataclass(frozen=True)
@@ -44,11 +44,6 @@ ASSUMED_CAPTURE = WarmupCost(once_s=60.0, per_shape_s=1.0)
 # (kembed.shapes.AUTO_MAX_TOKENS' comment); on a CPU with bf16 units KEMBED_DTYPE=auto runs them in
 # fp32 and in bf16 (kembed.engine.precision): 2 s a bucket, rounded up.
 EAGER = WarmupCost(once_s=0.0, per_shape_s=2.0)
-# Eager's warmup, and once: the CPU's dynamic compile, its one-row specialization and the comparison
-# with eager, cold. Measured on 2 cores of an Intel Xeon with AMX beside other work (torch 2.13,
-# 2026-11-26): 47 to 53 s at load average 1 to 2.5, 94 s at 4 to 7 (then with inductor's freezing,
-# which compiles slower); 13 s on a quiet machine (issue 35). The slow figure, rounded up.
-CPU_COMPILE = WarmupCost(once_s=100.0, per_shape_s=EAGER.per_shape_s)
 # Model load and everything else before warmup, the larger of two H100 cold starts: ready 20 s
 # after a 74 s warmup, and 12 s after a 174 s one.
 LOAD_SECONDS = 20
@@ -59,7 +54,7 @@ SAFETY_FACTOR = 2.0
 def warmup_cost(settings: Settings, device_type: str) -> WarmupCost:
     """The mechanism the server will warm up with, as ``kembed.engine.graphs.compile_graphs`` picks it."""
     if not compiles(settings, device_type):
-        return CPU_COMPILE if Queueing.of(settings).compiles_forward(device_type) else EAGER
+        return EAGER
     if settings.graphs is Graphs.CAPTURE and device_type == "cuda":
         return ASSUMED_CAPTURE
     return STATIC  # static: a compile per shape

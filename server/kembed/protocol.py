@@ -32,7 +32,7 @@ import numpy as np
 from kembed.errors import EmbedError, Failure
 from kembed.priority import Priority
 
-PROTOCOL_VERSION = 3  # both ends come from one install; a difference is a broken image
+PROTOCOL_VERSION = 4  # both ends come from one install; a difference is a broken image
 MAGIC = 0x6B65  # "ke": a stream read out of step fails here, not somewhere in the rows
 HEADER = struct.Struct("<HBHI")  # magic, kind, parts, body bytes
 
@@ -110,7 +110,6 @@ class ServingInfo:
     tokenizer_fingerprint: str
     dtype: str
     device: str
-    forward: str  # eager, compiled (inductor on a CPU) or graphs: kembed.engine.cpu_compile
     bucket_lengths: list[int]
     batch_sizes: list[int]
     tokenizer_json: str  # the engine's tokenizer, so every process splits text the same way

@@ -187,7 +187,7 @@ def test_the_start_up_bench_reads_the_engines_own_log_lines() -> None:
     assert startup.logged_seconds(log) == {"compile_s": 21.5, "warmup_s": 30.25}
     assert startup.logged_seconds("INFO forward: eager (KEMBED_COMPILE=off)") == {}
     table = headline.startup_table(_startup(cold=[38], warm=[12]))
-    assert table.splitlines()[2].startswith("| 1 | cold | 38.0 | — | — | compiled (auto: 1.2x)")
+    assert table.splitlines()[2].startswith("| 1 | cold | 38.0 | — | — | — | compiled (auto: 1.2x)")
 
 
 @pytest.mark.slow

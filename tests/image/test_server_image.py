@@ -26,6 +26,7 @@ import pytest
 
 from kembed.client import decode
 from kembed.contract import GRPC_PORT, HTTP_PORT, LIVEZ_PATH, REST_PORT
+from kembed.engine.cpu_compile import COMPILING
 from kembed.v1 import embedder_pb2 as pb
 from kembed.v1 import embedder_pb2_grpc as pb_grpc
 from kembed_operator import kinds, render
@@ -168,6 +169,14 @@ def test_same_vectors_as_the_working_tree_over_grpc_and_the_openai_api(
     rest_image, rest_tree = openai_vectors(server.rest_url()), openai_vectors(reference.rest_url)
     assert np.min(np.sum(rest_image * rest_tree, axis=1)) >= 0.9999
     assert np.min(np.sum(rest_image * from_tree, axis=1)) >= 0.9999
+
+
+def test_compiles_its_forward_as_non_root_on_a_read_only_root(server: Server) -> None:
+    """Inductor builds a CPU's forward with the image's g++, into the compile cache's emptyDir: the
+    compile beside serving ends with figures, not with a failure."""
+    wait_until(lambda: COMPILING not in server.health()["forward_reason"], 900, "the compile beside serving")
+    why = server.health()["forward_reason"]
+    assert "compile failed" not in why and "eager's speed" in why, why
 
 
 def test_reports_healthy(server: Server) -> None:

@@ -16,15 +16,15 @@ import torch
 
 from kembed.config import Graphs, Settings, Toggle
 from kembed.engine import compile_cache, cpu, cpu_compile
-from kembed.engine.cpu_compile import COMPILED, EAGER, GRAPHS
+from kembed.engine.cpu_compile import COMPILED, COMPILING, EAGER, GRAPHS
 from kembed.engine.graphs import CompileCount
 from kembed.engine.model import EmbeddingModel
 from kembed.engine.precision import MIN_COSINE, PROBE_TEXTS
-from kembed.engine.warmup import start_runner
+from kembed.engine.warmup import compile_while_serving, start_runner
 from kembed.shapes import Queueing
 from kembed.v1 import embedder_pb2 as pb
 from kembed.v1 import embedder_pb2_grpc as pb_grpc
-from tests.server.serving import ServerProcess
+from tests.server.serving import ServerProcess, wait_until
 
 SHAPES = [(64, 8), (16, 32)]  # (seq_len, rows)
 # Few, small shapes: the compile is paid once per server, and its shapes are dynamic anyway.
@@ -99,6 +99,8 @@ def test_warmup_compiles_at_a_lanes_threads_so_a_lane_runs_what_it_compiled(tmp_
     before = CompileCount.now()
     try:
         runner = start_runner(settings, EmbeddingModel.load, lambda: None)
+        assert runner.served == cpu_compile.pending(Toggle.ON)  # ready on eager
+        assert compile_while_serving(settings, runner).forward == COMPILED
         assert runner.served.forward == COMPILED
         assert (CompileCount.now() - before).graphs == 2  # the general graph and the one-row one
 
@@ -119,6 +121,7 @@ def rows(reply: pb.EmbedResponse) -> np.ndarray:
 
 
 def served_forward(server: ServerProcess) -> tuple[str, str]:
+    """Which forward serves and why, as /health, Info and the metric say it alike."""
     health = server.health()
     with grpc.insecure_channel(server.target) as channel:
         assert pb_grpc.EmbedderStub(channel).Info(pb.InfoRequest(), timeout=10).forward == health["forward"]
@@ -127,26 +130,45 @@ def served_forward(server: ServerProcess) -> tuple[str, str]:
     return forward, why
 
 
+def compiled_forward(server: ServerProcess, timeout: float = 900) -> tuple[str, str]:
+    """Which forward serves once the compile beside serving has ended (a cold compile on two busy cores)."""
+    wait_until(lambda: COMPILING not in server.health()["forward_reason"], timeout, "the compile beside serving")
+    return served_forward(server)
+
+
 @pytest.fixture(scope="module")
 def compiled(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
     folder = tmp_path_factory.mktemp("compiled")
     running = ServerProcess(
         folder / "server.log",
+        admission="",  # these tests are about the answers, not the busy machine's service rate
         compile="on",
         dtype="bfloat16",  # what auto serves on a CPU with bf16 units, and where compiling pays most
         compute_lanes=2,
         compile_cache_dir=str(folder / "cache"),
         **SMALL,
     )
-    yield running.wait_ready(timeout=900)  # a cold compile on two busy cores
+    yield running.wait_ready(timeout=300)  # ready on eager: the compile comes once it serves
     running.stop()
+
+
+@pytest.mark.slow
+def test_a_cpu_server_is_ready_on_eager_and_compiles_while_it_serves(compiled: ServerProcess) -> None:
+    """Readiness waits for no compile: a pod is ready in an eager warmup's time, and the compile
+    (tens of seconds cold on two cores) runs on a thread beside the lanes."""
+    with grpc.insecure_channel(compiled.target) as channel:
+        first = pb_grpc.EmbedderStub(channel).Embed(pb.EmbedRequest(texts=["served at once"]), timeout=120)
+    assert rows(first).shape == (1, 384)
+    assert f"eager: KEMBED_COMPILE=on: {COMPILING}" in compiled.output()  # the warm line: ready on eager
+    assert compiled_forward(compiled)[0] == COMPILED
+    assert compiled.metric(f'kembed_serving_forward{{forward="eager",reason="KEMBED_COMPILE=on: {COMPILING}"}}') == 0
 
 
 @pytest.mark.slow
 def test_a_compiled_server_says_so_and_its_lanes_match_sentence_transformers(
     compiled: ServerProcess, st_model: Any
 ) -> None:
-    forward, why = served_forward(compiled)
+    forward, why = compiled_forward(compiled)
     assert forward == COMPILED and why.startswith("KEMBED_COMPILE=on: compiled "), why
     texts = list(PROBE_TEXTS)
     reference = st_model.encode(texts, normalize_embeddings=True, convert_to_numpy=True)
@@ -170,8 +192,8 @@ def test_a_missing_compiler_serves_eager_and_says_why(tmp_path) -> None:
         **SMALL,
     )
     try:
-        server.wait_ready(timeout=600)
-        forward, why = served_forward(server)
+        server.wait_ready(timeout=300)
+        forward, why = compiled_forward(server)
         assert forward == EAGER and why.startswith("compile failed, serving eager: "), why
         with grpc.insecure_channel(server.target) as channel:
             reply = pb_grpc.EmbedderStub(channel).Embed(pb.EmbedRequest(texts=["still served"]), timeout=120)

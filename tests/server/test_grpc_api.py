@@ -116,10 +116,11 @@ def test_a_result_maps_to_the_response() -> None:
 
 
 def test_info_tells_the_serving_info_and_the_servers_own() -> None:
-    serving = ServingInfo("m", 4, 16, 100, 0, "mean", [101], "fp", "float32", "cpu", "eager", [16, 32], [1, 2], "{}")
-    info = info_response(ServerInfo(serving, "1.2.3", 64, "token_bucket", 100, 2048, "alias", 16, True))
+    serving = ServingInfo("m", 4, 16, 100, 0, "mean", [101], "fp", "float32", "cpu", [16, 32], [1, 2], "{}")
+    info = info_response(ServerInfo(serving, "1.2.3", 64, "token_bucket", 100, 2048, "alias", 16, True, "compiled"))
     assert (info.model_id, info.dimensions, info.vocab_size, info.tokenizer_fingerprint) == ("m", 4, 100, "fp")
     assert list(info.buckets) == [16, 32] and list(info.excluded_token_ids) == [101]
     assert (info.server_version, info.max_batch_items, info.batching) == ("1.2.3", 64, "token_bucket")
     assert (info.max_text_chars, info.max_message_bytes, info.served_model_name) == (100, 2048, "alias")
+    assert info.forward == "compiled"
     assert (info.max_chunks_per_input, info.chunk_long_inputs) == (16, True)

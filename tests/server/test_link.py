@@ -24,7 +24,7 @@ NEVER = 3600.0  # an interval no test waits for
 
 
 def serving_info() -> ServingInfo:
-    return ServingInfo("test", 4, 16, 100, 0, "mean", [], "", "float32", "cpu", "eager", [16], [1, 2], "{}")
+    return ServingInfo("test", 4, 16, 100, 0, "mean", [], "", "float32", "cpu", [16], [1, 2], "{}")
 
 
 def seqs(*ids: int) -> Sequences:

@@ -44,7 +44,6 @@ INFO = ServingInfo(
     tokenizer_fingerprint="f",
     dtype="float32",
     device="cpu",
-    forward="eager",
     bucket_lengths=[8, 16],
     batch_sizes=[1, 2],
     tokenizer_json="{}",

@@ -53,6 +53,14 @@ class Served:
 AS_LOADED = Served(EAGER, "as loaded")
 
 
+COMPILING = "compiling while eager serves"  # the reason eager serves until the compile beside it ends
+
+
+def pending(asked: Toggle) -> Served:
+    """What serves while the compile runs beside eager serving (:func:`kembed.engine.warmup.compile_while_serving`)."""
+    return Served(EAGER, f"{env_name('compile')}={asked.value}: {COMPILING}")
+
+
 def unmeasured(asked: Toggle, graphs: bool) -> Served:
     """The forward served where the CPU compile does not apply (``Queueing.compiles_forward``), and why."""
     if graphs:

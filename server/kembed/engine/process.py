@@ -25,6 +25,7 @@ from kembed.config import Settings
 from kembed.contract import EXIT_FATAL, EXIT_STARTUP_FAILED
 from kembed.engine.batcher import Batcher, BatchPolicy
 from kembed.engine.buckets import BucketQueue
+from kembed.engine.cpu_compile import Served
 from kembed.engine.intake import Intake
 from kembed.engine.jobs import Jobs
 from kembed.engine.model import ModelInfo
@@ -147,7 +148,6 @@ def _serving_info(runner: ModelRunner) -> ServingInfo:
     return ServingInfo(
         **{name: getattr(info, name) for name in _MODEL_FIELDS},
         dtype=runner.precision.dtype,
-        forward=runner.served.forward,
         device=str(info.device),
         bucket_lengths=list(plan.bucket_lengths),
         batch_sizes=list(plan.shapes.sizes),
@@ -165,12 +165,14 @@ class EngineProcess:
         self._metrics = EngineMetrics()
         self._child = Child()
         self._expiry: asyncio.TimerHandle | None = None  # at the earliest deadline of an open job
+        self._dtype: dict[str, str] = {}  # what the serving file says of the dtype, once warm
+        self._forward: Served | None = None  # the forward that serves, once warm
 
     async def run(self) -> int:
         self._child.handle_signals()
         loop = asyncio.get_running_loop()
         serving: asyncio.Future[Core] = loop.create_future()  # front ends that connect early wait on it
-        worker = Worker(self._settings, loop, self._fatal, self._load_model)
+        worker = Worker(self._settings, loop, self._fatal, self._load_model, self._served)
         server = await asyncio.start_unix_server(
             lambda reader, writer: self._serve_link(reader, writer, serving), path=str(self._runtime / ENGINE_SOCKET)
         )
@@ -209,23 +211,24 @@ class EngineProcess:
             self._publish(core)  # the backlog just shrank: front ends admit against it at once
 
         worker.serve(deliver)
-        precision, served = runner.precision, runner.served
+        precision = runner.precision
         self._metrics.serving_dtype.labels(dtype=precision.dtype, reason=precision.why).set(1)
-        self._metrics.serving_forward.labels(forward=served.forward, reason=served.why).set(1)
-        write_serving(
-            self._runtime,
-            {
-                "dtype": precision.dtype,
-                "dtype_reason": precision.why,
-                "forward": served.forward,
-                "forward_reason": served.why,
-            },
-        )
+        self._dtype = {"dtype": precision.dtype, "dtype_reason": precision.why}
+        self._served(runner.served)
         self._publish(core)
         self._board[Cell.DIMENSIONS] = core.info.dimensions
         self._board[Cell.ENGINE_READY] = 1.0
         self._child.freeze_heap()
         return core
+
+    def _served(self, served: Served) -> None:
+        """Say which forward serves, and why: at readiness, and again when a compile beside serving ends
+        (the gauge then reads 0 for the forward served before: a multiprocess gauge keeps its series)."""
+        if self._forward is not None:
+            self._metrics.serving_forward.labels(forward=self._forward.forward, reason=self._forward.why).set(0)
+        self._forward = served
+        self._metrics.serving_forward.labels(forward=served.forward, reason=served.why).set(1)
+        write_serving(self._runtime, {**self._dtype, "forward": served.forward, "forward_reason": served.why})
 
     async def _finish(self) -> None:
         """Serve until every front end has drained and gone. The supervisor stops the engine only

@@ -119,6 +119,12 @@ class ModelRunner:
         self.warmup_seconds = 0.0
         self.overhead_tokens = 0.0  # packed: what a batch costs beyond its padded tokens
 
+    def adopt(self, model: EmbeddingModel, served: Served) -> None:
+        """Serve with ``model`` (the same weights, another forward) from the next batch on: each
+        lane reads ``self.model`` as it computes a batch: the weights and the vectors are the same."""
+        self.model = model
+        self.served = served
+
     @property
     def precision(self) -> Precision:
         return Precision(str(self.model.info.dtype).removeprefix("torch."), self.why)

@@ -15,6 +15,7 @@ import torch
 
 from kembed.config import Dtype, Settings
 from kembed.engine import compile_cache, cpu, cpu_compile, precision
+from kembed.engine.cpu_compile import Served
 from kembed.engine.graphs import CompileCount, ShapeGuard
 from kembed.engine.model import EmbeddingModel, ModelInfo
 from kembed.engine.precision import PROBE_TEXTS
@@ -188,40 +189,49 @@ def _warm(runner: ModelRunner, beat: Callable[[], None]) -> ModelRunner:
     return runner
 
 
-def served_runner(settings: Settings, eager: ModelRunner, beat: Callable[[], None]) -> ModelRunner:
-    """The forward that serves (see :mod:`kembed.engine.cpu_compile`): on a CPU unless off, the warm
-    eager runner's forward compiled, timed against eager on the shapes the dtype choice compares
-    (at a lane's threads, as served) and checked on real text; the runner
-    :func:`cpu_compile.measured` picks, warmed on every shape. Eager where the compile fails."""
-    plan, info = eager.plan, eager.model.info
-    if not Queueing.of(settings).compiles_forward(info.device.type):
-        eager.served = cpu_compile.unmeasured(settings.compile, plan.compiled)
-        return eager
+def compiles_while_serving(settings: Settings, runner: ModelRunner) -> bool:
+    """Whether a forward is compiled for this runner once it serves (a CPU, unless off)."""
+    return Queueing.of(settings).compiles_forward(runner.model.info.device.type)
+
+
+def compile_while_serving(settings: Settings, runner: ModelRunner) -> Served:
+    """On the worker's compile thread, while ``runner`` serves eager (see :mod:`kembed.engine.cpu_compile`):
+    its forward compiled, timed against eager on the shapes the dtype choice compares (at a lane's
+    threads, as served, alternating call by call with the lanes' own load on both) and checked on real
+    text; where :func:`cpu_compile.measured` picks it, warmed on every shape and handed to the runner,
+    whose lanes take it at their next batch. Eager stays where the compile fails."""
+    plan, info = runner.plan, runner.model.info
     threads = cpu.lane_threads(settings.cpus(), plan.lanes)
     compared = comparison_shapes(plan)
     compile_cache.use(settings.compile_cache_dir, cpu_cache_identity(info, threads), compared)
-    candidate = ModelRunner(eager.model.compiled_on_cpu(threads), plan, why=eager.why)
+    # The serving runner's own timings seeded the service rate: these runners are the measure's.
+    eager = ModelRunner(runner.model, plan, why=runner.why)
+    candidate = ModelRunner(runner.model.compiled_on_cpu(threads), plan, why=runner.why)
     started = time.monotonic()
     try:
         # All of it at a lane's threads, as served: dynamo guards on the thread count, so a call at
         # another count would compile a graph no lane runs.
         with cpu.threads_of_a_lane(threads):
-            eager_s, compiled_s = warm_up_together([eager, candidate], beat, compared, COMPARE_REPEATS)
+            eager_s, compiled_s = warm_up_together([eager, candidate], _unwatched, compared, COMPARE_REPEATS)
             cosine = min_cosine(*map(probe_vectors, (eager, candidate)))
             choice = cpu_compile.measured(settings.compile, compared, eager_s, compiled_s, cosine)
             if choice.forward == cpu_compile.COMPILED:
-                warm_up(candidate, beat, done=compared)
-                candidate.timed(*one_row_batch(plan, info), 1, beat)  # dynamo specialises one-row batches
+                warm_up(candidate, _unwatched, done=compared)
+                candidate.timed(*one_row_batch(plan, info), 1, _unwatched)  # dynamo specialises one-row batches
     except Exception as error:  # no compiler, an unwritable cache, a bug in inductor: eager still serves
-        eager.served = cpu_compile.failed(error)
-        log.error("%s", eager.served.why, exc_info=True)
-        return eager
+        failed = cpu_compile.failed(error)
+        log.error("%s", failed.why, exc_info=True)
+        runner.served = failed
+        return failed
     log.info(
         "forward: %s (%s), compiled and compared in %.1f s", choice.forward, choice.why, time.monotonic() - started
     )
-    kept = candidate if choice.forward == cpu_compile.COMPILED else eager
-    kept.served = choice
-    return kept
+    runner.adopt(candidate.model if choice.forward == cpu_compile.COMPILED else runner.model, choice)
+    return choice
+
+
+def _unwatched() -> None:
+    """The compile thread's beat: none. The worker's heartbeat says whether its lanes live."""
 
 
 def cpu_cache_identity(info: ModelInfo, threads: int) -> compile_cache.Identity:
@@ -234,8 +244,9 @@ def one_row_batch(plan: Plan, info: ModelInfo) -> tuple[torch.Tensor, torch.Tens
 
 
 def start_runner(settings: Settings, load_model: LoadModel, beat: Callable[[], None]) -> ModelRunner:
-    """Load, choose the dtype (see :mod:`kembed.engine.precision`), compile (through the compile
-    cache when set) and warm up every planned shape."""
+    """Load, choose the dtype (see :mod:`kembed.engine.precision`), compile graphs (through the
+    compile cache when set) and warm up every planned shape. A CPU's compiled forward comes later,
+    while eager serves: :func:`compile_while_serving`."""
     started = time.monotonic()
     model = load_model(settings)
     device = model.info.device
@@ -246,7 +257,10 @@ def start_runner(settings: Settings, load_model: LoadModel, beat: Callable[[], N
     if runner is None:
         why = precision.unmeasured(settings.dtype, device.type, bf16_units(device.type)).why
         runner = _warm(ModelRunner(model, plan, _graphs(settings, model, plan), why), beat)
-    runner = served_runner(settings, runner, beat)
+    compiling = compiles_while_serving(settings, runner)
+    runner.served = (
+        cpu_compile.pending(settings.compile) if compiling else cpu_compile.unmeasured(settings.compile, plan.compiled)
+    )
     log.info(
         "warm: %d shapes in %.1f s, %.0f padded tokens/s, batch overhead %.0f tokens (%s, %s: %s; %s: %s; "
         "graphs=%s, torch %s)",

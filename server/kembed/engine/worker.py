@@ -1,5 +1,5 @@
 """The model's own threads: the first loads and warms up the model (:mod:`kembed.engine.warmup`),
-then it and its sibling lanes compute batches.
+then it and its sibling lanes compute batches; on a CPU, one more compiles the forward meanwhile.
 
 One thread owns the model because CUDA graphs captured by ``torch.compile(mode="reduce-overhead")``
 live in thread-local state: the thread that warms up is the thread that replays. It never touches
@@ -17,11 +17,12 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from kembed.config import Settings
-from kembed.engine import cpu
+from kembed.engine import cpu, cpu_compile
+from kembed.engine.cpu_compile import Served
 from kembed.engine.model import EmbeddingModel
 from kembed.engine.runner import LoadModel, ModelRunner, Outcome
 from kembed.engine.units import Batch
-from kembed.engine.warmup import start_runner
+from kembed.engine.warmup import compile_while_serving, compiles_while_serving, start_runner
 
 log = logging.getLogger(__name__)
 
@@ -51,10 +52,12 @@ class Worker:
         loop: asyncio.AbstractEventLoop,
         on_fatal: Callable[[BaseException], None],
         load_model: LoadModel = EmbeddingModel.load,
+        on_served: Callable[[Served], None] = lambda _: None,
     ) -> None:
         self._settings = settings
         self._loop = loop
         self._on_fatal = on_fatal
+        self._on_served = on_served
         self._load_model = load_model
         self._batches: queue.SimpleQueue[Batch | None] = queue.SimpleQueue()
         self._way_back: queue.SimpleQueue[Deliver | None] = queue.SimpleQueue()  # None: stopped before serving
@@ -99,7 +102,18 @@ class Worker:
         for lane in range(1, self._lanes):  # created here, they inherit the compute threads' niceness
             name = f"kembed-worker-{lane}"
             threading.Thread(target=self._lane, args=(runner, deliver, lane, threads), name=name, daemon=True).start()
+        if compiles_while_serving(self._settings, runner):  # the same niceness: serving goes first
+            threading.Thread(target=self._compile, args=(runner,), name="kembed-compile", daemon=True).start()
         self._lane(runner, deliver, 0, threads)
+
+    def _compile(self, runner: ModelRunner) -> None:
+        """Compile the forward beside eager serving; ``on_served`` hears which serves, on the loop."""
+        try:
+            served = compile_while_serving(self._settings, runner)
+        except BaseException as error:  # a bug, not the compile's own failure: eager serves on
+            log.exception("the compile thread failed; eager serves")
+            served = runner.served = cpu_compile.failed(error)
+        self._loop.call_soon_threadsafe(self._on_served, served)
 
     def _resolve_warm(self, runner: ModelRunner | None, error: BaseException | None) -> None:
         if self.warm.done():

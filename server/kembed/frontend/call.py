@@ -85,6 +85,7 @@ class ServerInfo:
     served_model_name: str  # KEMBED_SERVED_MODEL_NAME, else the model id
     max_chunks_per_input: int  # with chunk, an input is embedded as at most this many chunks
     chunk_long_inputs: bool  # the server's default for a call that sets neither chunk nor truncate
+    forward: str  # what computes now: eager, compiled or graphs (a CPU's compile ends while serving)
 
 
 @dataclass(frozen=True, slots=True)

@@ -512,4 +512,5 @@ def info_response(info: ServerInfo) -> pb.InfoResponse:
         served_model_name=info.served_model_name,
         max_chunks_per_input=info.max_chunks_per_input,
         chunk_long_inputs=info.chunk_long_inputs,
+        forward=info.forward,
     )

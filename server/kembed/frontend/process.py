@@ -99,7 +99,7 @@ class FrontendProcess:
         """The engine is warm: build the serving path and start answering."""
         screen = Screen(self._settings, self._board, self._index, link.in_transit, link.add_refusal)
         self._service = EmbedService(
-            self._settings, link, screen, self._gate, self._metrics, self._executor, self._budget
+            self._settings, link, screen, self._gate, self._metrics, self._executor, self._budget, self._runtime
         )
         if self._rest is not None:
             self._rest.serve_model(link.info)

@@ -17,6 +17,7 @@ import dataclasses
 import time
 from collections.abc import Callable
 from concurrent.futures import Executor
+from pathlib import Path
 from typing import Protocol
 
 import numpy as np
@@ -37,6 +38,7 @@ from kembed.inputs import Sequences, Tokenizer, TokenLimit
 from kembed.metrics import FrontendMetrics
 from kembed.priority import Priority
 from kembed.prompts import ModelPrompts
+from kembed.runtime import read_serving
 from kembed.shapes import padded_lengths
 
 MAX_REQUEST_ID_CHARS = 256
@@ -120,9 +122,11 @@ class EmbedService:
         metrics: FrontendMetrics,
         executor: Executor,
         memory: MemoryBudget,
+        runtime: Path,
         clock: Callable[[], float] = time.monotonic,
     ) -> None:
         info = link.info
+        self._runtime = runtime  # where the engine says which forward serves
         self._settings = settings
         self._info = info
         self._link = link
@@ -372,6 +376,7 @@ class EmbedService:
             settings.served_model_name or self._info.model_id,
             settings.max_chunks_per_input,
             settings.chunk_long_inputs,
+            read_serving(self._runtime).get("forward", ""),
         )
 
 
