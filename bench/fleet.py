@@ -56,6 +56,7 @@ SLO_MS = 1000  # slo.p95LatencyMs (the operator's default)
 MAX_REPLICAS = 6
 SLOWDOWN = 8.0  # the modeled device is this CPU's bf16 batch curve this many times slower
 CPU_TARGET_PERCENT = 70.0
+FAST_DOWN = {"scaleDown": {"stabilizationWindowSeconds": 60}}
 SAMPLE_S = 0.5
 CALL_TIMEOUT_S = 30.0
 ADAPTER_VALUES = Path(__file__).resolve().parent.parent / "charts/kembed-operator/prometheus-adapter-values.yaml"
@@ -68,6 +69,7 @@ BENCH_SET = ("grpc_host", "http_host", "grpc_port", "http_port", "rest_port", "d
 class Policy:
     name: str
     metrics: Mapping[str, float]  # Pods metric -> per-pod target (AverageValue)
+    behavior: Mapping[str, Any] | None  # the rendered HPA's (None: the API's defaults)
     cpu_percent: float | None = None  # a CPU Resource metric's target utilisation instead
 
 
@@ -85,17 +87,27 @@ class Rendered:
             for m in self.hpa["spec"]["metrics"]
         }
 
-    def policies(self) -> list[Policy]:
-        drain = {Metric.QUEUE_DRAIN_SECONDS: self.targets[Metric.QUEUE_DRAIN_SECONDS]}
-        return [
-            Policy("kembed", self.targets),
-            Policy("drain_only", drain),
-            Policy("cpu70", {}, CPU_TARGET_PERCENT),
-        ]
+    @property
+    def behavior(self) -> dict[str, Any] | None:
+        return self.hpa["spec"].get("behavior")
 
 
-def rendered(slo_ms: int) -> Rendered:
-    spec = parse_spec({"minReplicas": 1, "maxReplicas": MAX_REPLICAS, "slo": {"p95LatencyMs": slo_ms}})
+def policies(slo_ms: int) -> list[Policy]:
+    """The operator's HPA; drain time alone; CPU at 70% (what a user sets without kembed); and the
+    operator's HPA with a 60 s scale-down window (``spec.autoscaling.behavior``), against the default 300 s."""
+    made, fast_down = rendered(slo_ms), rendered(slo_ms, FAST_DOWN)
+    drain = {Metric.QUEUE_DRAIN_SECONDS: made.targets[Metric.QUEUE_DRAIN_SECONDS]}
+    return [
+        Policy("kembed", made.targets, made.behavior),
+        Policy("drain_only", drain, made.behavior),
+        Policy("cpu70", {}, made.behavior, CPU_TARGET_PERCENT),
+        Policy("kembed_down60", fast_down.targets, fast_down.behavior),
+    ]
+
+
+def rendered(slo_ms: int, behavior: dict[str, Any] | None = None) -> Rendered:
+    autoscaling = {} if behavior is None else {"autoscaling": {"behavior": behavior}}
+    spec = parse_spec({"minReplicas": 1, "maxReplicas": MAX_REPLICAS, "slo": {"p95LatencyMs": slo_ms}, **autoscaling})
     hpa = next(c.manifest for c in render.render(OWNER, spec, OperatorConfig()) if c.kind == kinds.HPA)
     env = render.server_config(spec, derive(spec)).env
     settings = {k.removeprefix("KEMBED_").lower(): v for k, v in env.items()}
@@ -371,7 +383,7 @@ async def run_policy(setup: Setup, policy: Policy, capacity: float, request_core
     await first_ready(fleet, setup.timing)
     fleet.restart_clock()
     hpa = setup.rendered.hpa["spec"]
-    behavior = fleet_hpa.behavior(hpa.get("behavior")).scaled(COMPRESSION)
+    behavior = fleet_hpa.behavior(policy.behavior).scaled(COMPRESSION)
     controller = fleet_hpa.Controller(behavior, hpa["minReplicas"], hpa["maxReplicas"])
     samples: list[Sample] = []
     decisions: list[dict[str, Any]] = []
@@ -457,9 +469,10 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
             timing = Timing.compressed(COMPRESSION)
             setup = Setup(made, cost, timing, segments, requests(), base, work, args.seed, args.slo_ms)
             calibration = await calibrate(setup, args.calibrate_s)
+            print(f"bench.fleet: one replica {json.dumps(calibration)}", flush=True)
             capacity = calibration["capacity_per_s"]
             request_cores = calibration["cpu_cores_at_capacity"]
-            chosen = [p for p in made.policies() if p.name in args.policies]
+            chosen = [p for p in policies(args.slo_ms) if p.name in args.policies]
             runs = {}
             for policy in chosen:
                 print(f"bench.fleet: {policy.name} ...", flush=True)
@@ -498,7 +511,7 @@ def _headline(targets: Mapping[str, Any]) -> dict[str, Any]:
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--scale", type=float, default=1.0, help="the profile's durations times this")
-    parser.add_argument("--policies", nargs="+", default=["kembed", "drain_only", "cpu70"])
+    parser.add_argument("--policies", nargs="+", default=[p.name for p in policies(SLO_MS)])
     parser.add_argument("--slo-ms", type=int, default=SLO_MS)
     parser.add_argument("--calibrate-s", type=float, default=10.0)
     parser.add_argument("--seed", type=int, default=20261126)
