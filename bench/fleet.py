@@ -57,6 +57,7 @@ MAX_REPLICAS = 6
 SLOWDOWN = 8.0  # the modeled device is this CPU's bf16 batch curve this many times slower
 CPU_TARGET_PERCENT = 70.0
 FAST_DOWN = {"scaleDown": {"stabilizationWindowSeconds": 60}}
+DRAIN40 = 0.4  # a drain target of 0.4 P (autoscaling.targets.queueDrainSeconds), against the derived P / 4
 SAMPLE_S = 0.5
 CALL_TIMEOUT_S = 30.0
 ADAPTER_VALUES = Path(__file__).resolve().parent.parent / "charts/kembed-operator/prometheus-adapter-values.yaml"
@@ -93,21 +94,25 @@ class Rendered:
 
 
 def policies(slo_ms: int) -> list[Policy]:
-    """The operator's HPA; drain time alone; CPU at 70% (what a user sets without kembed); and the
-    operator's HPA with a 60 s scale-down window (``spec.autoscaling.behavior``), against the default 300 s."""
-    made, fast_down = rendered(slo_ms), rendered(slo_ms, FAST_DOWN)
+    """The operator's HPA; drain time alone; CPU at 70% (what a user sets without kembed); the
+    operator's HPA with a 60 s scale-down window (``spec.autoscaling.behavior``) against the default
+    300 s; and with a drain target of 0.4 P (``spec.autoscaling.targets``) against the derived P / 4."""
+    made, fast_down = rendered(slo_ms), rendered(slo_ms, {"behavior": FAST_DOWN})
     drain = {Metric.QUEUE_DRAIN_SECONDS: made.targets[Metric.QUEUE_DRAIN_SECONDS]}
+    drain40 = rendered(slo_ms, {"targets": {"queueDrainSeconds": DRAIN40 * slo_ms / 1000}})
     return [
         Policy("kembed", made.targets, made.behavior),
         Policy("drain_only", drain, made.behavior),
         Policy("cpu70", {}, made.behavior, CPU_TARGET_PERCENT),
         Policy("kembed_down60", fast_down.targets, fast_down.behavior),
+        Policy("kembed_drain40", drain40.targets, drain40.behavior),
     ]
 
 
-def rendered(slo_ms: int, behavior: dict[str, Any] | None = None) -> Rendered:
-    autoscaling = {} if behavior is None else {"autoscaling": {"behavior": behavior}}
-    spec = parse_spec({"minReplicas": 1, "maxReplicas": MAX_REPLICAS, "slo": {"p95LatencyMs": slo_ms}, **autoscaling})
+def rendered(slo_ms: int, autoscaling: dict[str, Any] | None = None) -> Rendered:
+    """What the operator renders for ``slo_ms``, with ``autoscaling`` (the resource's field) if given."""
+    extra = {} if autoscaling is None else {"autoscaling": autoscaling}
+    spec = parse_spec({"minReplicas": 1, "maxReplicas": MAX_REPLICAS, "slo": {"p95LatencyMs": slo_ms}, **extra})
     hpa = next(c.manifest for c in render.render(OWNER, spec, OperatorConfig()) if c.kind == kinds.HPA)
     env = render.server_config(spec, derive(spec)).env
     settings = {k.removeprefix("KEMBED_").lower(): v for k, v in env.items()}

@@ -1,9 +1,11 @@
 """``bench/results/fleet.png``: per policy (a column), offered and refused load, the fleet's size
-against the size the load needs, and the P95 against the objective, over the run."""
+against the size the load needs, and the P95 against the objective, over the run.
+``python -m bench.fleet_plot [NAME]`` redraws it from ``bench/results/NAME.json``."""
 
 from __future__ import annotations
 
 import math
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -12,15 +14,25 @@ import matplotlib
 matplotlib.use("Agg")  # files only, no display
 import matplotlib.pyplot as plt
 
-from bench import fleet_judge
+from bench import RESULTS_DIR, fleet_judge
 from bench.fleet_judge import Segment
+from bench.machine import read_result
+
+
+def main() -> None:
+    """Redraw ``fleet.png`` (or ``NAME.png``) from its JSON."""
+    name = sys.argv[1] if len(sys.argv) > 1 else "fleet"
+    result = read_result(name)
+    if result is None:
+        raise SystemExit(f"no bench/results/{name}.json")
+    plot(result, RESULTS_DIR / f"{name}.png")
 
 
 def plot(result: dict[str, Any], path: Path) -> None:
     runs = result["policies"]
     segments = [Segment(**s) for s in result["profile"]]
     slo_ms = result["settings"]["slo_ms"]
-    fig, axes = plt.subplots(3, len(runs), figsize=(5 * len(runs), 7), sharex=True, squeeze=False)
+    fig, axes = plt.subplots(3, len(runs), figsize=(5 * len(runs), 7), sharex=True, sharey="row", squeeze=False)
     for column, (name, run) in enumerate(runs.items()):
         load, size, latency = axes[:, column]
         _load(load, run, name)
@@ -74,3 +86,7 @@ def _finish(ax: Any, label: str) -> None:
     ax.set_ylabel(label, fontsize=8)
     ax.grid(alpha=0.3)
     ax.legend(fontsize=6, loc="upper right")
+
+
+if __name__ == "__main__":
+    main()
