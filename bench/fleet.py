@@ -513,6 +513,17 @@ def _headline(targets: Mapping[str, Any]) -> dict[str, Any]:
     return {k: targets[k] for k in keys}
 
 
+def rounded(value: Any, digits: int = 4) -> Any:
+    """Floats to ``digits`` decimals, all through (a run's timeline is long; its clock is not that exact)."""
+    if isinstance(value, float):
+        return round(value, digits)
+    if isinstance(value, dict):
+        return {k: rounded(v, digits) for k, v in value.items()}
+    if isinstance(value, list | tuple):
+        return [rounded(v, digits) for v in value]
+    return value
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--scale", type=float, default=1.0, help="the profile's durations times this")
@@ -526,7 +537,7 @@ def main() -> None:
     load_before = os.getloadavg()
     result = asyncio.run(run(args))
     result["loadavg_before"], result["loadavg_after"] = load_before, os.getloadavg()
-    write_result(args.name, result)
+    write_result(args.name, rounded(result))
     from bench.fleet_plot import plot
 
     plot(result, RESULTS_DIR / f"{args.name}.png")
