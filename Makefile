@@ -6,7 +6,7 @@ BIN    := $(VENV)/bin
 TORCH  := torch==2.13.0
 PROTO_OUT := server/kembed/v1/embedder_pb2.py
 
-.PHONY: serve test lint typecheck unit proto bench clean env-table crds image image-test
+.PHONY: serve test lint typecheck unit proto bench bench-fleet clean env-table crds image image-test
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -44,6 +44,10 @@ test: lint typecheck unit
 
 bench: $(VENV)/.test $(PROTO_OUT)
 	$(BIN)/python -m bench.run_all
+
+# About 35 minutes: a fleet of servers scaled by five autoscaling policies in turn (bench/fleet.py).
+bench-fleet: $(VENV)/.test $(PROTO_OUT)
+	$(BIN)/python -m bench.fleet
 
 # The CRDs in crds/ and the chart's crds/, generated from the operator's spec models.
 crds: $(VENV)/.test

@@ -8,6 +8,7 @@ ends), so CPU and memory are summed over the tree, and a server that will not st
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import json
 import os
 import signal
@@ -103,7 +104,7 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def _ready(url: str) -> bool:
+def is_ready(url: str) -> bool:
     try:
         with urllib.request.urlopen(url + READYZ_PATH, timeout=2) as reply:
             return int(reply.status) == 200
@@ -152,14 +153,20 @@ def running(
 ) -> Iterator[Server]:
     """``python -m <module>`` (kembed or a drop-in for it) with ``settings`` (names without the
     KEMBED_ prefix), ready to serve; every port a free one (two benchmarks never share one)."""
+    env, server = server_env(settings)
+    with _started(["-m", module], env, log, lambda: is_ready(server.http_url), start_timeout) as pid:
+        yield dataclasses.replace(server, pid=pid)
+
+
+def server_env(settings: Mapping[str, str]) -> tuple[dict[str, str], Server]:
+    """The environment of a server with ``settings`` (names without the KEMBED_ prefix) on free
+    loopback ports, and its addresses (``pid`` 0 until started)."""
     grpc_port, http_port, rest_port = free_port(), free_port(), free_port()
     ports = {"grpc_port": grpc_port, "http_port": http_port, "rest_port": rest_port}
     overrides = {**settings, "grpc_host": HOST, "http_host": HOST, **ports}
     env = {k: v for k, v in os.environ.items() if not k.startswith("KEMBED_")}
     env.update({env_name(k): str(v) for k, v in overrides.items()})
-    http_url = f"http://{HOST}:{http_port}"
-    with _started(["-m", module], env, log, lambda: _ready(http_url), start_timeout) as pid:
-        yield Server(pid, f"{HOST}:{grpc_port}", http_url, f"http://{HOST}:{rest_port}")
+    return env, Server(0, f"{HOST}:{grpc_port}", f"http://{HOST}:{http_port}", f"http://{HOST}:{rest_port}")
 
 
 @contextlib.contextmanager

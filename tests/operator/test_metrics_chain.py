@@ -11,7 +11,6 @@ from __future__ import annotations
 import functools
 import json
 import os
-import shutil
 import subprocess
 import sys
 import urllib.error
@@ -24,6 +23,7 @@ from typing import Any
 import pytest
 import yaml
 
+from bench import prometheus as bench_prometheus
 from kembed.contract import METRICS_PATH, READYZ_PATH, Metric
 from kembed_operator import kinds, render
 from kembed_operator.config import OperatorConfig
@@ -31,13 +31,13 @@ from kembed_operator.spec import parse_spec
 from tests.operator.conftest import CHART, free_port, wait_for
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
-PROMETHEUS = shutil.which("prometheus") or "/usr/bin/prometheus"
 OWNER = render.Owner(name="emb", namespace="search", uid="u")
 POD = "emb-7d4b9c8f6d-x2x9z"  # what a Deployment's pod is called
 HPA_METRICS = (Metric.QUEUE_DRAIN_SECONDS, Metric.LATENCY_P95_SECONDS)
 # Checked before any fixture runs, so a machine without Prometheus does not start a server for nothing.
 needs_prometheus = pytest.mark.skipif(
-    not Path(PROMETHEUS).exists(), reason="prometheus is not installed (apt-get install prometheus; .ci/run does)"
+    not Path(bench_prometheus.BINARY).exists(),
+    reason="prometheus is not installed (apt-get install prometheus; .ci/run does)",
 )
 
 
@@ -92,30 +92,12 @@ def prometheus(server: str, tmp_path_factory: pytest.TempPathFactory) -> Iterato
     target = urllib.parse.urlsplit(server).netloc
     scrape = {
         "job_name": "kembed",
-        "scrape_interval": "1s",
         "metrics_path": METRICS_PATH,
         # The labels Kubernetes service discovery (or a PodMonitor) attaches to a pod's series.
         "static_configs": [{"targets": [target], "labels": {"namespace": OWNER.namespace, "pod": POD}}],
     }
-    (work / "prometheus.yml").write_text(
-        yaml.safe_dump({"global": {"scrape_interval": "1s"}, "scrape_configs": [scrape]})
-    )
-    port = free_port()
-    command = [
-        PROMETHEUS,
-        f"--config.file={work / 'prometheus.yml'}",
-        f"--storage.tsdb.path={work / 'tsdb'}",
-        f"--web.listen-address=127.0.0.1:{port}",
-    ]
-    with (work / "prometheus.log").open("wb") as out:
-        process = subprocess.Popen(command, stdout=out, stderr=subprocess.STDOUT)
-    base = f"http://127.0.0.1:{port}"
-    try:
-        wait_for("prometheus ready", lambda: http_get(base + "/-/ready")[0] == 200, 60, 0.5)
+    with bench_prometheus.running(work, [scrape]) as base:
         yield base
-    finally:
-        process.kill()
-        process.wait(10)
 
 
 def query(prometheus: str, promql: str) -> list[dict[str, Any]]:
