@@ -174,7 +174,7 @@ for name in ("grpcio", "protobuf", "pydantic", "pydantic-core", "typing-extensio
     print(f"  {name} {v(name)}")
 for module in ("grpc", "google.protobuf", "pydantic", "grpc_health.v1.health", "grpc_reflection.v1alpha.reflection",
                "prometheus_client", "kembed.v1.embedder_pb2", "kembed.v1.embedder_pb2_grpc", "kembed.config",
-               "kembed.app", "kembed.engine.worker", "bench.hostpath", "bench.ceiling", "bench.gpu", "pytest_asyncio",
+               "kembed.supervisor.process", "kembed.engine.worker", "bench.hostpath", "bench.ceiling", "bench.gpu", "pytest_asyncio",
                "pytest_timeout", "sentence_transformers"):
     try:
         importlib.import_module(module)

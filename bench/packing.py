@@ -89,7 +89,7 @@ def simulate(
 
 def _call(caller: int, lengths: list[int], ladder: list[int], now: float) -> list[tuple[int, Chunk]]:
     """One call's texts as queued chunks, one per text (ids do not matter here, only lengths)."""
-    job = Job(link=0, tag=caller, count=len(lengths), deadline=float("inf"))
+    job = Job(link_id=0, tag=caller, count=len(lengths), deadline=float("inf"))
     parts = []
     for slot, length in enumerate(lengths):
         bucket = next(i for i, b in enumerate(ladder) if b >= length)

@@ -9,9 +9,9 @@ import sys
 import textwrap
 
 from kembed import tls
-from kembed.app import Supervisor
 from kembed.config import ConfigError, Settings, env_tables
 from kembed.contract import EXIT_CONFIG, EXIT_STARTUP_FAILED, env_name
+from kembed.supervisor.process import Supervisor
 
 # What most runs set, shown by --help; every setting is in --env-table and docs/configuration.md.
 MAIN_SETTINGS = ("model", "served_model_name", "dtype", "device", "grpc_host", "grpc_port", "rest_port", "http_port")

@@ -149,12 +149,7 @@ def lapsing(queued_tokens: int, tokens_per_second: float, latest_deadline: float
 
 class ServiceRate:
     """Padded tokens per second of worker compute, weighted towards recent batches, and each batch
-    weighted by its size against the largest (``full_tokens``). A batch of a few queries costs
-    mostly the batch's fixed work: at five one-text queries a second the worker computes 16-token
-    batches at a tenth of its rate, and work that queues, which is what admission weighs, goes in
-    full batches. Counted like full ones, such batches took the rate that far down, and queries were
-    refused for a backlog of a few of them; left out, a pessimistic warmup stood for ever while a
-    light load ran only small batches."""
+    weighted by its size against the largest (``full_tokens``): why, docs/decisions/admission.md."""
 
     def __init__(self, full_tokens: int = 0) -> None:
         self._full_tokens = full_tokens
@@ -312,7 +307,7 @@ class AdmissionController:
             return Priority.BATCH
         return priority
 
-    def screen(self, min_tokens: int, backlog: Backlog, priority: Priority) -> Rejection | None:
+    def prescreen(self, min_tokens: int, backlog: Backlog, priority: Priority) -> Rejection | None:
         """Before tokenizing: the latency strategy's draw (it does not depend on the request's size)
         and the capacity checks against a lower bound of its cost, so overload is refused without
         spending CPU on tokenization. Rejections enter the class's shedding window."""

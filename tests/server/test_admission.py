@@ -114,7 +114,7 @@ def test_latency_strategy_needs_a_few_samples_then_sheds_by_fraction():
     assert load.shed_fraction() == pytest.approx(expected)
     load.rate.seed(tokens=100, seconds=1.0)
     outcomes = [
-        admission.screen(10, queued(10), INTERACTIVE) for _ in range(2000)
+        admission.prescreen(10, queued(10), INTERACTIVE) for _ in range(2000)
     ]  # a rejection would have taken 0.2 s
     shed = sum(o is not None for o in outcomes) / len(outcomes)
     assert expected - 0.07 < shed < expected + 0.07
@@ -131,10 +131,12 @@ def test_latency_hard_limit_rejects_everything_that_would_queue():
         load.add_latency(0.5, INTERACTIVE)
     assert load.shed_fraction() == 1.0
     assert admission.admit(10, queued(1000), INTERACTIVE) is None  # the latency draw happens once, before tokenizing
-    rejection = admission.screen(10, queued(1000), INTERACTIVE)
+    rejection = admission.prescreen(10, queued(1000), INTERACTIVE)
     assert rejection is not None and rejection.reason == "latency_hard"
     assert rejection.retry_after_ms >= 10
-    assert admission.screen(10, queued(0), INTERACTIVE) is None  # waits at most 20 ms, under the 80 ms recovery floor
+    assert (
+        admission.prescreen(10, queued(0), INTERACTIVE) is None
+    )  # waits at most 20 ms, under the 80 ms recovery floor
 
 
 def test_shedding_has_hysteresis_and_recovers_as_the_window_slides():
@@ -187,7 +189,7 @@ def test_refusals_cannot_drive_the_p95():
         load.add_latency(0.1, INTERACTIVE)  # what the served queries take
     for _ in range(1000):
         assert admission.admit(262_144, Backlog(batch=4000, in_flight=4000), BATCH) is not None
-        assert admission.screen(2000, queued(4000), INTERACTIVE) is not None  # 4 s ahead: spared at most 2 s
+        assert admission.prescreen(2000, queued(4000), INTERACTIVE) is not None  # 4 s ahead: spared at most 2 s
     clock.now += 1
     assert load.p95_seconds() == pytest.approx(0.1)
     assert load.pressure.p95() == pytest.approx(2.0)  # the budget, under the 3 s hard limit
@@ -206,9 +208,9 @@ def test_no_strategies_still_bounds_the_queue():
 def test_screening_refuses_overload_before_the_exact_cost_is_known():
     admission, load = controller(FakeClock(), admission=["throughput"], max_drain_ms=1000)
     load.rate.seed(tokens=1000, seconds=1.0)
-    assert admission.screen(16, queued(400), INTERACTIVE) is None  # a lower bound that still fits
+    assert admission.prescreen(16, queued(400), INTERACTIVE) is None  # a lower bound that still fits
     assert admission.admit(256, queued(400), INTERACTIVE) is not None  # the exact cost does not
-    rejection = admission.screen(16, queued(500), INTERACTIVE)
+    rejection = admission.prescreen(16, queued(500), INTERACTIVE)
     assert rejection is not None
     assert rejection.reason == "drain_time"
 
@@ -245,7 +247,7 @@ def test_each_class_is_admitted_against_the_work_it_waits_behind(backlog: Backlo
     admission, load = controller(FakeClock(), admission=["throughput"], max_drain_ms=1000)
     load.rate.seed(tokens=10_000, seconds=1.0)
     assert (admission.admit(500, backlog, priority) is None) is admitted
-    assert (admission.screen(500, backlog, priority) is None) is admitted  # the pre-screen agrees
+    assert (admission.prescreen(500, backlog, priority) is None) is admitted  # the pre-screen agrees
 
 
 def test_under_pressure_batch_work_is_refused_first_with_its_own_pushback():
@@ -289,15 +291,15 @@ def shedding(clock: FakeClock, **settings) -> tuple[AdmissionController, Measure
 def test_while_shedding_batch_work_goes_first_and_interactive_work_only_once_none_is_there():
     admission, load = shedding(FakeClock())
     assert 0 < load.shed_fraction() < 1
-    batch = [admission.screen(10, Backlog(batch=10), BATCH) for _ in range(200)]
+    batch = [admission.prescreen(10, Backlog(batch=10), BATCH) for _ in range(200)]
     assert all(r is not None for r in batch)  # every batch request that would queue
     waiting = Backlog(interactive=10, batch=500, displaceable=500)
-    assert all(admission.screen(10, waiting, INTERACTIVE) is None for _ in range(200))
+    assert all(admission.prescreen(10, waiting, INTERACTIVE) is None for _ in range(200))
     started = Backlog(interactive=10, batch=500, in_flight=64)  # an ingest running: it is what queries wait on
-    assert all(admission.screen(10, started, INTERACTIVE) is None for _ in range(200))
-    alone = [admission.screen(10, queued(10), INTERACTIVE) for _ in range(400)]
+    assert all(admission.prescreen(10, started, INTERACTIVE) is None for _ in range(200))
+    alone = [admission.prescreen(10, queued(10), INTERACTIVE) for _ in range(400)]
     assert 0.3 < sum(r is not None for r in alone) / len(alone) < 0.7  # by the fraction
-    assert admission.screen(1, Backlog(), BATCH) is None  # work-conserving: it would not queue
+    assert admission.prescreen(1, Backlog(), BATCH) is None  # work-conserving: it would not queue
 
 
 def test_batch_latency_has_a_window_of_its_own_and_sheds_nothing():
@@ -341,7 +343,7 @@ def test_a_request_with_nothing_ahead_of_it_is_admitted_however_long_it_takes():
     assert admission.admit(5000, Backlog(), BATCH) is None
     assert admission.admit(5000, Backlog(batch=2000), INTERACTIVE) is None  # batch work is not ahead of it
     assert reason(admission.admit(5000, Backlog(in_flight=16), BATCH)) == "drain_time"
-    assert reason(admission.screen(5000, Backlog(interactive=16), INTERACTIVE)) == "drain_time"
+    assert reason(admission.prescreen(5000, Backlog(interactive=16), INTERACTIVE)) == "drain_time"
 
 
 # --- no single request shuts out queries ---------------------------------------------------------
@@ -371,7 +373,7 @@ def test_a_request_too_large_for_the_budget_waits_only_for_batch_work():
     assert admission.admit(ingest, Backlog(interactive=300, in_flight=64, in_flight_interactive=64), BATCH) is None
     assert reason(admission.admit(ingest, Backlog(batch=16), BATCH)) == "drain_time"
     assert reason(admission.admit(ingest, Backlog(in_flight=2048), BATCH)) == "drain_time"  # an ingest's batch
-    assert reason(admission.screen(ingest, Backlog(batch=16), BATCH)) == "drain_time"
+    assert reason(admission.prescreen(ingest, Backlog(batch=16), BATCH)) == "drain_time"
 
 
 @pytest.mark.parametrize("rate", [200.0, 1850.0, 10_000.0])
@@ -389,7 +391,7 @@ def test_an_ingest_never_shuts_queries_out_at_any_rate(rate: float):
     ingest = Backlog(batch=262_144 - batch_tokens, in_flight=batch_tokens, displaceable=0)
     queries = []
     for _ in range(12):  # queries of 16 tokens, one by one, each answered before the next
-        queries.append(admission.screen(16, ingest, INTERACTIVE) or admission.admit(16, ingest, INTERACTIVE))
+        queries.append(admission.prescreen(16, ingest, INTERACTIVE) or admission.admit(16, ingest, INTERACTIVE))
         clock.now += 0.5
     assert queries == [None] * 12
     assert admission.class_of(16, INTERACTIVE) is INTERACTIVE  # and served as queries

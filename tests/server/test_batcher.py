@@ -24,7 +24,7 @@ INTERACTIVE, BATCH = Priority
 
 
 def make_job(n: int, priority: Priority = INTERACTIVE) -> Job:
-    return Job(link=1, tag=1, count=n, deadline=float("inf"), priority=priority)
+    return Job(link_id=1, tag=1, count=n, deadline=float("inf"), priority=priority)
 
 
 def add(queue: BucketQueue, length: int, count: int, now: float, priority: Priority = INTERACTIVE) -> Job:

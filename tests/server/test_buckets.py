@@ -24,7 +24,7 @@ INTERACTIVE, BATCH = Priority
 
 
 def job(n: int, deadline: float = 10.0, priority: Priority = INTERACTIVE, tag: int = 1) -> Job:
-    return Job(link=1, tag=tag, count=n, deadline=deadline, priority=priority)
+    return Job(link_id=1, tag=tag, count=n, deadline=deadline, priority=priority)
 
 
 def enqueue(queue: BucketQueue, owner: Job, sequences: Sequences, now: float) -> None:

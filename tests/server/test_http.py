@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 from prometheus_client import CollectorRegistry
 
-from kembed.http import HealthServer
+from kembed.supervisor.http import HealthServer
 
 
 def broken_health() -> dict[str, Any]:

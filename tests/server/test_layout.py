@@ -1,7 +1,8 @@
-"""The layout is the architecture: front ends and the engine talk only through the protocol
-(kembed.protocol, kembed.board), so neither package imports the other, and the modules they share
-import neither; within a front end, only the gRPC edge knows the proto (the service and the other
-edges speak the domain's call). Read from the source, so a new import that crosses shows up here."""
+"""The layout is the architecture: three process roles, each a package (the supervisor, the front
+ends, the engine), that talk only through the protocol (kembed.protocol, kembed.board) and the
+runtime folder, so no side imports another, and the modules they share import none; within a front
+end, only the gRPC edge knows the proto (the service and the other edges speak the domain's call).
+Read from the source, so a new import that crosses shows up here."""
 
 from __future__ import annotations
 
@@ -11,9 +12,10 @@ from pathlib import Path
 import pytest
 
 PACKAGE = Path(__file__).parents[2] / "server" / "kembed"
-SIDES = ("frontend", "engine")
-# Entry points start the processes by module name, and the supervisor by path: none imports a side.
-SHARED = sorted(p for p in PACKAGE.glob("*.py"))
+SIDES = ("supervisor", "frontend", "engine")
+# The supervisor starts the other processes by module name: it imports neither side.
+# ``python -m kembed`` (__main__.py) is the supervisor's entry point: the one root module above a side.
+SHARED = sorted(p for p in PACKAGE.glob("*.py") if p.name != "__main__.py")
 PROTO = "kembed.v1"  # the generated protobuf code
 
 
@@ -41,7 +43,7 @@ def test_a_side_never_imports_the_other(side: str) -> None:
     assert found, f"no modules under {side}/"
 
 
-def test_shared_modules_import_neither_side() -> None:
+def test_shared_modules_import_no_side() -> None:
     found = {p.name: crossings(p, list(SIDES)) for p in SHARED}
     assert {name: names for name, names in found.items() if names} == {}
 

@@ -48,7 +48,7 @@ def chunks_for(engine: ModelRunner, texts: list[str], poison: bool = False) -> l
     seqs = engine.model.tokenizer.from_texts(texts, truncate=False)
     if poison:
         seqs.ids[1] = POISON
-    job = Job(link=1, tag=1, count=seqs.count, deadline=float("inf"))
+    job = Job(link_id=1, tag=1, count=seqs.count, deadline=float("inf"))
     return [chunk for _, chunk in chunks(job, seqs, [16, 32], 0.0)]
 
 

@@ -17,15 +17,12 @@ bucket, and batches are as large as the overhead makes worth it; the items left 
 batch of their own lengths.
 
 Interactive work leads: while any is queued, the rules apply to it alone, and only a bucket
-holding it may go; batch items of that bucket fill the rows its shape would pad (free with
+holding it may go; ingest items of that bucket fill the rows its shape would pad (free with
 compiled shapes; in eager mode there are none, since every row is computed and would delay the
 interactive items, so a packed batch led by interactive work holds interactive items only).
-Otherwise the rules apply to batch work. A floor keeps batch work from starving: batch work that
+Otherwise the rules apply to ingest (the batch class). A floor keeps ingest from starving: ingest that
 has waited ``starved_after`` (the drain budget) with no batch of its class started meanwhile goes
-next, the bucket of its oldest item, so interactive traffic that fills the worker still leaves it
-a batch per ``starved_after``. Alongside interactive traffic that does not, batch work is served
-all the time and the floor never acts (aging by an item's age alone did: items of an ingest at
-saturation wait past any bound admission can estimate).
+next, the bucket of its oldest item (why a floor and not aging: docs/decisions/priority-classes.md).
 """
 
 from __future__ import annotations
@@ -62,7 +59,7 @@ class BatchPolicy:
 
     shapes: BatchShapes
     max_wait: float  # seconds: a bucket whose oldest item waited this long is stale
-    starved_after: float = math.inf  # seconds batch work may go without a batch of its class
+    starved_after: float = math.inf  # seconds ingest may go without a batch of its class
     packed: bool = False  # eager batches packed by length across neighbouring buckets (see ``pack``)
     overhead_tokens: float = 0.0  # a batch's cost beyond its padded tokens, in tokens: what packing weighs
     lanes: int = 1  # batches the worker computes at once
@@ -86,11 +83,11 @@ class _Lead:
 
     items: int  # the items that lead
     oldest: float  # when the oldest of them arrived
-    whole: bool  # every item of the bucket leads (batch work alone, or aged), not its interactive items
+    whole: bool  # every item of the bucket leads (ingest alone, or aged), not its interactive items
 
 
 def _leads(queue: BucketQueue) -> dict[int, _Lead]:
-    """The buckets that may go, by what leads each: interactive work if there is any, else batch work."""
+    """The buckets that may go, by what leads each: interactive work if there is any, else ingest."""
     leads, batch = {}, {}
     for bucket in range(len(queue.bucket_lengths)):
         if (interactive := queue.oldest(bucket, Priority.INTERACTIVE)) is not None:
@@ -101,7 +98,7 @@ def _leads(queue: BucketQueue) -> dict[int, _Lead]:
 
 
 def starved_bucket(queue: BucketQueue, now: float, starved_after: float, batch_served_at: float) -> int | None:
-    """The bucket of the oldest batch item, if batch work has waited ``starved_after`` with no batch
+    """The bucket of the oldest ingest item, if ingest has waited ``starved_after`` with no batch
     of its class started since ``batch_served_at``; else None."""
     oldest = {b: t for b in range(len(queue.bucket_lengths)) if (t := queue.oldest(b, Priority.BATCH)) is not None}
     if not oldest:
@@ -128,7 +125,7 @@ def choose_batch(
         lead, most = leads[bucket], shapes.max_rows(queue.bucket_lengths[bucket])
         if lead.whole:
             return Pick(bucket, min(queue.items(bucket), most), reason)
-        rows = shapes.rows_for(min(lead.items, most))  # compiled: batch items fill the rows it pads
+        rows = shapes.rows_for(min(lead.items, most))  # compiled: ingest items fill the rows it pads
         return Pick(bucket, min(queue.items(bucket), rows), reason, EVERY_CLASS if shapes.fixed else INTERACTIVE_ONLY)
 
     def age(bucket: int) -> float:
@@ -175,7 +172,7 @@ def pack(lengths: np.ndarray, lead: int, max_rows: int, max_tokens: int, overhea
 
 def next_stale_time(queue: BucketQueue, max_wait: float) -> float | None:
     """When the next bucket that may go turns stale: the batcher's only timed wake-up. (Starved
-    batch work needs none: interactive work that starves it keeps finishing batches, each a wake-up.)"""
+    ingest needs none: interactive work that starves it keeps finishing batches, each a wake-up.)"""
     leads = _leads(queue)
     return min(lead.oldest for lead in leads.values()) + max_wait if leads else None
 
@@ -201,7 +198,7 @@ class Batcher:
         self.policy = policy
         self._dispatch = dispatch
         self._expire = expire  # a job found past its deadline: closed by whoever owns jobs
-        self._batch_served_at = -math.inf  # when a batch holding batch work last started or finished
+        self._batch_served_at = -math.inf  # when a batch holding ingest last started or finished
         self._clock = clock
         self._wake = asyncio.Event()
         self.in_flight = 0
@@ -231,7 +228,7 @@ class Batcher:
         self.in_flight_interactive -= interactive_tokens(batch)
         if any(chunk.job.priority is Priority.BATCH for chunk in batch.chunks):
             # Measured from its end: a batch of ingest longer than the floor (a slow node) would
-            # otherwise make batch work starved again the moment it finished, every time, and the
+            # otherwise make ingest starved again the moment it finished, every time, and the
             # queries waiting behind it would wait for the whole ingest.
             self._batch_served_at = self._clock()
         self._wake.set()

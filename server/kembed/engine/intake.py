@@ -21,7 +21,7 @@ from kembed.admission import AdmissionController, Backlog, MeasuredLoad, lapsing
 from kembed.engine.batcher import Batcher
 from kembed.engine.buckets import route
 from kembed.engine.jobs import Jobs
-from kembed.engine.responder import Outbox
+from kembed.engine.responder import Replies
 from kembed.engine.units import Chunk, Job
 from kembed.errors import EmbedError, Failure
 from kembed.inputs import Sequences
@@ -40,7 +40,7 @@ class Intake:
         load: MeasuredLoad,
         batcher: Batcher,
         jobs: Jobs,
-        outbox: Outbox,
+        replies: Replies,
         metrics: EngineMetrics,
         pad_token_id: int,
         clock: Callable[[], float] = time.monotonic,
@@ -49,13 +49,13 @@ class Intake:
         self._load = load  # the measurements admission weighs against, where latency samples go
         self._batcher = batcher
         self._jobs = jobs
-        self._outbox = outbox
+        self._replies = replies
         self._metrics = metrics
         self._pad = pad_token_id
         self._bucket_lengths = batcher.queue.bucket_lengths
         self._clock = clock
 
-    def accept(self, link: int, work: Work) -> None:
+    def accept(self, link_id: int, work: Work) -> None:
         load = self._load
         kinds = zip(work.sample_priorities.tolist(), work.sample_refused.tolist(), strict=True)
         for seconds, (priority, refused) in zip(work.latencies.tolist(), kinds, strict=True):
@@ -64,9 +64,9 @@ class Intake:
             else:
                 load.add_latency(seconds, BY_VALUE[priority])
         for tag in work.cancels.tolist():
-            self._jobs.cancel(link, tag)
+            self._jobs.cancel(link_id, tag)
         if work.tags.size:
-            self._admit(link, work)
+            self._admit(link_id, work)
 
     def backlog(self) -> Backlog:
         """What admission weighs: the batcher's backlog, with the queued work of each class that
@@ -80,7 +80,7 @@ class Intake:
             batch_lapsing=lapsing(backlog.batch, rate, self._jobs.latest_deadline(Priority.BATCH), now),
         )
 
-    def _admit(self, link: int, work: Work) -> None:
+    def _admit(self, link_id: int, work: Work) -> None:
         jobs: list[Job | None] = [None] * work.tags.size
         refused, refusals = [], []
         backlog = self.backlog()
@@ -98,11 +98,11 @@ class Intake:
             if room := self._admission.room_to_make(cost, backlog, priority):
                 backlog = self._displace(room, backlog)
             backlog = backlog.plus(cost, priority)
-            job = Job(link=link, tag=tags[i], count=counts[i], deadline=deadlines[i], priority=priority)
+            job = Job(link_id=link_id, tag=tags[i], count=counts[i], deadline=deadlines[i], priority=priority)
             self._jobs.add(job)
             jobs[i] = job
         if refused:
-            self._outbox.errors(link, refused, refusals)
+            self._replies.errors(link_id, refused, refusals)
         if len(refused) < len(jobs):
             self._batcher.submit(self._chunks(work, jobs))
 
@@ -115,7 +115,7 @@ class Intake:
             rejection = self._admission.displaced(held, backlog)
             self._metrics.rejected.labels(reason=rejection.reason, priority=Priority.BATCH.label).inc()
             error = EmbedError(Failure.REJECTED, rejection.message, rejection.retry_after_ms)
-            self._outbox.errors(job.link, [job.tag], [error])
+            self._replies.errors(job.link_id, [job.tag], [error])
         return backlog
 
     def _chunks(self, work: Work, jobs: list[Job | None]) -> list[tuple[int, Chunk]]:

@@ -37,7 +37,7 @@ class Jobs:
         return len(self._open)
 
     def add(self, job: Job) -> None:
-        self._open[job.link, job.tag] = job
+        self._open[job.link_id, job.tag] = job
         self._deadlines.push(job.deadline, job, len(self._open))
         self._latest[job.priority].push(-job.deadline, job, len(self._open))
 
@@ -84,20 +84,20 @@ class Jobs:
         tells its front end."""
         self._close(job)
 
-    def cancel(self, link: int, tag: int) -> None:
+    def cancel(self, link_id: int, tag: int) -> None:
         """The front end stopped waiting (deadline, client gone): queued items are dropped."""
-        job = self._open.get((link, tag))
+        job = self._open.get((link_id, tag))
         if job is not None:
             self._close(job)
 
-    def drop_link(self, link: int) -> None:
+    def drop_link(self, link_id: int) -> None:
         """A front end went away: none of its requests can be answered."""
-        for key in [key for key in self._open if key[0] == link]:
+        for key in [key for key in self._open if key[0] == link_id]:
             self._close(self._open[key])
 
     def _close(self, job: Job) -> None:
         job.closed = True
-        self._open.pop((job.link, job.tag), None)
+        self._open.pop((job.link_id, job.tag), None)
         self._queue.forget(job)
 
 

@@ -63,7 +63,7 @@ LINK_HIGH_WATER = 8 * MIB
 
 
 class Links:
-    """The connected front ends, by link id: the engine's :class:`~kembed.engine.responder.Outbox`."""
+    """The connected front ends, by link id: the engine's :class:`~kembed.engine.responder.Replies`."""
 
     def __init__(self) -> None:
         self._writers: dict[int, asyncio.StreamWriter] = {}
@@ -80,8 +80,8 @@ class Links:
         self._none.clear()
         return self._next
 
-    def remove(self, link: int) -> None:
-        self._writers.pop(link, None)
+    def remove(self, link_id: int) -> None:
+        self._writers.pop(link_id, None)
         if not self._writers:
             self._none.set()
 
@@ -89,16 +89,16 @@ class Links:
         """Until every front end has gone (each closes its link once it has drained)."""
         await self._none.wait()
 
-    def send(self, link: int, message: Message) -> None:
-        writer = self._writers.get(link)
+    def send(self, link_id: int, message: Message) -> None:
+        writer = self._writers.get(link_id)
         if writer is not None and not writer.is_closing():
             send(writer, message)
 
-    def result(self, link: int, result: Result) -> None:
-        self.send(link, result)
+    def result(self, link_id: int, result: Result) -> None:
+        self.send(link_id, result)
 
-    def errors(self, link: int, tags: list[int], errors: list[EmbedError]) -> None:
-        self.send(link, Errors(tags, errors))
+    def errors(self, link_id: int, tags: list[int], errors: list[EmbedError]) -> None:
+        self.send(link_id, Errors(tags, errors))
 
 
 @dataclass
@@ -242,20 +242,20 @@ class EngineProcess:
         self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, serving: asyncio.Future[Core]
     ) -> None:
         writer.transport.set_write_buffer_limits(high=LINK_HIGH_WATER)
-        link = self._links.add(writer)
+        link_id = self._links.add(writer)
         core: Core | None = None
         try:
             hello = _expect(await receive(reader), Hello)
             check_version(hello.version)
             if not 0 <= hello.frontend < self._board.frontends:  # its acknowledgements would land nowhere
                 raise ProtocolError(f"HELLO from front end {hello.frontend}, of {self._board.frontends}")
-            log.debug("front end %d connected as link %d", hello.frontend, link)
+            log.debug("front end %d connected as link %d", hello.frontend, link_id)
             core = await serving
-            self._links.send(link, Ready(PROTOCOL_VERSION, core.info))
+            self._links.send(link_id, Ready(PROTOCOL_VERSION, core.info))
             taken = 0
             while True:
-                await self._until_read(link, writer)
-                core.intake.accept(link, _expect(await receive(reader), Work))
+                await self._until_read(link_id, writer)
+                core.intake.accept(link_id, _expect(await receive(reader), Work))
                 self._publish(core)
                 self._arm_expiry(core)
                 taken += 1  # after the publish: the front end counts a frame's work until the board does
@@ -265,12 +265,12 @@ class EngineProcess:
         except ProtocolError as error:  # never worked around: the pod restarts rather than compute wrong rows
             self._fatal(error)
         finally:
-            self._links.remove(link)
+            self._links.remove(link_id)
             if core is not None:
-                core.jobs.drop_link(link)
+                core.jobs.drop_link(link_id)
             writer.close()
 
-    async def _until_read(self, link: int, writer: asyncio.StreamWriter) -> None:
+    async def _until_read(self, link_id: int, writer: asyncio.StreamWriter) -> None:
         """A front end that leaves more than LINK_HIGH_WATER of answers unread is not read from until
         it has read most of them: what the engine holds for it stays bounded (its queued work's
         answers at most), and its callers wait, as they would on any stalled process."""
@@ -278,9 +278,11 @@ class EngineProcess:
         if unread <= LINK_HIGH_WATER:
             return
         self._metrics.frontend_stalls.inc()
-        log.warning("link %d: %.0f MiB of answers unread; its new work waits until it reads them", link, unread / MIB)
+        log.warning(
+            "link %d: %.0f MiB of answers unread; its new work waits until it reads them", link_id, unread / MIB
+        )
         await writer.drain()
-        log.info("link %d: answers read, taking its work again", link)
+        log.info("link %d: answers read, taking its work again", link_id)
 
     def _arm_expiry(self, core: Core) -> None:
         """A timer at the earliest deadline of an open job, unless one is set for sooner."""

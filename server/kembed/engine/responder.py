@@ -21,12 +21,12 @@ from kembed.metrics import EngineMetrics
 from kembed.protocol import Result
 
 
-class Outbox(Protocol):
+class Replies(Protocol):
     """The way back to the front ends."""
 
-    def result(self, link: int, result: Result) -> None: ...
+    def result(self, link_id: int, result: Result) -> None: ...
 
-    def errors(self, link: int, tags: list[int], errors: list[EmbedError]) -> None: ...
+    def errors(self, link_id: int, tags: list[int], errors: list[EmbedError]) -> None: ...
 
 
 class Responder:
@@ -35,7 +35,7 @@ class Responder:
         batcher: Batcher,
         rate: ServiceRate,
         jobs: Jobs,
-        outbox: Outbox,
+        replies: Replies,
         metrics: EngineMetrics,
         clock: Callable[[], float] = time.monotonic,
         lanes: int = 1,
@@ -43,7 +43,7 @@ class Responder:
         self._batcher = batcher
         self._rate = rate
         self._jobs = jobs
-        self._outbox = outbox
+        self._replies = replies
         self._metrics = metrics
         self._clock = clock
         self._last_done = [0.0] * lanes  # each lane's last answer on the loop
@@ -77,20 +77,20 @@ class Responder:
         offset = 0
         for chunk in chunks:
             if self._jobs.complete(chunk.job, chunk.items):
-                by_link[chunk.job.link].append((chunk, offset))
+                by_link[chunk.job.link_id].append((chunk, offset))
             offset += chunk.items
-        for link, owned in by_link.items():
+        for link_id, owned in by_link.items():
             tags = np.concatenate([np.full(chunk.items, chunk.job.tag, dtype=np.uint64) for chunk, _ in owned])
             slots = np.concatenate([chunk.slots for chunk, _ in owned]).astype(np.uint32)
             rows = np.concatenate([embeddings[start : start + chunk.items] for chunk, start in owned])
-            self._outbox.result(link, Result(started, seconds, tags, slots, rows))
+            self._replies.result(link_id, Result(started, seconds, tags, slots, rows))
 
     def _fail(self, outcome: Outcome) -> None:
         """The model raised on these chunks alone (their batch-mates were retried without them)."""
         failed: dict[int, list[int]] = defaultdict(list)
         for chunk in outcome.chunks:
             if self._jobs.fail(chunk.job):
-                failed[chunk.job.link].append(chunk.job.tag)
+                failed[chunk.job.link_id].append(chunk.job.tag)
         error = EmbedError(Failure.INTERNAL, f"inference failed: {outcome.error}")
-        for link, tags in failed.items():
-            self._outbox.errors(link, tags, [error] * len(tags))
+        for link_id, tags in failed.items():
+            self._replies.errors(link_id, tags, [error] * len(tags))

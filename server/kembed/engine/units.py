@@ -22,7 +22,7 @@ class Job:
     only on the event loop, except ``closed``, which the worker thread reads to skip abandoned work;
     only :class:`~kembed.engine.jobs.Jobs` closes it."""
 
-    link: int  # the front end it came from
+    link_id: int  # the front end it came from
     tag: int  # the front end's id for it
     count: int  # items
     deadline: float  # monotonic seconds (one clock for every process on the host)

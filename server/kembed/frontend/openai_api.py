@@ -70,6 +70,16 @@ class ApiError(Exception):
         self.code = code
         self.headers: dict[str, str] = {}
 
+    @classmethod
+    def invalid(cls, status: int, message: str, code: str | None = None) -> ApiError:
+        """The request, not one of its fields, is at fault (its route, head or transport)."""
+        return cls(status, message, "invalid_request_error", None, code)
+
+    @classmethod
+    def internal(cls) -> ApiError:
+        """A bug: the client learns nothing of it but that it was ours."""
+        return cls(500, "internal error", "server_error", None, "internal_error")
+
     def body(self) -> bytes:
         error = {"message": self.message, "type": self.kind, "param": self.param, "code": self.code}
         return orjson.dumps({"error": error})

@@ -43,13 +43,13 @@ from aiohttp.web import RequestHandler
 
 from kembed import listen, tls
 from kembed.config import Settings
-from kembed.errors import EmbedError, Failure
+from kembed.errors import EmbedError
 from kembed.frontend import openai_api
 from kembed.frontend.budget import BODY_WEIGHT, MemoryBudget, Reservation
 from kembed.frontend.call import Limits
 from kembed.frontend.openai_api import ApiError, Body, Embeddings
 from kembed.frontend.pushback import rest_client
-from kembed.frontend.service import Gate, Service, warming_up
+from kembed.frontend.service import Gate, Service, draining, warming_up
 from kembed.metrics import FrontendMetrics
 from kembed.prompts import ModelPrompts
 from kembed.protocol import ServingInfo
@@ -154,12 +154,10 @@ class RestEdge:
                 return self._reply(200, openai_api.models(self._served, self._created, self._prompts))
             if path in (EMBEDDINGS_PATH, MODELS_PATH):
                 allowed = "POST" if path == EMBEDDINGS_PATH else "GET"
-                error = ApiError(
-                    405, f"{method} {path}: only {allowed}", "invalid_request_error", None, "method_not_allowed"
-                )
+                error = ApiError.invalid(405, f"{method} {path}: only {allowed}", "method_not_allowed")
                 error.headers["Allow"] = allowed
                 return self._refuse(error)
-            return self._refuse(ApiError(404, f"{path}: no such route", "invalid_request_error", None, "not_found"))
+            return self._refuse(ApiError.invalid(404, f"{path}: no such route", "not_found"))
         except asyncio.CancelledError:
             if request.transport is None or request.transport.is_closing():
                 when = "before its answer" if request.content.is_eof() else "while sending its request"
@@ -168,7 +166,7 @@ class RestEdge:
             raise
         except Exception:  # a bug: logged with its traceback, and the client still gets an answer in its API's shape
             log.exception("rest: %s %s failed", method, path)
-            return self._refuse(ApiError(500, "internal error", "server_error", None, "internal_error"))
+            return self._refuse(ApiError.internal())
         finally:
             self._server.done(request.protocol)
 
@@ -195,10 +193,10 @@ class RestEdge:
             error = openai_api.failed(embed_error, parsed is not None and parsed.nested)
         except TimeoutError:
             if self._draining:
-                error = openai_api.failed(self._draining_now())
+                error = openai_api.failed(draining())
             else:
                 message = f"the body did not arrive within {self._timeout_s:g} s of its head"
-                error = ApiError(408, message, "invalid_request_error", None, "request_timeout")
+                error = ApiError.invalid(408, message, "request_timeout")
         except (ConnectionError, web.RequestPayloadError):  # gone mid-body: nobody to answer
             log.info("rest: %s left while sending its request", _peer(request))
             self._metrics.calls_gone.labels(api="rest").inc()
@@ -212,12 +210,12 @@ class RestEdge:
         """What the head alone decides, before a byte of the body is read."""
         if request.content_type != JSON:
             message = f"Content-Type: {request.content_type!r}, but the body must be {JSON}"
-            raise ApiError(415, message, "invalid_request_error", None, "unsupported_media_type")
+            raise ApiError.invalid(415, message, "unsupported_media_type")
         if request.headers.get("Content-Encoding", "identity").lower() != "identity":
             message = "Content-Encoding: the body must be sent uncompressed"
-            raise ApiError(415, message, "invalid_request_error", None, "unsupported_media_type")
+            raise ApiError.invalid(415, message, "unsupported_media_type")
         if self._draining:
-            raise self._draining_now()
+            raise draining()
         self._gate.check_open()  # the whole pod is draining
         if not self._served:
             raise warming_up()
@@ -271,16 +269,12 @@ class RestEdge:
 
     def _too_large(self) -> ApiError:
         limit = self._settings.max_message_bytes
-        return ApiError(413, f"the body is over {limit} bytes", "invalid_request_error", None, "request_too_large")
-
-    @staticmethod
-    def _draining_now() -> EmbedError:
-        return EmbedError(Failure.UNAVAILABLE, "server is draining: retry on another replica")
+        return ApiError.invalid(413, f"the body is over {limit} bytes", "request_too_large")
 
     def _malformed(self, status: int, reason: str) -> web.Response:
         """aiohttp refused a request it could not parse (its head): one log line, OpenAI's shape."""
         log.info("rest: a malformed request refused: %s", reason)
-        return self._refuse(ApiError(status, f"malformed request: {reason}", "invalid_request_error"), close=True)
+        return self._refuse(ApiError.invalid(status, f"malformed request: {reason}"), close=True)
 
     def _refuse(self, error: ApiError, close: bool = False) -> web.Response:
         response = self._reply(error.status, error.body(), error.headers)

@@ -59,7 +59,7 @@ class Screen:
 
     def before_tokenizing(self, least_padded_tokens: int, priority: Priority) -> Rejection | None:
         """The latency draw and the capacity checks on a lower bound of the request's cost."""
-        return self._admission.screen(least_padded_tokens, self._backlog(), priority)
+        return self._admission.prescreen(least_padded_tokens, self._backlog(), priority)
 
     @contextlib.contextmanager
     def tokenizing(self, least_padded_tokens: int, priority: Priority) -> Iterator[None]:

@@ -71,7 +71,7 @@ class Gate:
 
     def check_open(self) -> None:
         if self.draining or self._pod_draining():
-            raise EmbedError(Failure.UNAVAILABLE, "server is draining: retry on another replica")
+            raise draining()
 
     def hold(self) -> None:
         """Count work in progress whether or not the gate is open: a computed answer still to write."""
@@ -98,6 +98,10 @@ class Service(Protocol):
 
 def warming_up() -> EmbedError:
     return EmbedError(Failure.UNAVAILABLE, "server is warming up: retry shortly")
+
+
+def draining() -> EmbedError:
+    return EmbedError(Failure.UNAVAILABLE, "server is draining: retry on another replica")
 
 
 class WarmingUp:

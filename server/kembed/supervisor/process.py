@@ -27,10 +27,10 @@ from kembed import listen
 from kembed.board import Board, Cell, ClassCell, FrontendCell
 from kembed.config import Settings
 from kembed.contract import EXIT_FATAL, Metric
-from kembed.http import HealthServer
 from kembed.metrics import drain_seconds, interactive_drain_seconds, supervisor_registry
 from kembed.priority import Priority
 from kembed.runtime import BOARD_FILE, METRICS_DIR, RuntimeDir, read_serving
+from kembed.supervisor.http import HealthServer
 
 log = logging.getLogger(__name__)
 
