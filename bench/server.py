@@ -28,7 +28,7 @@ import grpc
 from google.protobuf.json_format import MessageToDict
 
 from bench.report import Samples, parse_prometheus
-from kembed.contract import HEALTH_PATH, METRICS_PATH, READYZ_PATH, env_name
+from kembed.contract import COMPILING, HEALTH_PATH, METRICS_PATH, READYZ_PATH, env_name
 from kembed.v1 import embedder_pb2, embedder_pb2_grpc
 
 HOST = "127.0.0.1"
@@ -104,6 +104,14 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
+def is_settled(url: str) -> bool:
+    """Ready, and its forward chosen for good (no compile beside serving under way)."""
+    if not is_ready(url):
+        return False
+    with urllib.request.urlopen(url + HEALTH_PATH, timeout=10) as reply:
+        return COMPILING not in str(json.loads(reply.read()).get("forward_reason"))
+
+
 def is_ready(url: str) -> bool:
     try:
         with urllib.request.urlopen(url + READYZ_PATH, timeout=2) as reply:
@@ -149,12 +157,19 @@ def _started(
 
 @contextlib.contextmanager
 def running(
-    settings: Mapping[str, str], log: Path, module: str = "kembed", start_timeout: float = 300.0
+    settings: Mapping[str, str],
+    log: Path,
+    module: str = "kembed",
+    start_timeout: float = 300.0,
+    settled: bool = True,
 ) -> Iterator[Server]:
     """``python -m <module>`` (kembed or a drop-in for it) with ``settings`` (names without the
-    KEMBED_ prefix), ready to serve; every port a free one (two benchmarks never share one)."""
+    KEMBED_ prefix), ready to serve; every port a free one (two benchmarks never share one). With
+    ``settled``, also past the compile a CPU runs beside serving once ready: a benchmark measures
+    the forward that serves for good, not the minute the compile shares the cores."""
     env, server = server_env(settings)
-    with _started(["-m", module], env, log, lambda: is_ready(server.http_url), start_timeout) as pid:
+    up = (lambda: is_settled(server.http_url)) if settled else (lambda: is_ready(server.http_url))
+    with _started(["-m", module], env, log, up, start_timeout) as pid:
         yield dataclasses.replace(server, pid=pid)
 
 

@@ -22,7 +22,7 @@ from typing import Any
 
 from bench import RESULTS_DIR, machine
 from bench.server import running
-from kembed.engine.cpu_compile import COMPILING
+from kembed.contract import COMPILING
 
 STARTS = ("cold", "warm")
 # What the engine logs (kembed.engine.warmup): the CPU compile with its comparison, and the warmup.
@@ -42,7 +42,7 @@ def start_once(settings: dict[str, str], log: Path, timeout: float) -> dict[str,
     """Spawn the server, wait for ``/readyz``, then for the forward it settles on (a CPU compiles
     beside eager serving: ``settled_s`` is when the compiled forward, or eager for good, serves), stop it."""
     started = time.perf_counter()
-    with running(settings, log, start_timeout=timeout) as server:
+    with running(settings, log, start_timeout=timeout, settled=False) as server:
         ready_s = time.perf_counter() - started
         health = server.health()
         while COMPILING in str(health.get("forward_reason")) and time.perf_counter() - started < timeout:

@@ -17,6 +17,8 @@ ANY_ADDRESS: Final = "::"
 
 LIVEZ_PATH: Final = "/livez"
 READYZ_PATH: Final = "/readyz"
+# /health's forward_reason, ending so, while a CPU compiles its forward beside eager serving.
+COMPILING: Final = "compiling while eager serves"
 HEALTH_PATH: Final = "/health"
 METRICS_PATH: Final = "/metrics"
 

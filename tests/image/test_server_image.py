@@ -25,8 +25,7 @@ import openai
 import pytest
 
 from kembed.client import decode
-from kembed.contract import GRPC_PORT, HTTP_PORT, LIVEZ_PATH, REST_PORT
-from kembed.engine.cpu_compile import COMPILING
+from kembed.contract import COMPILING, GRPC_PORT, HTTP_PORT, LIVEZ_PATH, REST_PORT
 from kembed.v1 import embedder_pb2 as pb
 from kembed.v1 import embedder_pb2_grpc as pb_grpc
 from kembed_operator import kinds, render

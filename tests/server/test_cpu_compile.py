@@ -15,8 +15,9 @@ import pytest
 import torch
 
 from kembed.config import Graphs, Settings, Toggle
+from kembed.contract import COMPILING
 from kembed.engine import compile_cache, cpu, cpu_compile
-from kembed.engine.cpu_compile import COMPILED, COMPILING, EAGER, GRAPHS
+from kembed.engine.cpu_compile import COMPILED, EAGER, GRAPHS
 from kembed.engine.graphs import CompileCount
 from kembed.engine.model import EmbeddingModel
 from kembed.engine.precision import MIN_COSINE, PROBE_TEXTS

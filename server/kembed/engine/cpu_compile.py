@@ -29,7 +29,7 @@ from typing import Any
 import torch
 
 from kembed.config import Toggle
-from kembed.contract import env_name
+from kembed.contract import COMPILING, env_name
 from kembed.engine.precision import MIN_COSINE
 
 EAGER = "eager"
@@ -51,9 +51,6 @@ class Served:
 
 
 AS_LOADED = Served(EAGER, "as loaded")
-
-
-COMPILING = "compiling while eager serves"  # the reason eager serves until the compile beside it ends
 
 
 def pending(asked: Toggle) -> Served:
