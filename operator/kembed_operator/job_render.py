@@ -158,10 +158,16 @@ def arguments(spec: EmbeddingJobSpec, target: Target) -> list[str]:
     args += ["--shard", f"$({INDEX_VAR})/{spec.shards}", "--priority", spec.priority]
     if spec.dimensions:
         args += ["--dimensions", str(spec.dimensions)]
-    if not spec.truncate:
+    if spec.chunk:
+        args.append("--chunk")
+    elif not spec.truncate:
         args.append("--no-truncate")
     if spec.prompt_name:
         args.append(_option("--prompt-name", spec.prompt_name))
+    if spec.prompt is not None:
+        args.append(_option("--prompt", spec.prompt))
+    if spec.input_type:
+        args.append(_option("--input-type", spec.input_type))
     return [*args, "--no-progress", "--summary-file", TERMINATION_LOG]
 
 
