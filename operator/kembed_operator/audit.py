@@ -50,6 +50,13 @@ def live(held: Iterable[Manifest]) -> Iterator[Manifest]:
     return (body for body in held if body.get("metadata", {}).get("uid") not in _GONE)
 
 
+def forget_released(indexes: Iterable[Mapping[Any, Iterable[Manifest]]]) -> None:
+    """Forget the gone uids no index holds any more (kopf dropped the object after all, say on a
+    later deletion event): the set stays no larger than what the indexes still hold."""
+    bodies = (body for index in indexes for owned in list(index.values()) for body in owned)
+    _GONE.intersection_update({body.get("metadata", {}).get("uid") for body in bodies})
+
+
 def relisted() -> None:
     """kopf has listed a resource again: audit soon."""
     _RELISTED.set()
@@ -80,6 +87,7 @@ class Auditor:
                     await self.audit(one)
                 except Exception as err:  # an API error: the next round lists again
                     _LOG.warning("auditing %s failed, will retry: %r", one.kind.plural, err)
+            forget_released(one.index for one in self.watched)
 
     async def audit(self, one: Watched) -> None:
         """Mark gone what the index holds and the API server lacks, and wake its owners.

@@ -148,19 +148,31 @@ def render_job(
 
 
 def arguments(spec: EmbeddingJobSpec, target: Target) -> list[str]:
-    """The corpus command's arguments for every index (TLS aside)."""
-    args = ["--target", target.address, "--input", claim_path(spec.input.claim_name, spec.input.path)]
+    """The corpus command's arguments for every index (TLS aside). What the resource's author wrote
+    goes in as ``--flag=value``, ``$`` doubled: a value that starts with ``-`` stays a value, and a
+    ``$(VAR)`` in it stays text instead of being expanded by the kubelet from the pod's variables."""
+    args = ["--target", target.address, _option("--input", claim_path(spec.input.claim_name, spec.input.path))]
     if spec.input.format == "jsonl":
-        args += ["--jsonl-field", spec.input.jsonl_field]
-    args += ["--output", claim_path(spec.output.claim_name, spec.output.path), "--format", spec.output_format]
+        args.append(_option("--jsonl-field", spec.input.jsonl_field))
+    args += [_option("--output", claim_path(spec.output.claim_name, spec.output.path)), "--format", spec.output_format]
     args += ["--shard", f"$({INDEX_VAR})/{spec.shards}", "--priority", spec.priority]
     if spec.dimensions:
         args += ["--dimensions", str(spec.dimensions)]
-    if not spec.truncate:
+    if spec.chunk:
+        args.append("--chunk")
+    elif not spec.truncate:
         args.append("--no-truncate")
     if spec.prompt_name:
-        args += ["--prompt-name", spec.prompt_name]
+        args.append(_option("--prompt-name", spec.prompt_name))
+    if spec.prompt is not None:
+        args.append(_option("--prompt", spec.prompt))
+    if spec.input_type:
+        args.append(_option("--input-type", spec.input_type))
     return [*args, "--no-progress", "--summary-file", TERMINATION_LOG]
+
+
+def _option(flag: str, authored: str) -> str:
+    return f"{flag}={authored.replace('$', '$$')}"
 
 
 def _claims(spec: EmbeddingJobSpec) -> tuple[list[Manifest], list[Manifest]]:

@@ -11,6 +11,7 @@ from typing import Any, Literal
 
 from pydantic import Field, model_validator
 
+from kembed.prompts import MAX_PROMPT_CHARS
 from kembed_operator.spec import PodOptions, PromptName, Quantity, RelativePath, SpecModel, parse
 
 # Part names carry the index in five digits (`emb.part-00003-of-00016.npy`), and the operator keeps
@@ -111,11 +112,33 @@ class EmbeddingJobSpec(PodOptions):
         description="One of the model's prompts, put before each document (the corpus command's --prompt-name); "
         "unset = the model's default prompt, if any. One the model does not have fails every shard at once.",
     )
+    prompt: str | None = Field(
+        None,
+        max_length=MAX_PROMPT_CHARS,
+        description='A prompt\'s text itself, put before each document (--prompt); "" for none, even where the '
+        "model has a default. At most one of promptName, prompt and inputType.",
+    )
+    input_type: Literal["query", "passage", "document"] | None = Field(
+        None, description="The model's prompt for that side (--input-type): passage and document are one side."
+    )
+    chunk: bool = Field(
+        False,
+        description="Embed a document longer than the model's limit as chunks, their vectors averaged (--chunk); "
+        "truncate then does not apply.",
+    )
     resources: JobResources = Field(default_factory=JobResources)
     image: str = Field("", description="The pods' image; empty = the service's server image, which has the client.")
     image_pull_policy: Literal["Always", "IfNotPresent", "Never"] = "IfNotPresent"
     tls: JobTls = Field(default_factory=JobTls)
     retry: RetrySpec = Field(default_factory=RetrySpec)
+
+    @model_validator(mode="after")
+    def _one_prompt(self) -> EmbeddingJobSpec:
+        fields = {"promptName": self.prompt_name, "prompt": self.prompt, "inputType": self.input_type}
+        given = [name for name, value in fields.items() if value is not None]
+        if len(given) > 1:
+            raise ValueError(f"{' and '.join(given)}: set at most one of promptName, prompt and inputType")
+        return self
 
     @model_validator(mode="after")
     def _shards_bound_the_rest(self) -> EmbeddingJobSpec:

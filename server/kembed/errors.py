@@ -35,6 +35,7 @@ class Field(StrEnum):
     PROMPT_NAME = "prompt_name"
     PROMPT = "prompt"
     INPUT_TYPE = "input_type"
+    ENCODING = "encoding"
 
 
 class InvalidInput(EmbedError):

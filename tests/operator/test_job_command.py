@@ -28,6 +28,7 @@ from typing import Any
 import numpy as np
 import pytest
 
+from kembed.client.corpus import command as corpus_command
 from kembed.client.corpus.parts import growing_path
 from kembed.contract import GRPC_PORT
 from kembed_operator import job_render, job_status, kinds, render
@@ -130,10 +131,25 @@ def localized(argv: list[str], claims: Path, target: str, termination: Path) -> 
     summary = out.index("--summary-file") + 1
     assert out[summary] == job_render.TERMINATION_LOG
     out[summary] = str(termination)
-    return [
-        str(claims) + part[len(job_render.DATA_DIR) :] if part.startswith(job_render.DATA_DIR + "/") else part
-        for part in out
-    ]
+    return [_on_claims(part, claims) for part in out]
+
+
+def _on_claims(part: str, claims: Path) -> str:
+    """``part`` (a path, or ``--flag=path``) with the pod's claims' mount path mapped to ``claims``."""
+    flag, equals, value = part.rpartition("=") if part.startswith("--") else ("", "", part)
+    if value.startswith(job_render.DATA_DIR + "/"):
+        value = str(claims) + value[len(job_render.DATA_DIR) :]
+    return flag + equals + value
+
+
+def option(argv: list[str], flag: str) -> str:
+    """The value of ``flag`` in ``argv``, written ``--flag value`` or ``--flag=value``."""
+    for at, part in enumerate(argv):
+        if part == flag:
+            return argv[at + 1]
+        if part.startswith(flag + "="):
+            return part[len(flag) + 1 :]
+    raise AssertionError(f"{flag} not in {argv}")
 
 
 def test_the_kubelet_sees_one_shard_per_index(tmp_path: Path) -> None:
@@ -144,9 +160,23 @@ def test_the_kubelet_sees_one_shard_per_index(tmp_path: Path) -> None:
         assert variables["JOB_COMPLETION_INDEX"] == str(index)
         assert argv[argv.index("--shard") + 1] == f"{index}/{SHARDS}"
         local = localized(argv, tmp_path, "127.0.0.1:1", tmp_path / "log")
-        assert local[local.index("--input") + 1] == str(tmp_path / "corpora/wiki/texts.txt")
-        assert local[local.index("--output") + 1] == str(tmp_path / "vectors/wiki/emb.npy")
+        assert option(local, "--input") == str(tmp_path / "corpora/wiki/texts.txt")
+        assert option(local, "--output") == str(tmp_path / "vectors/wiki/emb.npy")
     assert expand("$$(JOB_COMPLETION_INDEX) $(UNSET) $(A)", {"A": "1"}) == "$(JOB_COMPLETION_INDEX) $(UNSET) 1"
+
+
+def test_what_the_author_wrote_reaches_the_command_as_written() -> None:
+    """A field that starts with ``-`` stays a value, and a ``$(VAR)`` in it is not expanded by the
+    kubelet: the corpus command's own parser reads back exactly what the resource says."""
+    authored = "-x$(JOB_COMPLETION_INDEX)$$"
+    source = {"claimName": "corpora", "path": "-a/$(HOME).jsonl", "format": "jsonl", "jsonlField": authored}
+    container = rendered_container(input=source, prompt=f"-{authored}: ")
+    argv, _ = pod_command(container, 1)
+    args = corpus_command.parser().parse_args(argv[argv.index("embed") + 1 :])
+    assert args.jsonl_field == authored
+    assert args.prompt == f"-{authored}: "
+    assert args.input == f"{job_render.DATA_DIR}/corpora/-a/$(HOME).jsonl"
+    assert option(argv, "--shard") == "1/3"  # the operator's own reference still expands
 
 
 @pytest.fixture(scope="module")
@@ -244,7 +274,7 @@ def test_every_index_runs_and_the_parts_are_one_unsharded_run(server: ServerProc
     unsharded = argv[:shard] + argv[shard + 2 :]
     summary_at = unsharded.index("--summary-file")
     unsharded = unsharded[:summary_at] + unsharded[summary_at + 2 :]
-    unsharded[unsharded.index("--output") + 1] = str(whole)
+    unsharded = [part for part in unsharded if not part.startswith("--output")] + ["--output", str(whole)]
     result = run_index(unsharded, variables)
     assert result.returncode == 0, result.stderr
     assert_same_vectors(parts, np.load(whole))

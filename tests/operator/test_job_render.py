@@ -119,10 +119,8 @@ def test_the_command_is_the_corpus_commands_interface() -> None:
     assert server["args"] == [
         "--target",
         f"bge.search.svc.cluster.local:{GRPC_PORT}",
-        "--input",
-        "/data/corpora/wiki/texts.txt",
-        "--output",
-        "/data/vectors/wiki/emb.npy",
+        "--input=/data/corpora/wiki/texts.txt",
+        "--output=/data/vectors/wiki/emb.npy",
         "--format",
         "npy",
         "--shard",
@@ -146,12 +144,21 @@ def test_every_option_reaches_the_command() -> None:
     assert args[args.index("--dimensions") + 1] == "256"
     assert "--no-truncate" in args
     assert args[args.index("--priority") + 1] == "interactive"
-    assert args[args.index("--prompt-name") + 1] == "passage"
+    assert "--prompt-name=passage" in args
     assert args[args.index("--format") + 1] == "jsonl"  # the spec's format wins over the extension
     jsonl = container(JOB_FEATURES["jsonl in, parquet out, one claim"])["args"]
-    assert jsonl[jsonl.index("--jsonl-field") + 1] == "body"
+    assert "--jsonl-field=body" in jsonl
     assert jsonl[jsonl.index("--format") + 1] == "parquet"
-    assert not {"--dimensions", "--no-truncate", "--prompt-name"} & set(container(BASE)["args"])
+    assert not [arg for arg in container(BASE)["args"] if arg.startswith(("--dimensions", "--no-truncate", "--prompt"))]
+
+
+def test_a_prompt_an_input_type_and_chunks_reach_the_command() -> None:
+    literal = container({**BASE, "prompt": "-Represent: $(HOME) ", "chunk": True})["args"]
+    assert "--prompt=-Represent: $$(HOME) " in literal  # a value, written as the author wrote it
+    assert "--chunk" in literal and "--no-truncate" not in literal  # chunked, a long document is never cut
+    none = container({**BASE, "prompt": "", "truncate": False})["args"]
+    assert "--prompt=" in none and "--no-truncate" in none and "--chunk" not in none
+    assert "--input-type=passage" in container({**BASE, "inputType": "passage"})["args"]
 
 
 def test_claims_are_mounted_by_name_the_input_read_only() -> None:
@@ -240,6 +247,9 @@ INVALID_JOBS: dict[str, tuple[dict[str, Any], str]] = {
     "an output format unknown": ({**BASE, "output": {"claimName": "c", "path": "o.csv"}}, "set format"),
     "more failures allowed than shards": ({**BASE, "shards": 2, "retry": {"maxFailedShards": 3}}, "maxFailedShards"),
     "too many shards": ({**BASE, "shards": 10_001}, "spec.shards"),
+    "two prompts": ({**BASE, "prompt": "query: ", "inputType": "query"}, "prompt and inputType: set at most one"),
+    "an unknown input type": ({**BASE, "inputType": "question"}, "spec.inputType"),
+    "a prompt longer than a request allows": ({**BASE, "prompt": "x" * 1025}, "spec.prompt"),
     "unknown field": ({**BASE, "replicas": 2}, "spec.replicas"),
 }
 

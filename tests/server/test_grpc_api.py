@@ -15,6 +15,7 @@ from kembed.frontend.grpc_api import info_response, message, response, to_call
 from kembed.inputs import Sequences
 from kembed.priority import Priority
 from kembed.protocol import ServingInfo
+from kembed.quantize import Encoding
 from kembed.v1 import embedder_pb2 as pb
 
 LIMITS = Limits(max_items=8, max_text_chars=500)
@@ -108,7 +109,8 @@ def test_domain_errors_are_named_by_the_requests_fields(case: str) -> None:
 
 def test_a_result_maps_to_the_response() -> None:
     rows = np.arange(6, dtype=np.float32).reshape(2, 3)
-    result = EmbedResult(rows, np.array([4, 5], dtype=np.int32), "r9", Timings(0.001, 0.002, 0.003, 0.01))
+    timings = Timings(0.001, 0.002, 0.003, 0.01)
+    result = EmbedResult(rows, np.array([4, 5], dtype=np.int32), "r9", timings, Encoding.FLOAT32, rows.shape[1])
     answer = response(result)
     assert (answer.count, answer.dimensions, list(answer.token_counts), answer.request_id) == (2, 3, [4, 5], "r9")
     np.testing.assert_array_equal(np.frombuffer(answer.embeddings, dtype="<f4").reshape(2, 3), rows)

@@ -299,5 +299,6 @@ def test_a_failed_start_leaves_no_runtime_files_and_clears_a_killed_servers(
             assert failed.process.wait(timeout=120) == 1
         finally:
             failed.stop()
-    assert f"cannot start: [Errno 98] HTTP port 127.0.0.1:{port}: Address already in use" in failed.output()
+    refusal = f"cannot start: [Errno 98] HTTP port 127.0.0.1:{port}: Address already in use (set KEMBED_HTTP_PORT"
+    assert refusal in failed.output()
     assert list(temporary.iterdir()) == []  # the stale folder removed, and none of its own left

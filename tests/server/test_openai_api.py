@@ -20,6 +20,7 @@ from kembed.frontend.openai_api import ApiError, Body, Embeddings, failed, parse
 from kembed.frontend.rest import READ_CHUNK
 from kembed.inputs import Sequences
 from kembed.priority import Priority
+from kembed.quantize import Encoding
 from tests.server.bodies import ONE_ANSWER, SERVICE_REFUSES
 
 SERVED = ("minilm", "sentence-transformers/all-MiniLM-L6-v2")
@@ -251,7 +252,9 @@ def test_other_failures_have_no_param(failure: Failure, status: int, kind: str) 
 def test_a_result_is_answered_in_openai_shape(encoding: str) -> None:
     rows = np.array([[0.6, 0.8], [1.0, 0.0]], dtype=np.float32)
     request = Embeddings(from_json({"input": ["a", "b"]}).call, encoding, "minilm")
-    result = EmbedResult(rows, np.array([3, 4], dtype=np.int32), "", Timings(0, 0, 0, 0))
+    result = EmbedResult(
+        rows, np.array([3, 4], dtype=np.int32), "", Timings(0, 0, 0, 0), Encoding.FLOAT32, rows.shape[1]
+    )
     body = orjson.loads(openai_api.answer(request, result))
     assert (body["object"], body["model"], body["usage"]) == ("list", "minilm", {"prompt_tokens": 7, "total_tokens": 7})
     assert [item["index"] for item in body["data"]] == [0, 1]

@@ -21,6 +21,7 @@ from kembed.inputs import Sequences
 from kembed.priority import Priority
 from kembed.prompts import NO_CHOICE, PromptChoice
 from kembed.protocol import ServingInfo
+from kembed.quantize import Encoding
 
 
 @dataclass(frozen=True, slots=True)
@@ -36,6 +37,7 @@ class EmbedCall:
     chunk: bool | None = None  # embed over-long inputs as chunks (frontend/chunks.py); None = the server's default
     normalize: bool = True
     dimensions: int = 0  # keep the first this many (0 = all), then normalize
+    encoding: Encoding = Encoding.FLOAT32  # the vectors as answered: float32, or quantized (kembed/quantize.py)
     priority: Priority = Priority.INTERACTIVE
     prompt: PromptChoice = NO_CHOICE
     request_id: str = ""  # echoed in the answer
@@ -66,10 +68,12 @@ class Timings:
 
 @dataclass(frozen=True, slots=True)
 class EmbedResult:
-    embeddings: np.ndarray  # float32 [items, dimensions], in the call's order
+    embeddings: np.ndarray  # in the call's order: float32 [items, dimensions], or as its encoding has it
     token_counts: np.ndarray  # int32 [items]: each item's tokens, as computed (truncated or not)
     request_id: str
     timings: Timings
+    encoding: Encoding  # the call's
+    dimensions: int  # the vectors', whatever the encoding (a binary row holds ceil(dimensions / 8) bytes)
 
 
 @dataclass(frozen=True, slots=True)

@@ -44,10 +44,14 @@ from kembed.metrics import FrontendMetrics
 from kembed.priority import BY_VALUE
 from kembed.prompts import PromptChoice
 from kembed.protocol import ServingInfo
+from kembed.quantize import Encoding
 from kembed.v1 import embedder_pb2 as pb
 from kembed.v1 import embedder_pb2_grpc as pb_grpc
 
 log = logging.getLogger(__name__)
+
+ENCODING_NAMES = {encoding: f"ENCODING_{encoding.name}" for encoding in Encoding}  # the proto's, by the domain's
+ENCODINGS = {pb.Encoding.Value(name): encoding for encoding, name in ENCODING_NAMES.items()}
 
 STATUS = {
     Failure.REJECTED: grpc.StatusCode.RESOURCE_EXHAUSTED,
@@ -422,12 +426,15 @@ def to_call(request: pb.EmbedRequest, limits: Limits, time_remaining: float | No
         raise _invalid("texts, tokens: exactly one of the two must be set")
     if not 0 <= request.priority < len(BY_VALUE):  # a proto3 enum field takes any int32
         raise _invalid(f"priority: {request.priority} is not a priority class")
+    if request.encoding not in ENCODINGS:
+        raise _invalid(f"encoding: {request.encoding} is not an encoding")
     return EmbedCall(
         inputs=_sequences(request.tokens, limits) if has_tokens else limits.texts(request.texts, request.truncate),
         truncate=request.truncate,
         chunk=request.chunk if request.HasField("chunk") else None,
         normalize=request.normalize if request.HasField("normalize") else True,
         dimensions=request.dimensions,
+        encoding=ENCODINGS[request.encoding],
         priority=BY_VALUE[request.priority],
         prompt=PromptChoice(
             request.prompt_name, request.prompt if request.HasField("prompt") else None, request.input_type
@@ -486,9 +493,10 @@ def _place(error: InvalidInput, request: pb.EmbedRequest) -> str:
 def response(result: EmbedResult) -> pb.EmbedResponse:
     vectors, timings = result.embeddings, result.timings
     return pb.EmbedResponse(
-        embeddings=vectors.astype("<f4", copy=False).tobytes(),
+        embeddings=vectors.astype("<f4", copy=False).tobytes() if vectors.dtype == np.float32 else vectors.tobytes(),
         count=vectors.shape[0],
-        dimensions=vectors.shape[1],
+        dimensions=result.dimensions,
+        encoding=ENCODING_NAMES[result.encoding],
         token_counts=result.token_counts.tolist(),
         request_id=result.request_id,
         timings=pb.Timings(

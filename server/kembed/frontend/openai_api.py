@@ -37,8 +37,14 @@ from kembed.frontend.call import EmbedCall, EmbedResult, Limits, Texts
 from kembed.inputs import Sequences
 from kembed.priority import Priority
 from kembed.prompts import ModelPrompts, PromptChoice
+from kembed.quantize import Encoding
 
-ENCODINGS = ("float", "base64")
+# OpenAI's two, then the quantized ones (kembed/quantize.py), each vector an array of small integers.
+ENCODINGS = {
+    "float": Encoding.FLOAT32,
+    "base64": Encoding.FLOAT32,
+    **{e.value: e for e in Encoding if e is not Encoding.FLOAT32},
+}
 PRIORITIES = {"interactive": Priority.INTERACTIVE, "batch": Priority.BATCH}
 MAX_TOKEN_ID = 2**31 - 1  # ids are int32 on the way to the model
 INPUT_SHAPES = "a string, an array of strings, an array of token ids, or an array of arrays of token ids"
@@ -94,7 +100,7 @@ class Embeddings:
     """One parsed ``POST /v1/embeddings``: the call, and how its answer is written."""
 
     call: EmbedCall
-    encoding: str  # "float" or "base64"
+    encoding: str  # encoding_format: "float", "base64" (float32's bytes) or a quantized one
     model: str  # the name the answer carries
     nested: bool = False  # token ids came as an array of arrays: an id is named input[i][j], else input[j]
 
@@ -369,6 +375,7 @@ def _embeddings(
         truncate=truncate,
         chunk=_flag(fields, "chunk") if "chunk" in fields else None,
         dimensions=dimensions or 0,
+        encoding=ENCODINGS[encoding],
         priority=priority,
         prompt=_prompt(fields),
         timeout_s=timeout_s,
@@ -400,7 +407,7 @@ def answer(request: Embeddings, result: EmbedResult) -> bytes:
     if request.encoding == "base64":  # the little-endian float32 buffer: what the official client decodes
         embeddings: list[Any] = [base64.b64encode(row.tobytes()).decode() for row in vectors.astype("<f4", copy=False)]
     else:
-        embeddings = list(vectors)  # orjson writes each float32 row natively
+        embeddings = list(vectors)  # orjson writes each row natively, float32 or quantized integers
     tokens = int(result.token_counts.sum())
     return orjson.dumps(
         {

@@ -71,8 +71,9 @@ MAX_BACKLOG = 128  # asyncio accepts up to a backlog's worth of connections in o
 # the REST half, asyncio accepts up to a backlog's worth of connections at once, before any can be
 # closed to make room: that many are kept free.
 FD_RESERVE = 64
-# Bytes of an answer per value (a float written as JSON text, or base64's 5.3), and its envelope.
-ANSWER_BYTES_PER_VALUE = {"float": 14, "base64": 6}
+# Bytes of an answer per value (a float written as JSON text, base64's 5.3, "-127," or "255,", and
+# a binary kind's byte per eight values), and its envelope.
+ANSWER_BYTES_PER_VALUE = {"float": 14, "base64": 6, "int8": 5, "uint8": 4, "binary": 1, "ubinary": 1}
 ANSWER_ENVELOPE = 256
 
 

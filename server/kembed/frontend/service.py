@@ -38,6 +38,7 @@ from kembed.inputs import Sequences, Tokenizer, TokenLimit
 from kembed.metrics import FrontendMetrics
 from kembed.priority import Priority
 from kembed.prompts import ModelPrompts
+from kembed.quantize import encode
 from kembed.runtime import read_serving
 from kembed.shapes import padded_lengths
 
@@ -241,6 +242,10 @@ class EmbedService:
             raise InvalidInput(Field.DIMENSIONS, reason)
         if len(call.request_id) > MAX_REQUEST_ID_CHARS:
             raise InvalidInput(Field.REQUEST_ID, f"longer than {MAX_REQUEST_ID_CHARS} characters")
+        if call.encoding.needs_unit_vectors and not call.normalize:
+            raise InvalidInput(
+                Field.ENCODING, f"{call.encoding} takes normalised vectors: set normalize, or take float32"
+            )
         if call.chunk and call.truncate:
             raise InvalidInput(
                 Field.CHUNK, "chunk and truncate are both true: choose one (chunk embeds a long input whole)"
@@ -361,11 +366,14 @@ class EmbedService:
         self, call: EmbedCall, chunks: Chunks, pending: Pending, tokenize_s: float, arrival: float, done: float
     ) -> EmbedResult:
         queue_s = max(0.0, pending.last_start - arrival - tokenize_s)
+        vectors = postprocess(chunks.combine(pending.embeddings), call.dimensions, call.normalize)
         return EmbedResult(
-            embeddings=postprocess(chunks.combine(pending.embeddings), call.dimensions, call.normalize),
+            embeddings=encode(vectors, call.encoding),
             token_counts=chunks.token_counts(),
             request_id=call.request_id,
             timings=Timings(queue_s, tokenize_s, pending.inference_s, done - arrival),
+            encoding=call.encoding,
+            dimensions=vectors.shape[1],
         )
 
     def info(self) -> ServerInfo:
