@@ -171,20 +171,27 @@ class Tokenizer:
         """The tokens of ``text`` alone, without special tokens (a prompt's)."""
         return len(self._full.encode(text, add_special_tokens=False).ids)
 
-    def crowds_out(self, prompt: str) -> int | None:
-        """The tokens of ``prompt`` when they leave no room for a text's within the model's limit
-        (truncation would cut the prompt), else None."""
-        tokens = self.count(prompt)
-        return tokens if tokens >= self.max_input_tokens - self._special_tokens else None
+    @property
+    def prompt_room(self) -> int:
+        """The most tokens a prompt may have: it leaves room for one of a text's own within the
+        model's limit (truncation cuts a text, never its prompt)."""
+        return self.max_input_tokens - self._special_tokens - 1
 
-    def least_lengths(self, texts: Sequence[str], limit: TokenLimit | None = None) -> np.ndarray:
+    def crowds_out(self, prompt: str) -> int | None:
+        """The tokens of ``prompt`` when they leave no room for a text's within the model's limit, else None."""
+        tokens = self.count(prompt)
+        return tokens if tokens > self.prompt_room else None
+
+    def least_lengths(
+        self, texts: Sequence[str], limit: TokenLimit | None = None, prompt_tokens: int = 0
+    ) -> np.ndarray:
         """A lower bound of each text's length in tokens, at a fiftieth of tokenizing's cost: its
-        words plus the special tokens. Tokenizers split on whitespace before anything else, so a
-        word is at least one token (English prose averages 1.5: the bound is about two thirds of
-        the length); capped at the ``limit`` (the model's by default), where truncation or a refusal
-        ends it."""
+        words plus the special tokens and the ``prompt_tokens`` put before it. Tokenizers split on
+        whitespace before anything else, so a word is at least one token (English prose averages
+        1.5: the bound is about two thirds of the length); capped at the ``limit`` (the model's by
+        default), where truncation or a refusal ends it."""
         words = np.fromiter((len(text.split()) for text in texts), dtype=np.int64, count=len(texts))
-        return np.minimum(words + self._special_tokens, (limit or self.limit).tokens)
+        return np.minimum(words + self._special_tokens + prompt_tokens, (limit or self.limit).tokens)
 
     def from_ids(self, seqs: Sequences, truncate: bool, limit: TokenLimit | None = None) -> Sequences:
         """Pre-tokenized sequences (whole, non-empty: the edge checked) checked against the model."""

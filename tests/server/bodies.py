@@ -6,6 +6,7 @@ from __future__ import annotations
 
 PAD = b" " * 20_000  # whitespace: what follows it is past the first chunk read, and past a body parsed at once
 DEEP = 50_000
+DIGITS = b"9" * 5000
 ONE_ANSWER: dict[str, tuple[bytes, int, str | None]] = {
     "texts": (b'{"input":["a","b"]}', 200, None),
     "a lone string": (b'{"input":"a"}', 200, None),
@@ -50,6 +51,16 @@ ONE_ANSWER: dict[str, tuple[bytes, int, str | None]] = {
     "dimensions past 64 bits": (b'{"input":"a","dimensions":99999999999999999999999}', 400, "dimensions"),
     "an id 1e999": (b'{"input":[1e999]}', 400, "input"),
     "an id past 64 bits": (b'{"input":[99999999999999999999999]}', 400, "input"),
+    # Past Python's int conversion limit (4,300 digits): at f4e9599 a 500 and a traceback (issue 45).
+    "dimensions of 5,000 digits": (b'{"input":"a","dimensions":' + DIGITS + b"}", 400, "dimensions"),
+    "dimensions of -5,000 digits": (b'{"input":"a","dimensions":-' + DIGITS + b"}", 400, "dimensions"),
+    "user of 5,000 digits": (b'{"input":"a","user":' + DIGITS + b"}", 400, "user"),
+    "an id of 5,000 digits": (b'{"input":[101,' + DIGITS + b"]}", 400, "input"),
+    "a nested id of 5,000 digits": (b'{"input":[[101],[' + DIGITS + b"]]}", 400, "input"),
+    "an empty text, then 5,000 digits": (b'{"input":[""],"dimensions":' + DIGITS + b"}", 400, "input[0]"),
+    "5,000 digits ending the body": (b'{"input":"a","dimensions":' + DIGITS, 400, "dimensions"),
+    "a body of 5,000 digits": (DIGITS, 400, None),
+    "dimensions of 4,300 digits": (b'{"input":"a","dimensions":' + DIGITS[:4300] + b"}", 400, "dimensions"),
     "trailing garbage": (b'{"input":"a"} x', 400, None),
     "a second document": (b'{"input":"a"}{}', 400, None),
     "a trailing comma": (b'{"input":"a",}', 400, None),
@@ -64,4 +75,5 @@ ONE_ANSWER: dict[str, tuple[bytes, int, str | None]] = {
     "nested deep in a field": (b'{"input":"a","user":' + b"[" * DEEP + b"]" * DEEP + b"}", 400, "user"),
     "nested deep in input": (b'{"input":' + b"[" * DEEP + b"]" * DEEP + b"}", 400, "input"),
 }
-SERVICE_REFUSES = {"dimensions past 64 bits"}  # read, then refused by the service (more than the model's)
+# Read, then refused by the service (more than the model's).
+SERVICE_REFUSES = {"dimensions past 64 bits", "dimensions of 4,300 digits"}

@@ -7,8 +7,11 @@ import numpy as np
 import pytest
 
 from kembed.errors import Field, InvalidInput
+from kembed.frontend.budget import call_weight
 from kembed.frontend.call import EmbedCall, Limits, Texts
+from kembed.frontend.service import INLINE_PREPARE_LIMIT
 from kembed.inputs import Sequences
+from kembed.prompts import PromptChoice
 
 LIMITS = Limits(max_items=8, max_text_chars=500)
 
@@ -46,6 +49,19 @@ def test_too_many_texts_are_refused_before_any_is_measured() -> None:
 def test_a_call_knows_its_count_and_bytes() -> None:
     texts = EmbedCall(inputs=Texts(["ab", "cde"], 5))
     ids = EmbedCall(inputs=Sequences(np.arange(7, dtype=np.int32), np.array([3, 4], dtype=np.int32)))
-    assert (texts.count, texts.nbytes) == (2, 5)
-    assert (ids.count, ids.nbytes) == (2, 28)
+    assert (texts.count, texts.nbytes(""), texts.nbytes("q: ")) == (2, 5, 11)
+    assert (ids.count, ids.nbytes("")) == (2, 28)
     assert texts.normalize and not texts.truncate and texts.timeout_s is None
+
+
+def test_a_prompt_weighs_once_per_text() -> None:
+    """Issue 45: 1,023 one-character texts and one over-long text after a literal prompt of a
+    thousand characters are a 3.7 KB message but a million characters to tokenize; counted without
+    the prompt, they were tokenized on the event loop and held at a thousandth of their weight."""
+    prompt = "Represent this sentence for retrieving passages: " * 20  # 1,000 characters
+    texts = Limits(max_items=1024, max_text_chars=8192).texts(["a"] * 1023 + ["word " * 200])
+    call = EmbedCall(inputs=texts, prompt=PromptChoice(text=prompt))
+    assert texts.chars <= INLINE_PREPARE_LIMIT < call.nbytes(prompt)  # tokenized off the event loop
+    assert call.nbytes(prompt) == texts.chars + 1024 * len(prompt)
+    held = call_weight(call.nbytes(prompt), call.count, 384)
+    assert held - call_weight(texts.chars, call.count, 384) >= 1024 * len(prompt)  # and reserved

@@ -33,6 +33,9 @@ LONG = " ".join(
     for i in range(30)
 )
 TOO_LONG = LONG * 2  # more than four chunks
+# 200 tokens at the head of every chunk leave 54 of a text's own: LONG needs 11 chunks with it, not 3.
+LONG_PROMPT = "a " * 200
+PROMPTED_MOST = 2 + 200 + MAX_CHUNKS * 54
 
 
 @pytest.fixture(scope="module")
@@ -162,6 +165,12 @@ REFUSED = {
         "texts[1]: ",
         f"the {MOST} tokens of {MAX_CHUNKS} chunks (max_chunks_per_input); split it",
     ),
+    "an input over its chunks with a prompt at the head of each": (  # issue 45: at f4e9599, a request's worth
+        pb.EmbedRequest(texts=[LONG], chunk=True, prompt=LONG_PROMPT),
+        "texts[0]: ",
+        f"the {PROMPTED_MOST} tokens of {MAX_CHUNKS} chunks that each repeat the prompt's 200 (max_chunks_per_input); "
+        "split it or shorten the prompt",
+    ),
     "more chunks than a request holds": (
         pb.EmbedRequest(texts=[LONG] * 3, chunk=True),
         "texts: needs at least ",
@@ -178,6 +187,13 @@ def test_limits_are_refused_naming_the_field(stub: pb_grpc.EmbedderStub, case: s
     details = refused.value.details() or ""
     assert refused.value.code() is grpc.StatusCode.INVALID_ARGUMENT
     assert details.startswith(field) and reason in details, details
+
+
+def test_a_long_prompt_still_embeds_a_text_of_one_chunk(stub: pb_grpc.EmbedderStub) -> None:
+    chunked = stub.Embed(pb.EmbedRequest(texts=[SHORT], chunk=True, prompt=LONG_PROMPT), timeout=120)
+    plain = stub.Embed(pb.EmbedRequest(texts=[SHORT], chunk=False, prompt=LONG_PROMPT), timeout=120)
+    np.testing.assert_allclose(decode(chunked), decode(plain), atol=2e-6)
+    assert list(chunked.token_counts) == list(plain.token_counts) and chunked.token_counts[0] > 200
 
 
 def test_pre_tokenized_ids_over_their_chunks_are_refused_by_their_exact_length(stub: pb_grpc.EmbedderStub) -> None:
@@ -221,6 +237,7 @@ def test_rest_chunks_and_usage_counts_every_chunks_tokens(
         ({"input": LONG, "chunk": True, "truncate": True}, "chunk", "chunk: chunk and truncate are both true"),
         ({"input": [SHORT, TOO_LONG], "chunk": True}, "input[1]", f"the {MOST} tokens of {MAX_CHUNKS} chunks"),
         ({"input": [LONG] * 3}, "input", "needs at least"),
+        ({"input": [SHORT, LONG], "prompt": LONG_PROMPT}, "input[1]", "chunks that each repeat the prompt's 200"),
     ],
 )
 def test_rest_refusals_name_the_field(server: ServerProcess, body: dict[str, Any], param: str, reason: str) -> None:

@@ -57,6 +57,13 @@ def test_chunk_maps_to_the_call_absent_as_the_servers_default(fields: dict[str, 
     assert from_json({"input": "a", **fields}).call.chunk is chunk
 
 
+@pytest.mark.parametrize("field", sorted(openai_api.FIELDS - {"input"}))
+def test_null_is_absent_for_every_optional_field(field: str) -> None:
+    """docs/api.md: null means absent. At f4e9599 chunk, truncate, priority and model were a 400 (issue 45)."""
+    parsed, absent = from_json({"input": "a", field: None}), from_json({"input": "a"})
+    assert (parsed.call, parsed.model, parsed.encoding) == (absent.call, absent.model, absent.encoding)
+
+
 def test_a_lone_string_is_one_text() -> None:
     inputs = from_json({"input": "hello", "model": SERVED[1]}).call.inputs
     assert isinstance(inputs, Texts) and list(inputs.items) == ["hello"]

@@ -50,12 +50,15 @@ class EmbedCall:
         inputs = self.inputs
         return len(inputs.items) if isinstance(inputs, Texts) else inputs.count
 
-    @property
-    def nbytes(self) -> int:
-        """Its inputs' bytes, near enough: a character of text counts one, a token id four. What
-        tokenizing or checking it costs, and what it holds in memory within a small factor."""
+    def nbytes(self, prompt: str) -> int:
+        """Its inputs' bytes, near enough: a character of text counts one, a token id four, and the
+        ``prompt`` put before each text counts with each (a thousand one-letter texts after a prompt
+        of a thousand characters are a million to tokenize). What tokenizing or checking it costs,
+        and what it holds in memory within a small factor."""
         inputs = self.inputs
-        return inputs.chars if isinstance(inputs, Texts) else int(inputs.ids.nbytes)
+        if isinstance(inputs, Texts):
+            return inputs.chars + len(prompt) * len(inputs.items)
+        return int(inputs.ids.nbytes)
 
 
 @dataclass(frozen=True, slots=True)

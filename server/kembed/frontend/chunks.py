@@ -12,10 +12,11 @@ Why the front end does this, and not the engine: docs/decisions/chunked-inputs.m
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import numpy as np
 
+from kembed.errors import Field, InvalidInput
 from kembed.inputs import Sequences
 
 
@@ -43,28 +44,48 @@ class Chunking:
         """The longest input, special tokens included, that ``max_chunks`` chunks hold."""
         return self.head + self.tail + self.max_chunks * self.step
 
+    def with_prompt(self, tokens: int) -> Chunking:
+        """Chunks that each start with a prompt's ``tokens`` too: the step shrinks by as many, and so
+        does what ``max_chunks`` chunks hold of an input's own tokens."""
+        return replace(self, head=self.head + tokens)
+
+    def check(self, lengths: np.ndarray, most_items: int) -> np.ndarray:
+        """How many chunks each input of these lengths is split into, refused (naming the input)
+        past ``max_chunks`` or, all together, past ``most_items``: arithmetic on the lengths alone,
+        so nothing sized by the chunks is built for a call that is refused."""
+        counts = self.counts(lengths)
+        if (over := counts > self.max_chunks).any():
+            index = int(np.argmax(over))
+            reason = f"{lengths[index]} tokens need {counts[index]} chunks, more than {self.max_chunks}"
+            raise InvalidInput(Field.INPUT, f"{reason} (max_chunks_per_input): split it", index)
+        if (total := int(counts.sum())) > most_items:
+            reason = f"needs at least {total} chunks, more than the {most_items} items a request holds"
+            raise InvalidInput(Field.INPUT, f"{reason} (max_batch_items): split it")
+        return counts
+
     def counts(self, lengths: np.ndarray) -> np.ndarray:
         """How many chunks each input of these lengths is split into."""
         lengths = np.asarray(lengths, dtype=np.int64)
         content = lengths - self.head - self.tail
         return np.where(lengths <= self.size, 1, -(-content // self.step))
 
-    def lengths(self, lengths: np.ndarray) -> np.ndarray:
-        """Every chunk's length, each input's chunks in order: full chunks, then what is left."""
+    def lengths(self, lengths: np.ndarray, counts: np.ndarray) -> np.ndarray:
+        """Every chunk's length, each input's chunks in order (``counts`` of them: :meth:`check`'s),
+        full chunks, then what is left."""
         lengths = np.asarray(lengths, dtype=np.int64)
-        counts = self.counts(lengths)
         chunks = np.repeat(np.minimum(lengths, self.size), counts)
         split = counts > 1
         left = lengths[split] - (counts[split] - 1) * self.step  # the last chunk's own tokens and the specials
         chunks[(np.cumsum(counts) - 1)[split]] = left
         return chunks
 
-    def split(self, seqs: Sequences) -> Chunks:
-        """The inputs as chunks; inputs that fit the model stay as they are."""
+    def split(self, seqs: Sequences, most_items: int) -> Chunks:
+        """The inputs as chunks; inputs that fit the model stay as they are. Refused as :meth:`check`
+        refuses, before any array of the chunks is built."""
+        counts = self.check(seqs.lengths, most_items)
         if not (seqs.lengths > self.size).any():
             return Chunks.whole(seqs)
-        counts = self.counts(seqs.lengths)
-        lengths = self.lengths(seqs.lengths)
+        lengths = self.lengths(seqs.lengths, counts)
         first = np.cumsum(counts) - counts  # each input's first chunk
         nth = np.arange(lengths.shape[0]) - np.repeat(first, counts)  # each chunk's place in its input
         # Per id of the chunks: its chunk's length, its place in its chunk, its input's length and offset.

@@ -22,8 +22,9 @@ from __future__ import annotations
 import base64
 import math
 import re
+import sys
 from array import array
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from enum import Enum
 from typing import Any
@@ -191,14 +192,33 @@ class Body:
     def _parse(self, chunk: bytes) -> None:
         """yajl reads ``chunk``, and the events it gave are walked, those before a fault of JSON
         too: a limit that one of them breaks comes first in the body."""
-        if not chunk:  # yajl would read it as the body's end
-            return
+        if chunk:  # yajl would read an empty one as the body's end
+            self._read(lambda: self._parser.send(chunk))
+
+    def _read(self, yajl_reads: Callable[[], object]) -> None:
+        """yajl reads a chunk, or the body's end, then its events are walked; its faults are named."""
         try:
-            self._parser.send(chunk)
+            yajl_reads()
         except (ijson.JSONError, UnicodeDecodeError) as error:
             self._walk_parsed()
             raise self._not_json(error) from None
+        except (SystemError, ValueError) as error:
+            if not _too_many_digits(error):
+                raise
+            raise self._too_many_digits() from None
         self._walk_parsed()
+
+    def _too_many_digits(self) -> ApiError:
+        """yajl read a whole number longer than Python converts to an int (4,300 digits unless
+        ``sys.set_int_max_str_digits`` says otherwise): refused naming where it is. ijson leaves the
+        failed number as the last event, its value not an object: that event is freed unread, and
+        those before it walked."""
+        events = self._events
+        parsed = events[:-1] if events and events[-1][0] == "number" else events[:]
+        del events[:]
+        self.walk(parsed)  # a fault before it comes first
+        place = self._place()
+        return invalid(f"{place or 'the body'}: a number of more than {sys.get_int_max_str_digits()} digits", place)
 
     def _walk_parsed(self) -> None:
         try:
@@ -225,12 +245,7 @@ class Body:
         lone = self._surrogates.find(b"", last=True)
         if lone is not None:
             raise self._lone(lone[1])
-        try:
-            self._parser.close()  # a number that ends the body is only read now
-        except ijson.JSONError as error:
-            self._walk_parsed()
-            raise self._not_json(error) from None
-        self._walk_parsed()
+        self._read(self._parser.close)  # a number that ends the body is only read now
         if "input" not in self._fields:
             raise invalid("input: missing", "input")
         if self._too_long is not None and self._fields.get("truncate") is not True:
@@ -356,7 +371,9 @@ def _embeddings(
     peer: str,
     timeout_s: float | None,
 ) -> Embeddings:
-    """The fields other than input, checked, around the inputs read."""
+    """The fields other than input, checked, around the inputs read. A field that is null is absent:
+    one rule for every optional field, as clients that write each option (null when unset) expect."""
+    fields = {name: value for name, value in fields.items() if value is not None}
     model = fields.get("model", served[0])
     if not isinstance(model, str):
         raise invalid("model: must be a string", "model")
@@ -367,14 +384,14 @@ def _embeddings(
     if encoding not in ENCODINGS:
         raise invalid(f"encoding_format: {encoding!r} is not one of {', '.join(ENCODINGS)}", "encoding_format")
     truncate, priority = _flag(fields, "truncate"), _priority(fields)
-    dimensions = fields.get("dimensions")
-    if dimensions is not None and (not _is_int(dimensions) or dimensions < 1):
+    dimensions = fields.get("dimensions", 0)
+    if "dimensions" in fields and (not _is_int(dimensions) or dimensions < 1):
         raise invalid("dimensions: must be a whole number of at least 1", "dimensions")
     call = EmbedCall(
         inputs=inputs,
         truncate=truncate,
         chunk=_flag(fields, "chunk") if "chunk" in fields else None,
-        dimensions=dimensions or 0,
+        dimensions=dimensions,
         encoding=ENCODINGS[encoding],
         priority=priority,
         prompt=_prompt(fields),
@@ -395,6 +412,13 @@ def _unknown(name: str) -> ApiError:
     shown = name if len(name) <= 64 else f"{name[:64]}..."
     known = ", ".join(OPENAI_FIELDS + EXTENSIONS)
     return invalid(f"{shown}: not a field of this API (it takes {known})", shown)
+
+
+def _too_many_digits(error: SystemError | ValueError) -> bool:
+    """Whether yajl's number was past Python's int conversion limit (ijson's C callback raises it as
+    the cause of a SystemError)."""
+    cause = error if isinstance(error, ValueError) else error.__cause__
+    return isinstance(cause, ValueError) and "integer string conversion" in str(cause)
 
 
 def _bad_ids() -> ApiError:
@@ -482,7 +506,7 @@ def _priority(data: dict[str, Any]) -> Priority:
 
 
 def _prompt(data: dict[str, Any]) -> PromptChoice:
-    """kembed's extensions ``prompt_name``, ``prompt`` and ``input_type``: strings, null as absent."""
+    """kembed's extensions ``prompt_name``, ``prompt`` and ``input_type``: strings."""
     name, text, input_type = (data.get(field) for field in ("prompt_name", "prompt", "input_type"))
     for field, value in (("prompt_name", name), ("prompt", text), ("input_type", input_type)):
         if value is not None and not isinstance(value, str):

@@ -13,12 +13,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import dataclasses
 import time
 from collections.abc import Callable
 from concurrent.futures import Executor
 from pathlib import Path
-from typing import Protocol
+from typing import NamedTuple, Protocol
 
 import numpy as np
 import tokenizers
@@ -52,6 +51,16 @@ COST_RATIO_WEIGHT = 0.05
 # Counting words for the pre-screen costs a fiftieth of tokenizing; above this many characters a
 # request's words are not counted on the event loop, and it is pre-screened at one token an item.
 WORD_COUNT_LIMIT = 65536
+
+
+class Prompt(NamedTuple):
+    """The text put before each of a call's texts, and its tokens (without special tokens)."""
+
+    text: str
+    tokens: int
+
+
+NO_PROMPT = Prompt("", 0)
 
 
 class Gate:
@@ -155,11 +164,9 @@ class EmbedService:
             vocab_size=info.vocab_size,
         )
         tokenizer = self._tokenizer
+        # The model's prompts, counted once: a literal one is counted with each call that sends it.
+        self._model_prompts = {text: Prompt(text, tokenizer.count(text)) for text in info.prompts.values()}
         self._chunking = Chunking(info.max_input_tokens, tokenizer.head, tokenizer.tail, settings.max_chunks_per_input)
-        most = self._chunking.max_tokens
-        self._chunked_limit = TokenLimit(
-            most, f"the {most} tokens of {settings.max_chunks_per_input} chunks (max_chunks_per_input)", "split it"
-        )
 
     async def embed(self, call: EmbedCall) -> EmbedResult:
         """The call is admitted or refused as it arrives, never held. What it holds is weighed against
@@ -168,8 +175,11 @@ class EmbedService:
         arrival = self._clock()
         self._gate.enter()
         try:
-            with self._memory.reserve(call_weight(call.nbytes, self._most_items(call), self._info.dimensions)):
-                return await self._serve(call, arrival)
+            self._validate(call)
+            prompt = self._prompt(call)
+            weight = call_weight(call.nbytes(prompt.text), self._most_items(call), self._info.dimensions)
+            with self._memory.reserve(weight):
+                return await self._serve(call, prompt, arrival)
         except EmbedError as error:
             if error.failure is Failure.REJECTED:
                 await self._pace(call.peer)
@@ -195,23 +205,21 @@ class EmbedService:
         """Answer every paced refusal now, and pace none from here on: a drain waits for no timer."""
         self._draining.set()
 
-    async def _serve(self, call: EmbedCall, arrival: float) -> EmbedResult:
-        self._validate(call)
-        chunked = self._chunked(call)
-        prompt = self._prompt(call)
-        least = self._least_cost(call, chunked)
+    async def _serve(self, call: EmbedCall, prompt: Prompt, arrival: float) -> EmbedResult:
+        chunking = self._chunking.with_prompt(prompt.tokens) if self._chunked(call) else None
+        least = self._least_cost(call, chunking, prompt)
         least_cost = self._screened_cost(least, call.peer)
         priority = self._screen.class_of(least_cost, call.priority)
         stated = None if call.timeout_s is None else arrival + call.timeout_s  # the client's own deadline
         self._raise_if_rejected(self._screen.before_tokenizing(least_cost, priority), priority)
         if call.timeout_s is not None:
             self._raise_if_rejected(self._screen.in_time(least_cost, priority, call.timeout_s), priority)
-        if call.nbytes <= INLINE_PREPARE_LIMIT:
-            chunks = self._prepare(call, chunked, prompt)  # on the event loop: no other call is screened meanwhile
+        if call.nbytes(prompt.text) <= INLINE_PREPARE_LIMIT:
+            chunks = self._prepare(call, chunking, prompt)  # on the event loop: no other call is screened meanwhile
         else:
             with self._screen.tokenizing(least_cost, priority):
                 loop = asyncio.get_running_loop()
-                chunks = await loop.run_in_executor(self._executor, self._prepare, call, chunked, prompt)
+                chunks = await loop.run_in_executor(self._executor, self._prepare, call, chunking, prompt)
         tokenized = self._clock()
         seqs = chunks.seqs
         cost = self._padded_tokens(seqs.lengths)
@@ -262,63 +270,72 @@ class EmbedService:
             return call.count
         return min(call.count * self._chunking.max_chunks, self._settings.max_items_per_request)
 
-    def _prepare(self, call: EmbedCall, chunked: bool, prompt: str) -> Chunks:
-        """The call's inputs as the items the engine computes: tokenized, and chunked if asked."""
-        limit = self._chunked_limit if chunked else self._tokenizer.limit
+    def _prepare(self, call: EmbedCall, chunking: Chunking | None, prompt: Prompt) -> Chunks:
+        """The call's inputs as the items the engine computes: tokenized, and chunked if asked
+        (``chunking``: every chunk starts with the prompt, as the whole input would)."""
+        limit = self._limit(chunking)
         inputs = call.inputs
         if isinstance(inputs, Texts):
             # As sentence-transformers does: the prompt and the text tokenized as one, so it counts
             # in the tokens, and truncation cuts the text's end, never the prompt.
-            texts = [prompt + text for text in inputs.items] if prompt else inputs.items
+            texts = [prompt.text + text for text in inputs.items] if prompt.text else inputs.items
             seqs = self._tokenizer.from_texts(texts, call.truncate, limit)
         else:
             seqs = self._tokenizer.from_ids(inputs, call.truncate, limit)
-        if not chunked:
+        if chunking is None:
             return Chunks.whole(seqs)
-        # Every chunk starts with the prompt, as the whole input would.
-        head = self._chunking.head + (self._tokenizer.count(prompt) if prompt else 0)
-        chunks = dataclasses.replace(self._chunking, head=head).split(seqs)
-        self._check_chunks(chunks.seqs.count)
-        return chunks
+        return chunking.split(seqs, self._settings.max_items_per_request)
 
-    def _prompt(self, call: EmbedCall) -> str:
+    def _limit(self, chunking: Chunking | None) -> TokenLimit:
+        """The most tokens an input may have: the model's, or what ``chunking``'s most chunks hold,
+        fewer the more tokens a prompt repeats at the head of each."""
+        if chunking is None:
+            return self._tokenizer.limit
+        most, max_chunks = chunking.max_tokens, chunking.max_chunks
+        if (prompt := chunking.head - self._chunking.head) == 0:
+            return TokenLimit(most, f"the {most} tokens of {max_chunks} chunks (max_chunks_per_input)", "split it")
+        name = f"the {most} tokens of {max_chunks} chunks that each repeat the prompt's {prompt} (max_chunks_per_input)"
+        return TokenLimit(most, name, "split it or shorten the prompt")
+
+    def _prompt(self, call: EmbedCall) -> Prompt:
         """The text put before each of the call's texts: none before pre-tokenized ids, whose
         client tokenized what it wants embedded (a prompt asked for with them is refused)."""
         choice = call.prompt
         choice.check()
         if isinstance(call.inputs, Texts):
+            text = self._prompts.text(choice)
+            if not text:
+                return NO_PROMPT
             # The model's own prompts were measured as it loaded; a literal one is measured here.
-            if choice.text and (tokens := self._tokenizer.crowds_out(choice.text)) is not None:
-                reason = f"{tokens} tokens, leaving no room for a text in the model's {self._info.max_input_tokens}"
-                raise InvalidInput(Field.PROMPT, reason)
-            return self._prompts.text(choice)
+            return self._model_prompts.get(text) or self._literal_prompt(text)
         if choice.given:
             raise InvalidInput(
                 choice.given[0], "not taken with pre-tokenized input: put the prompt's tokens in the ids"
             )
-        return ""
+        return NO_PROMPT
 
-    def _check_chunks(self, count: int) -> None:
-        if count > (most := self._settings.max_items_per_request):
-            reason = f"needs at least {count} chunks, more than the {most} items a request holds (max_batch_items)"
-            raise InvalidInput(Field.INPUT, f"{reason}: split it")
+    def _literal_prompt(self, text: str) -> Prompt:
+        if (tokens := self._tokenizer.count(text)) > self._tokenizer.prompt_room:
+            reason = f"{tokens} tokens, leaving no room for a text in the model's {self._info.max_input_tokens}"
+            raise InvalidInput(Field.PROMPT, reason)
+        return Prompt(text, tokens)
 
-    def _least_cost(self, call: EmbedCall, chunked: bool) -> int:
+    def _least_cost(self, call: EmbedCall, chunking: Chunking | None, prompt: Prompt) -> int:
         """A lower bound of the call's padded cost, read without tokenizing, so that the pre-screen
         refuses what the server cannot take before it costs a tokenization: exact for pre-tokenized
-        ids, from the word counts for texts (see ``Tokenizer.least_lengths``). Chunked, it counts the
-        chunks, and a call that would need more than a request holds is refused here."""
-        limit = self._chunked_limit if chunked else self._tokenizer.limit
+        ids, from the word counts and the prompt's tokens for texts (see ``Tokenizer.least_lengths``).
+        Chunked, it counts the chunks, and a call that would need more than a request holds is
+        refused here."""
+        limit = self._limit(chunking)
         inputs = call.inputs
         if isinstance(inputs, Sequences):
             lengths = np.clip(inputs.lengths, 1, limit.tokens)
         elif inputs.chars <= WORD_COUNT_LIMIT:
-            lengths = self._tokenizer.least_lengths(inputs.items, limit)
+            lengths = self._tokenizer.least_lengths(inputs.items, limit, prompt.tokens)
         else:
-            lengths = np.ones(call.count, dtype=np.int64)
-        if chunked:
-            lengths = self._chunking.lengths(lengths)
-            self._check_chunks(len(lengths))
+            lengths = np.full(call.count, min(1 + prompt.tokens, limit.tokens), dtype=np.int64)
+        if chunking is not None:
+            lengths = chunking.lengths(lengths, chunking.check(lengths, self._settings.max_items_per_request))
         return self._padded_tokens(lengths)
 
     def _padded_tokens(self, lengths: np.ndarray) -> int:
