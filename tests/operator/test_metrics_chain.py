@@ -33,7 +33,7 @@ from tests.operator.conftest import CHART, free_port, wait_for
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 OWNER = render.Owner(name="emb", namespace="search", uid="u")
 POD = "emb-7d4b9c8f6d-x2x9z"  # what a Deployment's pod is called
-HPA_METRICS = (Metric.QUEUE_DRAIN_SECONDS, Metric.LATENCY_P95_SECONDS)
+HPA_METRICS = (Metric.DEMAND_RATIO, Metric.QUEUE_DRAIN_SECONDS, Metric.LATENCY_P95_SECONDS)
 # Checked before any fixture runs, so a machine without Prometheus does not start a server for nothing.
 needs_prometheus = pytest.mark.skipif(
     not Path(bench_prometheus.BINARY).exists(),
