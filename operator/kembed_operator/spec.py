@@ -249,7 +249,7 @@ class AutoscalingSpec(SpecModel):
     provider: Literal["hpa", "keda"] = "hpa"
     targets: AutoscalingTargets = Field(
         default_factory=AutoscalingTargets,
-        description="Per-pod averages to scale on; unset = derived from slo.p95LatencyMs.",
+        description="Per-pod averages to scale on; unset = the demand at 0.7, the guards from slo.p95LatencyMs.",
     )
     behavior: Verbatim | None = Field(
         None,
