@@ -10,6 +10,7 @@ of as a crash loop.
 
 from __future__ import annotations
 
+import copy
 import json
 import math
 from dataclasses import dataclass, field
@@ -525,17 +526,42 @@ def _pdb(owner: Owner) -> Manifest:
 # --- autoscaling ----------------------------------------------------------------------------------
 
 
+# The HPA's behavior unless the spec sets one. Up: the API's default (at once, doubling or 4 pods
+# per 15 s): the demand does not saturate, so one sync proposes the size the load needs. Down: the
+# demand is an average over 15 s, not a noisy instant, and sums to the fleet's offered load, so the
+# proposal is a fixed point (no feedback from pod count to the metric, unlike the drain time); 120 s
+# rides out a pause in traffic shorter than a pod start, and half the pods a minute at most leaves
+# the rest time to show the load they take over before the next step down.
+BEHAVIOR: Manifest = {
+    "scaleUp": {
+        "stabilizationWindowSeconds": 0,
+        "selectPolicy": "Max",
+        "policies": [
+            {"type": "Percent", "value": 100, "periodSeconds": 15},
+            {"type": "Pods", "value": 4, "periodSeconds": 15},
+        ],
+    },
+    "scaleDown": {
+        "stabilizationWindowSeconds": 120,
+        "selectPolicy": "Max",
+        "policies": [{"type": "Percent", "value": 50, "periodSeconds": 60}],
+    },
+}
+
+
 def targets(thresholds: Thresholds) -> dict[str, float]:
-    """Metric name -> per-pod target in seconds, the numbers both autoscaler kinds aim for."""
+    """Metric name -> per-pod target, the numbers both autoscaler kinds aim for: the demand, then
+    the guards (seconds), each proposing a size and the largest winning."""
     return {
+        Metric.DEMAND_RATIO: thresholds.target_demand_ratio,
         Metric.QUEUE_DRAIN_SECONDS: thresholds.target_queue_drain_s,
         Metric.LATENCY_P95_SECONDS: thresholds.target_latency_p95_s,
     }
 
 
-def quantity(seconds: float) -> str:
-    """Seconds as a Kubernetes quantity in milli-units: 0.5 -> "500m"."""
-    return f"{round(seconds * 1000)}m"
+def quantity(value: float) -> str:
+    """A value (seconds, a ratio) as a Kubernetes quantity in milli-units: 0.5 -> "500m"."""
+    return f"{round(value * 1000)}m"
 
 
 def _hpa(owner: Owner, spec: EmbeddingServiceSpec, thresholds: Thresholds) -> Manifest:
@@ -555,10 +581,13 @@ def _hpa(owner: Owner, spec: EmbeddingServiceSpec, thresholds: Thresholds) -> Ma
         "minReplicas": spec.min_replicas,
         "maxReplicas": spec.replica_ceiling,
         "metrics": metrics,
+        "behavior": _behavior(spec),
     }
-    if spec.autoscaling.behavior is not None:
-        hpa_spec["behavior"] = spec.autoscaling.behavior
     return _object(kinds.HPA, owner, hpa_spec)
+
+
+def _behavior(spec: EmbeddingServiceSpec) -> Manifest:
+    return copy.deepcopy(BEHAVIOR) if spec.autoscaling.behavior is None else spec.autoscaling.behavior
 
 
 def pod_matcher(owner: Owner) -> str:
@@ -598,7 +627,6 @@ def _scaled_object(
         "pollingInterval": keda.polling_interval,
         "cooldownPeriod": keda.cooldown_period,
         "triggers": triggers,
+        "advanced": {"horizontalPodAutoscalerConfig": {"behavior": _behavior(spec)}},
     }
-    if spec.autoscaling.behavior is not None:
-        so_spec["advanced"] = {"horizontalPodAutoscalerConfig": {"behavior": spec.autoscaling.behavior}}
     return _object(kinds.SCALED_OBJECT, owner, so_spec)

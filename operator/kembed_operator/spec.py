@@ -225,8 +225,13 @@ class SloSpec(SpecModel):
 
 
 class AutoscalingTargets(SpecModel):
-    queue_drain_seconds: float | None = Field(None, gt=0)
-    latency_p95_seconds: float | None = Field(None, gt=0)
+    demand_ratio: float | None = Field(
+        None,
+        gt=0,
+        description="The utilisation to scale to: work offered (refusals included) over a pod's capacity; unset = 0.7.",
+    )
+    queue_drain_seconds: float | None = Field(None, gt=0, description="A guard: unset = 0.4 x slo.p95LatencyMs.")
+    latency_p95_seconds: float | None = Field(None, gt=0, description="A guard: unset = slo.p95LatencyMs.")
 
 
 class KedaSpec(SpecModel):
@@ -244,10 +249,12 @@ class AutoscalingSpec(SpecModel):
     provider: Literal["hpa", "keda"] = "hpa"
     targets: AutoscalingTargets = Field(
         default_factory=AutoscalingTargets,
-        description="Per-pod averages to scale on; unset = derived from slo.p95LatencyMs.",
+        description="Per-pod averages to scale on; unset = the demand at 0.7, the guards from slo.p95LatencyMs.",
     )
     behavior: Verbatim | None = Field(
-        None, description="autoscaling/v2 HorizontalPodAutoscalerBehavior, passed through verbatim."
+        None,
+        description="autoscaling/v2 HorizontalPodAutoscalerBehavior, passed through verbatim; unset = the "
+        "operator's (scale up at once, down after 120 s, by at most half the pods a minute).",
     )
     keda: KedaSpec = Field(default_factory=KedaSpec)
 

@@ -20,7 +20,7 @@ from kembed.priority import Priority
 
 
 class Cell(IntEnum):
-    """The pod's cells; then some per class (:class:`ClassCell`), then two per front end (:class:`FrontendCell`)."""
+    """The pod's cells; then some per class (:class:`ClassCell`), then some per front end (:class:`FrontendCell`)."""
 
     ENGINE_READY = 0  # 1 once warm
     DRAINING = 1  # set by the supervisor on SIGTERM
@@ -50,6 +50,8 @@ class FrontendCell(IntEnum):
     HEARTBEAT = 0  # time.monotonic() of the front end's event loop's last turn
     SERVING = 1  # 1 while it answers calls
     FRAMES_TAKEN = 2  # its WORK frames the engine has admitted and published (written by the engine)
+    OFFERED_RATE = 3  # padded tokens per second offered to it, admitted or refused (kembed/demand.py)
+    OFFERED_AT = 4  # time.monotonic() of OFFERED_RATE's last update
 
 
 class Board:

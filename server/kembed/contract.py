@@ -41,6 +41,12 @@ EXIT_EMBED_INTERRUPTED: Final = 130  # ^C or SIGTERM: the rows written are kept
 GRPC_SERVICE: Final = "kembed.v1.Embedder"
 # gRPC trailing metadata key telling a rejected client when to retry (gRFC A6).
 RETRY_PUSHBACK_KEY: Final = "grpc-retry-pushback-ms"
+# Retry markers: a call that carries one with a value over 0 is a retry, and is not counted again
+# in the offered demand (kembed/demand.py). gRPC's own retry policy sends the first (gRFC A6), the
+# openai SDKs the second, kembed's client the third (gRPC metadata; a REST call may send it too).
+GRPC_PREVIOUS_ATTEMPTS_KEY: Final = "grpc-previous-rpc-attempts"
+OPENAI_RETRY_COUNT_HEADER: Final = "x-stainless-retry-count"
+RETRY_ATTEMPT_KEY: Final = "kembed-retry-attempt"
 
 
 def env_name(setting: str) -> str:
@@ -55,6 +61,7 @@ PRIORITY_LABEL: Final = "priority"
 class Metric:
     """Prometheus metric names. The operator's autoscaling queries depend on them: keep them."""
 
+    DEMAND_RATIO: Final = "kembed_demand_ratio"  # work offered, refused included, over the pod's capacity
     QUEUE_DRAIN_SECONDS: Final = "kembed_queue_drain_seconds"  # the whole backlog, every class
     LATENCY_P95_SECONDS: Final = "kembed_request_latency_p95_seconds"  # interactive requests
     REQUEST_DURATION_SECONDS: Final = "kembed_request_duration_seconds"  # {priority}

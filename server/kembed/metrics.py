@@ -4,8 +4,9 @@ Every process of the server counts what it sees in prometheus-client's multiproc
 supervisor points ``PROMETHEUS_MULTIPROC_DIR`` at a folder of its own before starting them): front
 ends count requests, their latency and their pre-screen rejections; the engine counts its own
 rejections and its batches, and says which dtype and which forward it serves with, and why. The supervisor serves
-``/metrics``: those files, merged, plus gauges of the present (drain time, P95, backlog, rate, by
-class where it differs) read off the engine's board at scrape time, so they are never stale.
+``/metrics``: those files, merged, plus gauges of the present (offered demand, drain time, P95,
+backlog, rate, by class where it differs) read off the engine's board at scrape time, so they are
+never stale; the demand sums every front end's cells (:mod:`kembed.demand`).
 
 The autoscaling signals keep their names and say which class they count: the drain time is the
 whole backlog's (every class), the P95 the interactive requests'. Per class, under the
@@ -16,6 +17,7 @@ For an inference gateway's endpoint picker: waiting and running requests, and th
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
@@ -24,7 +26,8 @@ from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.multiprocess import MultiProcessCollector
 from prometheus_client.registry import Collector
 
-from kembed.board import Board, Cell, ClassCell
+from kembed import demand
+from kembed.board import Board, Cell, ClassCell, FrontendCell
 from kembed.contract import PRIORITY_LABEL, Metric
 from kembed.priority import Priority
 
@@ -136,6 +139,12 @@ class BoardGauges(Collector):
         self._board = board
         self._gauges: list[tuple[str, str, Callable[[], float]]] = [
             (
+                Metric.DEMAND_RATIO,
+                "Work offered per second, refused included, over the work per second the pod can do "
+                f"(padded tokens, weighted over {demand.DEMAND_TAU_S:g} s); 1 is at capacity",
+                lambda: demand_ratio(board, time.monotonic()),
+            ),
+            (
                 Metric.QUEUE_DRAIN_SECONDS,
                 "Estimated time to drain the backlog of every class",
                 lambda: drain_seconds(board),
@@ -192,6 +201,15 @@ def running(board: Board) -> float:
     """Requests admitted and not answered, less those none of whose items started."""
     waiting = sum(board.of_class(priority, ClassCell.WAITING_REQUESTS) for priority in Priority)
     return max(0.0, board[Cell.OPEN_REQUESTS] - waiting)
+
+
+def demand_ratio(board: Board, now: float) -> float:
+    """The work the pod's front ends were offered, as it stands at ``now``, over the measured rate."""
+    rates = (
+        (board.frontend(i, FrontendCell.OFFERED_RATE), board.frontend(i, FrontendCell.OFFERED_AT))
+        for i in range(board.frontends)
+    )
+    return demand.ratio(rates, now, board[Cell.TOKENS_PER_SECOND])
 
 
 def drain_seconds(board: Board) -> float:

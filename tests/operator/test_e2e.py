@@ -90,7 +90,7 @@ def test_spec_change_rolls_out(kube: Kube) -> None:
         "the new HPA targets",
         lambda: (
             (h := kube.child(HPAS, "change"))
-            and h["spec"]["metrics"][0]["pods"]["target"]["averageValue"] == "100m"
+            and h["spec"]["metrics"][1]["pods"]["target"]["averageValue"] == "160m"  # the drain guard, 0.4 P
             and h
         ),
     )

@@ -13,6 +13,7 @@ import json
 import os
 import subprocess
 import sys
+import time
 import urllib.error
 import urllib.parse
 import urllib.request
@@ -33,7 +34,7 @@ from tests.operator.conftest import CHART, free_port, wait_for
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 OWNER = render.Owner(name="emb", namespace="search", uid="u")
 POD = "emb-7d4b9c8f6d-x2x9z"  # what a Deployment's pod is called
-HPA_METRICS = (Metric.QUEUE_DRAIN_SECONDS, Metric.LATENCY_P95_SECONDS)
+HPA_METRICS = (Metric.DEMAND_RATIO, Metric.QUEUE_DRAIN_SECONDS, Metric.LATENCY_P95_SECONDS)
 # Checked before any fixture runs, so a machine without Prometheus does not start a server for nothing.
 needs_prometheus = pytest.mark.skipif(
     not Path(bench_prometheus.BINARY).exists(),
@@ -57,6 +58,7 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
         **os.environ,
         "KEMBED_GRPC_PORT": str(grpc_port),
         "KEMBED_HTTP_PORT": str(http_port),
+        "KEMBED_REST_PORT": str(free_port()),  # not the default 8080, which another server may hold
         "KEMBED_BUCKETS": "16,32",
         "KEMBED_MAX_BATCH_SIZE": "8",
         "KEMBED_LATENCY_WINDOW_S": "600",  # keeps the P95 still while the test compares it
@@ -143,7 +145,7 @@ def test_adapter_query_returns_what_the_server_exposes(rule: dict[str, Any], ser
     promql = expand(rule["metricsQuery"], metric)
     (sample,) = wait_for(promql, lambda: query(prometheus, promql), 60, 0.5)
     assert sample["metric"] == {"pod": POD}  # one value per pod, as the HPA's Pods metric wants
-    assert float(sample["value"][1]) == pytest.approx(scraped(server, metric), abs=1e-3)
+    assert_returns_what_the_server_exposes(server, prometheus, metric, promql)
 
 
 @needs_prometheus
@@ -154,5 +156,20 @@ def test_keda_queries_return_what_the_server_exposes(server: str, prometheus: st
     for trigger in scaled["spec"]["triggers"]:
         promql = trigger["metadata"]["query"]
         metric = promql.removeprefix("sum(").split("{")[0]
-        (sample,) = wait_for(promql, functools.partial(query, prometheus, promql), 60, 0.5)
+        wait_for(promql, functools.partial(query, prometheus, promql), 60, 0.5)
+        assert_returns_what_the_server_exposes(server, prometheus, metric, promql)
+
+
+def assert_returns_what_the_server_exposes(server: str, prometheus: str, metric: str, promql: str) -> None:
+    """The query's value is the server's: the same, for the gauges the fixture holds still; for the
+    demand, which decays with no load (the fixture's calls were its only work), a value scraped
+    between two reads of the server lies between them, and the fixture's load shows in it."""
+    if metric != Metric.DEMAND_RATIO:
+        (sample,) = query(prometheus, promql)
         assert float(sample["value"][1]) == pytest.approx(scraped(server, metric), abs=1e-3)
+        return
+    since, before = time.time(), scraped(server, metric)
+    wait_for("a scrape after the first read", lambda: query(prometheus, f"timestamp({metric}) > {since}"), 60, 0.5)
+    (sample,) = query(prometheus, promql)
+    after = scraped(server, metric)
+    assert 0 < after <= float(sample["value"][1]) <= before

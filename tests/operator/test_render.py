@@ -55,7 +55,7 @@ FEATURES: dict[str, dict[str, Any]] = {
     "hpa": {"maxReplicas": 6, "autoscaling": {"behavior": {"scaleDown": {"stabilizationWindowSeconds": 600}}}},
     "hpa explicit targets": {
         "maxReplicas": 3,
-        "autoscaling": {"targets": {"queueDrainSeconds": 0.2, "latencyP95Seconds": 0.3}},
+        "autoscaling": {"targets": {"demandRatio": 0.9, "queueDrainSeconds": 0.2, "latencyP95Seconds": 0.3}},
     },
     "keda": {
         "minReplicas": 2,
@@ -297,7 +297,11 @@ def test_slo_drives_admission_and_hpa() -> None:
     assert [slo[env_name(k)] for k in ("max_drain_ms", "p95_soft_ms", "p95_hard_ms")] == ["250", "250", "500"]
     hpa = children({**FEATURES["slo"], "maxReplicas": 2})["HorizontalPodAutoscaler"]
     targets = {m["pods"]["metric"]["name"]: m["pods"]["target"]["averageValue"] for m in hpa["spec"]["metrics"]}
-    assert targets == {Metric.QUEUE_DRAIN_SECONDS: "62m", Metric.LATENCY_P95_SECONDS: "200m"}
+    assert targets == {
+        Metric.DEMAND_RATIO: "700m",
+        Metric.QUEUE_DRAIN_SECONDS: "100m",
+        Metric.LATENCY_P95_SECONDS: "250m",
+    }
 
 
 def test_hpa() -> None:
@@ -311,7 +315,23 @@ def test_hpa() -> None:
     (deployment,) = [c for c in render.render(OWNER, parse_spec(FEATURES["hpa"]), CONFIG) if c.kind == kinds.DEPLOYMENT]
     assert deployment.on_create == {"spec": {"replicas": 1}}  # ...after it starts at minReplicas
     explicit = children(FEATURES["hpa explicit targets"])["HorizontalPodAutoscaler"]["spec"]["metrics"]
-    assert [m["pods"]["target"]["averageValue"] for m in explicit] == ["200m", "300m"]
+    assert [m["pods"]["target"]["averageValue"] for m in explicit] == ["900m", "200m", "300m"]
+
+
+def test_hpa_scales_on_demand_with_the_operators_behavior_unless_the_spec_sets_one() -> None:
+    hpa = children({"maxReplicas": 6})["HorizontalPodAutoscaler"]["spec"]
+    assert hpa["metrics"][0]["pods"]["metric"]["name"] == Metric.DEMAND_RATIO  # the guards follow it
+    up, down = hpa["behavior"]["scaleUp"], hpa["behavior"]["scaleDown"]
+    assert up["stabilizationWindowSeconds"] == 0 and {"type": "Pods", "value": 4, "periodSeconds": 15} in up["policies"]
+    assert down["stabilizationWindowSeconds"] == 120
+    assert down["policies"] == [{"type": "Percent", "value": 50, "periodSeconds": 60}]
+    hpa["behavior"]["scaleDown"]["stabilizationWindowSeconds"] = 1  # each render has its own copy
+    assert (
+        children({"maxReplicas": 6})["HorizontalPodAutoscaler"]["spec"]["behavior"]["scaleDown"][
+            "stabilizationWindowSeconds"
+        ]
+        == 120
+    )
 
 
 def test_keda() -> None:
@@ -327,8 +347,9 @@ def test_keda() -> None:
     }
     queries = {t["metadata"]["query"]: t["metadata"]["threshold"] for t in spec["triggers"]}
     assert queries == {
-        f'sum({Metric.QUEUE_DRAIN_SECONDS}{{namespace="search",pod=~"emb-[a-z0-9]+-[a-z0-9]+"}})': "0.25",
-        f'sum({Metric.LATENCY_P95_SECONDS}{{namespace="search",pod=~"emb-[a-z0-9]+-[a-z0-9]+"}})': "0.8",
+        f'sum({Metric.DEMAND_RATIO}{{namespace="search",pod=~"emb-[a-z0-9]+-[a-z0-9]+"}})': "0.7",
+        f'sum({Metric.QUEUE_DRAIN_SECONDS}{{namespace="search",pod=~"emb-[a-z0-9]+-[a-z0-9]+"}})': "0.4",
+        f'sum({Metric.LATENCY_P95_SECONDS}{{namespace="search",pod=~"emb-[a-z0-9]+-[a-z0-9]+"}})': "1",
     }
     assert {t["metadata"]["serverAddress"] for t in spec["triggers"]} == {"http://prom:9090"}
     assert "replicas" not in rendered["Deployment"]["spec"]

@@ -16,15 +16,31 @@ T0, T1 = "2026-01-01T00:00:00Z", "2026-01-01T00:05:00Z"
 def test_slo_derivation() -> None:
     derived = slo.derive(parse_spec({"slo": {"p95LatencyMs": 800}}))
     assert derived == slo.Thresholds(
-        max_drain_ms=800, p95_soft_ms=800, p95_hard_ms=1600, target_queue_drain_s=0.2, target_latency_p95_s=0.64
+        max_drain_ms=800,
+        p95_soft_ms=800,
+        p95_hard_ms=1600,
+        target_demand_ratio=0.7,
+        target_queue_drain_s=0.32,
+        target_latency_p95_s=0.8,
     )
+
+
+def test_the_guards_cannot_propose_more_than_a_demand_that_reads_right() -> None:
+    """The HPA takes the largest proposal, ceil(pods x value / target). Admission holds a pod's drain
+    time at P / 2 and its served P95 near P, so the drain guard proposes at most 1.25 times the pods,
+    what the demand proposes from 0.875 of capacity on, and the P95 guard nothing while P is met."""
+    p_s = 0.8
+    derived = slo.derive(parse_spec({"slo": {"p95LatencyMs": 800}}))
+    assert (p_s / 2) / derived.target_queue_drain_s == pytest.approx(0.875 / derived.target_demand_ratio)
+    assert p_s / derived.target_latency_p95_s == 1.0
 
 
 def test_explicit_settings_win_one_by_one() -> None:
     spec = parse_spec({"admission": {"p95HardMs": 5000}, "autoscaling": {"targets": {"latencyP95Seconds": 2}}})
     derived = slo.derive(spec)
     assert (derived.p95_hard_ms, derived.target_latency_p95_s) == (5000, 2)
-    assert (derived.p95_soft_ms, derived.max_drain_ms, derived.target_queue_drain_s) == (1000, 1000, 0.25)
+    assert (derived.p95_soft_ms, derived.max_drain_ms, derived.target_queue_drain_s) == (1000, 1000, 0.4)
+    assert slo.derive(parse_spec({"autoscaling": {"targets": {"demandRatio": 0.85}}})).target_demand_ratio == 0.85
 
 
 def deployment(generation: int = 1, **status_fields: int) -> dict[str, Any]:

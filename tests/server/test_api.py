@@ -198,6 +198,7 @@ def test_http_probes_health_and_metrics(server: ServerProcess, stub: pb_grpc.Emb
     status, text = server.http("/metrics")
     assert status == 200
     for name in (
+        Metric.DEMAND_RATIO,
         Metric.QUEUE_DRAIN_SECONDS,
         Metric.LATENCY_P95_SECONDS,
         Metric.REQUEST_DURATION_SECONDS + "_bucket",

@@ -12,7 +12,7 @@ import grpc
 import numpy as np
 
 from kembed.client.connection import Connection
-from kembed.client.embed_client import ClientBase, decode, tokens_request
+from kembed.client.embed_client import ClientBase, decode, retry_marker, tokens_request
 from kembed.client.requests import Limits, Options, Part, Prompt, located, plan
 from kembed.v1 import embedder_pb2 as pb
 
@@ -62,10 +62,12 @@ class AsyncEmbedClient(ClientBase[grpc.aio.Channel]):
         return decode(await self.embed_request(tokens_request(sequences, normalize, dimensions)))
 
     async def embed_request(self, request: pb.EmbedRequest) -> pb.EmbedResponse:
-        return await self._with_retries(lambda: self._stub.Embed(request, timeout=self._timeout))
+        return await self._with_retries(
+            lambda earlier: self._stub.Embed(request, timeout=self._timeout, metadata=retry_marker(earlier))
+        )
 
     async def info(self) -> pb.InfoResponse:
-        return await self._with_retries(lambda: self._stub.Info(pb.InfoRequest(), timeout=self._timeout))
+        return await self._with_retries(lambda _: self._stub.Info(pb.InfoRequest(), timeout=self._timeout))
 
     async def limits(self) -> Limits:
         if self._limits is None:
@@ -78,7 +80,7 @@ class AsyncEmbedClient(ClientBase[grpc.aio.Channel]):
         except grpc.RpcError as error:
             raise located(error, part) from None
 
-    async def _with_retries(self, call: Callable[[], Awaitable[T]]) -> T:
+    async def _with_retries(self, call: Callable[[int], Awaitable[T]]) -> T:
         retrying = self._retrying
         deadline = retrying.deadline()
         attempt = 0
@@ -87,7 +89,7 @@ class AsyncEmbedClient(ClientBase[grpc.aio.Channel]):
             if held := retrying.held_s():  # another request's pushback holds this one too
                 await asyncio.sleep(held)
             try:
-                answer = await call()
+                answer = await call(attempt - 1)  # the earlier attempts: a retry says so (retry_marker)
             except grpc.RpcError as error:
                 wait = retrying.wait_s(error, attempt, deadline)
                 if wait is None:

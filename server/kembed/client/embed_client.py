@@ -26,11 +26,19 @@ import numpy as np
 
 from kembed.client.connection import MAX_MESSAGE_BYTES, Connection
 from kembed.client.requests import Limits, Options, Part, Prompt, answered, located, plan
-from kembed.contract import RETRY_PUSHBACK_KEY
+from kembed.contract import RETRY_ATTEMPT_KEY, RETRY_PUSHBACK_KEY
 from kembed.v1 import embedder_pb2 as pb
 from kembed.v1 import embedder_pb2_grpc as pb_grpc
 
 T = TypeVar("T")
+
+
+def retry_marker(earlier: int) -> tuple[tuple[str, str], ...] | None:
+    """The metadata that says an attempt is a retry, so the server does not count its work again as
+    demand (kembed_demand_ratio)."""
+    return ((RETRY_ATTEMPT_KEY, str(earlier)),) if earlier else None
+
+
 ChannelT = TypeVar("ChannelT", grpc.Channel, grpc.aio.Channel)
 
 RETRYABLE = (grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.UNAVAILABLE)
@@ -198,10 +206,12 @@ class EmbedClient(ClientBase[grpc.Channel]):
         return decode(self.embed_request(tokens_request(sequences, normalize, dimensions)))
 
     def embed_request(self, request: pb.EmbedRequest) -> pb.EmbedResponse:
-        return self._with_retries(lambda: self._stub.Embed(request, timeout=self._timeout))
+        return self._with_retries(
+            lambda earlier: self._stub.Embed(request, timeout=self._timeout, metadata=retry_marker(earlier))
+        )
 
     def info(self) -> pb.InfoResponse:
-        return self._with_retries(lambda: self._stub.Info(pb.InfoRequest(), timeout=self._timeout))
+        return self._with_retries(lambda _: self._stub.Info(pb.InfoRequest(), timeout=self._timeout))
 
     def limits(self) -> Limits:
         """What one request may carry: the server's limits, read once."""
@@ -215,7 +225,7 @@ class EmbedClient(ClientBase[grpc.Channel]):
         except grpc.RpcError as error:
             raise located(error, part) from None
 
-    def _with_retries(self, call: Callable[[], T]) -> T:
+    def _with_retries(self, call: Callable[[int], T]) -> T:
         retrying = self._retrying
         deadline = retrying.deadline()
         attempt = 0
@@ -224,7 +234,7 @@ class EmbedClient(ClientBase[grpc.Channel]):
             if held := retrying.held_s():  # another request's pushback holds this one too
                 time.sleep(held)
             try:
-                answer = call()
+                answer = call(attempt - 1)  # the earlier attempts: a retry says so (retry_marker)
             except grpc.RpcError as error:
                 wait = retrying.wait_s(error, attempt, deadline)
                 if wait is None:

@@ -43,6 +43,7 @@ class EmbedCall:
     request_id: str = ""  # echoed in the answer
     timeout_s: float | None = None  # what the caller allows from arrival; None = the server's default
     peer: str = ""  # the caller, where its pushback is enforced: its connection (gRPC), its address (REST)
+    attempt: int = 0  # earlier attempts, as the client's retry marker says: a retry is not counted again as demand
 
     @property
     def count(self) -> int:

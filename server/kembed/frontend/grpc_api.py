@@ -34,7 +34,8 @@ from grpc_reflection.v1alpha import reflection
 
 from kembed import listen, tls
 from kembed.config import Settings
-from kembed.contract import GRPC_SERVICE, RETRY_PUSHBACK_KEY
+from kembed.contract import GRPC_PREVIOUS_ATTEMPTS_KEY, GRPC_SERVICE, RETRY_ATTEMPT_KEY, RETRY_PUSHBACK_KEY
+from kembed.demand import retry_attempt
 from kembed.errors import EmbedError, Failure, Field, InvalidInput
 from kembed.frontend.budget import MemoryBudget, grpc_calls
 from kembed.frontend.call import EmbedCall, EmbedResult, Limits, ServerInfo
@@ -403,7 +404,8 @@ class EmbedderServicer(pb_grpc.EmbedderServicer):
     def _embed(self, request: pb.EmbedRequest | Refused, context: grpc.aio.ServicerContext) -> Awaitable[EmbedResult]:
         if isinstance(request, Refused):
             raise request.error
-        return self._service().embed(to_call(request, self._limits, context.time_remaining(), context.peer()))
+        call = to_call(request, self._limits, context.time_remaining(), context.peer(), attempt_of(context))
+        return self._service().embed(call)
 
     def _count_failure(self, error: EmbedError) -> grpc.StatusCode:
         status = STATUS[error.failure]
@@ -419,7 +421,17 @@ def _past_deadline(context: grpc.aio.ServicerContext) -> bool:
     return remaining is not None and remaining <= 0
 
 
-def to_call(request: pb.EmbedRequest, limits: Limits, time_remaining: float | None, peer: str) -> EmbedCall:
+def attempt_of(context: grpc.aio.ServicerContext) -> int:
+    """The call's earlier attempts, as its retry marker says: gRPC's retry policy's, or kembed's client's."""
+    for key, value in context.invocation_metadata() or ():
+        if key in (GRPC_PREVIOUS_ATTEMPTS_KEY, RETRY_ATTEMPT_KEY):
+            return retry_attempt(value)
+    return 0
+
+
+def to_call(
+    request: pb.EmbedRequest, limits: Limits, time_remaining: float | None, peer: str, attempt: int = 0
+) -> EmbedCall:
     """The request as the domain's call, checked against ``limits`` as it is read."""
     has_texts, has_tokens = len(request.texts) > 0, request.HasField("tokens")
     if has_texts == has_tokens:
@@ -442,6 +454,7 @@ def to_call(request: pb.EmbedRequest, limits: Limits, time_remaining: float | No
         request_id=request.request_id,
         timeout_s=time_remaining,
         peer=peer,
+        attempt=attempt,
     )
 
 

@@ -32,6 +32,7 @@ counted in ``kembed_requests_total``.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import logging
 import resource
 import time
@@ -43,10 +44,12 @@ from aiohttp.web import RequestHandler
 
 from kembed import listen, tls
 from kembed.config import Settings
+from kembed.contract import OPENAI_RETRY_COUNT_HEADER, RETRY_ATTEMPT_KEY
+from kembed.demand import retry_attempt
 from kembed.errors import EmbedError
 from kembed.frontend import openai_api
 from kembed.frontend.budget import BODY_WEIGHT, MemoryBudget, Reservation
-from kembed.frontend.call import Limits
+from kembed.frontend.call import EmbedCall, Limits
 from kembed.frontend.openai_api import ApiError, Body, Embeddings
 from kembed.frontend.pushback import rest_client
 from kembed.frontend.service import Gate, Service, draining, warming_up
@@ -186,7 +189,7 @@ class RestEdge:
             reservation.release()
             reservation.grow(self._answer_bytes(parsed))
             self._server.working(request.protocol)
-            result = await self._service().embed(parsed.call)
+            result = await self._service().embed(_with_attempt(parsed.call, request))
             return await self._write(request, 200, openai_api.answer(parsed, result))
         except ApiError as api_error:
             error = api_error
@@ -383,6 +386,13 @@ def raise_fd_limit() -> None:
     soft, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
     if soft != hard:
         resource.setrlimit(resource.RLIMIT_NOFILE, (hard, hard))
+
+
+def _with_attempt(call: EmbedCall, request: web.BaseRequest) -> EmbedCall:
+    """The call with its earlier attempts, as its retry marker says: the openai SDKs', or kembed's."""
+    headers = request.headers
+    attempt = retry_attempt(headers.get(OPENAI_RETRY_COUNT_HEADER) or headers.get(RETRY_ATTEMPT_KEY))
+    return dataclasses.replace(call, attempt=attempt) if attempt else call
 
 
 def _peer(request: web.BaseRequest) -> Any:

@@ -3,16 +3,24 @@
 Refusing here costs no tokenization and no trip to the engine, which is what keeps overload cheap.
 The engine still has the final word (:mod:`kembed.engine.intake`): the board is at most one update
 old, and every front end admits against the same backlog.
+
+The screen also counts the work offered (:mod:`kembed.demand`), once per call at the step that
+decides it: a call refused before tokenizing at the lower bound of its cost the pre-screen weighed,
+any other at its exact padded cost, admitted or refused. A retry (``attempt`` over 0) is not
+counted again. Calls refused before the screen (bad input, warming up, draining, the front end's
+memory budget) are not work the pod could have done, and are not counted.
 """
 
 from __future__ import annotations
 
 import contextlib
+import time
 from collections.abc import Callable, Iterator
 
 from kembed.admission import AdmissionController, Backlog, Rejection
 from kembed.board import Board, Cell, ClassCell, FrontendCell
 from kembed.config import Settings
+from kembed.demand import OfferedRate
 from kembed.frontend.outbox import InTransit
 from kembed.priority import Priority
 
@@ -42,7 +50,13 @@ class PublishedLoad:
 
 class Screen:
     def __init__(
-        self, settings: Settings, board: Board, frontend: int, in_transit: InTransit, refusals: Refusals
+        self,
+        settings: Settings,
+        board: Board,
+        frontend: int,
+        in_transit: InTransit,
+        refusals: Refusals,
+        clock: Callable[[], float] = time.monotonic,
     ) -> None:
         """``frontend`` is this front end's index on the board; ``in_transit`` its work the engine
         has not taken yet."""
@@ -51,15 +65,23 @@ class Screen:
         self._in_transit = in_transit
         self._tokenizing = [0] * len(Priority)  # least costs of requests past the pre-screen, being tokenized
         self._admission = AdmissionController(settings, PublishedLoad(board, refusals))
+        self._clock = clock
+        # Carried on from the board: a front end restarted in a running pod keeps its predecessor's rate.
+        self._offered = OfferedRate(
+            board.frontend(frontend, FrontendCell.OFFERED_RATE), board.frontend(frontend, FrontendCell.OFFERED_AT)
+        )
 
     def class_of(self, padded_tokens: int, priority: Priority) -> Priority:
         """The class a request of this cost is served in (an interactive one too large for its
         share of the interactive budget goes as batch work)."""
         return self._admission.class_of(padded_tokens, priority)
 
-    def before_tokenizing(self, least_padded_tokens: int, priority: Priority) -> Rejection | None:
-        """The latency draw and the capacity checks on a lower bound of the request's cost."""
-        return self._admission.prescreen(least_padded_tokens, self._backlog(), priority)
+    def before_tokenizing(self, least_padded_tokens: int, priority: Priority, attempt: int = 0) -> Rejection | None:
+        """The latency draw and the capacity checks on a lower bound of the request's cost (counted
+        as offered when it refuses the call)."""
+        return self._offer_refused(
+            self._admission.prescreen(least_padded_tokens, self._backlog(), priority), least_padded_tokens, attempt
+        )
 
     @contextlib.contextmanager
     def tokenizing(self, least_padded_tokens: int, priority: Priority) -> Iterator[None]:
@@ -76,17 +98,36 @@ class Screen:
         queue ahead of it served in order (the longest wait without its spread)."""
         return self._admission.drain_seconds(self._backlog().ahead(priority) + padded_tokens)
 
-    def in_time(self, least_padded_tokens: int, priority: Priority, seconds_left: float) -> Rejection | None:
-        """Whether a call with this much of its deadline left could be served before it ends."""
-        return self._admission.in_time(least_padded_tokens, self._backlog(), priority, seconds_left)
+    def in_time(
+        self, least_padded_tokens: int, priority: Priority, seconds_left: float, attempt: int = 0
+    ) -> Rejection | None:
+        """Whether a call with this much of its deadline left could be served before it ends
+        (counted as offered when it could not)."""
+        rejection = self._admission.in_time(least_padded_tokens, self._backlog(), priority, seconds_left)
+        return self._offer_refused(rejection, least_padded_tokens, attempt)
 
     def longest_wait(self, padded_tokens: int, priority: Priority) -> float:
         """The longest a request of this cost and class may wait now, its own work included."""
         return self._admission.longest_wait(self._backlog().ahead(priority) + padded_tokens)
 
-    def after_tokenizing(self, padded_tokens: int, priority: Priority) -> Rejection | None:
-        """The capacity checks with the request's exact padded cost."""
+    def after_tokenizing(self, padded_tokens: int, priority: Priority, attempt: int = 0) -> Rejection | None:
+        """The capacity checks with the request's exact padded cost, counted as offered."""
+        self.offer(padded_tokens, attempt)
         return self._admission.admit(padded_tokens, self._backlog(), priority)
+
+    def offer(self, padded_tokens: int, attempt: int) -> None:
+        """Count a call's work as offered, unless it is a retry (counted at its first attempt)."""
+        if attempt:
+            return
+        offered = self._offered
+        offered.add(padded_tokens, self._clock())
+        self._board.set_frontend(self._frontend, FrontendCell.OFFERED_RATE, offered.rate)
+        self._board.set_frontend(self._frontend, FrontendCell.OFFERED_AT, offered.at)
+
+    def _offer_refused(self, rejection: Rejection | None, padded_tokens: int, attempt: int) -> Rejection | None:
+        if rejection is not None:
+            self.offer(padded_tokens, attempt)
+        return rejection
 
     def _backlog(self) -> Backlog:
         """The engine's published backlog, plus this front end's work the engine has not taken yet:

@@ -211,9 +211,9 @@ class EmbedService:
         least_cost = self._screened_cost(least, call.peer)
         priority = self._screen.class_of(least_cost, call.priority)
         stated = None if call.timeout_s is None else arrival + call.timeout_s  # the client's own deadline
-        self._raise_if_rejected(self._screen.before_tokenizing(least_cost, priority), priority)
+        self._raise_if_rejected(self._screen.before_tokenizing(least_cost, priority, call.attempt), priority)
         if call.timeout_s is not None:
-            self._raise_if_rejected(self._screen.in_time(least_cost, priority, call.timeout_s), priority)
+            self._raise_if_rejected(self._screen.in_time(least_cost, priority, call.timeout_s, call.attempt), priority)
         if call.nbytes(prompt.text) <= INLINE_PREPARE_LIMIT:
             chunks = self._prepare(call, chunking, prompt)  # on the event loop: no other call is screened meanwhile
         else:
@@ -227,7 +227,7 @@ class EmbedService:
         priority = self._screen.class_of(cost, priority)
         if priority is not call.priority:
             self._metrics.demoted.inc()
-        self._admit(cost, priority)
+        self._admit(cost, priority, call.attempt)
         expected = self._screen.expected_wait(cost, priority)
         deadline = stated if stated is not None else arrival + self._default_budget(cost, priority)
         tag, pending = self._link.submit(seqs, cost, arrival, deadline, priority)
@@ -342,12 +342,12 @@ class EmbedService:
         """What items of these lengths cost once each is padded to its bucket."""
         return int(padded_lengths(lengths, self._bucket_lengths).sum())
 
-    def _admit(self, cost: int, priority: Priority) -> None:
+    def _admit(self, cost: int, priority: Priority, attempt: int) -> None:
         limit = self._settings.max_queued_tokens
         if cost > limit:
             reason = f"the request needs {cost} padded tokens, more than the server queues at once ({limit}): split it"
             raise InvalidInput(Field.INPUT, reason)
-        self._raise_if_rejected(self._screen.after_tokenizing(cost, priority), priority)
+        self._raise_if_rejected(self._screen.after_tokenizing(cost, priority, attempt), priority)
 
     def _raise_if_rejected(self, rejection: Rejection | None, priority: Priority) -> None:
         if rejection is not None:
