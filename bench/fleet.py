@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import collections
 import contextlib
 import json
 import math
@@ -217,6 +218,7 @@ class Balancer:
         self._rng = random.Random(seed)
         self._channels: dict[str, grpc.aio.Channel] = {}
         self.first_connection: dict[str, float] = {}
+        self.losses: collections.Counter[str] = collections.Counter()  # calls lost, by why
 
     async def call(self, request: bytes) -> tuple[str, Replica | None]:
         endpoints = self._fleet.endpoints()
@@ -232,7 +234,9 @@ class Balancer:
             await embed(request, timeout=CALL_TIMEOUT_S)
             return "ok", replica
         except grpc.aio.AioRpcError as err:
-            return _outcome(err), replica
+            if (outcome := _outcome(err)) == "lost":
+                self.losses[f"lost: gRPC {err.code().name} {err.details()}"] += 1
+            return outcome, replica
 
     async def close(self) -> None:
         await asyncio.gather(*(c.close(None) for c in self._channels.values()))
@@ -252,6 +256,7 @@ class Connected:
         )
         self._counts = (grpc_clients, rest_clients)
         self._clients: list[GrpcProcess | RestProcess] = []
+        self.losses: collections.Counter[str] = collections.Counter()  # calls lost, by why
 
     async def start(self) -> Connected:
         grpc_target, rest_target = await self._grpc.start(self._fleet.now), await self._rest.start(self._fleet.now)
@@ -268,7 +273,13 @@ class Connected:
 
     async def call(self, request: bytes) -> tuple[str, Replica | None]:
         outcome = await self._rng.choice(self._clients).call(request, CALL_TIMEOUT_S)
-        return (outcome if isinstance(outcome, str) else _outcome(outcome)), None
+        if not isinstance(outcome, str):
+            error, outcome = outcome, _outcome(outcome)
+            outcome = outcome if outcome != "lost" else f"lost: gRPC {error.code().name} {error.details()}"
+        if outcome.startswith("lost"):
+            self.losses[outcome] += 1
+            return "lost", None
+        return outcome, None
 
     async def close(self) -> None:
         await asyncio.gather(*(c.close() for c in self._clients))
@@ -513,6 +524,7 @@ async def run_policy(setup: Setup, policy: Policy, capacity: float, request_core
         "per_second": per_second(calls, setup.segments[-1].end, capacity, setup.segments),
         "decisions": decisions,
         "pods": [_pod_record(r) for r in fleet.replicas],
+        "losses": dict(balancer.losses),
     }
 
 

@@ -129,9 +129,9 @@ class RestProcess:
         self._session = aiohttp.ClientSession(base_url, connector=connector)
 
     async def call(self, request: bytes, timeout_s: float) -> str:
-        """``ok``, ``refused`` (429 or 503 with a Retry-After) or ``lost``."""
-        texts = list(embedder_pb2.EmbedRequest.FromString(request).texts)
-        body = json.dumps({"input": texts}).encode()  # the model: the one served
+        """``ok``, ``refused`` (429 or 503 with a Retry-After) or ``lost: WHY``."""
+        parsed = embedder_pb2.EmbedRequest.FromString(request)
+        body = json.dumps({"input": list(parsed.texts), "truncate": parsed.truncate}).encode()  # the model served
         headers = {"Content-Type": "application/json"}
         try:
             async with self._session.post(
@@ -141,9 +141,9 @@ class RestProcess:
                 if answer.status == 200:
                     return "ok"
                 refused = answer.status in REFUSED_STATUSES and "Retry-After" in answer.headers
-                return "refused" if refused else "lost"
-        except (aiohttp.ClientError, TimeoutError):
-            return "lost"
+                return "refused" if refused else f"lost: REST {answer.status}"
+        except (aiohttp.ClientError, TimeoutError) as error:
+            return f"lost: REST {type(error).__name__}"
 
     async def close(self) -> None:
         await self._session.close()

@@ -7,9 +7,12 @@ import asyncio
 import random
 from dataclasses import dataclass
 
+from aiohttp import web
+
 from bench import fleet
-from bench.fleet_service import ClusterIP, pick
+from bench.fleet_service import ClusterIP, RestProcess, pick
 from kembed.config import Settings
+from kembed.v1 import embedder_pb2
 
 
 @dataclass
@@ -93,3 +96,36 @@ def test_the_connection_age_is_compressed_with_the_controller() -> None:
     default_ms = Settings.model_fields["max_connection_age_ms"].default
     setup = fleet.Setup(fleet.rendered(fleet.SLO_MS), None, None, [], [], "", None, 0, fleet.SLO_MS)  # type: ignore[arg-type]
     assert int(fleet.fleet_settings(setup)["max_connection_age_ms"]) == max(1000, int(default_ms / fleet.COMPRESSION))
+
+
+def test_a_rest_client_process_sends_the_call_as_the_openai_api_and_reads_its_outcome() -> None:
+    """What the REST client process sends (the texts and truncate, as the gRPC request has them) and
+    how it reads an answer: 200 answered, a refusal with its Retry-After, anything else lost."""
+    bodies: list[dict[str, object]] = []
+    answers = [
+        web.Response(status=200),
+        web.Response(status=429, headers={"Retry-After": "1"}),
+        web.Response(status=400),
+    ]
+
+    async def embeddings(request: web.Request) -> web.Response:
+        bodies.append(await request.json())
+        return answers[len(bodies) - 1]
+
+    async def scenario() -> list[str]:
+        app = web.Application()
+        app.router.add_post("/v1/embeddings", embeddings)
+        runner = web.AppRunner(app)
+        await runner.setup()
+        site = web.TCPSite(runner, "127.0.0.1", 0)
+        await site.start()
+        port = runner.addresses[0][1]
+        client = RestProcess(f"http://127.0.0.1:{port}")
+        request = embedder_pb2.EmbedRequest(texts=["a long text"], truncate=True).SerializeToString()
+        outcomes = [await client.call(request, 10.0) for _ in answers]
+        await client.close()
+        await runner.cleanup()
+        return outcomes
+
+    assert asyncio.run(scenario()) == ["ok", "refused", "lost: REST 400"]
+    assert bodies[0] == {"input": ["a long text"], "truncate": True}
