@@ -3,11 +3,15 @@
 One load (Poisson arrivals whose rate ramps from 0.5x one replica's measured capacity to 2.6x, spikes
 to 3.5x and falls back; the same seed for every policy) against a fleet of real kembed servers on
 loopback (``bench.fleet_pods``: the device modeled, everything else real), spread per call over the
-ready pods at random as a ClusterIP Service's kube-proxy does. A real Prometheus scrapes every pod;
+ready pods as a ClusterIP Service balances them: per connection (``--balancing connection``, the
+default: several client processes, gRPC with kembed's client defaults and REST with keep-alive as the
+``openai`` SDK, each holding its connections to the pod it reached until the server's connection age
+ends them: ``bench.fleet_service``), or per call at random (``--balancing call``). A real Prometheus scrapes every pod;
 the metrics are read with the prometheus-adapter rules the chart ships, expanded as the adapter
 expands them; ``bench.fleet_hpa`` scales the fleet with the targets and behavior the operator
-renders for ``slo.p95LatencyMs``. Three policies run one after the other on the same load: the
-operator's HPA (drain time and P95), drain time alone, and CPU utilisation at 70%. Kubernetes'
+renders for ``slo.p95LatencyMs``. The policies run one after the other on the same load: the
+operator's HPA (drain time and P95), drain time alone, CPU utilisation at 70%, and the peers' (a
+KEDA threshold of 5 waiting requests per pod, and a Knative-style concurrency target). Kubernetes'
 periods are divided by ``COMPRESSION``; pod start (model load, warmup, readiness) is real.
 Writes ``bench/results/fleet.json`` and ``fleet.png``.
 """
@@ -16,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import collections
 import contextlib
 import json
 import math
@@ -27,8 +32,8 @@ import tempfile
 import time
 import urllib.parse
 import urllib.request
-from collections.abc import Mapping, Sequence
-from dataclasses import asdict, dataclass
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any, cast
 
@@ -41,9 +46,11 @@ from bench import prometheus as bench_prometheus
 from bench.fleet_device import COST_VAR, Cost, fit
 from bench.fleet_judge import Call, Sample, Segment
 from bench.fleet_pods import Fleet, Replica
+from bench.fleet_service import ClusterIP, GrpcProcess, RestProcess
 from bench.loadgen import EMBED_METHOD, REJECTED
 from bench.machine import read_result, write_result
 from bench.report import percentile
+from kembed.config import Settings
 from kembed.contract import METRICS_PATH, RETRY_PUSHBACK_KEY, Metric
 from kembed.v1 import embedder_pb2
 from kembed_operator import kinds, render
@@ -60,6 +67,13 @@ FAST_DOWN = {"scaleDown": {"stabilizationWindowSeconds": 60}}
 DRAIN40 = 0.4  # a drain target of 0.4 P (autoscaling.targets.queueDrainSeconds), against the derived P / 4
 SAMPLE_S = 0.5
 CALL_TIMEOUT_S = 30.0
+GRPC_CLIENTS = 8  # client processes on gRPC, each one channel
+REST_CLIENTS = 8  # client processes on REST, each a keep-alive pool
+KEDA_WAITING = 5.0  # the vLLM production stack's KEDA threshold: waiting requests per pod
+KNATIVE_SHARE = 0.7  # Knative's target utilisation of a pod's concurrency
+# The peers' queries, as a KEDA Prometheus trigger sums them over the namespace (``{ns}``).
+WAITING_QUERY = 'sum(kembed_waiting_requests{{namespace="{ns}"}})'
+IN_FLIGHT_QUERY = WAITING_QUERY + ' + sum(kembed_running_requests{{namespace="{ns}"}})'
 ADAPTER_VALUES = Path(__file__).resolve().parent.parent / "charts/kembed-operator/prometheus-adapter-values.yaml"
 OWNER = render.Owner(name="emb", namespace="search", uid="fleet")
 # The Deployment's settings the bench replaces: loopback ports, the modeled device's process.
@@ -72,6 +86,7 @@ class Policy:
     metrics: Mapping[str, float]  # Pods metric -> per-pod target (AverageValue)
     behavior: Mapping[str, Any] | None  # the rendered HPA's (None: the API's defaults)
     cpu_percent: float | None = None  # a CPU Resource metric's target utilisation instead
+    external: Mapping[str, float] = field(default_factory=dict)  # a PromQL total (``{ns}``) -> per-pod target
 
 
 @dataclass(frozen=True)
@@ -93,10 +108,14 @@ class Rendered:
         return self.hpa["spec"].get("behavior")
 
 
-def policies(slo_ms: int) -> list[Policy]:
+def policies(slo_ms: int, capacity_per_s: float = 1.0) -> list[Policy]:
     """The operator's HPA; drain time alone; CPU at 70% (what a user sets without kembed); the
     operator's HPA with a 60 s scale-down window (``spec.autoscaling.behavior``) against the default
-    300 s; and with a drain target of 0.4 P (``spec.autoscaling.targets``) against the derived P / 4."""
+    300 s; with a drain target of 0.4 P (``spec.autoscaling.targets``) against the derived P / 4; and
+    the peers': KEDA on 5 waiting requests per pod (the vLLM production stack's, the HPA's default
+    behavior), and a Knative-style concurrency target (in-flight calls per pod at 0.7 of what a pod
+    holds within the SLO, ``capacity_per_s`` x the SLO by Little's law, with Knative's 60 s window
+    for scaling down)."""
     made, fast_down = rendered(slo_ms), rendered(slo_ms, {"behavior": FAST_DOWN})
     drain = {Metric.QUEUE_DRAIN_SECONDS: made.targets[Metric.QUEUE_DRAIN_SECONDS]}
     drain40 = rendered(slo_ms, {"targets": {"queueDrainSeconds": DRAIN40 * slo_ms / 1000}})
@@ -106,7 +125,14 @@ def policies(slo_ms: int) -> list[Policy]:
         Policy("cpu70", {}, made.behavior, CPU_TARGET_PERCENT),
         Policy("kembed_down60", fast_down.targets, fast_down.behavior),
         Policy("kembed_drain40", drain40.targets, drain40.behavior),
+        Policy("keda_waiting5", {}, None, external={WAITING_QUERY: KEDA_WAITING}),
+        Policy("knative70", {}, FAST_DOWN, external={IN_FLIGHT_QUERY: knative_target(capacity_per_s, slo_ms)}),
     ]
+
+
+def knative_target(capacity_per_s: float, slo_ms: int) -> float:
+    """In-flight calls per pod: 0.7 of the most a pod holds with each answered within the SLO."""
+    return KNATIVE_SHARE * capacity_per_s * slo_ms / 1000
 
 
 def rendered(slo_ms: int, autoscaling: dict[str, Any] | None = None) -> Rendered:
@@ -146,6 +172,15 @@ def expand(template: str, metric: str, namespace: str, pods: Sequence[str]) -> s
     return filled.replace("<<.GroupBy>>", "pod")
 
 
+def total_value(base: str, promql: str) -> float | None:
+    """An instant query's one value (None without a sample)."""
+    url = f"{base}/api/v1/query?{urllib.parse.urlencode({'query': promql})}"
+    with urllib.request.urlopen(url, timeout=5) as reply:
+        result = json.loads(reply.read())["data"]["result"]
+    values = [float(r["value"][1]) for r in result if math.isfinite(float(r["value"][1]))]
+    return values[0] if values else None
+
+
 def pod_values(base: str, promql: str) -> dict[str, float]:
     """Per-pod values of an instant query (pods without a sample are absent: missing)."""
     url = f"{base}/api/v1/query?{urllib.parse.urlencode({'query': promql})}"
@@ -175,18 +210,22 @@ def requests(count: int = 512) -> list[bytes]:
 
 
 class Balancer:
-    """Per call, one ready pod at random (kube-proxy's choice among a Service's ready endpoints)."""
+    """Per call, one ready pod at random (kube-proxy's choice among a Service's ready endpoints, made
+    per call); ``first_connection``: when each pod got its first call."""
 
     def __init__(self, fleet: Fleet, seed: int) -> None:
         self._fleet = fleet
         self._rng = random.Random(seed)
         self._channels: dict[str, grpc.aio.Channel] = {}
+        self.first_connection: dict[str, float] = {}
+        self.losses: collections.Counter[str] = collections.Counter()  # calls lost, by why
 
     async def call(self, request: bytes) -> tuple[str, Replica | None]:
         endpoints = self._fleet.endpoints()
         if not endpoints:
             return "refused", None  # a Service without endpoints refuses the connection
         replica = self._rng.choice(endpoints)
+        self.first_connection.setdefault(replica.name, self._fleet.now())
         channel = self._channels.get(replica.name)
         if channel is None:
             channel = self._channels[replica.name] = grpc.aio.insecure_channel(replica.server.grpc_target)
@@ -195,10 +234,57 @@ class Balancer:
             await embed(request, timeout=CALL_TIMEOUT_S)
             return "ok", replica
         except grpc.aio.AioRpcError as err:
-            return _outcome(err), replica
+            if (outcome := _outcome(err)) == "lost":
+                self.losses[f"lost: gRPC {err.code().name} {err.details()}"] += 1
+            return outcome, replica
 
     async def close(self) -> None:
         await asyncio.gather(*(c.close(None) for c in self._channels.values()))
+
+
+class Connected:
+    """Per connection, as a ClusterIP Service balances: ``grpc_clients`` client processes on gRPC and
+    ``rest_clients`` on REST, each call made by one of them at random, on the connections it holds."""
+
+    def __init__(self, fleet: Fleet, seed: int, grpc_clients: int, rest_clients: int) -> None:
+        self._fleet = fleet
+        self._rng = random.Random(seed)
+        endpoints: Callable[[], list[Replica]] = fleet.endpoints
+        self._grpc = ClusterIP(endpoints, lambda r: r.server.grpc_target, random.Random(seed + 1))
+        self._rest = ClusterIP(
+            endpoints, lambda r: urllib.parse.urlsplit(r.server.rest_url).netloc, random.Random(seed + 2)
+        )
+        self._counts = (grpc_clients, rest_clients)
+        self._clients: list[GrpcProcess | RestProcess] = []
+        self.losses: collections.Counter[str] = collections.Counter()  # calls lost, by why
+
+    async def start(self) -> Connected:
+        grpc_target, rest_target = await self._grpc.start(self._fleet.now), await self._rest.start(self._fleet.now)
+        self._clients = [GrpcProcess(grpc_target) for _ in range(self._counts[0])]
+        self._clients += [RestProcess(f"http://{rest_target}") for _ in range(self._counts[1])]
+        return self
+
+    @property
+    def first_connection(self) -> dict[str, float]:
+        firsts: dict[str, float] = {}
+        for name, at in [*self._grpc.first_connection.items(), *self._rest.first_connection.items()]:
+            firsts[name] = min(at, firsts.get(name, at))
+        return firsts
+
+    async def call(self, request: bytes) -> tuple[str, Replica | None]:
+        outcome = await self._rng.choice(self._clients).call(request, CALL_TIMEOUT_S)
+        if not isinstance(outcome, str):
+            error, outcome = outcome, _outcome(outcome)
+            outcome = outcome if outcome != "lost" else f"lost: gRPC {error.code().name} {error.details()}"
+        if outcome.startswith("lost"):
+            self.losses[outcome] += 1
+            return "lost", None
+        return outcome, None
+
+    async def close(self) -> None:
+        await asyncio.gather(*(c.close() for c in self._clients))
+        await self._grpc.close()
+        await self._rest.close()
 
 
 def _outcome(err: grpc.aio.AioRpcError) -> str:
@@ -208,7 +294,9 @@ def _outcome(err: grpc.aio.AioRpcError) -> str:
     return "refused" if err.code().name in REJECTED and pushed_back else "lost"
 
 
-async def offer(balancer: Balancer, fleet: Fleet, times: Sequence[float], bodies: Sequence[bytes]) -> list[Call]:
+async def offer(
+    balancer: Balancer | Connected, fleet: Fleet, times: Sequence[float], bodies: Sequence[bytes]
+) -> list[Call]:
     """Every arrival sent at its time, whatever is outstanding; latency from the scheduled time."""
     calls: list[Call] = []
 
@@ -285,6 +373,10 @@ async def autoscale(
             promql = expand(queries[metric], metric, fleet.namespace, names)
             seen[metric] = await asyncio.to_thread(pod_values, base, promql)
             proposals.append(fleet_hpa.desired_for_metric(pods, seen[metric], target, current))
+        for query, target in policy.external.items():
+            total = await asyncio.to_thread(total_value, base, query.format(ns=fleet.namespace))
+            seen[query] = {} if total is None else {"total": total}
+            proposals.append(fleet_hpa.desired_for_total(total, target, current))
         decided = controller.decide(now, current, proposals)
         fleet.scale_to(decided)
         decisions.append({"t": now, "current": current, "proposals": proposals, "decided": decided, "values": seen})
@@ -328,18 +420,22 @@ class Setup:
     work: Path
     seed: int
     slo_ms: int
+    balancing: str = "connection"  # or "call"
+    clients: tuple[int, int] = (GRPC_CLIENTS, REST_CLIENTS)
 
 
 def fleet_settings(setup: Setup) -> dict[str, str]:
     """The operator's settings, on the modeled device: one front end, compile off, the P95's window
-    compressed like the controller's periods."""
+    and the connection age compressed like the controller's periods."""
     window = float(setup.rendered.settings.get("latency_window_s", 10.0)) / COMPRESSION
+    age_ms = int(Settings.model_fields["max_connection_age_ms"].default / COMPRESSION)
     return {
         **setup.rendered.settings,
         "frontends": "1",
         "compile": "off",
         "dtype": "float32",
         "latency_window_s": str(window),
+        "max_connection_age_ms": str(max(1000, age_ms)),
     }
 
 
@@ -383,6 +479,12 @@ async def calibrate(setup: Setup, seconds: float, concurrency: int = 24) -> dict
     }
 
 
+async def balancing(setup: Setup, fleet: Fleet) -> Balancer | Connected:
+    if setup.balancing == "connection":
+        return await Connected(fleet, setup.seed, *setup.clients).start()
+    return Balancer(fleet, setup.seed)
+
+
 async def run_policy(setup: Setup, policy: Policy, capacity: float, request_cores: float) -> dict[str, Any]:
     fleet = new_fleet(setup, policy.name)
     await first_ready(fleet, setup.timing)
@@ -392,7 +494,7 @@ async def run_policy(setup: Setup, policy: Policy, capacity: float, request_core
     controller = fleet_hpa.Controller(behavior, hpa["minReplicas"], hpa["maxReplicas"])
     samples: list[Sample] = []
     decisions: list[dict[str, Any]] = []
-    balancer = Balancer(fleet, setup.seed)
+    balancer = await balancing(setup, fleet)
     loops = [
         asyncio.create_task(probe_forever(fleet, setup.timing.probe_s)),
         asyncio.create_task(sample_forever(fleet, samples)),
@@ -413,6 +515,7 @@ async def run_policy(setup: Setup, policy: Policy, capacity: float, request_core
     pod_start = statistics.median(starts) if starts else math.nan
     slo_s = setup.slo_ms / 1000
     verdict = fleet_judge.judge(setup.segments, samples, calls, slo_s, setup.timing.sync_s, pod_start)
+    verdict.update(fleet_judge.traffic_after_ready(_served(fleet, balancer.first_connection), setup.timing.sync_s))
     return {
         "policy": asdict(policy),
         "pod_start_s": {"median": pod_start, "all": starts},
@@ -421,7 +524,18 @@ async def run_policy(setup: Setup, policy: Policy, capacity: float, request_core
         "per_second": per_second(calls, setup.segments[-1].end, capacity, setup.segments),
         "decisions": decisions,
         "pods": [_pod_record(r) for r in fleet.replicas],
+        "losses": dict(balancer.losses),
     }
+
+
+def _served(fleet: Fleet, first_connection: Mapping[str, float]) -> list[tuple[float, float | None, float]]:
+    """Every pod that turned ready during the run: (ready at, first connection at, serving until)."""
+    end = fleet.now()
+    return [
+        (r.ready_at, first_connection.get(r.name), r.deleting_at if r.deleting_at is not None else end)
+        for r in fleet.replicas
+        if r.ready_at is not None and r.ready_at > 0
+    ]
 
 
 def _pod_record(replica: Replica) -> dict[str, Any]:
@@ -472,12 +586,15 @@ async def run(args: argparse.Namespace) -> dict[str, Any]:
         (work / "targets.json").write_text("[]")
         with prometheus(work, work / "targets.json") as base:
             timing = Timing.compressed(COMPRESSION)
-            setup = Setup(made, cost, timing, segments, requests(), base, work, args.seed, args.slo_ms)
+            clients = (args.grpc_clients, args.rest_clients)
+            setup = Setup(
+                made, cost, timing, segments, requests(), base, work, args.seed, args.slo_ms, args.balancing, clients
+            )
             calibration = await calibrate(setup, args.calibrate_s)
             print(f"bench.fleet: one replica {json.dumps(calibration)}", flush=True)
             capacity = calibration["capacity_per_s"]
             request_cores = calibration["cpu_cores_at_capacity"]
-            chosen = [p for p in policies(args.slo_ms) if p.name in args.policies]
+            chosen = [p for p in policies(args.slo_ms, capacity) if p.name in args.policies]
             runs = {}
             for policy in chosen:
                 print(f"bench.fleet: {policy.name} ...", flush=True)
@@ -505,6 +622,7 @@ def _headline(targets: Mapping[str, Any]) -> dict[str, Any]:
         "refusals_only_in_windows",
         "nothing_lost",
         "replica_seconds_ratio",
+        "traffic_within_one_sync",
         "slo_seconds_per_replica_second",
         "refused",
         "lost",
@@ -531,6 +649,9 @@ def main() -> None:
     parser.add_argument("--slo-ms", type=int, default=SLO_MS)
     parser.add_argument("--calibrate-s", type=float, default=10.0)
     parser.add_argument("--seed", type=int, default=20261126)
+    parser.add_argument("--balancing", choices=("connection", "call"), default="connection", help="as a ClusterIP")
+    parser.add_argument("--grpc-clients", type=int, default=GRPC_CLIENTS, help="client processes on gRPC")
+    parser.add_argument("--rest-clients", type=int, default=REST_CLIENTS, help="client processes on REST")
     parser.add_argument("--name", default="fleet", help="results file name (bench/results/<name>.json)")
     parser.add_argument("--keep-logs", default="", help="copy the pods' and Prometheus's logs here")
     args = parser.parse_args()

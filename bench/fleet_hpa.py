@@ -136,6 +136,16 @@ def desired_for_metric(
     return proposal
 
 
+def desired_for_total(total: float | None, target: float, current: int, tolerance: float = TOLERANCE) -> int | None:
+    """GetExternalPerPodMetricReplicas: an External metric's total against an AverageValue target (a
+    KEDA trigger's threshold), ceil(total / target), unchanged within the tolerance (None: no value)."""
+    if total is None:
+        return None
+    if current > 0 and abs(1.0 - total / (target * current)) <= tolerance:
+        return current
+    return math.ceil(total / target)
+
+
 def _group(
     pods: Sequence[Pod],
     values: Mapping[str, float],

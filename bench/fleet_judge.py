@@ -223,3 +223,14 @@ def judge(
         "slo_seconds": met,
         "slo_seconds_per_replica_second": met / used if used else math.nan,
     }
+
+
+def traffic_after_ready(pods: Sequence[tuple[float, float | None, float]], sync_s: float) -> dict[str, Any]:
+    """Per pod that turned ready during the run and served at least one sync period, given as (ready
+    at, first connection at or None, serving until): seconds from ready to its first connection,
+    and whether each got one within one sync period."""
+    delays = [None if first is None else first - ready for ready, first, until in pods if until - ready >= sync_s]
+    return {
+        "ready_to_first_connection_s": delays,
+        "traffic_within_one_sync": all(d is not None and d <= sync_s for d in delays),
+    }

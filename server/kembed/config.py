@@ -374,9 +374,11 @@ class Settings(BaseModel):
         json_schema_extra=TUNING,
     )
     max_connection_age_ms: int = Field(
-        300_000,
+        10_000,
         ge=1000,
-        description="Clients reconnect after this, so new replicas get traffic",
+        description="A connection's age, within 10%: then gRPC sends GOAWAY (calls in flight get the drain "
+        "timeout to finish) and REST answers Connection: close, so clients connect again through the Service "
+        "and a new replica gets traffic within one HPA sync (docs/decisions/connection-age.md)",
         json_schema_extra=TUNING,
     )
     compute_nice: int = Field(

@@ -12,6 +12,7 @@ from bench.fleet_hpa import (
     Rules,
     behavior,
     desired_for_metric,
+    desired_for_total,
 )
 
 
@@ -139,3 +140,9 @@ def test_compression_divides_every_period() -> None:
     scaled = behavior(None).scaled(5)
     assert scaled.down.stabilization_s == 60
     assert {p.period_s for p in scaled.up.policies} == {3}
+
+
+def test_an_external_total_asks_for_its_ceiling_over_the_target() -> None:
+    assert desired_for_total(23.0, 5.0, current=2) == 5  # KEDA: 23 waiting at 5 a pod
+    assert desired_for_total(10.5, 5.0, current=2) == 2  # 5% over: within the tolerance
+    assert desired_for_total(None, 5.0, current=2) is None

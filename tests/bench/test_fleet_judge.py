@@ -18,6 +18,7 @@ from bench.fleet_judge import (
     replica_seconds,
     scale_up_windows,
     slo_seconds,
+    traffic_after_ready,
 )
 
 SHAPE = ((10, 0.5, "hold"), (5, 1.5, "ramp"), (20, 1.5, "hold"), (2, 3.0, "spike"), (10, 1.5, "hold"))
@@ -99,3 +100,12 @@ def test_a_hold_shorter_than_its_deadline_is_not_judged_on_holding() -> None:
     segments = profile(1.0, SHAPE[:3])
     step = judge_steps(segments, samples((0, 1, 1), (20, 2, 2)), sync_s=3, pod_start_s=30)[1]
     assert step["held_within_one"] is None
+
+
+def test_traffic_after_ready_counts_pods_that_served_a_sync() -> None:
+    # (ready, first connection, serving until): in time, late, never (but served long), too short to judge
+    pods = [(10.0, 12.0, 100.0), (20.0, 40.0, 100.0), (30.0, None, 100.0), (50.0, None, 52.0)]
+    verdict = traffic_after_ready(pods, sync_s=15.0)
+    assert verdict["ready_to_first_connection_s"] == [2.0, 20.0, None]
+    assert verdict["traffic_within_one_sync"] is False
+    assert traffic_after_ready(pods[:1], sync_s=15.0)["traffic_within_one_sync"] is True

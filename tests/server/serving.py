@@ -35,6 +35,9 @@ FAST = {
     # Auto compiles the forward on a CPU (kembed.engine.cpu_compile): a minute of warmup on two busy
     # cores, in every test server. Eager unless a test asks for compiled (tests/server/test_cpu_compile.py).
     "compile": "off",
+    # A test's channel is one client on one connection (its front end, its refusal pacing) for as
+    # long as the test holds it; tests/server/test_connection_age.py sets the age it tests.
+    "max_connection_age_ms": 3_600_000,
 }
 
 

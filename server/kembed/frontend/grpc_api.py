@@ -212,6 +212,8 @@ class GrpcEdge:
                 ("grpc.so_reuseport", 1),
                 ("grpc.max_receive_message_length", settings.max_message_bytes),
                 ("grpc.max_send_message_length", MAX_ANSWER_BYTES),
+                # GOAWAY past the age (gRPC's core jitters it by 10%): a client connects again through
+                # the Service, to any ready pod; its calls in flight get the grace to finish.
                 ("grpc.max_connection_age_ms", settings.max_connection_age_ms),
                 ("grpc.max_connection_age_grace_ms", int(settings.drain_timeout_s * 1000)),
             ],

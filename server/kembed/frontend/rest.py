@@ -25,6 +25,12 @@ What one client can hold here is bounded (``docs/decisions/hostile-clients.md``)
   second), else the one sending its request the longest, else the new one;
 - a client that leaves cancels its call (the engine drops its work), logged in one line.
 
+A connection older than ``KEMBED_MAX_CONNECTION_AGE_MS`` (each its own, within 10% of it, so that
+clients connected together do not come back together) gets ``Connection: close`` on its next
+answer: its client's next request connects again, through the Service, to any ready pod, so a new
+replica gets traffic from clients that hold pooled keep-alive connections
+(``docs/decisions/connection-age.md``). A request is never cut: HTTP/1.1 carries one at a time.
+
 Every answer, aiohttp's own refusals of malformed requests included, is in OpenAI's error shape and
 counted in ``kembed_requests_total``.
 """
@@ -34,6 +40,8 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
+import math
+import random
 import resource
 import time
 from collections.abc import Callable
@@ -68,6 +76,7 @@ LINGER_S = 2.0  # a body refused part-read is read and dropped this long, so tha
 STOP_S = 1.0  # stopping: the drain has waited for every call; answers still being written get this long
 WRITE_BUFFER_BYTES = 65536  # aiohttp's writer waits for the client only past this much unsent (its LIMIT)
 READ_CHUNK = 16384  # a body is parsed this much at a time: well under a millisecond of the event loop
+AGE_JITTER = 0.1  # a connection's age is the setting's within this share, as gRPC's core draws its own
 MAX_BACKLOG = 128  # asyncio accepts up to a backlog's worth of connections in one turn of the event loop
 # Descriptors this process keeps apart from its REST connections: the engine's socket, files,
 # gRPC's poller. What is left is halved: REST connections may take one half, gRPC's the other. Of
@@ -110,6 +119,7 @@ class RestEdge:
             self._handle,
             limit=self.max_connections,
             error=self._malformed,
+            max_age_s=settings.max_connection_age_ms / 1000,
             keepalive_timeout=IDLE_S,
             lingering_time=LINGER_S,
             auto_decompress=False,  # a compressed body is refused: its size would say nothing
@@ -148,6 +158,17 @@ class RestEdge:
         await self._runner.cleanup()
 
     async def _handle(self, request: web.BaseRequest) -> web.StreamResponse:
+        response = await self._route(request)
+        self._close_if_aged(request, response)
+        return response
+
+    def _close_if_aged(self, request: web.BaseRequest, response: web.StreamResponse) -> None:
+        """Past its age, the connection closes after this answer, which says so (a written answer's
+        head is sent already: :meth:`_write` asks before it)."""
+        if not response.prepared and self._server.aged(request.protocol):
+            response.force_close()
+
+    async def _route(self, request: web.BaseRequest) -> web.StreamResponse:
         path, method = request.path, request.method
         self._server.reading(request.protocol)
         try:
@@ -262,6 +283,7 @@ class RestEdge:
         response = self._reply(status, body)
         if len(body) <= WRITE_BUFFER_BYTES:
             return response
+        self._close_if_aged(request, response)
         try:
             async with asyncio.timeout(self._timeout_s):
                 await response.prepare(request)
@@ -296,8 +318,9 @@ class Connections(web.Server):
     longest is closed if it has been idle ``IDLE_GRACE_S`` (no request, or a head still arriving;
     a new connection gets that long to send one), else the one that has been sending its request
     the longest, else the new one (every other is working on an accepted call). A client that
-    leaves cancels its handler, so its call is dropped. Malformed requests are answered by
-    ``error``; ``kwargs`` go to each connection's :class:`~aiohttp.web.RequestHandler`."""
+    leaves cancels its handler, so its call is dropped. A connection is :meth:`aged` once open
+    ``max_age_s``, give or take ``AGE_JITTER``. Malformed requests are answered by ``error``;
+    ``kwargs`` go to each connection's :class:`~aiohttp.web.RequestHandler`."""
 
     def __init__(
         self,
@@ -305,11 +328,14 @@ class Connections(web.Server):
         *,
         limit: int,
         error: Callable[[int, str], web.Response],
+        max_age_s: float,
         **kwargs: Any,
     ) -> None:
         super().__init__(handler, handler_cancellation=True, **kwargs)
         self._limit = limit
         self._error = error
+        self._max_age_s = max_age_s
+        self._aged_at: dict[RequestHandler, float] = {}  # every open connection's
         self._handler_args = kwargs
         # Every open connection is in one of these, each in the order its connections entered it.
         self._idle: dict[RequestHandler, float] = {}  # since when
@@ -321,13 +347,19 @@ class Connections(web.Server):
 
     def connection_made(self, handler: RequestHandler, transport: asyncio.Transport) -> None:
         super().connection_made(handler, transport)
-        self._idle[handler] = asyncio.get_running_loop().time()
+        now = asyncio.get_running_loop().time()
+        self._idle[handler] = now
+        self._aged_at[handler] = now + self._max_age_s * random.uniform(1 - AGE_JITTER, 1 + AGE_JITTER)
         if len(self._idle) + len(self._reading) + len(self._working) > self._limit:
             self._close_one(handler)
 
     def connection_lost(self, handler: RequestHandler, exc: BaseException | None = None) -> None:
         super().connection_lost(handler, exc)
         self._forget(handler)
+        self._aged_at.pop(handler, None)
+
+    def aged(self, handler: RequestHandler) -> bool:
+        return asyncio.get_running_loop().time() >= self._aged_at.get(handler, math.inf)
 
     def reading(self, handler: RequestHandler) -> None:
         if self._idle.pop(handler, None) is not None:
