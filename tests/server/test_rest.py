@@ -62,9 +62,14 @@ Body = bytes | list[int] | dict[str, Any]
 
 
 def post(server: ServerProcess, body: Body, path: str = "/embeddings") -> tuple[int, Any, Any]:
-    """Status, JSON body and headers of one plain POST (status 0: nobody listens yet)."""
+    """Status, JSON body and headers of one plain POST to the OpenAI API's ``path`` (status 0:
+    nobody listens yet)."""
+    return post_to(server.rest_url + path, body)
+
+
+def post_to(url: str, body: Body) -> tuple[int, Any, Any]:
     data = body if isinstance(body, bytes) else json.dumps(body).encode()
-    request = urllib.request.Request(server.rest_url + path, data=data, headers={"Content-Type": "application/json"})
+    request = urllib.request.Request(url, data=data, headers={"Content-Type": "application/json"})
     try:
         with urllib.request.urlopen(request, timeout=60) as response:
             return response.status, json.loads(response.read()), response.headers

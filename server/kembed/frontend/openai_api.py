@@ -35,6 +35,7 @@ import orjson
 
 from kembed.errors import EmbedError, Failure, Field, InvalidInput
 from kembed.frontend.call import EmbedCall, EmbedResult, Limits, Texts
+from kembed.frontend.chunks import Chunks
 from kembed.inputs import Sequences
 from kembed.priority import Priority
 from kembed.prompts import ModelPrompts, PromptChoice
@@ -441,6 +442,23 @@ def answer(request: Embeddings, result: EmbedResult) -> bytes:
             "usage": {"prompt_tokens": tokens, "total_tokens": tokens},
         },
         option=orjson.OPT_SERIALIZE_NUMPY,
+    )
+
+
+def tokens(request: Embeddings, chunks: Chunks) -> bytes:
+    """``POST /tokenize``: each input's token ids as an embedding call computes them (its prompt,
+    truncation, and chunks: one list of ids per chunk), and the usage that call would report."""
+    seqs, firsts = chunks.seqs, np.cumsum(chunks.counts) - chunks.counts
+    ids = [seqs.ids[start : start + length] for start, length in zip(seqs.offsets, seqs.lengths, strict=True)]
+    counts = chunks.token_counts()
+    total = int(counts.sum())
+    data = [
+        {"object": "tokens", "index": i, "tokens": ids[first : first + n], "count": int(counts[i])}
+        for i, (first, n) in enumerate(zip(firsts, chunks.counts, strict=True))
+    ]
+    usage = {"prompt_tokens": total, "total_tokens": total}
+    return orjson.dumps(
+        {"object": "list", "data": data, "model": request.model, "usage": usage}, option=orjson.OPT_SERIALIZE_NUMPY
     )
 
 

@@ -44,7 +44,7 @@ import math
 import random
 import resource
 import time
-from collections.abc import Callable
+from collections.abc import Awaitable, Callable
 from typing import Any
 
 from aiohttp import web
@@ -70,6 +70,8 @@ log = logging.getLogger(__name__)
 JSON = "application/json"
 EMBEDDINGS_PATH = "/v1/embeddings"
 MODELS_PATH = "/v1/models"
+TOKENIZE_PATH = "/tokenize"  # where TEI and vLLM answer it
+METHODS = {EMBEDDINGS_PATH: "POST", TOKENIZE_PATH: "POST", MODELS_PATH: "GET"}
 IDLE_S = 60.0  # a connection with no request, or whose request's head is still arriving, is closed after this
 IDLE_GRACE_S = 1.0  # past the connection cap, an idle connection is closed first only once idle this long
 LINGER_S = 2.0  # a body refused part-read is read and dropped this long, so that its client can read the answer
@@ -87,6 +89,8 @@ FD_RESERVE = 64
 # a binary kind's byte per eight values), and its envelope.
 ANSWER_BYTES_PER_VALUE = {"float": 14, "base64": 6, "int8": 5, "uint8": 4, "binary": 1, "ubinary": 1}
 ANSWER_ENVELOPE = 256
+TOKEN_ANSWER_BYTES = 8  # a token id as JSON text and its comma, in a vocabulary under ten million
+Respond = Callable[[web.BaseRequest, Embeddings, Reservation], Awaitable[bytes]]
 
 
 class RestEdge:
@@ -173,12 +177,13 @@ class RestEdge:
         self._server.reading(request.protocol)
         try:
             if path == EMBEDDINGS_PATH and method == "POST":
-                return await self._embeddings(request)
+                return await self._call(request, self._embed)
+            if path == TOKENIZE_PATH and method == "POST":
+                return await self._call(request, self._tokenize)
             if path == MODELS_PATH and method == "GET":
                 self._server.working(request.protocol)
                 return self._reply(200, openai_api.models(self._served, self._created, self._prompts))
-            if path in (EMBEDDINGS_PATH, MODELS_PATH):
-                allowed = "POST" if path == EMBEDDINGS_PATH else "GET"
+            if allowed := METHODS.get(path):
                 error = ApiError.invalid(405, f"{method} {path}: only {allowed}", "method_not_allowed")
                 error.headers["Allow"] = allowed
                 return self._refuse(error)
@@ -195,7 +200,8 @@ class RestEdge:
         finally:
             self._server.done(request.protocol)
 
-    async def _embeddings(self, request: web.BaseRequest) -> web.StreamResponse:
+    async def _call(self, request: web.BaseRequest, respond: Respond) -> web.StreamResponse:
+        """A call's body read and parsed, then answered by ``respond``, its answer's bytes weighed."""
         deadline = asyncio.get_running_loop().time() + self._timeout_s
         parsed: Embeddings | None = None
         reservation: Reservation | None = None
@@ -208,10 +214,8 @@ class RestEdge:
                 request.writer.output_size = 0
             parsed = await self._read(request, reservation, deadline)
             reservation.release()
-            reservation.grow(self._answer_bytes(parsed))
             self._server.working(request.protocol)
-            result = await self._service().embed(_with_attempt(parsed.call, request))
-            return await self._write(request, 200, openai_api.answer(parsed, result))
+            return await self._write(request, 200, await respond(request, parsed, reservation))
         except ApiError as api_error:
             error = api_error
         except EmbedError as embed_error:
@@ -272,9 +276,16 @@ class RestEdge:
                 self._reading.discard(timeout)
         return reader.finish(self._served, peer)
 
-    def _answer_bytes(self, parsed: Embeddings) -> int:
+    async def _embed(self, request: web.BaseRequest, parsed: Embeddings, reservation: Reservation) -> bytes:
         dimensions = min(parsed.call.dimensions or self._dimensions, self._dimensions)
-        return parsed.call.count * dimensions * ANSWER_BYTES_PER_VALUE[parsed.encoding] + ANSWER_ENVELOPE
+        reservation.grow(parsed.call.count * dimensions * ANSWER_BYTES_PER_VALUE[parsed.encoding] + ANSWER_ENVELOPE)
+        result = await self._service().embed(_with_attempt(parsed.call, request))
+        return openai_api.answer(parsed, result)
+
+    async def _tokenize(self, request: web.BaseRequest, parsed: Embeddings, reservation: Reservation) -> bytes:
+        chunks = await self._service().tokenize(parsed.call)
+        reservation.grow(int(chunks.seqs.ids.size) * TOKEN_ANSWER_BYTES + ANSWER_ENVELOPE)  # before it is written
+        return openai_api.tokens(parsed, chunks)
 
     async def _write(self, request: web.BaseRequest, status: int, body: bytes) -> web.StreamResponse:
         """The answer, written here while its bytes are still weighed, within the request's timeout.

@@ -103,6 +103,8 @@ class Service(Protocol):
 
     async def embed(self, call: EmbedCall) -> EmbedResult: ...
 
+    async def tokenize(self, call: EmbedCall) -> Chunks: ...
+
     def info(self) -> ServerInfo: ...
 
 
@@ -118,6 +120,9 @@ class WarmingUp:
     """The service until the engine is warm: every call is UNAVAILABLE."""
 
     async def embed(self, call: EmbedCall) -> EmbedResult:
+        raise warming_up()
+
+    async def tokenize(self, call: EmbedCall) -> Chunks:
         raise warming_up()
 
     def info(self) -> ServerInfo:
@@ -214,12 +219,8 @@ class EmbedService:
         self._raise_if_rejected(self._screen.before_tokenizing(least_cost, priority, call.attempt), priority)
         if call.timeout_s is not None:
             self._raise_if_rejected(self._screen.in_time(least_cost, priority, call.timeout_s, call.attempt), priority)
-        if call.nbytes(prompt.text) <= INLINE_PREPARE_LIMIT:
-            chunks = self._prepare(call, chunking, prompt)  # on the event loop: no other call is screened meanwhile
-        else:
-            with self._screen.tokenizing(least_cost, priority):
-                loop = asyncio.get_running_loop()
-                chunks = await loop.run_in_executor(self._executor, self._prepare, call, chunking, prompt)
+        with self._screen.tokenizing(least_cost, priority):
+            chunks = await self._tokenized(call, chunking, prompt)
         tokenized = self._clock()
         seqs = chunks.seqs
         cost = self._padded_tokens(seqs.lengths)
@@ -236,6 +237,26 @@ class EmbedService:
         self._link.add_latency(done - arrival, priority)
         self._metrics.request_durations[priority].observe(done - arrival)
         return self._result(call, chunks, pending, tokenized - arrival, arrival, done)
+
+    async def tokenize(self, call: EmbedCall) -> Chunks:
+        """The call's inputs as :meth:`embed` would hand them to the engine (prompt, truncation,
+        chunks, the same checks and limits), and no further: nothing is admitted or computed."""
+        self._gate.enter()
+        try:
+            self._validate(call)
+            prompt = self._prompt(call)
+            chunking = self._chunking.with_prompt(prompt.tokens) if self._chunked(call) else None
+            with self._memory.reserve(call_weight(call.nbytes(prompt.text), self._most_items(call), 0)):
+                return await self._tokenized(call, chunking, prompt)
+        finally:
+            self._gate.leave()
+
+    async def _tokenized(self, call: EmbedCall, chunking: Chunking | None, prompt: Prompt) -> Chunks:
+        """:meth:`_prepare`, on the event loop for a small call (no other call is screened meanwhile),
+        else in the executor, the event loop free."""
+        if call.nbytes(prompt.text) <= INLINE_PREPARE_LIMIT:
+            return self._prepare(call, chunking, prompt)
+        return await asyncio.get_running_loop().run_in_executor(self._executor, self._prepare, call, chunking, prompt)
 
     def _default_budget(self, cost: int, priority: Priority) -> float:
         """The deadline of a call that states none: the server's default, or, for a request whose

@@ -1,0 +1,78 @@
+"""``POST /tokenize``: the ids and counts an embedding call computes, prompt, truncation and chunks
+applied as that call applies them, its usage included."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterator
+from typing import Any
+
+import grpc
+import pytest
+
+from kembed.v1 import embedder_pb2 as pb
+from kembed.v1 import embedder_pb2_grpc as pb_grpc
+from tests.server.serving import ServerProcess
+from tests.server.test_rest import post, post_to
+
+PROMPTS = {"query": "query: "}
+LONG = "kubernetes scales embedding servers on their own metrics " * 60  # about 600 tokens: past 256
+TEXTS = ["hello world", "naïve café 東京", LONG]
+
+
+def tokenize(server: ServerProcess, body: dict[str, Any]) -> tuple[int, Any, Any]:
+    return post_to(server.rest_url.removesuffix("/v1") + "/tokenize", body)
+
+
+@pytest.fixture(scope="module")
+def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
+    log = tmp_path_factory.mktemp("tokenize") / "server.log"
+    running = ServerProcess(log, admission="", prompts=json.dumps(PROMPTS))
+    yield running.wait_ready()
+    running.stop()
+
+
+@pytest.fixture(scope="module")
+def stub(server: ServerProcess) -> Iterator[pb_grpc.EmbedderStub]:
+    with grpc.insecure_channel(server.target) as channel:
+        yield pb_grpc.EmbedderStub(channel)
+
+
+CALLS: dict[str, dict[str, Any]] = {
+    "truncated": {"truncate": True},
+    "a prompt, truncated": {"truncate": True, "prompt_name": "query"},
+    "chunked, with a prompt": {"chunk": True, "prompt": "passage: "},
+}
+
+
+@pytest.mark.parametrize("case", CALLS)
+def test_tokenize_counts_what_the_embedding_call_computes(
+    server: ServerProcess, stub: pb_grpc.EmbedderStub, hf_tokenizer: Any, case: str
+) -> None:
+    fields = CALLS[case]
+    status, tokens, _ = tokenize(server, {"input": TEXTS, **fields})
+    assert status == 200, tokens
+    status, embedded, _ = post(server, {"input": TEXTS, **fields})
+    assert status == 200, embedded
+    assert tokens["usage"] == embedded["usage"]
+    answer = stub.Embed(pb.EmbedRequest(texts=TEXTS, **fields), timeout=120)
+    assert [item["count"] for item in tokens["data"]] == list(answer.token_counts)
+    for item in tokens["data"]:
+        assert item["count"] == sum(map(len, item["tokens"]))
+    prompt = PROMPTS.get(fields.get("prompt_name", ""), fields.get("prompt", ""))
+    short = hf_tokenizer(prompt + TEXTS[0])["input_ids"]
+    assert tokens["data"][0]["tokens"] == [short]
+    long = tokens["data"][2]["tokens"]
+    if fields.get("chunk"):
+        assert len(long) > 1 and all(len(chunk) <= 256 for chunk in long)
+        prompt_ids = hf_tokenizer(prompt, add_special_tokens=False)["input_ids"]
+        assert all(chunk[1 : 1 + len(prompt_ids)] == prompt_ids for chunk in long)  # each chunk starts with it
+    else:
+        assert [len(chunk) for chunk in long] == [256]
+
+
+def test_tokenize_refuses_as_the_embedding_call_does(server: ServerProcess) -> None:
+    status, body, _ = tokenize(server, {"input": [LONG], "truncate": False, "chunk": False})
+    assert status == 400 and body["error"]["param"] == "input[0]"
+    status, body, _ = tokenize(server, {"input": ["a"], "prompt_name": "nope"})
+    assert status == 400 and body["error"]["param"] == "prompt_name"
