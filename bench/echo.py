@@ -25,6 +25,7 @@ from pathlib import Path
 
 import grpc
 
+from kembed import listen
 from kembed.contract import GRPC_SERVICE
 from kembed.v1 import embedder_pb2
 
@@ -78,8 +79,14 @@ def _process(port: int, parent: Connection) -> None:
 
 
 def serve(processes: int, port: int, ready_file: Path | None) -> int:
-    """Run ``processes`` echo processes on ``port`` until SIGTERM or SIGINT (exit 0), or until one
-    of them dies (exit 1). Touches ``ready_file`` once all of them serve."""
+    """Run ``processes`` echo processes on ``port`` (0: any free port) until SIGTERM or SIGINT (exit
+    0), or until one of them dies (exit 1). Writes the port to ``ready_file`` once all of them serve."""
+    # Bound, not listened on, as kembed's supervisor holds its port: a port of 0 names one for all.
+    with listen.bind(HOST, port, "echo", reuse_port=True) as held:
+        return _serve_all(processes, int(held.getsockname()[1]), ready_file)
+
+
+def _serve_all(processes: int, port: int, ready_file: Path | None) -> int:
     context = multiprocessing.get_context("spawn")
     # A socket pair per child: it says when the child serves, and its EOF tells the child we ended.
     pipes = [context.Pipe() for _ in range(processes)]
@@ -95,7 +102,9 @@ def serve(processes: int, port: int, ready_file: Path | None) -> int:
             ours.recv()
         print(f"echo: {processes} process(es) on {HOST}:{port} (a yardstick, not a server)", flush=True)
         if ready_file:
-            ready_file.touch()
+            written = ready_file.with_suffix(".tmp")
+            written.write_text(str(port))
+            written.replace(ready_file)  # whole, or not there
         while all(child.is_alive() for child in children):
             if signal.sigtimedwait({signal.SIGTERM, signal.SIGINT}, 0.5) is not None:
                 return 0
@@ -110,8 +119,8 @@ def serve(processes: int, port: int, ready_file: Path | None) -> int:
 def main(argv: Sequence[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--processes", type=int, default=1, help="processes sharing the port (SO_REUSEPORT)")
-    parser.add_argument("--port", type=int, required=True, help="loopback port, shared by every process")
-    parser.add_argument("--ready-file", type=Path, help="touched once every process serves")
+    parser.add_argument("--port", type=int, required=True, help="loopback port shared by every process (0: any)")
+    parser.add_argument("--ready-file", type=Path, help="the port, written once every process serves")
     args = parser.parse_args(argv)
     sys.exit(serve(args.processes, args.port, args.ready_file))
 

@@ -28,6 +28,7 @@ import grpc
 from google.protobuf.json_format import MessageToDict
 
 from bench.report import Samples, parse_prometheus
+from kembed import listen
 from kembed.contract import COMPILING, HEALTH_PATH, METRICS_PATH, READYZ_PATH, env_name
 from kembed.v1 import embedder_pb2, embedder_pb2_grpc
 
@@ -164,33 +165,52 @@ def running(
     settled: bool = True,
 ) -> Iterator[Server]:
     """``python -m <module>`` (kembed or a drop-in for it) with ``settings`` (names without the
-    KEMBED_ prefix), ready to serve; every port a free one (two benchmarks never share one). With
+    KEMBED_ prefix), ready to serve; every port one the kernel picks (port 0), read off the server's
+    first line (two benchmarks never share one, nor lose one found free to another process). With
     ``settled``, also past the compile a CPU runs beside serving once ready: a benchmark measures
     the forward that serves for good, not the minute the compile shares the cores."""
-    env, server = server_env(settings)
-    up = (lambda: is_settled(server.http_url)) if settled else (lambda: is_ready(server.http_url))
-    with _started(["-m", module], env, log, up, start_timeout) as pid:
-        yield dataclasses.replace(server, pid=pid)
+    found: list[Server] = []
+
+    def up() -> bool:
+        if not found:
+            ports = listen.listening_ports(log.read_text(errors="replace"))
+            if ports is None:
+                return False
+            found.append(_on_ports(ports["grpc"], ports["http"], ports["rest"]))
+        return is_settled(found[0].http_url) if settled else is_ready(found[0].http_url)
+
+    with _started(["-m", module], kembed_env({**settings, **listen.ANY_PORTS}), log, up, start_timeout) as pid:
+        yield dataclasses.replace(found[0], pid=pid)
 
 
 def server_env(settings: Mapping[str, str]) -> tuple[dict[str, str], Server]:
-    """The environment of a server with ``settings`` (names without the KEMBED_ prefix) on free
-    loopback ports, and its addresses (``pid`` 0 until started)."""
+    """The environment of a server with ``settings`` (names without the KEMBED_ prefix) on ports
+    found free (``running`` takes port 0 instead: a port found free may be taken before the server
+    binds it), and its addresses (``pid`` 0 until started): for a fleet, whose pods' addresses are
+    published as they are created."""
     grpc_port, http_port, rest_port = free_port(), free_port(), free_port()
-    ports = {"grpc_port": grpc_port, "http_port": http_port, "rest_port": rest_port}
-    overrides = {**settings, "grpc_host": HOST, "http_host": HOST, **ports}
+    env = kembed_env({**settings, "grpc_port": grpc_port, "http_port": http_port, "rest_port": rest_port})
+    return env, _on_ports(grpc_port, http_port, rest_port)
+
+
+def kembed_env(settings: Mapping[str, Any]) -> dict[str, str]:
+    """This environment less its ``KEMBED_*`` variables, plus ``settings`` on loopback."""
     env = {k: v for k, v in os.environ.items() if not k.startswith("KEMBED_")}
-    env.update({env_name(k): str(v) for k, v in overrides.items()})
-    return env, Server(0, f"{HOST}:{grpc_port}", f"http://{HOST}:{http_port}", f"http://{HOST}:{rest_port}")
+    env.update({env_name(k): str(v) for k, v in {**settings, "grpc_host": HOST, "http_host": HOST}.items()})
+    return env
+
+
+def _on_ports(grpc_port: int, http_port: int, rest_port: int) -> Server:
+    return Server(0, f"{HOST}:{grpc_port}", f"http://{HOST}:{http_port}", f"http://{HOST}:{rest_port}")
 
 
 @contextlib.contextmanager
 def echo_running(processes: int, log: Path, start_timeout: float = 60.0) -> Iterator[Server]:
-    """``python -m bench.echo`` with ``processes`` processes on one free port, all of them serving.
-    It has no HTTP port: ``http_url`` is empty and ``metrics()`` does not apply."""
-    port = free_port()
+    """``python -m bench.echo`` with ``processes`` processes on one port (the kernel's pick, which it
+    writes to its ready file), all of them serving. It has no HTTP port: ``http_url`` is empty and
+    ``metrics()`` does not apply."""
     with tempfile.TemporaryDirectory() as tmp:
         ready_file = Path(tmp) / "ready"
-        argv = ["-m", "bench.echo", "--processes", str(processes), "--port", str(port), "--ready-file", str(ready_file)]
+        argv = ["-m", "bench.echo", "--processes", str(processes), "--port", "0", "--ready-file", str(ready_file)]
         with _started(argv, os.environ, log, ready_file.exists, start_timeout) as pid:
-            yield Server(pid, f"{HOST}:{port}", "")
+            yield Server(pid, f"{HOST}:{ready_file.read_text()}", "")

@@ -18,7 +18,7 @@ from typing import Annotated, Any, Final, TypeVar
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 from pydantic.config import JsonDict
 
-from kembed.contract import ENV_PREFIX, GRPC_PORT, HTTP_PORT, OPERATOR_ENV_PREFIX, REST_PORT, env_name
+from kembed.contract import ENV_PREFIX, GRPC_PORT, HTTP_PORT, OPERATOR_ENV_PREFIX, REST_ANY_PORT, REST_PORT, env_name
 from kembed.prompts import name_problem, problem
 
 MAX_FRONTENDS = 64
@@ -198,9 +198,10 @@ class Settings(BaseModel):
     )
     rest_port: int = Field(
         REST_PORT,
-        ge=0,
+        ge=REST_ANY_PORT,
         le=65535,
-        description="OpenAI-compatible REST port (/v1/embeddings, /v1/models); 0 = off",
+        description=f"OpenAI-compatible REST port (/v1/embeddings, /v1/models); 0 = off, {REST_ANY_PORT} = any free "
+        "port",
         json_schema_extra=USER,
     )
     http_host: str = Field(

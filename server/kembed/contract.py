@@ -11,6 +11,8 @@ from typing import Final
 GRPC_PORT: Final = 50051
 HTTP_PORT: Final = 8001
 REST_PORT: Final = 8080
+# KEMBED_REST_PORT's "any free port": its 0 turns REST off. A port of 0 elsewhere is any free port.
+REST_ANY_PORT: Final = -1
 # The bind address of every address of both families (IPv4 alone where the host has no IPv6): what
 # the operator's pods and the image listen on (kembed/listen.py).
 ANY_ADDRESS: Final = "::"

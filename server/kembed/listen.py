@@ -4,14 +4,19 @@ socket, and written as gRPC's targets and URLs write it (an IPv6 address in brac
 ``::`` listens on both families where the host has IPv6: one socket with ``IPV6_V6ONLY`` off takes
 IPv4 connections too, as mapped addresses (``::ffff:10.0.0.7``), as gRPC's core does for ``[::]``;
 on a host without IPv6 it is ``0.0.0.0``, as in gRPC's core. The operator's pods bind ``::``, so
-they listen on their address whether the cluster is IPv4, IPv6 or dual-stack."""
+they listen on their address whether the cluster is IPv4, IPv6 or dual-stack.
+
+A port of 0 is any free port, and the supervisor's first line names the ports it bound
+(:func:`listening_ports` reads them): tests and benchmarks start servers so, never on a port
+found free first and bound after (another process may take it meanwhile)."""
 
 from __future__ import annotations
 
 import errno
+import re
 import socket
 
-from kembed.contract import ANY_ADDRESS, env_name
+from kembed.contract import ANY_ADDRESS, REST_ANY_PORT, env_name
 
 ANY_IPV4 = "0.0.0.0"
 _NO_IPV6 = (errno.EAFNOSUPPORT, errno.EADDRNOTAVAIL)  # IPv6 not built in, or switched off
@@ -50,3 +55,21 @@ def _bound(host: str, port: int, reuse_port: bool) -> socket.socket:
 def host_port(host: str, port: int) -> str:
     """``host:port``, an IPv6 address in brackets (``[::1]:50051``): gRPC's target syntax and URLs'."""
     return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
+
+
+# The settings that bind every port to any free one (REST's 0 turns it off).
+ANY_PORTS = {"grpc_port": 0, "rest_port": REST_ANY_PORT, "http_port": 0}
+
+# The supervisor's first line (kembed/supervisor/process.py prints it): where each port listens.
+_LISTENING = re.compile(
+    r"^kembed: gRPC on \S+:(?P<grpc>\d+) \(.*?\), (?:OpenAI REST on https?://\S+:(?P<rest>\d+)/v1, )?"
+    r"health and metrics on http://\S+:(?P<http>\d+) ",
+    re.MULTILINE,
+)
+
+
+def listening_ports(output: str) -> dict[str, int] | None:
+    """The ports a server's output says it listens on, by name (``grpc``, ``rest``: 0 when off,
+    ``http``), once it has said so; None before."""
+    found = _LISTENING.search(output)
+    return None if found is None else {name: int(port or 0) for name, port in found.groupdict().items()}

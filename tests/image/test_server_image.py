@@ -32,7 +32,8 @@ from kembed_operator import kinds, render
 from kembed_operator.config import OperatorConfig
 from kembed_operator.spec import parse_spec
 from tests.image.podman import Container, http_status, image_files, podman
-from tests.server.serving import FAST, ServerProcess, free_port, wait_until
+from tests.operator.conftest import free_port
+from tests.server.serving import FAST, ServerProcess, wait_until
 
 pytestmark = [pytest.mark.image, pytest.mark.timeout(900)]
 

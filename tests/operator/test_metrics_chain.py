@@ -10,9 +10,6 @@ from __future__ import annotations
 
 import functools
 import json
-import os
-import subprocess
-import sys
 import time
 import urllib.error
 import urllib.parse
@@ -25,11 +22,12 @@ import pytest
 import yaml
 
 from bench import prometheus as bench_prometheus
-from kembed.contract import METRICS_PATH, READYZ_PATH, Metric
+from kembed.contract import METRICS_PATH, Metric
 from kembed_operator import kinds, render
 from kembed_operator.config import OperatorConfig
 from kembed_operator.spec import parse_spec
-from tests.operator.conftest import CHART, free_port, wait_for
+from tests.operator.conftest import CHART, wait_for
+from tests.server.serving import ServerProcess
 
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
 OWNER = render.Owner(name="emb", namespace="search", uid="u")
@@ -53,31 +51,15 @@ def http_get(url: str) -> tuple[int, str]:
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     """A real kembed server; yields its HTTP base URL."""
-    grpc_port, http_port = free_port(), free_port()
-    env = {
-        **os.environ,
-        "KEMBED_GRPC_PORT": str(grpc_port),
-        "KEMBED_HTTP_PORT": str(http_port),
-        "KEMBED_REST_PORT": str(free_port()),  # not the default 8080, which another server may hold
-        "KEMBED_BUCKETS": "16,32",
-        "KEMBED_MAX_BATCH_SIZE": "8",
-        "KEMBED_LATENCY_WINDOW_S": "600",  # keeps the P95 still while the test compares it
-        "KEMBED_COMPILE": "off",  # as every test server (tests/server/serving.py FAST)
-    }
     log = tmp_path_factory.mktemp("kembed") / "server.log"
-    with log.open("wb") as out:
-        process = subprocess.Popen([sys.executable, "-m", "kembed"], env=env, stdout=out, stderr=subprocess.STDOUT)
-    base = f"http://127.0.0.1:{http_port}"
+    # latency_window_s: keeps the P95 still while the test compares it
+    process = ServerProcess(log, buckets="16,32", max_batch_size=8, latency_window_s=600)
     try:
-        wait_for(
-            "the server's /readyz", lambda: http_get(base + READYZ_PATH)[0] == 200 or process.poll() is not None, 180, 1
-        )
-        assert process.poll() is None, log.read_text()[-3000:]
-        _load(f"127.0.0.1:{grpc_port}")
-        yield base
+        process.wait_ready()
+        _load(process.target)
+        yield f"http://127.0.0.1:{process.http_port}"
     finally:
-        process.kill()
-        process.wait(10)
+        process.stop()
 
 
 def _load(target: str) -> None:

@@ -1,5 +1,6 @@
 """A real kembed server for tests: ``python -m kembed`` (the supervisor, its engine and its front
-ends) on free loopback ports, with small buckets so warmup takes seconds."""
+ends) on loopback ports the kernel picks (port 0, read off the server's first line: a port found
+free first is a race another process may win), with small buckets so warmup takes seconds."""
 
 from __future__ import annotations
 
@@ -8,7 +9,6 @@ import os
 import re
 import resource
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -20,6 +20,7 @@ from typing import Any, ClassVar
 
 import grpc
 
+from kembed import listen
 from kembed.contract import env_name
 from kembed.v1 import embedder_pb2 as pb
 from kembed.v1 import embedder_pb2_grpc as pb_grpc
@@ -39,12 +40,6 @@ FAST = {
     # long as the test holds it; tests/server/test_connection_age.py sets the age it tests.
     "max_connection_age_ms": 3_600_000,
 }
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
 
 
 def wait_until(condition: Any, timeout: float, what: str) -> None:
@@ -69,11 +64,7 @@ class ServerProcess:
         ``environ={...}``: variables other than settings (``CXX``...)."""
         nofile = int(settings.pop("nofile", 0))
         environ: Mapping[str, str] = settings.pop("environ", {})
-        self.grpc_port = int(settings.pop("grpc_port", 0)) or free_port()
-        self.http_port = int(settings.pop("http_port", 0)) or free_port()
-        self.rest_port = int(settings.pop("rest_port", 0)) or free_port()
-        ports = {"grpc_port": self.grpc_port, "http_port": self.http_port, "rest_port": self.rest_port}
-        values = {**FAST, **settings, **ports}
+        values = {**FAST, **listen.ANY_PORTS, **settings}
         env = {k: v for k, v in os.environ.items() if not k.startswith("KEMBED_")}
         env.update({env_name(k): str(v) for k, v in values.items()})
         env["HF_HUB_OFFLINE"] = "1"
@@ -88,13 +79,38 @@ class ServerProcess:
         self.process = subprocess.Popen(
             [sys.executable, "-m", module], env=env, stdout=self._out, stderr=subprocess.STDOUT, preexec_fn=limit
         )
+        self._ports: dict[str, int] = {}
         ServerProcess.running.append(self)
 
     def wait_ready(self, timeout: float = 300) -> ServerProcess:
+        self.ports(timeout)
         wait_until(lambda: self.http("/readyz")[0] == 200 or self.process.poll() is not None, timeout, "ready")
         if self.process.poll() is not None:
             raise AssertionError(f"server exited with {self.process.returncode}:\n{self.output()}")
         return self
+
+    def ports(self, timeout: float = 300) -> dict[str, int]:
+        """The ports the server bound (``grpc``, ``rest``, ``http``), once its first line names them."""
+        if not self._ports:
+            said = lambda: listen.listening_ports(self.output()) is not None  # noqa: E731
+            wait_until(lambda: said() or self.process.poll() is not None, timeout, "the server's ports")
+            found = listen.listening_ports(self.output())
+            if found is None:
+                raise AssertionError(f"server exited with {self.process.returncode} unbound:\n{self.output()}")
+            self._ports = found
+        return self._ports
+
+    @property
+    def grpc_port(self) -> int:
+        return self.ports()["grpc"]
+
+    @property
+    def rest_port(self) -> int:
+        return self.ports()["rest"]
+
+    @property
+    def http_port(self) -> int:
+        return self.ports()["http"]
 
     @property
     def target(self) -> str:

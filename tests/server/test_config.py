@@ -58,6 +58,8 @@ def test_list_settings_of_other_types_read_json_too():
         ({"KEMBED_P95_SOFT_MS": "900", "KEMBED_P95_HARD_MS": "800"}, "KEMBED_P95_SOFT_MS"),
         ({"KEMBED_MAX_BATCH_SZE": "8"}, "KEMBED_MAX_BATCH_SZE"),
         ({"KEMBED_GRPC_PORT": "70000"}, "KEMBED_GRPC_PORT"),
+        ({"KEMBED_GRPC_PORT": "-1"}, "KEMBED_GRPC_PORT"),  # REST's any free port; gRPC's is 0
+        ({"KEMBED_REST_PORT": "-2"}, "KEMBED_REST_PORT"),
         ({"KEMBED_PROMPTS": "{not json"}, "KEMBED_PROMPTS"),
         ({"KEMBED_PROMPTS": '{"a b": "query: "}'}, "KEMBED_PROMPTS"),  # a name a request could not give
         ({"KEMBED_PROMPTS": '{"q": 5}'}, "KEMBED_PROMPTS"),

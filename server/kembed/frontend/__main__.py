@@ -1,4 +1,5 @@
-"""``python -m kembed.frontend --runtime DIR --index I --grpc-port P``: a front end, started by the supervisor."""
+"""``python -m kembed.frontend --runtime DIR --index I --grpc-port P --rest-port R``: a front end,
+started by the supervisor, on the ports it bound (a port of 0 in the settings is resolved there)."""
 
 from __future__ import annotations
 
@@ -19,12 +20,13 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--runtime", type=Path, required=True, help="the supervisor's runtime folder")
     parser.add_argument("--index", type=int, required=True, help="this front end's number, from 0")
     parser.add_argument("--grpc-port", type=int, required=True, help="the port every front end shares")
+    parser.add_argument("--rest-port", type=int, required=True, help="likewise for REST (0: off)")
     args = parser.parse_args(argv)
     # Front ends are the tokenizing parallelism: a request's texts are tokenized on one thread, and
     # the Rust tokenizer's own thread pool would only spin on the cores the engine computes with.
     os.environ.setdefault("TOKENIZERS_PARALLELISM", "false")
     try:
-        settings = Settings.from_env(grpc_port=args.grpc_port)
+        settings = Settings.from_env(grpc_port=args.grpc_port, rest_port=args.rest_port)
     except ConfigError as error:
         print(f"kembed front end: configuration error: {error}", file=sys.stderr)
         return EXIT_CONFIG

@@ -50,13 +50,10 @@ class Supervisor:
         self._stop = asyncio.Event()
         self._children: list[Process] = []
         with contextlib.ExitStack() as held:
-            # The gRPC port is bound, not listened on, so that a port of 0 names one for every front end.
-            self._port_hold = held.enter_context(
-                listen.bind(settings.grpc_host, settings.grpc_port, "gRPC", reuse_port=True)
-            )
-            self.grpc_port = int(self._port_hold.getsockname()[1])
-            if settings.rest_port:  # held likewise, so that a port in use stops the start with its name
-                held.enter_context(listen.bind(settings.grpc_host, settings.rest_port, "REST", reuse_port=True))
+            # The API ports are bound, not listened on, so that a port in use stops the start with its
+            # name, and any free port (0; REST's REST_ANY_PORT) names one for every front end.
+            self.grpc_port = self._hold(held, settings.grpc_port, "gRPC")
+            self.rest_port = self._hold(held, max(settings.rest_port, 0), "REST") if settings.rest_port else 0
             self._runtime = held.enter_context(RuntimeDir.create()).path
             (self._runtime / METRICS_DIR).mkdir()
             self.board = Board(self._runtime / BOARD_FILE, frontends=self.frontends)
@@ -72,6 +69,11 @@ class Supervisor:
             )
             self._held = held.pop_all()  # released when run() ends
 
+    def _hold(self, held: contextlib.ExitStack, port: int, purpose: str) -> int:
+        """Bind an API port (shared with the front ends) until run() ends; the port bound."""
+        sock = held.enter_context(listen.bind(self.settings.grpc_host, port, purpose, reuse_port=True))
+        return int(sock.getsockname()[1])
+
     async def run(self) -> int:
         try:
             return await self._run()
@@ -86,14 +88,12 @@ class Supervisor:
         await self.http.start()
         loader = () if self._model_loader is None else ("--model-loader", self._model_loader)
         engine = await self._spawn("kembed.engine", *loader)
-        frontends = [
-            await self._spawn("kembed.frontend", "--index", str(i), "--grpc-port", str(self.grpc_port))
-            for i in range(self.frontends)
-        ]
+        ports = ("--grpc-port", str(self.grpc_port), "--rest-port", str(self.rest_port))
+        frontends = [await self._spawn("kembed.frontend", "--index", str(i), *ports) for i in range(self.frontends)]
         s = self.settings
         plural = "s" if self.frontends > 1 else ""
         rest = f"OpenAI REST on {self._rest_url()}/v1, " if s.rest_port else ""
-        print(
+        print(  # the ports bound, any free one resolved: listen.listening_ports reads this line
             f"kembed: gRPC on {listen.host_port(s.grpc_host, self.grpc_port)} ({self.frontends} front end{plural}), "
             f"{rest}health and metrics on http://{listen.host_port(s.http_host, self.http.port)} "
             "(warming up; /readyz turns 200 when ready)",
@@ -167,7 +167,7 @@ class Supervisor:
 
     def _rest_url(self) -> str:
         scheme = "https" if self.settings.tls else "http"
-        return f"{scheme}://{listen.host_port(self.settings.grpc_host, self.settings.rest_port)}"
+        return f"{scheme}://{listen.host_port(self.settings.grpc_host, self.rest_port)}"
 
     def ready(self) -> bool:
         board = self.board
