@@ -82,7 +82,7 @@ def serve(processes: int, port: int, ready_file: Path | None) -> int:
     """Run ``processes`` echo processes on ``port`` (0: any free port) until SIGTERM or SIGINT (exit
     0), or until one of them dies (exit 1). Writes the port to ``ready_file`` once all of them serve."""
     # Bound, not listened on, as kembed's supervisor holds its port: a port of 0 names one for all.
-    with listen.bind(HOST, port, "echo", reuse_port=True) as held:
+    with listen.bind(HOST, port, "echo", "", reuse_port=True) as held:
         return _serve_all(processes, int(held.getsockname()[1]), ready_file)
 
 

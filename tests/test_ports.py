@@ -20,4 +20,4 @@ def test_a_server_on_a_default_port_cannot_bind_it(
     if port not in default_ports_held:
         pytest.skip(f"port {port} is another process's: this session could not hold it")
     with pytest.raises(OSError, match="Address already in use"):
-        listen.bind(host, port, "test", reuse_port=reuse_port).close()
+        listen.bind(host, port, "test", "", reuse_port=reuse_port).close()

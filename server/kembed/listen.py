@@ -20,22 +20,20 @@ from kembed.contract import ANY_ADDRESS, REST_ANY_PORT, env_name
 
 ANY_IPV4 = "0.0.0.0"
 _NO_IPV6 = (errno.EAFNOSUPPORT, errno.EADDRNOTAVAIL)  # IPv6 not built in, or switched off
-_SETTINGS = {"gRPC": "grpc_port", "REST": "rest_port", "HTTP": "http_port"}  # what each purpose's port is set by
 
 
-def bind(host: str, port: int, purpose: str, *, reuse_port: bool = False) -> socket.socket:
+def bind(host: str, port: int, purpose: str, setting: str, *, reuse_port: bool = False) -> socket.socket:
     """A TCP socket bound to ``host:port``, not yet listening; shared by every process that binds
-    the port (``SO_REUSEPORT``) when ``reuse_port``. The error names the port, what it is for and the
-    setting that moves it: on a shared host the defaults clash, and the fix is one variable away."""
+    the port (``SO_REUSEPORT``) when ``reuse_port``. The error names the port, its ``purpose`` and
+    the ``setting`` that moves it (none: ``""``): on a shared host the defaults clash, and the fix is
+    one variable away."""
     try:
         return _bound(host, port, reuse_port)
     except OSError as error:
         if host == ANY_ADDRESS and error.errno in _NO_IPV6:
-            return bind(ANY_IPV4, port, purpose, reuse_port=reuse_port)
-        setting = env_name(_SETTINGS[purpose])
-        raise OSError(
-            error.errno, f"{purpose} port {host_port(host, port)}: {error.strerror} (set {setting} to move it)"
-        ) from None
+            return bind(ANY_IPV4, port, purpose, setting, reuse_port=reuse_port)
+        hint = f" (set {env_name(setting)} to move it)" if setting else ""
+        raise OSError(error.errno, f"{purpose} port {host_port(host, port)}: {error.strerror}{hint}") from None
 
 
 def _bound(host: str, port: int, reuse_port: bool) -> socket.socket:

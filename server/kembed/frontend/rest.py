@@ -134,7 +134,7 @@ class RestEdge:
     async def start(self) -> None:
         """Listen on the shared REST port (plaintext, or TLS only when TLS is configured)."""
         await self._runner.setup()
-        sock = listen.bind(self._settings.grpc_host, self._settings.rest_port, "REST", reuse_port=True)
+        sock = listen.bind(self._settings.grpc_host, self._settings.rest_port, "REST", "rest_port", reuse_port=True)
         context = self._tls.context if self._tls else None
         await web.SockSite(self._runner, sock, ssl_context=context, backlog=self._backlog).start()
 

@@ -52,15 +52,17 @@ class Supervisor:
         with contextlib.ExitStack() as held:
             # The API ports are bound, not listened on, so that a port in use stops the start with its
             # name, and any free port (0; REST's REST_ANY_PORT) names one for every front end.
-            self.grpc_port = self._hold(held, settings.grpc_port, "gRPC")
-            self.rest_port = self._hold(held, max(settings.rest_port, 0), "REST") if settings.rest_port else 0
+            self.grpc_port = self._hold(held, settings.grpc_port, "gRPC", "grpc_port")
+            self.rest_port = (
+                self._hold(held, max(settings.rest_port, 0), "REST", "rest_port") if settings.rest_port else 0
+            )
             self._runtime = held.enter_context(RuntimeDir.create()).path
             (self._runtime / METRICS_DIR).mkdir()
             self.board = Board(self._runtime / BOARD_FILE, frontends=self.frontends)
             self._registry = supervisor_registry(self._runtime / METRICS_DIR, self.board, self.ready)
             self.http = held.enter_context(
                 HealthServer(
-                    listen.bind(settings.http_host, settings.http_port, "HTTP"),
+                    listen.bind(settings.http_host, settings.http_port, "HTTP", "http_port"),
                     live=self.live,
                     ready=self.ready,
                     health=self.health,
@@ -69,9 +71,9 @@ class Supervisor:
             )
             self._held = held.pop_all()  # released when run() ends
 
-    def _hold(self, held: contextlib.ExitStack, port: int, purpose: str) -> int:
+    def _hold(self, held: contextlib.ExitStack, port: int, purpose: str, setting: str) -> int:
         """Bind an API port (shared with the front ends) until run() ends; the port bound."""
-        sock = held.enter_context(listen.bind(self.settings.grpc_host, port, purpose, reuse_port=True))
+        sock = held.enter_context(listen.bind(self.settings.grpc_host, port, purpose, setting, reuse_port=True))
         return int(sock.getsockname()[1])
 
     async def run(self) -> int:
