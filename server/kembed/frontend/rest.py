@@ -43,10 +43,10 @@ from aiohttp.web import RequestHandler
 
 from kembed import listen, tls
 from kembed.config import Settings
-from kembed.errors import EmbedError
+from kembed.errors import EmbedError, Failure
 from kembed.frontend import openai_api
 from kembed.frontend.budget import BODY_WEIGHT, MemoryBudget, Reservation
-from kembed.frontend.call import Limits
+from kembed.frontend.call import EmbedResult, Limits
 from kembed.frontend.openai_api import ApiError, Body, Embeddings
 from kembed.frontend.pushback import rest_client
 from kembed.frontend.service import Gate, Service, draining, warming_up
@@ -185,7 +185,7 @@ class RestEdge:
             reservation.release()
             reservation.grow(self._answer_bytes(parsed))
             self._server.working(request.protocol)
-            result = await self._service().embed(parsed.call)
+            result = await self._embed(request, parsed, reservation)
             return await self._write(request, 200, openai_api.answer(parsed, result))
         except ApiError as api_error:
             error = api_error
@@ -205,6 +205,18 @@ class RestEdge:
             if reservation is not None:
                 reservation.release()
         return self._refuse(error, close=not request.content.is_eof())
+
+    async def _embed(self, request: web.BaseRequest, parsed: Embeddings, reservation: Reservation) -> EmbedResult:
+        """The call's result. A refusal's answer is paced holding nothing another client needs: its
+        answer's bytes are let go, and its connection counts as idle (the first closed for room)."""
+        try:
+            return await self._service().embed(parsed.call)
+        except EmbedError as error:
+            if error.failure is Failure.REJECTED:
+                reservation.release()
+                self._server.done(request.protocol)
+                await self._service().pace(parsed.call.peer)
+            raise
 
     def _check_head(self, request: web.BaseRequest) -> None:
         """What the head alone decides, before a byte of the body is read."""
