@@ -351,7 +351,7 @@ class Settings(BaseModel):
         1024,
         ge=1,
         description="gRPC calls handled at once, lowered to what the memory budget holds of the largest "
-        "(docs/operations.md); beyond it gRPC answers RESOURCE_EXHAUSTED",
+        "(docs/operations.md); beyond it a call is RESOURCE_EXHAUSTED with a pushback. A paced refusal holds none",
         json_schema_extra=TUNING,
     )
     max_rest_connections: int = Field(

@@ -1,11 +1,14 @@
 """Refusals paced per client, with a fake clock: a burst answered at once however many, a client
-refused faster than its rate answered at that rate, at most ``MAX_PACE_S`` late, each client alone."""
+refused faster than its rate answered at that rate, at most ``MAX_PACE_S`` late, each client alone;
+paced answers bounded in number, and all answered at once by a drain."""
 
 from __future__ import annotations
 
+import asyncio
+
 import pytest
 
-from kembed.frontend.pushback import MAX_PACE_S, RefusalPacer, rest_client
+from kembed.frontend.pushback import MAX_PACE_S, PacedAnswers, RefusalPacer, rest_client
 
 RATE, BURST = 100.0, 50
 
@@ -97,3 +100,22 @@ def test_a_client_is_in_debt_while_its_refusals_are_paced() -> None:
     assert paced.in_debt("a") and not paced.in_debt("b")
     clock.now += 2 / RATE  # its debt of one refusal paid
     assert not paced.in_debt("a")
+
+
+async def test_paced_answers_are_bounded_in_number_and_past_the_bound_answered_at_once() -> None:
+    """A front end holds at most ``limit`` paced answers: past that a refusal is answered at once,
+    uncounted as paced; a drain answers every waiting one at once."""
+    paced = list[None]()
+    answers = PacedAnswers(RefusalPacer(1.0, 1, FakeClock()), limit=2, on_paced=lambda: paced.append(None))
+    await answers.refused("storm")  # its burst: answered at once
+    waiting = [asyncio.create_task(answers.refused("storm")) for _ in range(2)]
+    await asyncio.sleep(0)
+    assert answers.held == 2 and not any(task.done() for task in waiting)
+    past_the_bound = asyncio.create_task(answers.refused("storm"))
+    await asyncio.sleep(0)
+    assert past_the_bound.done() and answers.held == 2 and len(paced) == 2
+    answers.drain()
+    await asyncio.gather(*waiting)
+    assert answers.held == 0
+    await answers.refused("storm")  # draining: none is paced
+    assert len(paced) == 2

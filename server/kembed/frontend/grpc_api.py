@@ -12,9 +12,14 @@ lengths before they are read as an array. Admission refusals are RESOURCE_EXHAUS
 ``grpc-retry-pushback-ms`` trailer (gRFC A6); every answer is counted by its status code, an
 unexpected failure as INTERNAL.
 
-What gRPC holds unweighed (messages read before their handler runs, a stream's window) is bounded
-by the number of calls it takes at once, lowered so that that many of the largest messages fit one
-memory budget (:func:`kembed.frontend.budget.grpc_calls`).
+What gRPC holds unweighed (a message as it is read, a stream's window) is bounded by the number of
+calls a front end handles at once, lowered so that that many of the largest messages fit one memory
+budget (:func:`kembed.frontend.budget.grpc_calls`). The front end counts them itself
+(:class:`CallSlots`), since gRPC's own cap counts a call until its handler returns: a refusal whose
+answer is paced (:mod:`kembed.frontend.pushback`) has let go of its slot and its message before it
+waits, and gRPC's cap is raised by the paced answers a front end may hold. So a unary Embed is
+handled as a client-streaming call of one message: its handler takes a slot before the message is
+read, and drops the message with the slot.
 """
 
 from __future__ import annotations
@@ -37,8 +42,9 @@ from kembed.config import Settings
 from kembed.contract import GRPC_PREVIOUS_ATTEMPTS_KEY, GRPC_SERVICE, RETRY_ATTEMPT_KEY, RETRY_PUSHBACK_KEY
 from kembed.demand import retry_attempt
 from kembed.errors import EmbedError, Failure, Field, InvalidInput
-from kembed.frontend.budget import MemoryBudget, grpc_calls
+from kembed.frontend.budget import RETRY_AFTER_MS, MemoryBudget, grpc_calls
 from kembed.frontend.call import EmbedCall, EmbedResult, Limits, ServerInfo
+from kembed.frontend.pushback import MAX_PACED
 from kembed.frontend.service import Gate, Service
 from kembed.inputs import Sequences
 from kembed.metrics import FrontendMetrics
@@ -102,6 +108,46 @@ class StreamWindow:
         self._requests -= 1
         self._bytes -= nbytes
         self._room.set()
+
+
+class CallSlots:
+    """The Embed calls (unary or stream) a front end handles at once, from before a request is read
+    until it is answered, or refused and its answer paced; single-threaded (the event loop's)."""
+
+    def __init__(self, most: int) -> None:
+        self.most = most
+        self.taken = 0
+
+    def take(self) -> bool:
+        """Hold a slot, if one is free."""
+        if self.taken >= self.most:
+            return False
+        self.taken += 1
+        return True
+
+    def give_back(self) -> None:
+        self.taken -= 1
+
+    def busy(self) -> EmbedError:
+        return EmbedError(
+            Failure.REJECTED, f"this server handles {self.most} calls at once: retry shortly", RETRY_AFTER_MS
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class Failed:
+    """A unary call's failure, as it is answered: all that is kept of the call while a refusal's
+    answer is paced (not the error, whose traceback holds the request). ``paced``: a refusal of
+    the service's, whose answer is paced on its client."""
+
+    failure: Failure
+    message: str
+    retry_after_ms: int
+    paced: bool = False
+
+    @classmethod
+    def of(cls, error: EmbedError, message: str, paced: bool = False) -> Failed:
+        return cls(error.failure, message, error.retry_after_ms, paced)
 
 
 @dataclass(frozen=True, slots=True)
@@ -203,11 +249,14 @@ class GrpcEdge:
         """``service`` gives the call path of the moment (a refusal while warming up)."""
         self._settings = settings
         self._limits = Limits.of(settings)
-        self._servicer = EmbedderServicer(metrics, gate, self._limits, service, settings.max_message_bytes)
-        self._health = health_aio.HealthServicer()
         self.max_calls = grpc_calls(budget.capacity, settings.max_message_bytes, settings.max_concurrent_rpcs)
+        slots = CallSlots(self.max_calls)
+        self._servicer = EmbedderServicer(metrics, gate, self._limits, service, settings.max_message_bytes, slots)
+        self._health = health_aio.HealthServicer()
         self._server = grpc.aio.server(
-            maximum_concurrent_rpcs=self.max_calls,
+            # A bound on everything besides: the calls counted, the paced answers, and a few more
+            # for health checks, Info and the calls being refused for want of a slot.
+            maximum_concurrent_rpcs=self.max_calls + MAX_PACED + 64,
             options=[
                 ("grpc.so_reuseport", 1),
                 ("grpc.max_receive_message_length", settings.max_message_bytes),
@@ -243,7 +292,8 @@ class GrpcEdge:
 
         answer = pb.EmbedResponse.SerializeToString
         handlers = {
-            "Embed": grpc.unary_unary_rpc_method_handler(servicer.Embed, deserialize, answer),
+            # Unary on the wire; read by the handler, after it has taken a slot.
+            "Embed": grpc.stream_unary_rpc_method_handler(servicer.Embed, deserialize, answer),
             "EmbedStream": grpc.stream_stream_rpc_method_handler(servicer.EmbedStream, deserialize, answer),
             "Info": grpc.unary_unary_rpc_method_handler(
                 servicer.Info, pb.InfoRequest.FromString, pb.InfoResponse.SerializeToString
@@ -272,30 +322,55 @@ class EmbedderServicer(pb_grpc.EmbedderServicer):
         limits: Limits,
         service: Callable[[], Service],
         stream_window_bytes: int,
+        slots: CallSlots,
     ) -> None:
         self._metrics = metrics
         self._gate = gate
         self._limits = limits
         self._service = service
         self._stream_window_bytes = stream_window_bytes
+        self._slots = slots
 
-    async def Embed(self, request: pb.EmbedRequest | Refused, context: grpc.aio.ServicerContext) -> pb.EmbedResponse:
+    async def Embed(
+        self, requests: AsyncIterator[pb.EmbedRequest | Refused], context: grpc.aio.ServicerContext
+    ) -> pb.EmbedResponse:
         try:
-            result = await self._embed(request, context)
-        except EmbedError as error:
-            if error.retry_after_ms:
-                context.set_trailing_metadata(((RETRY_PUSHBACK_KEY, str(error.retry_after_ms)),))
-            await self._abort(context, STATUS[error.failure], message(error, request))
+            outcome = await self._unary(requests, context)
+            if isinstance(outcome, Failed) and outcome.paced:
+                await self._service().pace(context.peer())
         except asyncio.CancelledError:  # gRPC's core ended the call: its deadline passed, or its client left
             self._metrics.calls_gone.labels(api="grpc").inc()
             raise
         except Exception:  # a bug: logged, and answered INTERNAL like any failure, counted
             log.exception("Embed failed")
             await self._abort(context, grpc.StatusCode.INTERNAL, "internal error")
+        if isinstance(outcome, Failed):
+            if outcome.retry_after_ms:
+                context.set_trailing_metadata(((RETRY_PUSHBACK_KEY, str(outcome.retry_after_ms)),))
+            await self._abort(context, STATUS[outcome.failure], outcome.message)
         if _past_deadline(context):  # computed too late: its client has stopped waiting
             raise self._gone()
         self._count(grpc.StatusCode.OK)
-        return response(result)
+        return response(outcome)
+
+    async def _unary(
+        self, requests: AsyncIterator[pb.EmbedRequest | Refused], context: grpc.aio.ServicerContext
+    ) -> EmbedResult | Failed:
+        """A unary call's result, or its failure: its request read and served holding a slot,
+        neither kept once it is decided."""
+        if not self._slots.take():
+            error = self._slots.busy()
+            return Failed.of(error, error.message)
+        try:
+            request = await anext(aiter(requests), None)
+            if request is None:  # the client half-closed without a message
+                request = Refused(EmbedError(Failure.INVALID_ARGUMENT, "no EmbedRequest was sent"))
+            try:
+                return await self._embed(request, context)
+            except EmbedError as error:
+                return Failed.of(error, message(error, request), paced=error.failure is Failure.REJECTED)
+        finally:
+            self._slots.give_back()
 
     async def _abort(self, context: grpc.aio.ServicerContext, status: grpc.StatusCode, details: str) -> NoReturn:
         """End the call with ``status``, counted by it. A call that ended first (its deadline passed
@@ -316,6 +391,19 @@ class EmbedderServicer(pb_grpc.EmbedderServicer):
         return asyncio.CancelledError()
 
     async def EmbedStream(
+        self, request_iterator: AsyncIterator[pb.EmbedRequest | Refused], context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[pb.EmbedResponse]:
+        if not self._slots.take():  # a stream holds its slot for its life
+            busy = self._slots.busy()
+            context.set_trailing_metadata(((RETRY_PUSHBACK_KEY, str(busy.retry_after_ms)),))
+            await self._abort(context, STATUS[busy.failure], busy.message)
+        try:
+            async for answer in self._stream(request_iterator, context):
+                yield answer
+        finally:
+            self._slots.give_back()
+
+    async def _stream(
         self, request_iterator: AsyncIterator[pb.EmbedRequest | Refused], context: grpc.aio.ServicerContext
     ) -> AsyncIterator[pb.EmbedResponse]:
         window = StreamWindow(self._stream_window_bytes)
@@ -370,6 +458,8 @@ class EmbedderServicer(pb_grpc.EmbedderServicer):
         try:
             result = await self._embed(request, context)
         except EmbedError as error:
+            if error.failure is Failure.REJECTED:  # paced within the stream, which holds its own window meanwhile
+                await self._service().pace(context.peer())
             status = self._count_failure(error)
             return pb.EmbedResponse(
                 request_id=request_id,

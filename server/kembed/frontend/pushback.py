@@ -8,10 +8,12 @@ and calls again at once, as a retry storm does, would otherwise spend a core on 
 has a token bucket of refusals: ``burst`` at once (a burst of hundreds of calls is refused as fast
 as the front end reads it), then ``rate`` a second. A refusal past that is still decided at once,
 but its answer is sent when the client's bucket has room again, at most ``MAX_PACE_S`` later: a
-client that retries when it hears the answer then calls at ``rate``, and a paced call costs a timer
-meanwhile (gRPC's cap on calls in progress bounds how many a front end holds). Admitted calls are
-never paced: a stranger sharing the connection of a retrying client (a pool, a mesh sidecar) is
-admitted at once when the engine has room.
+client that retries when it hears the answer then calls at ``rate``. A paced answer is a timer
+(:class:`PacedAnswers`): the edge lets go of everything the call held (its call slot, its
+connection's, its memory) before it waits, and a front end holds at most ``MAX_PACED`` of them; past
+that a refusal is answered at once. Admitted calls are never paced: a stranger sharing the
+connection of a retrying client (a pool, a mesh sidecar) is admitted at once when the engine has
+room.
 
 A client is whatever key the edge gives: on gRPC the connection, on REST the client's address
 (:func:`rest_client`), so opening a new connection per call does not evade the pacing. Buckets are
@@ -24,6 +26,8 @@ off.
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import ipaddress
 import math
 import time
@@ -36,6 +40,11 @@ from kembed.admission import MAX_PUSHBACK_MS
 # whose callers wait for their answers is paced by far less (its callers over the rate).
 MAX_PACE_S = MAX_PUSHBACK_MS / 1000
 MAX_CLIENTS = 4096  # buckets kept at most: about 150 bytes each
+# Paced answers a front end holds at once: a closed loop of this many callers ignoring their pushback.
+# Each is a waiting call holding no request: its task, its context, gRPC's call or aiohttp's
+# request, of the order of 10 KiB (estimated), so about 10 MiB at most. gRPC's cap on calls is
+# raised by this many.
+MAX_PACED = 1024
 SHARED = object()  # the key of the bucket clients share once there is no room for one of their own
 
 
@@ -105,6 +114,38 @@ class RefusalPacer:
             if at <= now and key is not SHARED:
                 del self._buckets[key]
         self._sweep_at = min((at for key, at in full_at.items() if at > now), default=now)
+
+
+class PacedAnswers:
+    """The answers to refusals a front end defers: each a timer, at most ``limit`` at once (past
+    it, answered at once), all answered at once from a drain on."""
+
+    def __init__(
+        self, pacer: RefusalPacer, limit: int = MAX_PACED, on_paced: Callable[[], None] = lambda: None
+    ) -> None:
+        self._pacer = pacer
+        self._limit = limit
+        self._on_paced = on_paced  # an answer was deferred
+        self._draining = asyncio.Event()
+        self.held = 0  # answers waiting now
+
+    async def refused(self, client: Hashable) -> None:
+        """A call of this client was refused: return when its answer may be sent. The caller holds
+        nothing of the call's by now but what answering it needs."""
+        delay = self._pacer.refused(client)
+        if not delay or self._draining.is_set() or self.held >= self._limit:
+            return
+        self._on_paced()
+        self.held += 1
+        try:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self._draining.wait(), delay)
+        finally:
+            self.held -= 1
+
+    def drain(self) -> None:
+        """Answer every paced refusal now, and pace none from here on: a drain waits for no timer."""
+        self._draining.set()
 
 
 def rest_client(host: str) -> str:

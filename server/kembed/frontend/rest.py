@@ -54,7 +54,7 @@ from kembed import listen, tls
 from kembed.config import Settings
 from kembed.contract import OPENAI_RETRY_COUNT_HEADER, RETRY_ATTEMPT_KEY
 from kembed.demand import retry_attempt
-from kembed.errors import EmbedError
+from kembed.errors import EmbedError, Failure
 from kembed.frontend import openai_api
 from kembed.frontend.budget import BODY_WEIGHT, MemoryBudget, Reservation
 from kembed.frontend.call import EmbedCall, Limits
@@ -277,9 +277,18 @@ class RestEdge:
         return reader.finish(self._served, peer)
 
     async def _embed(self, request: web.BaseRequest, parsed: Embeddings, reservation: Reservation) -> bytes:
+        """The call's answer. A refusal's answer is paced holding nothing another client needs: its
+        answer's bytes are let go, and its connection counts as idle (the first closed for room)."""
         dimensions = min(parsed.call.dimensions or self._dimensions, self._dimensions)
         reservation.grow(parsed.call.count * dimensions * ANSWER_BYTES_PER_VALUE[parsed.encoding] + ANSWER_ENVELOPE)
-        result = await self._service().embed(_with_attempt(parsed.call, request))
+        try:
+            result = await self._service().embed(_with_attempt(parsed.call, request))
+        except EmbedError as error:
+            if error.failure is Failure.REJECTED:
+                reservation.release()
+                self._server.done(request.protocol)
+                await self._service().pace(parsed.call.peer)
+            raise
         return openai_api.answer(parsed, result)
 
     async def _tokenize(self, request: web.BaseRequest, parsed: Embeddings, reservation: Reservation) -> bytes:

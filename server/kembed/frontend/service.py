@@ -1,5 +1,5 @@
 """One call's path through a front end, whatever edge it came in by: validate → pre-screen →
-tokenize → admit → engine → result, with the answer to a refusal paced per client.
+tokenize → admit → engine → result; and when the answer to a refusal may be sent, paced per client.
 
 Every edge hands it an :class:`~kembed.frontend.call.EmbedCall` (its limits checked while the edge
 read it) and maps the :class:`~kembed.frontend.call.EmbedResult` back. Every failure is an
@@ -12,7 +12,6 @@ DEADLINE. Each edge maps them to its transport's codes.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import time
 from collections.abc import Callable
 from concurrent.futures import Executor
@@ -31,7 +30,7 @@ from kembed.frontend.call import EmbedCall, EmbedResult, ServerInfo, Texts, Timi
 from kembed.frontend.chunks import Chunking, Chunks
 from kembed.frontend.inbox import Pending
 from kembed.frontend.link import EngineLink
-from kembed.frontend.pushback import RefusalPacer
+from kembed.frontend.pushback import PacedAnswers, RefusalPacer
 from kembed.frontend.screen import Screen
 from kembed.inputs import Sequences, Tokenizer, TokenLimit
 from kembed.metrics import FrontendMetrics
@@ -105,6 +104,10 @@ class Service(Protocol):
 
     async def tokenize(self, call: EmbedCall) -> Chunks: ...
 
+    async def pace(self, client: str) -> None:
+        """A call of ``client`` was refused (REJECTED): return when its answer may be sent. The edge
+        calls it once it holds nothing of the call's but what answering it needs."""
+
     def info(self) -> ServerInfo: ...
 
 
@@ -124,6 +127,9 @@ class WarmingUp:
 
     async def tokenize(self, call: EmbedCall) -> Chunks:
         raise warming_up()
+
+    async def pace(self, client: str) -> None:
+        return None
 
     def info(self) -> ServerInfo:
         raise warming_up()
@@ -156,11 +162,11 @@ class EmbedService:
         self._memory = memory
         self._clock = clock
         self._bucket_lengths = np.asarray(info.bucket_lengths)
-        self._draining = asyncio.Event()
         self._cost_over_least = 1.0  # padded cost over its pre-screen bound, averaged over calls
         self._pacer = RefusalPacer(
             settings.refusal_rate, settings.refusal_burst, clock, on_shared=metrics.refusals_shared.inc
         )
+        self._paced = PacedAnswers(self._pacer, on_paced=metrics.refusals_paced.inc)
         self._prompts = ModelPrompts(info.prompts, info.default_prompt_name)
         self._tokenizer = Tokenizer(
             tokenizers.Tokenizer.from_str(info.tokenizer_json),
@@ -175,8 +181,8 @@ class EmbedService:
 
     async def embed(self, call: EmbedCall) -> EmbedResult:
         """The call is admitted or refused as it arrives, never held. What it holds is weighed against
-        the front end's memory budget from its arrival until it is answered; the answer to a refusal
-        is paced on the call's ``peer`` (:mod:`kembed.frontend.pushback`)."""
+        the front end's memory budget from its arrival until it is answered or refused; the edge
+        paces a refusal's answer on the call's ``peer`` (:meth:`pace`), holding nothing meanwhile."""
         arrival = self._clock()
         self._gate.enter()
         try:
@@ -185,12 +191,11 @@ class EmbedService:
             weight = call_weight(call.nbytes(prompt.text), self._most_items(call), self._info.dimensions)
             with self._memory.reserve(weight):
                 return await self._serve(call, prompt, arrival)
-        except EmbedError as error:
-            if error.failure is Failure.REJECTED:
-                await self._pace(call.peer)
-            raise
         finally:
             self._gate.leave()
+
+    async def pace(self, client: str) -> None:
+        await self._paced.refused(client)
 
     def _screened_cost(self, least: int, client: str) -> int:
         """The cost the pre-screen weighs: the lower bound, or, for a client whose refusals are being
@@ -200,15 +205,9 @@ class EmbedService:
             return max(least, int(least * self._cost_over_least))
         return least
 
-    async def _pace(self, client: str) -> None:
-        if (delay := self._pacer.refused(client)) and not self._draining.is_set():
-            self._metrics.refusals_paced.inc()
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(self._draining.wait(), delay)
-
     def drain(self) -> None:
         """Answer every paced refusal now, and pace none from here on: a drain waits for no timer."""
-        self._draining.set()
+        self._paced.drain()
 
     async def _serve(self, call: EmbedCall, prompt: Prompt, arrival: float) -> EmbedResult:
         chunking = self._chunking.with_prompt(prompt.tokens) if self._chunked(call) else None
