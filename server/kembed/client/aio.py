@@ -249,8 +249,10 @@ class AsyncEmbedClient:
                 raise error from None
             self._retrying.hold(pushback)
             return flight.attempt
-        if self._retrying.wait_s(error, flight.attempt, deadline) is None:
+        wait = self._retrying.wait_s(error, flight.attempt, deadline)
+        if wait is None:
             raise error from None
+        self._retrying.hold(wait)  # a backoff too: the server is away for every part
         return flight.attempt + 1
 
     async def _call(self, call: Callable[..., Awaitable[T]], request: Any, deadline: Deadline) -> T:
