@@ -8,7 +8,8 @@ server says, as the corpus command paces its stream (:mod:`.window`):
 - a window of parts out at once, from one, grown by each answer and cut to one by a refusal of a
   part sent while others of the client's were out: the server had room for those, so the window
   was too wide (so is one just after an answer of ours: :data:`ECHO_S`). Such a refusal is not a
-  retry and spends nothing of the :class:`RetryBudget`; the part goes again after its pushback;
+  retry and spends nothing of the :class:`RetryBudget`; the part goes again once the window has
+  room (held at most :data:`ECHO_S`, so that an echo is not refused again at once);
 - the texts a part carries, from :data:`START_TEXTS`, grown by a quarter on each answer of that
   size and halved when a window of two parts is refused (or one, by the server's overload): a part
   must fit the server's drain budget by itself, with room for the next one;
@@ -232,10 +233,10 @@ class AsyncEmbedClient:
 
     def _next_attempt(self, flight: Flight, error: EmbedError, deadline: Deadline) -> int:
         """The attempt a failed part goes again as, or ``error`` raised when it is final. A refusal
-        cuts the window and holds every part for its pushback. Of a part sent beside others of ours
-        (or just after one was answered) it is the client's own window, the same attempt; beside one,
-        the size halves too. Of a part out alone it is the server's overload: the size halves, and it
-        is a retry, within the attempts and the budget."""
+        cuts the window. Of a part sent beside others of ours (or just after one was answered) it is
+        the client's own window, the same attempt; beside one, the size halves too. Of a part out
+        alone it is the server's overload: the size halves, and it is a retry after the pushback,
+        which holds every part, within the attempts and the budget."""
         assert self._size is not None
         refused = error.code() is grpc.StatusCode.RESOURCE_EXHAUSTED
         ours = refused and (flight.beside > 0 or flight.echo)
@@ -243,11 +244,11 @@ class AsyncEmbedClient:
             self._window.refused(flight.epoch)
             if flight.beside == 1 or not ours:
                 self._size.refused(len(flight.part))
-        if ours:
+        if ours:  # the window, cut, waits for our parts out; the hold only outlasts the echo
             pushback = error.retry_after_s or 0.0
             if pushback > deadline.left():
                 raise error from None
-            self._retrying.hold(pushback)
+            self._retrying.hold(min(pushback, ECHO_S))
             return flight.attempt
         wait = self._retrying.wait_s(error, flight.attempt, deadline)
         if wait is None:
