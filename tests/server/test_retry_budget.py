@@ -5,8 +5,8 @@ from __future__ import annotations
 
 import grpc
 
-from kembed.client.embed_client import RetryBudget, Retrying
-from kembed.contract import RETRY_PUSHBACK_KEY
+from kembed.client.errors import EmbedError, InvalidInput, Refused
+from kembed.client.retries import Deadline, RetryBudget, Retrying
 
 
 def test_retries_stop_once_failures_spend_half_the_tokens() -> None:
@@ -39,34 +39,35 @@ def test_tokens_stay_within_bounds() -> None:
     assert budget.tokens == 0
 
 
-def refused(pushback_ms: int) -> grpc.aio.AioRpcError:
-    """The server's refusal as grpc.aio raises it, with its pushback trailer."""
-    trailers = grpc.aio.Metadata((RETRY_PUSHBACK_KEY, str(pushback_ms)))
-    return answer(grpc.StatusCode.RESOURCE_EXHAUSTED, trailers)
-
-
-def answer(code: grpc.StatusCode, trailers: grpc.aio.Metadata | None = None) -> grpc.aio.AioRpcError:
-    return grpc.aio.AioRpcError(code, grpc.aio.Metadata(), trailers or grpc.aio.Metadata(), code.name, "")
+def refused(pushback_ms: int) -> EmbedError:
+    """The server's refusal as the client raises it, with its pushback."""
+    return Refused(grpc.StatusCode.RESOURCE_EXHAUSTED, "overloaded", pushback_ms / 1000)
 
 
 def test_a_pushback_holds_every_request_of_the_client() -> None:
-    retrying = Retrying(RetryBudget(), max_attempts=6, backoff_s=0.1, timeout_s=600)
+    retrying = Retrying(RetryBudget(), max_attempts=6, backoff_s=0.1)
     assert retrying.held_s() == 0
-    wait = retrying.wait_s(refused(60_000), attempt=1, deadline=retrying.deadline())
+    wait = retrying.wait_s(refused(60_000), attempt=1, deadline=Deadline.after(600))
     assert wait is not None and 48 <= wait <= 72  # the pushback, with its jitter
     assert retrying.held_s() > 0  # the other requests wait for it too, not only the refused one
     assert retrying.retries == 1 and retrying.budget.tokens == 9
 
 
 def test_unavailable_backs_off_alone_and_other_codes_are_final() -> None:
-    retrying = Retrying(RetryBudget(), max_attempts=6, backoff_s=0.1, timeout_s=600)
-    wait = retrying.wait_s(answer(grpc.StatusCode.UNAVAILABLE), attempt=3, deadline=retrying.deadline())
+    retrying = Retrying(RetryBudget(), max_attempts=6, backoff_s=0.1)
+    unavailable = EmbedError(grpc.StatusCode.UNAVAILABLE, "connection refused")
+    wait = retrying.wait_s(unavailable, attempt=3, deadline=Deadline.after(600))
     assert wait is not None and 0.32 <= wait <= 0.48  # 0.1 s doubled twice, with its jitter
     assert retrying.held_s() == 0
-    assert retrying.wait_s(answer(grpc.StatusCode.INVALID_ARGUMENT), attempt=1, deadline=retrying.deadline()) is None
+    assert retrying.wait_s(InvalidInput("texts[0]: bad"), attempt=1, deadline=Deadline.after(600)) is None
 
 
 def test_a_pushback_past_the_deadline_is_not_waited_for() -> None:
-    retrying = Retrying(RetryBudget(), max_attempts=6, backoff_s=0.1, timeout_s=1)
-    assert retrying.wait_s(refused(60_000), attempt=1, deadline=retrying.deadline()) is None
+    retrying = Retrying(RetryBudget(), max_attempts=6, backoff_s=0.1)
+    assert retrying.wait_s(refused(60_000), attempt=1, deadline=Deadline.after(1)) is None
     assert retrying.retries == 0
+
+
+def test_no_deadline_waits_out_any_pushback() -> None:
+    retrying = Retrying(RetryBudget(), max_attempts=6, backoff_s=0.1)
+    assert retrying.wait_s(refused(60_000), attempt=1, deadline=Deadline.after(None)) is not None

@@ -5,9 +5,11 @@
         vectors = client.embed(["hello world"])   # float32 [1, 384], L2-normalised
 
 - :mod:`.connection`: the target, TLS files and channel options, shared by everything below.
-- :mod:`.embed_client`: :class:`EmbedClient`: any number of texts, split into requests within the
-  server's limits (:mod:`.requests`), sent a few at a time, retried politely.
-- :mod:`.aio`: :class:`AsyncEmbedClient`, the same on asyncio (grpc.aio).
+- :mod:`.aio`: :class:`AsyncEmbedClient`, the core: any number of texts, cut into parts within the
+  server's limits (:mod:`.requests`), a window of them out at once paced by the server's refusals
+  (:mod:`.window`), retried politely within one deadline (:mod:`.retries`).
+- :mod:`.embed_client`: :class:`EmbedClient`, the same blocking: the core on a private event loop.
+- :mod:`.errors`: :class:`EmbedError` and its kinds, what every failure is raised as.
 - :mod:`.__main__`: ``python -m kembed.client [--target ...] TEXT...`` prints shapes and timings;
   ``python -m kembed.client embed ...`` is the corpus command (:mod:`.corpus`).
 
@@ -17,6 +19,17 @@ it needs, and a test holds it to that.
 
 from kembed.client.aio import AsyncEmbedClient
 from kembed.client.connection import Connection
-from kembed.client.embed_client import EmbedClient, decode
+from kembed.client.embed_client import EmbedClient
+from kembed.client.errors import EmbedError, InvalidInput, Refused, Unavailable
+from kembed.client.requests import decode
 
-__all__ = ["AsyncEmbedClient", "Connection", "EmbedClient", "decode"]
+__all__ = [
+    "AsyncEmbedClient",
+    "Connection",
+    "EmbedClient",
+    "EmbedError",
+    "InvalidInput",
+    "Refused",
+    "Unavailable",
+    "decode",
+]

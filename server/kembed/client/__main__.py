@@ -9,12 +9,10 @@ import argparse
 import sys
 import time
 
-import grpc
-
 from kembed.client import connection
 from kembed.client.embed_client import EmbedClient
+from kembed.client.errors import EmbedError
 from kembed.client.flags import add_chunk, add_dimensions, add_priority, add_prompt
-from kembed.client.requests import answered
 
 PROG = "python -m kembed.client"
 COMMANDS = f"""commands:
@@ -70,22 +68,14 @@ def embed_texts(argv: list[str]) -> int:
                 input_type=args.input_type,
             )
             model = client.info().model_id
-    except grpc.RpcError as error:
-        print(f"kembed.client: {describe(error)}", file=sys.stderr)
+    except EmbedError as error:  # the server's code and message, on one line
+        print(f"kembed.client: {error}", file=sys.stderr)
         return 1
     took_ms = (time.monotonic() - started) * 1000
     print(f"model {model}: {vectors.shape[0]} x {vectors.shape[1]} in {took_ms:.1f} ms")
     for text, vector in zip(args.texts, vectors, strict=True):
         print(f"{text[:40]!r:44} [{', '.join(f'{v:+.4f}' for v in vector[:6])}, ...]")
     return 0
-
-
-def describe(error: grpc.RpcError) -> str:
-    """The server's answer on one line: its code and its message, which names the field at fault."""
-    call = answered(error)
-    if call is None:
-        return str(error)
-    return f"{call.code().name}: {' '.join((call.details() or '').split())}"
 
 
 if __name__ == "__main__":

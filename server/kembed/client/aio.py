@@ -1,30 +1,119 @@
-"""The library on asyncio (grpc.aio): :class:`AsyncEmbedClient`, :class:`~kembed.client.EmbedClient`'s
-API with ``await``, its splitting, its retries and its :class:`RetryBudget` the same."""
+"""The library's one core, on asyncio (grpc.aio): :class:`AsyncEmbedClient`. The blocking
+:class:`~kembed.client.EmbedClient` drives it on a private event loop.
+
+``embed`` takes any number of texts. It cuts them into parts within the server's limits (read once
+from ``Info``: texts per request, message size; :mod:`.requests`) and sends them paced by what the
+server says, as the corpus command paces its stream (:mod:`.window`):
+
+- a window of parts out at once, from one, grown by each answer and cut to one by a refusal of a
+  part sent while others of the client's were out: the server had room for those, so the window
+  was too wide (so is one just after an answer of ours: :data:`ECHO_S`). Such a refusal is not a
+  retry and spends nothing of the :class:`RetryBudget`; the part goes again once the window has
+  room (held at most :data:`ECHO_S`, so that an echo is not refused again at once);
+- the texts a part carries, from :data:`START_TEXTS`, grown by a quarter on each answer of that
+  size and halved when a window of two parts is refused (or one, by the server's overload): a part
+  must fit the server's drain budget by itself, with room for the next one;
+- a refusal of a part that was out alone is the server's overload, not the client's: it is retried
+  after the pushback, which holds every part of the client, and spends the budget
+  (:class:`~kembed.client.retries.Retrying`).
+
+Parts are answered in any order and joined in input order. ``timeout_s`` is one deadline for a
+whole call: each attempt gets what is left, and a pushback longer than that ends the call at once.
+"""
 
 from __future__ import annotations
 
 import asyncio
+import heapq
+import time
 from collections.abc import Awaitable, Callable, Sequence
+from dataclasses import dataclass
 from types import TracebackType
-from typing import TypeVar
+from typing import Any, TypeVar
 
 import grpc
 import numpy as np
 
-from kembed.client.connection import Connection
-from kembed.client.embed_client import ClientBase, decode, retry_marker, tokens_request
-from kembed.client.requests import Limits, Options, Part, Prompt, located, plan
+from kembed.client.connection import MAX_MESSAGE_BYTES, Connection
+from kembed.client.errors import EmbedError, InvalidInput, Unavailable, check_texts, embed_error
+from kembed.client.requests import Limits, Options, Part, Prompt, decode, plan
+from kembed.client.retries import Deadline, RetryBudget, Retrying
+from kembed.client.window import RequestSize, Window
+from kembed.contract import RETRY_ATTEMPT_KEY
 from kembed.v1 import embedder_pb2 as pb
+from kembed.v1 import embedder_pb2_grpc as pb_grpc
 
 T = TypeVar("T")
 
+IN_FLIGHT = 8  # the most parts of one client out at once: the window's ceiling
+START_TEXTS = 64  # a first part's texts: small enough for any server's budget, grown on answers
+BLOCKED_POLL_S = 0.01  # a call whose window is filled by another call of the client looks again after
+# A refusal of a part sent this soon after an answer of ours may still count that answered part: a
+# front end weighs the engine's backlog as it last read it, a moment late.
+ECHO_S = 0.5
 
-class AsyncEmbedClient(ClientBase[grpc.aio.Channel]):
-    """``async with AsyncEmbedClient("host:50051") as client: await client.embed([...])``; the
-    arguments are :class:`~kembed.client.EmbedClient`'s. Use it from one event loop."""
 
-    def _open(self, connection: Connection) -> grpc.aio.Channel:
-        return connection.aio_channel()
+@dataclass(frozen=True)
+class Flight:
+    """A part on its way: the window's epoch and how many other parts of the client were out when
+    it was sent (``echo``: one was answered just before), its attempt (1: the first; what the retry
+    budget counts) and how often its texts were sent before (a refusal of our own window is no retry,
+    but the server was offered that work already)."""
+
+    part: Part
+    epoch: int
+    beside: int
+    echo: bool
+    attempt: int
+    sent: int
+
+
+# A call's parts not out, as (first text's index, attempt, earlier sends, part): a heap, so the
+# earliest goes first.
+Waiting = list[tuple[int, int, int, Part]]
+
+
+class AsyncEmbedClient:
+    """``async with AsyncEmbedClient("host:50051") as client: await client.embed([...])``, or
+    ``AsyncEmbedClient(Connection(...))``; the keyword arguments ``ca_file``, ``cert_file``,
+    ``key_file``, ``round_robin`` and ``max_message_bytes`` build the :class:`Connection` for a target
+    given as a string. ``timeout_s`` is each call's deadline, its retries and waits included (None:
+    none; an attempt then gets at most 300 s); ``in_flight`` the most parts out at once. Use it from
+    one event loop. Failures are :class:`~kembed.client.EmbedError`."""
+
+    def __init__(
+        self,
+        target: str | Connection,
+        *,
+        timeout_s: float | None = None,
+        max_attempts: int = 6,
+        backoff_s: float = 0.1,
+        in_flight: int = IN_FLIGHT,
+        max_message_bytes: int = MAX_MESSAGE_BYTES,
+        round_robin: bool = False,
+        ca_file: str | None = None,
+        cert_file: str | None = None,
+        key_file: str | None = None,
+        retry_budget: RetryBudget | None = None,
+    ) -> None:
+        if isinstance(target, str):
+            target = Connection(target, ca_file, cert_file, key_file, max_message_bytes, round_robin)
+        self.connection = target
+        self._channel = target.aio_channel()
+        self._stub = pb_grpc.EmbedderStub(self._channel)
+        self._timeout = timeout_s
+        self.retry_budget = retry_budget or RetryBudget()
+        self._retrying = Retrying(self.retry_budget, max_attempts, backoff_s)
+        self._window = Window(in_flight)
+        self._out = 0  # parts of every call of this client out now
+        self._answered_at = -ECHO_S  # monotonic: the latest answer to a part
+        self._limits: Limits | None = None  # the server's, read from Info at the first embed
+        self._size: RequestSize | None = None  # with the limits
+
+    @property
+    def retries(self) -> int:
+        """How many attempts were retried, for callers that want to know."""
+        return self._retrying.retries
 
     async def embed(
         self,
@@ -39,65 +128,164 @@ class AsyncEmbedClient(ClientBase[grpc.aio.Channel]):
         prompt: str | None = None,
         input_type: str = "",
     ) -> np.ndarray:
+        """Any number of texts (non-empty strings), in parts within the server's limits, paced by
+        its refusals, answered in order as float32 ``[len(texts), dimensions]``. ``priority`` is
+        ``"interactive"`` (a caller waits) or ``"batch"`` (an ingest, which queries go ahead of);
+        ``chunk=True`` embeds a text longer than the model's limit as chunks (None: the server's
+        default). At most one of ``prompt_name`` (one of the model's prompts), ``prompt`` (its text;
+        ``""``: none) and ``input_type`` (query, passage or document); none: the model's default."""
+        check_texts(texts)
+        deadline = Deadline.after(self._timeout)
         options = Options(normalize, dimensions, truncate, priority, chunk, Prompt(prompt_name, prompt, input_type))
-        parts = plan(texts, options, await self.limits())
-        slots = asyncio.Semaphore(self._in_flight)
-
-        async def send(part: Part) -> pb.EmbedResponse:
-            async with slots:
-                return await self._embed_part(part)
-
-        tasks = [asyncio.ensure_future(send(part)) for part in parts]  # each takes its slot in order
+        limits = await self._read_limits(deadline)
         try:
-            answers = await asyncio.gather(*tasks)
-        except BaseException:  # the first failure is the call's: the other parts are cancelled
-            for task in tasks:
-                task.cancel()
-            raise
-        return np.concatenate([decode(answer) for answer in answers])
+            parts = plan(texts, options, limits)
+        except ValueError as error:  # an option the server does not take (the priority's label)
+            raise InvalidInput(str(error)) from None
+        rows = await self._send(parts, deadline)
+        return np.concatenate([rows[first] for first in sorted(rows)])
 
     async def embed_tokens(
         self, sequences: Sequence[Sequence[int]], *, normalize: bool = True, dimensions: int = 0
     ) -> np.ndarray:
+        """Pre-tokenized input (ids including the model's special tokens), as one request."""
         return decode(await self.embed_request(tokens_request(sequences, normalize, dimensions)))
 
     async def embed_request(self, request: pb.EmbedRequest) -> pb.EmbedResponse:
-        return await self._with_retries(
-            lambda earlier: self._stub.Embed(request, timeout=self._timeout, metadata=retry_marker(earlier))
-        )
+        """One request as it is, retried politely."""
+        answer: pb.EmbedResponse = await self._call(self._stub.Embed, request, Deadline.after(self._timeout))
+        return answer
 
     async def info(self) -> pb.InfoResponse:
-        return await self._with_retries(lambda _: self._stub.Info(pb.InfoRequest(), timeout=self._timeout))
+        return await self._info(Deadline.after(self._timeout))
 
     async def limits(self) -> Limits:
+        """What one request may carry: the server's limits, read once."""
+        return await self._read_limits(Deadline.after(self._timeout))
+
+    async def _info(self, deadline: Deadline) -> pb.InfoResponse:
+        answer: pb.InfoResponse = await self._call(self._stub.Info, pb.InfoRequest(), deadline)
+        return answer
+
+    async def _read_limits(self, deadline: Deadline) -> Limits:
         if self._limits is None:
-            self._limits = Limits.of(self.connection, await self.info())
+            self._limits = Limits.of(self.connection, await self._info(deadline))
+            self._size = RequestSize(max(1, self._limits.items or START_TEXTS), START_TEXTS)
         return self._limits
 
-    async def _embed_part(self, part: Part) -> pb.EmbedResponse:
+    async def _send(self, parts: list[Part], deadline: Deadline) -> dict[int, np.ndarray]:
+        """Every part's rows, by its first text's index: sent as the window and the pushback allow,
+        a refused part sent again (cut to the size by then); the first failure ends the call."""
+        waiting: Waiting = [(part.first, 1, 0, part) for part in parts]  # in input order: a heap already
+        out: dict[asyncio.Task[pb.EmbedResponse], Flight] = {}
+        rows: dict[int, np.ndarray] = {}
         try:
-            return await self.embed_request(part.request)
-        except grpc.RpcError as error:
-            raise located(error, part) from None
+            while waiting or out:
+                self._send_what_fits(waiting, out, deadline)
+                if deadline.left() <= 0:
+                    raise Unavailable(grpc.StatusCode.DEADLINE_EXCEEDED, f"timeout_s: not done in {self._timeout} s")
+                if not out:  # held by a pushback, or the window is filled by another call's parts
+                    await asyncio.sleep(min(self._retrying.held_s() or BLOCKED_POLL_S, max(0.0, deadline.left())))
+                    continue
+                done, _ = await asyncio.wait(out, return_when=asyncio.FIRST_COMPLETED)
+                for task in done:
+                    self._out -= 1
+                    flight = out.pop(task)
+                    self._settle(flight, task, rows, waiting, deadline)
+        finally:
+            for task in out:  # the call failed or was cancelled: its other parts are not awaited
+                task.cancel()
+                self._out -= 1
+        return rows
 
-    async def _with_retries(self, call: Callable[[int], Awaitable[T]]) -> T:
-        retrying = self._retrying
-        deadline = retrying.deadline()
-        attempt = 0
+    def _send_what_fits(
+        self, waiting: Waiting, out: dict[asyncio.Task[pb.EmbedResponse], Flight], deadline: Deadline
+    ) -> None:
+        assert self._size is not None
+        while waiting and not self._retrying.held_s() and self._window.admits(self._out):
+            _, attempt, sent, part = heapq.heappop(waiting)
+            if len(part) > self._size.texts:  # cut to the size the server takes now; the rest goes next
+                part, rest = part.split(self._size.texts)
+                heapq.heappush(waiting, (rest.first, attempt, sent, rest))
+            echo = time.monotonic() - self._answered_at < ECHO_S
+            flight = Flight(part, self._window.epoch, self._out, echo, attempt, sent)
+            out[asyncio.ensure_future(self._attempt(self._stub.Embed, part.request, deadline, sent))] = flight
+            self._out += 1
+
+    def _settle(
+        self,
+        flight: Flight,
+        task: asyncio.Task[pb.EmbedResponse],
+        rows: dict[int, np.ndarray],
+        waiting: Waiting,
+        deadline: Deadline,
+    ) -> None:
+        """A part's answer: its rows kept, the window and the size grown; or it goes again, as
+        :meth:`_next_attempt` says; or its error ends the call."""
+        part = flight.part
+        try:
+            answer = task.result()
+        except grpc.RpcError as error:
+            attempt = self._next_attempt(flight, embed_error(error, part.first), deadline)
+            heapq.heappush(waiting, (part.first, attempt, flight.sent + 1, part))
+            return
+        rows[part.first] = decode(answer)
+        self._answered_at = time.monotonic()
+        self._retrying.answered()
+        self._window.succeeded()
+        assert self._size is not None
+        self._size.succeeded(len(part))
+
+    def _next_attempt(self, flight: Flight, error: EmbedError, deadline: Deadline) -> int:
+        """The attempt a failed part goes again as, or ``error`` raised when it is final. A refusal
+        cuts the window. Of a part sent beside others of ours (or just after one was answered) it is
+        the client's own window, the same attempt; beside one, the size halves too. Of a part out
+        alone it is the server's overload: the size halves, and it is a retry after the pushback,
+        which holds every part, within the attempts and the budget."""
+        assert self._size is not None
+        refused = error.code() is grpc.StatusCode.RESOURCE_EXHAUSTED
+        ours = refused and (flight.beside > 0 or flight.echo)
+        if refused:
+            self._window.refused(flight.epoch)
+            if flight.beside == 1 or not ours:
+                self._size.refused(len(flight.part))
+        if ours:  # the window, cut, waits for our parts out; the hold only outlasts the echo
+            pushback = error.retry_after_s or 0.0
+            if pushback > deadline.left():
+                raise error from None
+            self._retrying.hold(min(pushback, ECHO_S))
+            return flight.attempt
+        wait = self._retrying.wait_s(error, flight.attempt, deadline)
+        if wait is None:
+            raise error from None
+        self._retrying.hold(wait)  # a backoff too: the server is away for every part
+        return flight.attempt + 1
+
+    async def _call(self, call: Callable[..., Awaitable[T]], request: Any, deadline: Deadline) -> T:
+        """One request, retried after a pushback or a backoff within the deadline and the budget."""
+        attempt = 1
         while True:
-            attempt += 1
-            if held := retrying.held_s():  # another request's pushback holds this one too
-                await asyncio.sleep(held)
+            if held := self._retrying.held_s():  # another request's pushback holds this one too
+                await asyncio.sleep(min(held, max(0.0, deadline.left())))
             try:
-                answer = await call(attempt - 1)  # the earlier attempts: a retry says so (retry_marker)
+                answer = await self._attempt(call, request, deadline, attempt - 1)
             except grpc.RpcError as error:
-                wait = retrying.wait_s(error, attempt, deadline)
+                failure = embed_error(error)
+                wait = self._retrying.wait_s(failure, attempt, deadline)
                 if wait is None:
-                    raise
+                    raise failure from None
                 await asyncio.sleep(wait)
+                attempt += 1
             else:
-                retrying.answered()
+                self._retrying.answered()
                 return answer
+
+    async def _attempt(self, call: Callable[..., Awaitable[T]], request: Any, deadline: Deadline, earlier: int) -> T:
+        """One attempt of a call, with what is left of its deadline. One that sends work ``earlier``
+        attempts sent already says so (``kembed-retry-attempt``), so the server counts that work once
+        in its demand (kembed_demand_ratio)."""
+        marker = ((RETRY_ATTEMPT_KEY, str(earlier)),) if earlier else None
+        return await call(request, timeout=deadline.attempt_s(), metadata=marker)
 
     async def close(self) -> None:
         await self._channel.close(None)
@@ -109,3 +297,9 @@ class AsyncEmbedClient(ClientBase[grpc.aio.Channel]):
         self, kind: type[BaseException] | None, value: BaseException | None, traceback: TracebackType | None
     ) -> None:
         await self.close()
+
+
+def tokens_request(sequences: Sequence[Sequence[int]], normalize: bool, dimensions: int) -> pb.EmbedRequest:
+    ids = np.concatenate([np.asarray(seq, dtype="<i4") for seq in sequences])
+    tokens = pb.TokenIds(ids=ids.tobytes(), lengths=[len(seq) for seq in sequences])
+    return pb.EmbedRequest(tokens=tokens, normalize=normalize, dimensions=dimensions)

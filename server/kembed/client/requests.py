@@ -1,15 +1,13 @@
 """How texts become requests: what a request may carry (the server's limits, from ``Info``, and the
 connection's), the cut of a list into consecutive requests within them, and the request classes.
-Shared by the library (:mod:`.embed_client`, :mod:`.aio`) and the corpus command."""
+Shared by the library (:mod:`.aio`) and the corpus command."""
 
 from __future__ import annotations
 
-import re
 from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any
 
-import grpc
+import numpy as np
 
 from kembed.client.connection import Connection
 from kembed.v1 import embedder_pb2 as pb
@@ -21,7 +19,6 @@ REQUEST_ENVELOPE_BYTES = 1024 + 4 * 1024
 TEXT_ENVELOPE_BYTES = 6
 # The requests' classes, by the label the commands and the library take: the proto's PRIORITY_* names, lower case.
 PRIORITIES = tuple(pb.Priority.Name(value).removeprefix("PRIORITY_").lower() for value in pb.Priority.values())
-_TEXT_INDEX = re.compile(r"^texts\[(\d+)\]")
 
 
 def message_bytes(connection: Connection, info: pb.InfoResponse) -> int:
@@ -118,12 +115,22 @@ class Part:
     first: int
     request: pb.EmbedRequest
 
+    def __len__(self) -> int:
+        return len(self.request.texts)
+
+    def split(self, texts: int) -> tuple[Part, Part]:
+        """Its first ``texts`` texts and the rest, as two parts with the same options."""
+        head, tail = pb.EmbedRequest(), pb.EmbedRequest()
+        head.CopyFrom(self.request)
+        del head.texts[texts:]
+        tail.CopyFrom(self.request)
+        del tail.texts[:texts]
+        return Part(self.first, head), Part(self.first + texts, tail)
+
 
 def plan(texts: Sequence[str], options: Options, limits: Limits) -> list[Part]:
     """The requests that carry ``texts`` in order, each within ``limits``. With ``truncate`` a text is
     cut to the server's character limit here, as the server would cut it, so it weighs no more."""
-    if isinstance(texts, str):
-        raise TypeError("texts: a list of strings, not one string")
     kind = priority(options.priority)
     if options.truncate and limits.text_chars:
         texts = [text[: limits.text_chars] for text in texts]
@@ -145,34 +152,6 @@ def plan(texts: Sequence[str], options: Options, limits: Limits) -> list[Part]:
     return parts
 
 
-def answered(error: grpc.RpcError) -> grpc.RpcError | None:
-    """The error when it is an answer (code, details, trailing metadata), not a bare RpcError."""
-    return error if isinstance(error, grpc.Call | grpc.aio.AioRpcError) else None
-
-
-class PartError(grpc.RpcError):
-    """The server's error for one request of a split list, the text it names (``texts[3]``)
-    counted in the whole list; its code and trailing metadata are the server's."""
-
-    def __init__(self, error: grpc.RpcError, first: int) -> None:
-        self.error = error
-        self._details = _TEXT_INDEX.sub(lambda m: f"texts[{int(m[1]) + first}]", error.details() or "")
-        super().__init__(self._details)
-
-    def code(self) -> grpc.StatusCode:
-        return self.error.code()
-
-    def details(self) -> str:
-        return self._details
-
-    def trailing_metadata(self) -> Any:  # the server's: a tuple (grpc) or Metadata (grpc.aio)
-        return self.error.trailing_metadata()
-
-    def __str__(self) -> str:
-        return f"{self.code().name}: {self._details}"
-
-
-def located(error: grpc.RpcError, part: Part) -> grpc.RpcError:
-    """``error`` as the caller should see it: a later part's text indices counted in the whole list."""
-    call = answered(error)
-    return PartError(call, part.first) if part.first and call is not None else error
+def decode(response: pb.EmbedResponse) -> np.ndarray:
+    """The response's float32 little-endian buffer as a [count, dimensions] array."""
+    return np.frombuffer(response.embeddings, dtype="<f4").reshape(response.count, response.dimensions)

@@ -5,8 +5,9 @@ waiting for a retry, or answered and waiting for an earlier span), so memory is 
 the order of the answers.
 
 Pacing follows the server's pushback. The requests on the stream are a window (:class:`Window`),
-paced as TCP paces its segments: it starts at one request and grows by one with each success up
-to a threshold, then by one per window's worth of successes, up to ``in_flight``. A refusal
+paced as TCP paces its segments (:mod:`kembed.client.window`, as the library's ``embed`` paces its
+parts): it starts at one request and grows by one with each success up to a threshold, then by
+one per window's worth of successes, up to ``in_flight``. A refusal
 (RESOURCE_EXHAUSTED) halves the threshold, drops the window to one request, and holds every send
 for the refusal's ``retry_after_ms``: the server said how long its backlog takes, and the
 requests refused together cut the window once. Resending a whole window after each pushback, as
@@ -36,8 +37,8 @@ import numpy as np
 
 from kembed.client.corpus import CorpusError, FinalError
 from kembed.client.corpus.reader import Span, ThreadedSpans
-from kembed.client.embed_client import decode
-from kembed.client.requests import NO_PROMPT, Prompt, priority
+from kembed.client.requests import NO_PROMPT, Prompt, decode, priority
+from kembed.client.window import RequestSize, Window
 from kembed.v1 import embedder_pb2 as pb
 from kembed.v1 import embedder_pb2_grpc as pb_grpc
 
@@ -121,47 +122,6 @@ class Pacing:
             idle = now - self.last_progress
             raise CorpusError(f"gave up: no row written for {idle:.0f} s (--give-up-after); last: {why}")
         self.paused_until = max(self.paused_until, now + seconds)
-
-
-class Window:
-    """How many requests may be on the stream at once: AIMD, with TCP's slow start. ``epoch``
-    counts the cuts, so that the requests refused together (sent before the cut) cut it once."""
-
-    def __init__(self, largest: int) -> None:
-        self.largest = largest
-        self.limit = 1.0
-        self.threshold = float(largest)
-        self.epoch = 0
-
-    def admits(self, in_flight: int) -> bool:
-        return in_flight < int(self.limit)
-
-    def refused(self, sent_in_epoch: int) -> None:
-        if sent_in_epoch < self.epoch:
-            return  # already cut for: it was on the wire before the cut
-        self.threshold = max(1.0, self.limit / 2)
-        self.limit = 1.0
-        self.epoch += 1
-
-    def succeeded(self) -> None:
-        grown = self.limit + 1 if self.limit < self.threshold else self.limit + 1 / self.limit
-        self.limit = min(float(self.largest), grown)
-
-
-class RequestSize:
-    """How many texts the next request carries, at most ``largest`` (``--batch-texts``)."""
-
-    def __init__(self, largest: int) -> None:
-        self.largest = largest
-        self.texts = largest
-
-    def refused(self, texts: int) -> None:
-        """Half of the refused request's size: requests refused together shrink it once, not each."""
-        self.texts = min(self.texts, max(1, texts // 2))
-
-    def succeeded(self, texts: int) -> None:
-        if texts >= self.texts:
-            self.texts = min(self.largest, self.texts + max(1, self.texts // 4))
 
 
 class InOrder:
