@@ -5,6 +5,7 @@ every other one pins ``KEMBED_COMPILE=off`` (tests/server/serving.py)."""
 
 from __future__ import annotations
 
+import dataclasses
 import threading
 from collections.abc import Iterator
 from typing import Any
@@ -86,6 +87,19 @@ def test_a_failed_compile_says_what_failed_on_one_line() -> None:
     assert served == cpu_compile.Served(
         EAGER, "compile failed, serving eager: RuntimeError: InvalidCxxCompiler: No working C++ compiler found"
     )
+
+
+@pytest.mark.parametrize("pooling", ["mean", "cls", "last"])
+def test_padding_a_one_token_batch_leaves_its_vectors_as_they_were(stock_model: EmbeddingModel, pooling: str) -> None:
+    """What the compiled forward does to dodge dynamo's 0/1 specialisation, on the eager forward:
+    the padded column is masked out of attention and of every pooling."""
+    info = dataclasses.replace(stock_model.info, pooling=pooling)
+    model = EmbeddingModel(stock_model._model, stock_model.tokenizer, info)
+    padded = cpu_compile.padded_to_min_length(model.forward, info.pad_token_id)
+    ids, mask = torch.tensor([[101], [2023]], dtype=torch.int32), torch.ones((2, 1), dtype=torch.int32)
+    with torch.inference_mode():
+        as_is, two = model.forward(ids, mask).numpy(), padded(ids, mask).numpy()
+    assert min_cosine(as_is, two) >= 0.99999
 
 
 @pytest.mark.slow

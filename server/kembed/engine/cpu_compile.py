@@ -118,8 +118,11 @@ def padded_to_min_length(forward: Forward, pad_token_id: int) -> Forward:
     def padded(ids: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         short = MIN_LENGTH - ids.shape[1]
         if short > 0:
-            ids = torch.nn.functional.pad(ids, (0, short), value=pad_token_id)
-            mask = torch.nn.functional.pad(mask, (0, short), value=0)
+            # Made as the batches the graphs were compiled on are (outside inference mode): dynamo
+            # guards on an input's dispatch keys, and an inference tensor would compile again.
+            with torch.inference_mode(False):
+                ids = torch.nn.functional.pad(ids, (0, short), value=pad_token_id)
+                mask = torch.nn.functional.pad(mask, (0, short), value=0)
         return forward(ids, mask)
 
     return padded
