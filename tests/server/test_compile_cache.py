@@ -7,6 +7,7 @@ import json
 import logging
 import multiprocessing
 import os
+import threading
 from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
@@ -14,7 +15,7 @@ from typing import Any
 import pytest
 import torch
 
-from kembed.engine import compile_cache
+from kembed.engine import compile_cache, verdicts
 from kembed.engine.compile_cache import MANIFEST, Identity, Manifest, cache_key, identity, select, shape_names
 
 SHAPES = [(16, 1), (16, 2), (32, 1)]  # (seq_len, rows), as the worker plans them
@@ -280,3 +281,53 @@ def test_two_replicas_of_different_identities_never_delete_each_others_folder(tm
     assert {path for _, _, path in results} == {str(root / cache_key(mine)), str(root / cache_key(theirs))}
     for found in (Manifest.read(root / cache_key(ident)) for ident in (mine, theirs)):
         assert found is not None and found.shapes == sorted(shape_names(SHAPES))
+
+
+def test_a_verdict_kept_by_one_start_is_read_by_the_next_of_the_same_identity(model_dir: Path, tmp_path: Path) -> None:
+    root = str(tmp_path / "root")
+    mine = verdicts.identity("dtype", model_dir, cpus="2")
+    with verdicts.held(root, mine) as first:
+        assert first.found is None  # nothing kept yet: this start measures
+        first.keep({"dtype": "float32", "why": "auto: bf16 0.78x fp32's speed"})
+    with verdicts.held(root, mine) as later:
+        assert later.found == {"dtype": "float32", "why": "auto: bf16 0.78x fp32's speed"}
+        assert later.read_why("auto: x").startswith("as measured before (")
+    with verdicts.held(root, {**mine, "torch": "9.9.9"}) as upgraded:
+        assert upgraded.found is None  # another torch measures again
+    with verdicts.held("", mine) as nowhere:
+        nowhere.keep({"dtype": "bfloat16", "why": "auto"})  # no root: kept nowhere, no error
+        assert nowhere.found is None
+
+
+def test_a_start_measuring_holds_the_verdict_so_a_replica_starting_meanwhile_reads_it(
+    model_dir: Path, tmp_path: Path
+) -> None:
+    mine = verdicts.identity("forward", model_dir, dtype="torch.float32", lane_threads="1")
+    found: list[verdicts.Verdict | None] = []
+
+    def replica() -> None:
+        with verdicts.held(str(tmp_path), mine) as kept:
+            found.append(kept.found)
+
+    with verdicts.held(str(tmp_path), mine) as measuring:
+        waiting = threading.Thread(target=replica)
+        waiting.start()
+        waiting.join(0.5)
+        assert waiting.is_alive()  # it waits on the lock rather than measuring for itself
+        measuring.keep({"forward": "eager", "why": "auto: compiled 0.87x eager's speed"})
+    waiting.join()
+    assert found == [{"forward": "eager", "why": "auto: compiled 0.87x eager's speed"}]
+
+
+def test_an_unusable_verdict_root_measures_for_itself(model_dir: Path, tmp_path: Path) -> None:
+    blocked = tmp_path / "a-file"
+    blocked.write_text("not a folder")
+    with verdicts.held(str(blocked), verdicts.identity("dtype", model_dir)) as kept:
+        assert kept.found is None and kept.path is None
+
+
+def test_the_cpu_model_is_read_from_cpuinfo(tmp_path: Path) -> None:
+    cpuinfo = tmp_path / "cpuinfo"
+    cpuinfo.write_text("processor\t: 0\nmodel name\t: Intel(R) Xeon(R) Platinum 8480+\nflags\t: fpu amx_bf16\n")
+    assert verdicts.cpu_model(cpuinfo) == "Intel(R) Xeon(R) Platinum 8480+"
+    assert verdicts.cpu_model(tmp_path / "absent") == "unknown"

@@ -9,13 +9,14 @@ import os
 import re
 import subprocess
 import sys
+import threading
 from collections.abc import Iterator
 from pathlib import Path
 
 import grpc
 import pytest
 
-from kembed.engine import precision
+from kembed.engine import cpu, precision
 from kembed.v1 import embedder_pb2 as pb
 from kembed.v1 import embedder_pb2_grpc as pb_grpc
 from tests.server.serving import ServerProcess
@@ -57,6 +58,35 @@ def test_compute_threads_yield_to_the_main_thread() -> None:
     result = json.loads(done.stdout)
     expected = min(19, base + 7)
     assert result == {"nice": expected, "child": expected, "main": base, "others": [expected]}
+
+
+def test_the_compile_thread_and_what_it_starts_run_only_on_idle_cpu() -> None:
+    """The compile beside serving must not take the cores from admitted work: its thread, the
+    threads it starts and the compiler processes it runs are SCHED_IDLE; the rest keep theirs."""
+    seen: dict[str, object] = {}
+
+    def compiling() -> None:
+        seen["got"] = cpu.only_when_idle()
+        seen["thread"] = os.sched_getscheduler(0)
+        child = threading.Thread(target=lambda: seen.setdefault("its thread", os.sched_getscheduler(0)))
+        child.start()
+        child.join()
+        code = "import os; print(os.sched_getscheduler(0))"
+        seen["its process"] = int(subprocess.run([sys.executable, "-c", code], capture_output=True, check=True).stdout)
+
+    thread = threading.Thread(target=compiling)
+    thread.start()
+    thread.join()
+    idle = os.SCHED_IDLE
+    assert seen == {"got": "SCHED_IDLE", "thread": idle, "its thread": idle, "its process": idle}
+    assert os.sched_getscheduler(0) == os.SCHED_OTHER  # the caller's own thread is untouched
+
+
+def test_the_switch_interval_is_short_only_while_compiling() -> None:
+    before = sys.getswitchinterval()
+    with cpu.switching_often(cpu.COMPILE_SWITCH_INTERVAL_S):
+        assert sys.getswitchinterval() == pytest.approx(cpu.COMPILE_SWITCH_INTERVAL_S)
+    assert sys.getswitchinterval() == before
 
 
 def thread_niceness(pid: int) -> dict[bool, set[int]]:

@@ -271,7 +271,8 @@ def test_what_is_measured_and_what_is_not(
     ("fp32_s", "bf16_s", "cosine", "dtype", "why"),
     [
         (1.9, 1.0, 0.99995, "bfloat16", "auto: bf16 1.90x fp32's speed, min cosine 0.99995"),
-        (1.0, 1.0, 0.99995, "float32", "auto: bf16 1.00x fp32's speed, min cosine 0.99995, not 1.1x"),
+        (1.0, 1.0, 0.99995, "float32", "auto: bf16 1.00x fp32's speed, min cosine 0.99995, not 1.3x"),
+        (1.2, 1.0, 0.99995, "float32", "auto: bf16 1.20x fp32's speed, min cosine 0.99995, not 1.3x"),  # noise
         (1.0, 2.5, 0.99995, "float32", "auto: bf16 0.40x fp32's speed"),  # bf16 emulated: 2.5x slower
         (2.0, 1.0, 0.9985, "float32", "auto: bf16 2.00x fp32's speed, min cosine 0.99850, under 0.999"),
     ],
@@ -354,6 +355,30 @@ def test_auto_times_fp32_on_two_shapes_and_warms_the_dtype_it_keeps_on_every_one
     overhead = (16, 1)  # an eighth of the shortest bucket's 4 rows, at least one
     assert list(dict.fromkeys(timed[kept])) == [*compared, *(s for s in shapes if s not in compared), overhead]
     assert runner.warmup_tokens == sum(seq_len * rows for seq_len, rows in shapes)
+
+
+def test_a_dtype_measured_once_is_kept_and_later_starts_serve_it_without_measuring(
+    tmp_path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Two starts on one machine measured bf16 faster once and slower once: the second start of a
+    service (same CPU, torch and model) serves what the first measured, and says so."""
+    monkeypatch.setattr(precision, "bf16_units", lambda: ("avx512_bf16",))
+    monkeypatch.setattr(cpu, "share_cores", lambda *_: None)
+    settings = Settings.from_env({}, compile_cache_dir=str(tmp_path), **SMALL)
+    monkeypatch.setattr(precision, "measured", lambda *_: precision.Precision("bfloat16", "auto: bf16 1.40x"))
+    first = start_runner(settings, EmbeddingModel.load, lambda: None)
+    assert (first.precision.dtype, first.why) == ("bfloat16", "auto: bf16 1.40x")
+
+    def measuring_again(*_: object) -> precision.Precision:
+        raise AssertionError("a kept verdict is read, not measured again")
+
+    monkeypatch.setattr(precision, "measured", measuring_again)
+    loader = Loads()
+    later = start_runner(settings, loader, lambda: None)
+    assert later.precision.dtype == "bfloat16" and loader.asked == [Dtype.AUTO, Dtype.BFLOAT16]
+    assert later.why.startswith("as measured before (") and later.why.endswith("): auto: bf16 1.40x")
+    explicit = start_runner(Settings.from_env({}, **{**SMALL, "dtype": "float32"}), loader, lambda: None)
+    assert explicit.precision.dtype == "float32"  # an explicit dtype wins over the kept verdict
 
 
 def test_a_loader_that_ignores_bf16_leaves_auto_on_fp32(

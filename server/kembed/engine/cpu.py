@@ -18,9 +18,11 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import sys
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import TypeVar
 
 import torch
 
@@ -28,6 +30,7 @@ log = logging.getLogger(__name__)
 
 TASKS = Path("/proc/self/task")
 MAX_NICE = 19
+T = TypeVar("T")
 
 
 def yield_to_serving(compute_nice: int) -> int:
@@ -56,6 +59,30 @@ def share_cores(cpus: float, compute_nice: int) -> None:
     log.info("CPU inference: %d compute threads at niceness %d, below serving", threads, nice)
 
 
+# While the forward compiles beside serving, the compile thread (Python: dynamo tracing, inductor's
+# code generation) holds the GIL whenever it runs, and a lane's forward takes the GIL back between
+# every operator: at Python's default 5 ms switch interval a lane could wait that long per operator.
+# A shorter interval bounds the wait; it is restored once the compile is done.
+COMPILE_SWITCH_INTERVAL_S = 0.0005
+
+
+def only_when_idle() -> str:
+    """Run the calling thread, and the processes and threads it starts from now on (inductor's g++
+    builds and compile workers), only on CPU time that no other thread wants: ``SCHED_IDLE``, which
+    an unprivileged thread may take, else the highest niceness. Returns which it got."""
+    try:
+        os.sched_setscheduler(0, os.SCHED_IDLE, os.sched_param(0))  # 0: the calling thread
+    except (AttributeError, OSError):  # not Linux, or a kernel without it
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), MAX_NICE)
+        return f"niceness {MAX_NICE}"
+    return "SCHED_IDLE"
+
+
+def switching_often(interval_s: float) -> contextlib.AbstractContextManager[None]:
+    """Python's thread switch interval at ``interval_s`` for a while (see ``COMPILE_SWITCH_INTERVAL_S``)."""
+    return _for_a_while(sys.getswitchinterval, sys.setswitchinterval, interval_s)
+
+
 def lane_threads(cpus: float, lanes: int) -> int:
     """Intra-op threads of each of ``lanes`` batches computed at once: the CPUs shared out."""
     return max(1, int(cpus) // max(1, lanes))
@@ -67,13 +94,18 @@ def enter_lane(threads: int) -> None:
     torch.set_num_threads(threads)
 
 
-@contextlib.contextmanager
-def threads_of_a_lane(threads: int) -> Iterator[None]:
+def threads_of_a_lane(threads: int) -> contextlib.AbstractContextManager[None]:
     """This thread's batches on ``threads`` intra-op threads for a while: timing a batch as one lane
     computes it."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(threads)
+    return _for_a_while(torch.get_num_threads, torch.set_num_threads, threads)
+
+
+@contextlib.contextmanager
+def _for_a_while(read: Callable[[], T], write: Callable[[T], None], value: T) -> Iterator[None]:
+    """A setting at ``value`` for the block, then back to what it was."""
+    before = read()
+    write(value)
     try:
         yield
     finally:
-        torch.set_num_threads(before)
+        write(before)

@@ -158,7 +158,8 @@ class EmbeddingModel:
         """The same model, weights and tokenizer, its forward compiled by inductor for any batch shape
         (kembed.engine.cpu_compile), its kernels for ``threads`` threads; it compiles on its first call."""
         twin = copy.copy(self)
-        twin._compute = cpu_compile.compile_forward(self._pooled, threads)
+        compiled = cpu_compile.compile_forward(self._pooled, threads)
+        twin._compute = cpu_compile.padded_to_min_length(compiled, self.info.pad_token_id)
         return twin
 
     def _pooled(self, ids: torch.Tensor, attention_mask: torch.Tensor) -> torch.Tensor:

@@ -13,8 +13,8 @@ from collections.abc import Callable, Sequence
 import numpy as np
 import torch
 
-from kembed.config import Dtype, Settings
-from kembed.engine import compile_cache, cpu, cpu_compile, precision
+from kembed.config import Dtype, Settings, Toggle
+from kembed.engine import compile_cache, cpu, cpu_compile, precision, verdicts
 from kembed.engine.cpu_compile import Served
 from kembed.engine.graphs import CompileCount, ShapeGuard
 from kembed.engine.model import EmbeddingModel, ModelInfo
@@ -157,18 +157,39 @@ def measured_runner(
     device = fp32.info.device.type
     if plan.compiled or not precision.measures(settings.dtype, device, bf16_units(device)):
         return None
-    candidate = load_model(settings.model_copy(update={"dtype": Dtype.BFLOAT16}))
-    if candidate.info.dtype != torch.bfloat16:  # a loader that ignores the dtype asked for
-        return _warm(ModelRunner(fp32, plan, why=f"auto: bf16 asked, the loader gave {candidate.info.dtype}"), beat)
-    runners = [ModelRunner(fp32, plan), ModelRunner(candidate, plan)]
-    compared = comparison_shapes(plan)
-    fp32_seconds, bf16_seconds = map(sum, warm_up_together(runners, beat, compared))
-    cosine = min_cosine(*map(probe_vectors, runners))
-    choice = precision.measured(fp32_seconds, bf16_seconds, cosine)
-    kept = runners[1] if choice.dtype == Dtype.BFLOAT16.value else runners[0]
-    kept.why = choice.why
-    warm_up(kept, beat, done=compared)
-    return kept
+    ident = verdicts.identity("dtype", fp32.info.path, cpus=str(settings.cpus()))
+    with verdicts.held(settings.compile_cache_dir, ident) as kept:
+        if kept.found is not None:
+            return _dtype_as_kept(settings, fp32, plan, load_model, beat, kept)
+        candidate = load_model(settings.model_copy(update={"dtype": Dtype.BFLOAT16}))
+        if candidate.info.dtype != torch.bfloat16:  # a loader that ignores the dtype asked for
+            why = f"auto: bf16 asked, the loader gave {candidate.info.dtype}"
+            return _warm(ModelRunner(fp32, plan, why=why), beat)
+        runners = [ModelRunner(fp32, plan), ModelRunner(candidate, plan)]
+        compared = comparison_shapes(plan)
+        fp32_seconds, bf16_seconds = map(sum, warm_up_together(runners, beat, compared))
+        cosine = min_cosine(*map(probe_vectors, runners))
+        choice = precision.measured(fp32_seconds, bf16_seconds, cosine)
+        kept.keep({"dtype": choice.dtype, "why": choice.why})
+    chosen = runners[1] if choice.dtype == Dtype.BFLOAT16.value else runners[0]
+    chosen.why = choice.why
+    warm_up(chosen, beat, done=compared)
+    return chosen
+
+
+def _dtype_as_kept(
+    settings: Settings,
+    fp32: EmbeddingModel,
+    plan: Plan,
+    load_model: LoadModel,
+    beat: Callable[[], None],
+    kept: verdicts.Kept,
+) -> ModelRunner:
+    """The dtype an earlier start measured and kept, warmed on every shape: nothing timed."""
+    found = kept.found or {}
+    bf16 = found.get("dtype") == Dtype.BFLOAT16.value
+    model = load_model(settings.model_copy(update={"dtype": Dtype.BFLOAT16})) if bf16 else fp32
+    return _warm(ModelRunner(model, plan, why=kept.read_why(found.get("why", ""))), beat)
 
 
 def comparison_shapes(plan: Plan) -> list[tuple[int, int]]:
@@ -199,35 +220,56 @@ def compile_while_serving(settings: Settings, runner: ModelRunner) -> Served:
     its forward compiled, timed against eager on the shapes the dtype choice compares (at a lane's
     threads, as served, alternating call by call with the lanes' own load on both) and checked on real
     text; where :func:`cpu_compile.measured` picks it, warmed on every shape and handed to the runner,
-    whose lanes take it at their next batch. Eager stays where the compile fails."""
+    whose lanes take it at their next batch. Eager stays where the compile fails. Under ``auto``, a
+    verdict an earlier start kept (:mod:`kembed.engine.verdicts`) is followed instead of measured."""
     plan, info = runner.plan, runner.model.info
     threads = cpu.lane_threads(settings.cpus(), plan.lanes)
+    root = settings.compile_cache_dir if settings.compile is Toggle.AUTO else ""  # an explicit setting wins
+    ident = verdicts.identity("forward", info.path, dtype=str(info.dtype), lane_threads=str(threads))
+    started = time.monotonic()
+    with verdicts.held(root, ident) as kept:
+        try:
+            choice, model = _forward_chosen(settings, runner, threads, kept)
+        except Exception as error:  # no compiler, an unwritable cache, a bug in inductor: eager still serves
+            failed = cpu_compile.failed(error)
+            log.error("%s", failed.why, exc_info=True)
+            runner.served = failed
+            return failed
+        if kept.found is None:
+            kept.keep({"forward": choice.forward, "why": choice.why})
+    log.info("forward: %s (%s), chosen in %.1f s", choice.forward, choice.why, time.monotonic() - started)
+    runner.adopt(model, choice)
+    return choice
+
+
+def _forward_chosen(
+    settings: Settings, runner: ModelRunner, threads: int, kept: verdicts.Kept
+) -> tuple[Served, EmbeddingModel]:
+    """The forward to serve and its model: measured, or as ``kept`` found it (a kept eager compiles
+    nothing; a kept compiled is compiled and checked on real text, not timed)."""
+    plan, info = runner.plan, runner.model.info
+    if kept.found is not None and kept.found.get("forward") != cpu_compile.COMPILED:
+        return Served(cpu_compile.EAGER, kept.read_why(kept.found.get("why", ""))), runner.model
     compared = comparison_shapes(plan)
     compile_cache.use(settings.compile_cache_dir, cpu_cache_identity(info, threads), compared)
     # The serving runner's own timings seeded the service rate: these runners are the measure's.
     eager = ModelRunner(runner.model, plan, why=runner.why)
     candidate = ModelRunner(runner.model.compiled_on_cpu(threads), plan, why=runner.why)
-    started = time.monotonic()
-    try:
-        # All of it at a lane's threads, as served: dynamo guards on the thread count, so a call at
-        # another count would compile a graph no lane runs.
-        with cpu.threads_of_a_lane(threads):
+    # All of it at a lane's threads, as served: dynamo guards on the thread count, so a call at
+    # another count would compile a graph no lane runs.
+    with cpu.threads_of_a_lane(threads):
+        if kept.found is None:
             eager_s, compiled_s = warm_up_together([eager, candidate], _unwatched, compared, COMPARE_REPEATS)
-            cosine = min_cosine(*map(probe_vectors, (eager, candidate)))
+        cosine = min_cosine(*map(probe_vectors, (eager, candidate)))
+        if kept.found is None:
             choice = cpu_compile.measured(settings.compile, compared, eager_s, compiled_s, cosine)
-            if choice.forward == cpu_compile.COMPILED:
-                warm_up(candidate, _unwatched, done=compared)
-                candidate.timed(*one_row_batch(plan, info), 1, _unwatched)  # dynamo specialises one-row batches
-    except Exception as error:  # no compiler, an unwritable cache, a bug in inductor: eager still serves
-        failed = cpu_compile.failed(error)
-        log.error("%s", failed.why, exc_info=True)
-        runner.served = failed
-        return failed
-    log.info(
-        "forward: %s (%s), compiled and compared in %.1f s", choice.forward, choice.why, time.monotonic() - started
-    )
-    runner.adopt(candidate.model if choice.forward == cpu_compile.COMPILED else runner.model, choice)
-    return choice
+        else:
+            choice = cpu_compile.as_kept(kept.read_why(kept.found.get("why", "")), cosine)
+        if choice.forward != cpu_compile.COMPILED:
+            return choice, runner.model
+        warm_up(candidate, _unwatched, done=compared if kept.found is None else ())
+        candidate.timed(*one_row_batch(plan, info), 1, _unwatched)  # dynamo specialises one-row batches
+    return choice, candidate.model
 
 
 def _unwatched() -> None:

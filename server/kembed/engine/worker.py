@@ -102,14 +102,17 @@ class Worker:
         for lane in range(1, self._lanes):  # created here, they inherit the compute threads' niceness
             name = f"kembed-worker-{lane}"
             threading.Thread(target=self._lane, args=(runner, deliver, lane, threads), name=name, daemon=True).start()
-        if compiles_while_serving(self._settings, runner):  # the same niceness: serving goes first
+        if compiles_while_serving(self._settings, runner):  # on idle CPU only: admitted work goes first
             threading.Thread(target=self._compile, args=(runner,), name="kembed-compile", daemon=True).start()
         self._lane(runner, deliver, 0, threads)
 
     def _compile(self, runner: ModelRunner) -> None:
-        """Compile the forward beside eager serving; ``on_served`` hears which serves, on the loop."""
+        """Compile the forward beside eager serving, on CPU time the lanes leave idle; ``on_served``
+        hears which serves, on the loop."""
+        log.info("compiling the forward beside serving at %s", cpu.only_when_idle())
         try:
-            served = compile_while_serving(self._settings, runner)
+            with cpu.switching_often(cpu.COMPILE_SWITCH_INTERVAL_S):
+                served = compile_while_serving(self._settings, runner)
         except BaseException as error:  # a bug, not the compile's own failure: eager serves on
             log.exception("the compile thread failed; eager serves")
             served = runner.served = cpu_compile.failed(error)
