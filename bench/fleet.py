@@ -10,7 +10,8 @@ ends them: ``bench.fleet_service``), or per call at random (``--balancing call``
 the metrics are read with the prometheus-adapter rules the chart ships, expanded as the adapter
 expands them; ``bench.fleet_hpa`` scales the fleet with the targets and behavior the operator
 renders for ``slo.p95LatencyMs``. The policies run one after the other on the same load: the
-operator's HPA (drain time and P95), drain time alone, CPU utilisation at 70%, and the peers' (a
+operator's HPA (the offered demand, drain time and P95 as guards), its previous rule (drain time
+and P95), CPU utilisation at 70%, and the peers' (a
 KEDA threshold of 5 waiting requests per pod, and a Knative-style concurrency target). Kubernetes'
 periods are divided by ``COMPRESSION``; pod start (model load, warmup, readiness) is real.
 Writes ``bench/results/fleet.json`` and ``fleet.png``.
@@ -64,7 +65,9 @@ MAX_REPLICAS = 6
 SLOWDOWN = 8.0  # the modeled device is this CPU's bf16 batch curve this many times slower
 CPU_TARGET_PERCENT = 70.0
 FAST_DOWN = {"scaleDown": {"stabilizationWindowSeconds": 60}}
-DRAIN40 = 0.4  # a drain target of 0.4 P (autoscaling.targets.queueDrainSeconds), against the derived P / 4
+# The operator's rule before kembed_demand_ratio: drain time at P / 4 and the P95 at 0.8 P, the HPA's
+# default behavior (what bench/results/fleet.json measured).
+PREVIOUS_DRAIN, PREVIOUS_P95 = 0.25, 0.8
 SAMPLE_S = 0.5
 CALL_TIMEOUT_S = 30.0
 GRPC_CLIENTS = 8  # client processes on gRPC, each one channel
@@ -109,22 +112,18 @@ class Rendered:
 
 
 def policies(slo_ms: int, capacity_per_s: float = 1.0) -> list[Policy]:
-    """The operator's HPA; drain time alone; CPU at 70% (what a user sets without kembed); the
-    operator's HPA with a 60 s scale-down window (``spec.autoscaling.behavior``) against the default
-    300 s; with a drain target of 0.4 P (``spec.autoscaling.targets``) against the derived P / 4; and
-    the peers': KEDA on 5 waiting requests per pod (the vLLM production stack's, the HPA's default
-    behavior), and a Knative-style concurrency target (in-flight calls per pod at 0.7 of what a pod
-    holds within the SLO, ``capacity_per_s`` x the SLO by Little's law, with Knative's 60 s window
-    for scaling down)."""
-    made, fast_down = rendered(slo_ms), rendered(slo_ms, {"behavior": FAST_DOWN})
-    drain = {Metric.QUEUE_DRAIN_SECONDS: made.targets[Metric.QUEUE_DRAIN_SECONDS]}
-    drain40 = rendered(slo_ms, {"targets": {"queueDrainSeconds": DRAIN40 * slo_ms / 1000}})
+    """The operator's HPA as it renders it (the offered demand, drain time and P95 as guards, its own
+    behavior); the operator's previous rule (drain time at P / 4, P95 at 0.8 P, the HPA's default
+    behavior); CPU at 70% (what a user sets without kembed); and the peers': KEDA on 5 waiting
+    requests per pod (the vLLM production stack's, the HPA's default behavior), and a Knative-style
+    concurrency target (in-flight calls per pod at 0.7 of what a pod holds within the SLO,
+    ``capacity_per_s`` x the SLO by Little's law, with Knative's 60 s window for scaling down)."""
+    made, p = rendered(slo_ms), slo_ms / 1000
+    previous = {Metric.QUEUE_DRAIN_SECONDS: PREVIOUS_DRAIN * p, Metric.LATENCY_P95_SECONDS: PREVIOUS_P95 * p}
     return [
         Policy("kembed", made.targets, made.behavior),
-        Policy("drain_only", drain, made.behavior),
-        Policy("cpu70", {}, made.behavior, CPU_TARGET_PERCENT),
-        Policy("kembed_down60", fast_down.targets, fast_down.behavior),
-        Policy("kembed_drain40", drain40.targets, drain40.behavior),
+        Policy("drain_p95", previous, None),
+        Policy("cpu70", {}, None, CPU_TARGET_PERCENT),
         Policy("keda_waiting5", {}, None, external={WAITING_QUERY: KEDA_WAITING}),
         Policy("knative70", {}, FAST_DOWN, external={IN_FLIGHT_QUERY: knative_target(capacity_per_s, slo_ms)}),
     ]
