@@ -11,6 +11,7 @@ import numpy as np
 import pytest
 from sentence_transformers.util.quantization import quantize_embeddings
 
+from kembed.client import EmbedClient, InvalidInput
 from kembed.frontend import openai_api, rest
 from kembed.quantize import INT8_SCALE, Encoding, encode
 from kembed.v1 import embedder_pb2 as pb
@@ -98,3 +99,17 @@ def test_a_quantization_that_cannot_hold_is_refused_naming_the_field(
     assert set(rest.ANSWER_BYTES_PER_VALUE) == set(openai_api.ENCODINGS)  # every answer is weighed
     status, body, _ = post(server, {"input": TEXTS, "encoding_format": "int4"})
     assert status == 400 and body["error"]["param"] == "encoding_format"
+
+
+def test_the_client_asks_for_an_encoding_and_decodes_it(server: ServerProcess, stub: pb_grpc.EmbedderStub) -> None:
+    with EmbedClient(server.target) as client:
+        for kind in (Encoding.INT8, Encoding.UBINARY):
+            rows = client.embed(TEXTS, encoding=kind.value, dimensions=128)
+            again = grpc_rows(stub, kind, dimensions=128)  # computed again: a value on a rounding edge may move a step
+            assert rows.dtype == WIRE_DTYPES[kind] and rows.shape == again.shape
+            if kind is Encoding.INT8:
+                assert np.abs(rows.astype(np.int16) - again.astype(np.int16)).max() <= 1
+            else:  # a sign bit may flip only for a value at 0
+                assert (np.unpackbits(rows) != np.unpackbits(again)).mean() < 0.01
+        with pytest.raises(InvalidInput, match="encoding: 'int4' is not one of"):
+            client.embed(TEXTS, encoding="int4")

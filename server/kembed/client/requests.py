@@ -80,6 +80,7 @@ class Options:
     priority: str = "interactive"
     chunk: bool | None = None  # None: the server's default
     prompt: Prompt = NO_PROMPT
+    encoding: str = "float32"  # or int8, uint8, binary, ubinary: quantized by the server (docs/api.md)
 
 
 @dataclass(frozen=True)
@@ -131,7 +132,7 @@ class Part:
 def plan(texts: Sequence[str], options: Options, limits: Limits) -> list[Part]:
     """The requests that carry ``texts`` in order, each within ``limits``. With ``truncate`` a text is
     cut to the server's character limit here, as the server would cut it, so it weighs no more."""
-    kind = priority(options.priority)
+    kind, encoding = priority(options.priority), encoding_of(options.encoding)
     if options.truncate and limits.text_chars:
         texts = [text[: limits.text_chars] for text in texts]
     parts, first = [], 0
@@ -146,12 +147,33 @@ def plan(texts: Sequence[str], options: Options, limits: Limits) -> list[Part]:
             prompt_name=options.prompt.name,
             prompt=options.prompt.text,  # None leaves it unset: "" is no prompt, unset the default
             input_type=options.prompt.input_type,
+            encoding=encoding,
         )
         parts.append(Part(first, request))
         first += len(run)
     return parts
 
 
+ENCODINGS = ("float32", "int8", "uint8", "binary", "ubinary")
+# Each encoding's values as numpy reads them, and how many values a row of ``d`` dimensions holds.
+_ROWS = {
+    pb.ENCODING_FLOAT32: ("<f4", lambda d: d),
+    pb.ENCODING_INT8: ("i1", lambda d: d),
+    pb.ENCODING_UINT8: ("u1", lambda d: d),
+    pb.ENCODING_BINARY: ("i1", lambda d: -(-d // 8)),
+    pb.ENCODING_UBINARY: ("u1", lambda d: -(-d // 8)),
+}
+
+
+def encoding_of(name: str) -> str:
+    """An encoding of :data:`ENCODINGS` as the proto's enum name; any other is refused, naming the argument."""
+    if name not in ENCODINGS:
+        raise ValueError(f"encoding: {name!r} is not one of {', '.join(ENCODINGS)}")
+    return f"ENCODING_{name.upper()}"
+
+
 def decode(response: pb.EmbedResponse) -> np.ndarray:
-    """The response's float32 little-endian buffer as a [count, dimensions] array."""
-    return np.frombuffer(response.embeddings, dtype="<f4").reshape(response.count, response.dimensions)
+    """The response's rows as a [count, values a row] array in its encoding: float32 [count,
+    dimensions], int8 or uint8 [count, dimensions], binary or ubinary [count, ceil(dimensions / 8)]."""
+    dtype, width = _ROWS[response.encoding]
+    return np.frombuffer(response.embeddings, dtype=dtype).reshape(response.count, width(response.dimensions))
