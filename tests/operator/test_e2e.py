@@ -188,7 +188,9 @@ def test_switching_autoscaler_replaces_the_child(kube: Kube) -> None:
     wait_for("HPA", lambda: kube.child(HPAS, "switch"))
     kube.patch_es("switch", {"autoscaling": {"provider": "keda"}})
     scaled = wait_for("ScaledObject", lambda: kube.child(SCALED_OBJECTS, "switch"))
-    assert [t["metadata"]["serverAddress"] for t in scaled["spec"]["triggers"]] == [PROMETHEUS_URL] * 2
+    triggers = scaled["spec"]["triggers"]  # the demand, and the drain time and the P95 as guards
+    assert [t["metadata"]["serverAddress"] for t in triggers] == [PROMETHEUS_URL] * 3
+    assert "kembed_demand_ratio" in triggers[0]["metadata"]["query"]
     wait_for("HPA removed", lambda: kube.child(HPAS, "switch") is None)
     kube.patch_es("switch", {"autoscaling": {"enabled": False}, "minReplicas": 2})
     wait_for("ScaledObject removed", lambda: kube.child(SCALED_OBJECTS, "switch") is None)
