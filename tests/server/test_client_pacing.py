@@ -68,14 +68,11 @@ def long_pushback() -> Iterator[tuple[str, Refusing]]:
 
 def test_timeout_s_is_one_deadline_for_the_whole_call(slow_refusals: tuple[str, Refusing]):
     target, servicer = slow_refusals
-    started = time.monotonic()
     with EmbedClient(target, timeout_s=1.5) as client, pytest.raises(Unavailable) as failed:
         client.embed(["hello"])
-    took = time.monotonic() - started
     assert failed.value.code() is grpc.StatusCode.DEADLINE_EXCEEDED
     assert len(servicer.time_left) == 2  # the retry went with what was left of the 1.5 s, not 1.5 s again
-    assert servicer.time_left[1] < 1.0, servicer.time_left
-    assert took < 3.0  # 2x the timeout: generous for a busy machine; each attempt with 1.5 s took 2.6 s
+    assert servicer.time_left[1] < 1.0, servicer.time_left  # what the server saw: no wall clock here
 
 
 def test_the_async_client_keeps_the_same_deadline(slow_refusals: tuple[str, Refusing]):
