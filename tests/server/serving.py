@@ -7,7 +7,6 @@ from __future__ import annotations
 import json
 import os
 import re
-import resource
 import signal
 import subprocess
 import sys
@@ -75,10 +74,11 @@ class ServerProcess:
             env[HOLD_ENV] = str(self.engine.path)
         self.log = log
         self._out = log.open("wb")
-        limit = (lambda: resource.setrlimit(resource.RLIMIT_NOFILE, (nofile, nofile))) if nofile else None
-        self.process = subprocess.Popen(
-            [sys.executable, "-m", module], env=env, stdout=self._out, stderr=subprocess.STDOUT, preexec_fn=limit
-        )
+        command = [sys.executable, "-m", module]
+        if nofile:  # set by prlimit, not a preexec_fn: forking this gRPC-using process crashes in gRPC's
+            # fork handlers now and then (an epoll_wait on a closed fd, grpc/grpc#43055); posix_spawn does not
+            command = ["prlimit", f"--nofile={nofile}", "--", *command]
+        self.process = subprocess.Popen(command, env=env, stdout=self._out, stderr=subprocess.STDOUT)
         self._ports: dict[str, int] = {}
         ServerProcess.running.append(self)
 

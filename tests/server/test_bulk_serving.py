@@ -11,7 +11,6 @@ from __future__ import annotations
 import json
 import math
 import re
-import resource
 import signal
 import subprocess
 import sys
@@ -308,11 +307,9 @@ def test_a_file_size_limit_fails_for_good_in_one_line(server: ServerProcess, ref
     source = write_lines(tmp_path / "corpus.txt", TEXTS)
     output = tmp_path / "vectors.npy"
 
-    def limited() -> None:
-        resource.setrlimit(resource.RLIMIT_FSIZE, (64 * 1024, 64 * 1024))
-
     command = embed_command(server, "--input", str(source), "--output", str(output), "--no-progress")
-    result = subprocess.run(command, capture_output=True, text=True, timeout=600, preexec_fn=limited)
+    limited = ["prlimit", f"--fsize={64 * 1024}", "--", *command]  # no preexec_fn: see tests/server/serving.py
+    result = subprocess.run(limited, capture_output=True, text=True, timeout=600)
     assert_one_line(result, EXIT_EMBED_FINAL, f"kembed embed: --output: {output}: File too large; ")
     kept = np.load(output)  # still an array: the rows appended before the failed write, committed on the way out
     assert len(kept) < 64 * 1024 // (DIMS * 4)
