@@ -177,8 +177,8 @@ def test_a_client_refused_again_and_again_stops_retrying(server: ServerProcess):
     with grpc.insecure_channel(server.target) as channel, client, server.engine:
         backlog = [pb_grpc.EmbedderStub(channel).Embed.future(INGEST, timeout=120) for _ in range(40)]
         wait_until(lambda: all_decided(server, backlog), 120, "a backlog")
-        with pytest.raises(grpc.RpcError) as refused:
-            client.embed(list(INGEST.texts), priority="batch")
+        with pytest.raises(grpc.RpcError) as refused:  # one request as it is: embed would shrink its part
+            client.embed_request(INGEST)  # until a text fits the held engine, and wait there instead
     assert refused.value.code() == EXHAUSTED
     assert client.retries == 4  # 10 tokens: retried at 9, 8, 7 and 6 left
 
