@@ -2,15 +2,17 @@
 
 from __future__ import annotations
 
-from collections.abc import Generator
+from collections.abc import Generator, Iterator
 from pathlib import Path
 from typing import Any
 
+import grpc
 import pytest
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
 from kembed.config import Settings
 from kembed.engine.model import EmbeddingModel, resolve_model_path
+from kembed.v1 import embedder_pb2_grpc as pb_grpc
 from tests.server.serving import ServerProcess
 
 
@@ -45,3 +47,10 @@ def st_model(bundled_path: Path) -> Any:
     from sentence_transformers import SentenceTransformer
 
     return SentenceTransformer(str(bundled_path), device="cpu")
+
+
+@pytest.fixture(scope="module")
+def stub(server: ServerProcess) -> Iterator[pb_grpc.EmbedderStub]:
+    """A channel to the module's own ``server`` fixture (a module that defines its own stub keeps it)."""
+    with grpc.insecure_channel(server.target) as channel:
+        yield pb_grpc.EmbedderStub(channel)

@@ -49,12 +49,6 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
     running.stop()
 
 
-@pytest.fixture(scope="module")
-def stub(server: ServerProcess) -> Iterator[pb_grpc.EmbedderStub]:
-    with grpc.insecure_channel(server.target) as channel:
-        yield pb_grpc.EmbedderStub(channel)
-
-
 def chunks_by_hand(ids: list[int]) -> list[list[int]]:
     """[CLS] + a run of the text's own tokens + [SEP], each at most the model's length."""
     own, step = ids[1:-1], LIMIT - 2

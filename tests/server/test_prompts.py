@@ -70,12 +70,6 @@ def server(folder: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[S
 
 
 @pytest.fixture(scope="module")
-def stub(server: ServerProcess) -> Iterator[pb_grpc.EmbedderStub]:
-    with grpc.insecure_channel(server.target) as channel:
-        yield pb_grpc.EmbedderStub(channel)
-
-
-@pytest.fixture(scope="module")
 def rest(server: ServerProcess) -> openai.OpenAI:
     return openai.OpenAI(base_url=server.rest_url, api_key="unused", max_retries=0)
 

@@ -55,12 +55,6 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
     running.stop()
 
 
-@pytest.fixture(scope="module")
-def stub(server: ServerProcess) -> Iterator[pb_grpc.EmbedderStub]:
-    with grpc.insecure_channel(server.target) as channel:
-        yield pb_grpc.EmbedderStub(channel)
-
-
 def grpc_rows(stub: pb_grpc.EmbedderStub, encoding: Encoding, **fields: Any) -> np.ndarray:
     answer = stub.Embed(pb.EmbedRequest(texts=TEXTS, encoding=f"ENCODING_{encoding.name}", **fields), timeout=120)
     assert (answer.count, answer.encoding) == (len(TEXTS), pb.Encoding.Value(f"ENCODING_{encoding.name}"))

@@ -7,7 +7,6 @@ import json
 from collections.abc import Iterator
 from typing import Any
 
-import grpc
 import pytest
 
 from kembed.v1 import embedder_pb2 as pb
@@ -30,12 +29,6 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
     running = ServerProcess(log, admission="", prompts=json.dumps(PROMPTS))
     yield running.wait_ready()
     running.stop()
-
-
-@pytest.fixture(scope="module")
-def stub(server: ServerProcess) -> Iterator[pb_grpc.EmbedderStub]:
-    with grpc.insecure_channel(server.target) as channel:
-        yield pb_grpc.EmbedderStub(channel)
 
 
 CALLS: dict[str, dict[str, Any]] = {
