@@ -52,7 +52,7 @@ from bench.loadgen import EMBED_METHOD, REJECTED
 from bench.machine import read_result, write_result
 from bench.report import percentile
 from kembed.config import Settings
-from kembed.contract import METRICS_PATH, RETRY_PUSHBACK_KEY, Metric
+from kembed.contract import METRICS_PATH, RETRY_ATTEMPT_KEY, RETRY_PUSHBACK_KEY, Metric
 from kembed.v1 import embedder_pb2
 from kembed_operator import kinds, render
 from kembed_operator.config import OperatorConfig
@@ -74,6 +74,7 @@ GRPC_CLIENTS = 8  # client processes on gRPC, each one channel
 REST_CLIENTS = 8  # client processes on REST, each a keep-alive pool
 KEDA_WAITING = 5.0  # the vLLM production stack's KEDA threshold: waiting requests per pod
 KNATIVE_SHARE = 0.7  # Knative's target utilisation of a pod's concurrency
+STORM_RETRIES = 2  # the retry storm: each call up to three attempts, as many as gRPC's retry policy makes
 # The peers' queries, as a KEDA Prometheus trigger sums them over the namespace (``{ns}``).
 WAITING_QUERY = 'sum(kembed_waiting_requests{{namespace="{ns}"}})'
 IN_FLIGHT_QUERY = WAITING_QUERY + ' + sum(kembed_running_requests{{namespace="{ns}"}})'
@@ -90,6 +91,7 @@ class Policy:
     behavior: Mapping[str, Any] | None  # the rendered HPA's (None: the API's defaults)
     cpu_percent: float | None = None  # a CPU Resource metric's target utilisation instead
     external: Mapping[str, float] = field(default_factory=dict)  # a PromQL total (``{ns}``) -> per-pod target
+    retries: int = 0  # a refused call is sent again after its pushback, this many times at most
 
 
 @dataclass(frozen=True)
@@ -117,7 +119,9 @@ def policies(slo_ms: int, capacity_per_s: float = 1.0) -> list[Policy]:
     behavior); CPU at 70% (what a user sets without kembed); and the peers': KEDA on 5 waiting
     requests per pod (the vLLM production stack's, the HPA's default behavior), and a Knative-style
     concurrency target (in-flight calls per pod at 0.7 of what a pod holds within the SLO,
-    ``capacity_per_s`` x the SLO by Little's law, with Knative's 60 s window for scaling down)."""
+    ``capacity_per_s`` x the SLO by Little's law, with Knative's 60 s window for scaling down). Last,
+    the operator's HPA under a retry storm: every refused call sent again after its pushback, up to
+    three attempts, each retry marked as kembed's client and the openai SDK mark it."""
     made, p = rendered(slo_ms), slo_ms / 1000
     previous = {Metric.QUEUE_DRAIN_SECONDS: PREVIOUS_DRAIN * p, Metric.LATENCY_P95_SECONDS: PREVIOUS_P95 * p}
     return [
@@ -126,6 +130,7 @@ def policies(slo_ms: int, capacity_per_s: float = 1.0) -> list[Policy]:
         Policy("cpu70", {}, None, CPU_TARGET_PERCENT),
         Policy("keda_waiting5", {}, None, external={WAITING_QUERY: KEDA_WAITING}),
         Policy("knative70", {}, FAST_DOWN, external={IN_FLIGHT_QUERY: knative_target(capacity_per_s, slo_ms)}),
+        Policy("kembed_storm3", made.targets, made.behavior, retries=STORM_RETRIES),
     ]
 
 
@@ -219,23 +224,25 @@ class Balancer:
         self.first_connection: dict[str, float] = {}
         self.losses: collections.Counter[str] = collections.Counter()  # calls lost, by why
 
-    async def call(self, request: bytes) -> tuple[str, Replica | None]:
+    async def call(self, request: bytes, attempt: int = 0) -> tuple[str, float]:
+        """The outcome and the pushback in seconds; ``attempt``: the attempts sent before this one."""
         endpoints = self._fleet.endpoints()
         if not endpoints:
-            return "refused", None  # a Service without endpoints refuses the connection
+            return "refused", 0.0  # a Service without endpoints refuses the connection
         replica = self._rng.choice(endpoints)
         self.first_connection.setdefault(replica.name, self._fleet.now())
         channel = self._channels.get(replica.name)
         if channel is None:
             channel = self._channels[replica.name] = grpc.aio.insecure_channel(replica.server.grpc_target)
         embed = channel.unary_unary(EMBED_METHOD, request_serializer=None, response_deserializer=None)
+        metadata = ((RETRY_ATTEMPT_KEY, str(attempt)),) if attempt else None
         try:
-            await embed(request, timeout=CALL_TIMEOUT_S)
-            return "ok", replica
+            await embed(request, timeout=CALL_TIMEOUT_S, metadata=metadata)
+            return "ok", 0.0
         except grpc.aio.AioRpcError as err:
-            if (outcome := _outcome(err)) == "lost":
+            if (outcome := _outcome(err))[0] == "lost":
                 self.losses[f"lost: gRPC {err.code().name} {err.details()}"] += 1
-            return outcome, replica
+            return outcome
 
     async def close(self) -> None:
         await asyncio.gather(*(c.close(None) for c in self._channels.values()))
@@ -270,15 +277,20 @@ class Connected:
             firsts[name] = min(at, firsts.get(name, at))
         return firsts
 
-    async def call(self, request: bytes) -> tuple[str, Replica | None]:
-        outcome = await self._rng.choice(self._clients).call(request, CALL_TIMEOUT_S)
-        if not isinstance(outcome, str):
-            error, outcome = outcome, _outcome(outcome)
-            outcome = outcome if outcome != "lost" else f"lost: gRPC {error.code().name} {error.details()}"
+    async def call(self, request: bytes, attempt: int = 0) -> tuple[str, float]:
+        """The outcome and the pushback in seconds; ``attempt``: the attempts sent before this one.
+        (A retry goes from whichever client process: they share the one call's clock, not its pod.)"""
+        answer = await self._rng.choice(self._clients).call(request, CALL_TIMEOUT_S, attempt)
+        if isinstance(answer, grpc.aio.AioRpcError):
+            outcome, pushback = _outcome(answer)
+            if outcome == "lost":
+                outcome = f"lost: gRPC {answer.code().name} {answer.details()}"
+        else:
+            outcome, pushback = answer
         if outcome.startswith("lost"):
             self.losses[outcome] += 1
-            return "lost", None
-        return outcome, None
+            return "lost", 0.0
+        return outcome, pushback
 
     async def close(self) -> None:
         await asyncio.gather(*(c.close() for c in self._clients))
@@ -286,29 +298,40 @@ class Connected:
         await self._rest.close()
 
 
-def _outcome(err: grpc.aio.AioRpcError) -> str:
-    """A refusal is kembed's (a rejecting code with its pushback); anything else lost an accepted call."""
+def _outcome(err: grpc.aio.AioRpcError) -> tuple[str, float]:
+    """A refusal is kembed's (a rejecting code with its pushback, returned in seconds); anything else
+    lost an accepted call."""
     metadata = cast(grpc.aio.Metadata, err.trailing_metadata())
-    pushed_back = metadata is not None and metadata.get(RETRY_PUSHBACK_KEY) is not None
-    return "refused" if err.code().name in REJECTED and pushed_back else "lost"
+    pushback = None if metadata is None else metadata.get(RETRY_PUSHBACK_KEY)
+    if err.code().name in REJECTED and pushback is not None:
+        return "refused", int(pushback) / 1000
+    return "lost", 0.0
 
 
 async def offer(
-    balancer: Balancer | Connected, fleet: Fleet, times: Sequence[float], bodies: Sequence[bytes]
-) -> list[Call]:
-    """Every arrival sent at its time, whatever is outstanding; latency from the scheduled time."""
+    balancer: Balancer | Connected, fleet: Fleet, times: Sequence[float], bodies: Sequence[bytes], retries: int = 0
+) -> tuple[list[Call], int]:
+    """Every arrival sent at its time, whatever is outstanding, a refused one again after its
+    pushback up to ``retries`` times; latency from the scheduled time. Also the attempts sent."""
     calls: list[Call] = []
+    attempts = 0
 
     async def one(i: int, at: float) -> None:
-        outcome, _ = await balancer.call(bodies[i % len(bodies)])
+        nonlocal attempts
+        for attempt in range(retries + 1):
+            attempts += 1
+            outcome, pushback = await balancer.call(bodies[i % len(bodies)], attempt)
+            if outcome != "refused" or attempt == retries:
+                break
+            await asyncio.sleep(pushback)
         calls.append(Call(at, fleet.now() - at, outcome))
 
     tasks = []
     for i, at in enumerate(times):
         await asyncio.sleep(at - fleet.now())
         tasks.append(asyncio.create_task(one(i, at)))
-    await asyncio.wait(tasks, timeout=CALL_TIMEOUT_S + 5)
-    return sorted(calls, key=lambda c: c.scheduled)
+    await asyncio.wait(tasks, timeout=CALL_TIMEOUT_S * (retries + 1) + 5)
+    return sorted(calls, key=lambda c: c.scheduled), attempts
 
 
 # --- the controller -------------------------------------------------------------------------------
@@ -503,7 +526,7 @@ async def run_policy(setup: Setup, policy: Policy, capacity: float, request_core
     ]
     load = arrivals(setup.segments, capacity, setup.seed)
     try:
-        calls = await offer(balancer, fleet, load, setup.bodies)
+        calls, attempts = await offer(balancer, fleet, load, setup.bodies, policy.retries)
     finally:
         for loop in loops:
             loop.cancel()
@@ -515,6 +538,7 @@ async def run_policy(setup: Setup, policy: Policy, capacity: float, request_core
     slo_s = setup.slo_ms / 1000
     verdict = fleet_judge.judge(setup.segments, samples, calls, slo_s, setup.timing.sync_s, pod_start)
     verdict.update(fleet_judge.traffic_after_ready(_served(fleet, balancer.first_connection), setup.timing.sync_s))
+    verdict["attempts_per_call"] = attempts / len(calls) if calls else math.nan
     return {
         "policy": asdict(policy),
         "pod_start_s": {"median": pod_start, "all": starts},
@@ -626,6 +650,8 @@ def _headline(targets: Mapping[str, Any]) -> dict[str, Any]:
         "refused",
         "lost",
         "p95_outside_windows_ms",
+        "largest_over_ideal",
+        "attempts_per_call",
     )
     return {k: targets[k] for k in keys}
 

@@ -141,6 +141,7 @@ def _step_up(rise_start: float, hold: Segment, ideal: int, samples: Sequence[Sam
         "reached_at": reached,
         "reached_in_time": reached is not None and reached <= deadline,
         "held_within_one": all(abs(r - ideal) <= 1 for r in after) if after else None,  # None: hold too short
+        "largest": max(after, default=None),
     }
 
 
@@ -215,6 +216,9 @@ def judge(
         "steps_reached_in_time": all(s.get("reached_in_time") is not False for s in steps),
         "steps_held_within_one": all(s.get("held_within_one") is not False for s in steps),
         "no_flapping": all(s["no_flapping"] for s in steps),
+        # The largest size a step up held once settled, over the size its load needs (a retry storm's
+        # target: its retries must not size the fleet past 1.3x what the first attempts need).
+        "largest_over_ideal": max((s["largest"] / s["ideal"] for s in steps if s.get("largest")), default=None),
         **judge_calls(calls, windows, slo_s),
         "replica_seconds": used,
         "ideal_replica_seconds": ideal,

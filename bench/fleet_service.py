@@ -16,7 +16,7 @@ import asyncio
 import contextlib
 import json
 import random
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import Generic, Protocol, TypeVar
 
 import aiohttp
@@ -24,6 +24,7 @@ import grpc
 
 from bench.loadgen import EMBED_METHOD
 from kembed.client.connection import Connection
+from kembed.contract import RETRY_ATTEMPT_KEY
 from kembed.v1 import embedder_pb2
 
 T = TypeVar("T")
@@ -39,6 +40,14 @@ READ_BYTES = 65536
 REST_KEEPALIVE_S = 5.0  # httpx's keepalive_expiry, the openai SDK's pool
 REST_POOL = 1000  # the openai SDK's max_connections
 REFUSED_STATUSES = (429, 503)
+RETRY_COUNT_HEADER = "x-stainless-retry-count"  # the openai SDK's, on every attempt
+
+
+def pushback_s(headers: Mapping[str, str]) -> float:
+    """A refusal's pushback as the openai SDK reads it: ``retry-after-ms`` first, then Retry-After."""
+    if (ms := headers.get("retry-after-ms")) is not None:
+        return float(ms) / 1000
+    return float(headers["Retry-After"])
 
 
 def pick(endpoints: Sequence[T], rng: random.Random) -> T | None:
@@ -110,10 +119,15 @@ class GrpcProcess:
         self._channel = grpc.aio.insecure_channel(target, options=options)
         self._embed = self._channel.unary_unary(EMBED_METHOD, request_serializer=None, response_deserializer=None)
 
-    async def call(self, request: bytes, timeout_s: float) -> str | grpc.aio.AioRpcError:
+    async def call(
+        self, request: bytes, timeout_s: float, attempt: int = 0
+    ) -> tuple[str, float] | grpc.aio.AioRpcError:
+        """``ok`` (no pushback) or the error; ``attempt``: the attempts sent before this one, said
+        as kembed's client says it."""
+        metadata = ((RETRY_ATTEMPT_KEY, str(attempt)),) if attempt else None
         try:
-            await self._embed(request, timeout=timeout_s)
-            return "ok"
+            await self._embed(request, timeout=timeout_s, metadata=metadata)
+            return "ok", 0.0
         except grpc.aio.AioRpcError as err:
             return err
 
@@ -128,22 +142,24 @@ class RestProcess:
         connector = aiohttp.TCPConnector(limit=REST_POOL, keepalive_timeout=REST_KEEPALIVE_S)
         self._session = aiohttp.ClientSession(base_url, connector=connector)
 
-    async def call(self, request: bytes, timeout_s: float) -> str:
-        """``ok``, ``refused`` (429 or 503 with a Retry-After) or ``lost: WHY``."""
+    async def call(self, request: bytes, timeout_s: float, attempt: int = 0) -> tuple[str, float]:
+        """``ok``, ``refused`` (429 or 503 with a Retry-After) or ``lost: WHY``, with the pushback in
+        seconds; ``attempt``: the attempts sent before this one, said as the SDK says it."""
         parsed = embedder_pb2.EmbedRequest.FromString(request)
         body = json.dumps({"input": list(parsed.texts), "truncate": parsed.truncate}).encode()  # the model served
-        headers = {"Content-Type": "application/json"}
+        headers = {"Content-Type": "application/json", RETRY_COUNT_HEADER: str(attempt)}
         try:
             async with self._session.post(
                 "/v1/embeddings", data=body, headers=headers, timeout=aiohttp.ClientTimeout(total=timeout_s)
             ) as answer:
                 await answer.read()
                 if answer.status == 200:
-                    return "ok"
-                refused = answer.status in REFUSED_STATUSES and "Retry-After" in answer.headers
-                return "refused" if refused else f"lost: REST {answer.status}"
+                    return "ok", 0.0
+                if answer.status in REFUSED_STATUSES and "Retry-After" in answer.headers:
+                    return "refused", pushback_s(answer.headers)
+                return f"lost: REST {answer.status}", 0.0
         except (aiohttp.ClientError, TimeoutError) as error:
-            return f"lost: REST {type(error).__name__}"
+            return f"lost: REST {type(error).__name__}", 0.0
 
     async def close(self) -> None:
         await self._session.close()

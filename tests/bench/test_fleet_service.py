@@ -10,7 +10,7 @@ from dataclasses import dataclass
 from aiohttp import web
 
 from bench import fleet
-from bench.fleet_service import ClusterIP, RestProcess, pick
+from bench.fleet_service import RETRY_COUNT_HEADER, ClusterIP, RestProcess, pick
 from kembed.config import Settings
 from kembed.v1 import embedder_pb2
 
@@ -104,15 +104,18 @@ def test_a_rest_client_process_sends_the_call_as_the_openai_api_and_reads_its_ou
     bodies: list[dict[str, object]] = []
     answers = [
         web.Response(status=200),
-        web.Response(status=429, headers={"Retry-After": "1"}),
+        web.Response(status=429, headers={"Retry-After": "1", "retry-after-ms": "250"}),
         web.Response(status=400),
     ]
 
+    retry_counts: list[str | None] = []
+
     async def embeddings(request: web.Request) -> web.Response:
         bodies.append(await request.json())
+        retry_counts.append(request.headers.get(RETRY_COUNT_HEADER))
         return answers[len(bodies) - 1]
 
-    async def scenario() -> list[str]:
+    async def scenario() -> list[tuple[str, float]]:
         app = web.Application()
         app.router.add_post("/v1/embeddings", embeddings)
         runner = web.AppRunner(app)
@@ -122,10 +125,11 @@ def test_a_rest_client_process_sends_the_call_as_the_openai_api_and_reads_its_ou
         port = runner.addresses[0][1]
         client = RestProcess(f"http://127.0.0.1:{port}")
         request = embedder_pb2.EmbedRequest(texts=["a long text"], truncate=True).SerializeToString()
-        outcomes = [await client.call(request, 10.0) for _ in answers]
+        outcomes = [await client.call(request, 10.0, attempt) for attempt in range(len(answers))]
         await client.close()
         await runner.cleanup()
         return outcomes
 
-    assert asyncio.run(scenario()) == ["ok", "refused", "lost: REST 400"]
+    assert asyncio.run(scenario()) == [("ok", 0.0), ("refused", 0.25), ("lost: REST 400", 0.0)]
     assert bodies[0] == {"input": ["a long text"], "truncate": True}
+    assert retry_counts == ["0", "1", "2"]  # the retry marker, as the SDK sends it
