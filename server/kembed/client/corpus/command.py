@@ -131,7 +131,8 @@ def describe(summary: Summary) -> str:
     rate = summary.embedded / summary.seconds if summary.seconds else 0.0
     said = (
         f"{summary.output}: {summary.rows} x {summary.dimensions} ({summary.embedded} embedded, {summary.skipped} "
-        f"already there) in {summary.seconds:.1f} s, {rate:.1f} texts/s; {counts.retries} retries "
+        f"already there; {summary.blank} blank lines as rows of zeros) in {summary.seconds:.1f} s, "
+        f"{rate:.1f} texts/s; {counts.retries} retries "
         f"({counts.refusals} refusals), {counts.reconnects} reconnects"
     )
     return said if summary.manifest is None else f"{said}\nevery part is complete: {summary.manifest}"
@@ -141,6 +142,7 @@ def write_summary(path: Path, summary: Summary) -> None:
     record = {
         "rows": summary.rows,
         "embedded": summary.embedded,
+        "blank": summary.blank,
         "shard": None if summary.shard is None else str(summary.shard),
         "output": str(summary.output),
         "complete": summary.complete,
