@@ -3,10 +3,11 @@
 
 ``--summary-file PATH`` gets one JSON object at exit, however the run ended (the operator points it
 at ``/dev/termination-log``, so a pod's last state says how far its shard got): ``rows`` in the
-output or part, ``embedded`` by this run, ``shard`` (``"I/N"`` or null), ``output`` (the output, or
-the part's name once complete) and ``complete``; then how the run went: its ``seconds`` and the
-server's answers (``retries``, ``refusals``, ``reconnects``), as the summary line on stdout says
-them; and ``error``, the message of a run that failed (null otherwise), cut to ``MAX_ERROR_CHARS``:
+output or part, ``embedded`` by this run (``blank`` of them blank lines, written as rows of zeros),
+``shard`` (``"I/N"`` or null), ``output`` (the output, or the part's name once complete) and
+``complete``; then how the run went: its ``seconds`` and the server's answers (``retries``,
+``refusals``, ``reconnects``), as the summary line on stdout says them; and ``error``, the message
+of a run that failed (null otherwise), cut to ``MAX_ERROR_CHARS``:
 a pod's termination message holds 4 KiB at most.
 """
 
