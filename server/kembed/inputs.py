@@ -39,7 +39,7 @@ _TOKENIZER_FILES = frozenset(
 )
 
 
-_TRUNCATE = "set truncate=true to cut it to fit"
+_TRUNCATE = "set truncate=true to cut it to fit, or chunk=true to embed it whole as chunks"
 
 
 @dataclass(frozen=True, slots=True)
@@ -50,6 +50,16 @@ class TokenLimit:
     tokens: int
     name: str  # "the model's 256 tokens"
     advice: str  # how to make it fit
+
+
+@dataclass(frozen=True, slots=True)
+class Left:
+    """Truncation from the left (TEI's ``truncation_direction=left``): an input keeps its last
+    tokens, after its leading special tokens and the ``prompt`` at its head, which is never cut."""
+
+    prompt: str  # "" for none
+    ids: list[int]  # the prompt's, without special tokens
+    tokens: int  # len(ids)
 
 
 @dataclass(frozen=True)
@@ -121,25 +131,34 @@ class Tokenizer:
         """The tokenizer, serialized for another process (padding and truncation reset)."""
         return str(self._full.to_str())
 
-    def from_texts(self, texts: Sequence[str], truncate: bool, limit: TokenLimit | None = None) -> Sequences:
+    def from_texts(
+        self, texts: Sequence[str], truncate: bool, limit: TokenLimit | None = None, left: Left | None = None
+    ) -> Sequences:
         """Each text's tokens, the work bounded by the ``limit`` (the model's by default; truncation
         cuts to the model's) whatever the text: a text of more than ``whole_chars`` characters, or
-        four times the limit, is tokenized from prefixes (:meth:`_from_prefix`)."""
+        four times the limit, is tokenized from prefixes (:meth:`_from_prefix`), or, truncated
+        ``left``, from suffixes (:meth:`_from_suffix`)."""
         limit = limit or self.limit
+        left = left if truncate else None
         encoded: list[list[int]] = [[] for _ in texts]
         whole, cut = [], set()  # tokenized whole, in one batch; from a prefix
         whole_chars = 4 * (limit.tokens + 1)  # self.whole_chars at the model's limit
         for i, text in enumerate(texts):
-            prefixed = self._from_prefix(text, truncate, limit.tokens) if len(text) > whole_chars else None
-            if prefixed is None:
+            if len(text) <= whole_chars:
+                part = None
+            elif left is not None:
+                part = self._from_suffix(text[len(left.prompt) :], left)
+            else:
+                part = self._from_prefix(text, truncate, limit.tokens)
+            if part is None:
                 whole.append(i)
             else:
-                encoded[i] = prefixed
+                encoded[i] = part
                 cut.add(i)
-        backend = self._truncating if truncate else self._full
+        backend = self._truncating if truncate and left is None else self._full
         batch = backend.encode_batch_fast([texts[i] for i in whole], add_special_tokens=True)
         for i, encoding in zip(whole, batch, strict=True):
-            encoded[i] = encoding.ids
+            encoded[i] = encoding.ids if left is None else self._cut_left(encoding.ids, left.tokens)
         lengths = np.fromiter(map(len, encoded), dtype=np.int32, count=len(encoded))
         if not truncate and (too_long := lengths > limit.tokens).any():
             index = int(np.argmax(too_long))
@@ -167,6 +186,37 @@ class Tokenizer:
             size = max(2 * size, size * (content + 1) * 5 // (4 * max(exact, 1)))
         return None
 
+    def _cut_left(self, ids: list[int], prompt_tokens: int) -> list[int]:
+        """``ids`` cut to the model's limit from the left: its leading special tokens and the
+        prompt's, then its last tokens (the trailing special tokens among them)."""
+        if len(ids) <= self.max_input_tokens:
+            return ids
+        kept = self.head + prompt_tokens
+        return ids[:kept] + ids[len(ids) - (self.max_input_tokens - kept) :]
+
+    def _from_suffix(self, text: str, left: Left) -> list[int] | None:
+        """A long text's ids truncated from the left, from the shortest suffix that holds what the
+        model's limit keeps of it, as :meth:`_from_prefix` reads prefixes; the prompt's ids between
+        the leading special tokens and those (the prompt is a prefix: never cut)."""
+        content = self.max_input_tokens - self._special_tokens - left.tokens  # of the text's own
+        size = self.max_input_tokens + 1
+        while 2 * size < len(text):
+            encoding = self._full.encode(text[-size:], add_special_tokens=True)
+            ids, words = encoding.ids, encoding.word_ids
+            first = next((w for w in words if w is not None), 0)
+            # The tokens after the suffix's first two words: a cut can change how the word it
+            # falls in, and whitespace after it, split; each word is at least one token.
+            exact = [i for i, w in enumerate(words) if w is not None and w > first + 1]
+            if len(exact) >= content:
+                own = [ids[i] for i in exact[len(exact) - content :]]
+                return ids[: self.head] + left.ids + own + ids[len(ids) - self.tail :]
+            size = max(2 * size, size * (content + 1) * 5 // (4 * max(len(exact), 1)))
+        return None
+
+    def left(self, prompt: str, prompt_tokens: int) -> Left:
+        """What truncating from the left keeps at an input's head: the ``prompt`` before each text."""
+        return Left(prompt, self._full.encode(prompt, add_special_tokens=False).ids if prompt else [], prompt_tokens)
+
     def count(self, text: str) -> int:
         """The tokens of ``text`` alone, without special tokens (a prompt's)."""
         return len(self._full.encode(text, add_special_tokens=False).ids)
@@ -193,8 +243,11 @@ class Tokenizer:
         words = np.fromiter((len(text.split()) for text in texts), dtype=np.int64, count=len(texts))
         return np.minimum(words + self._special_tokens + prompt_tokens, (limit or self.limit).tokens)
 
-    def from_ids(self, seqs: Sequences, truncate: bool, limit: TokenLimit | None = None) -> Sequences:
-        """Pre-tokenized sequences (whole, non-empty: the edge checked) checked against the model."""
+    def from_ids(
+        self, seqs: Sequences, truncate: bool, limit: TokenLimit | None = None, left: bool = False
+    ) -> Sequences:
+        """Pre-tokenized sequences (whole, non-empty: the edge checked) checked against the model;
+        truncated ``left``, each keeps its first id and its last ``max_input_tokens - 1``."""
         flat, counts = seqs.ids, seqs.lengths
         outside = (flat < 0) | (flat >= self.vocab_size)
         if outside.any():
@@ -206,15 +259,19 @@ class Tokenizer:
             raise InvalidInput(Field.INPUT, reason, item, position)
         self._check_lengths(counts, truncate, limit or self.limit)
         if truncate and counts.max() > self.max_input_tokens:
-            return self._truncate(flat, counts)
+            return self._truncate(flat, counts, left)
         return Sequences(ids=flat.astype(np.int32, copy=False), lengths=counts.astype(np.int32, copy=False))
 
-    def _truncate(self, flat: np.ndarray, counts: np.ndarray) -> Sequences:
-        """Keep each sequence's first ``max_input_tokens - 1`` ids and its last one (the closing special token)."""
+    def _truncate(self, flat: np.ndarray, counts: np.ndarray, left: bool) -> Sequences:
+        """Keep each sequence's first ``max_input_tokens - 1`` ids and its last one (the closing
+        special token); ``left``, its first one (the opening special token) and its last ``max_input_tokens - 1``."""
         ends = np.repeat(np.cumsum(counts), counts)
         remaining = ends - np.arange(flat.shape[0])  # 1 at a sequence's last id
         position = np.repeat(counts, counts) - remaining
-        keep = (position < self.max_input_tokens - 1) | (remaining == 1)
+        if left:
+            keep = (position == 0) | (remaining < self.max_input_tokens)
+        else:
+            keep = (position < self.max_input_tokens - 1) | (remaining == 1)
         kept = np.minimum(counts, self.max_input_tokens)
         return Sequences(ids=flat[keep].astype(np.int32), lengths=kept.astype(np.int32))
 

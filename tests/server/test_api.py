@@ -29,7 +29,7 @@ TEXTS = [
     "A short one.",
     "Embeddings map text to vectors so that similar meanings land close together. " * 6,
     "naïve café, 東京, emoji 🚀",
-    "",
+    " \t ",  # whitespace alone: its special tokens alone, as sentence-transformers embeds it
     "def f(x):\n    return x * 2",
 ]
 
@@ -77,11 +77,18 @@ def reference() -> np.ndarray:
 
 
 def test_embeddings_match_sentence_transformers(stub: pb_grpc.EmbedderStub, reference: np.ndarray):
-    # The raw request: the client refuses the empty text before sending it, the gRPC edge embeds it.
     vectors = decode(stub.Embed(pb.EmbedRequest(texts=TEXTS, truncate=True)))
     assert vectors.shape == (len(TEXTS), 384) and vectors.dtype == np.float32
     cosines = np.sum(vectors * reference, axis=1)
     assert cosines.min() >= 0.9999, cosines
+
+
+def test_an_empty_text_is_refused_naming_it(stub: pb_grpc.EmbedderStub):
+    """One rule on every edge, OpenAI's: an empty text is refused, not embedded as its special tokens."""
+    with pytest.raises(grpc.RpcError) as refused:
+        stub.Embed(pb.EmbedRequest(texts=["hello", ""]), timeout=60)
+    assert refused.value.code() is grpc.StatusCode.INVALID_ARGUMENT
+    assert refused.value.details() == "texts[1]: an empty string"
 
 
 def test_pretokenized_ids_give_the_same_vectors(server: ServerProcess):

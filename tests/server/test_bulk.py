@@ -761,6 +761,7 @@ def test_the_summary_file_is_written_however_the_run_ends(tmp_path: Path, capsys
     assert record == {
         "rows": 0,
         "embedded": 0,
+        "blank": 0,
         "shard": "1/2",
         "output": str(tmp_path / "x.part-00001-of-00002.txt"),
         "complete": False,

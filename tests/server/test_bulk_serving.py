@@ -21,7 +21,7 @@ import grpc
 import numpy as np
 import pytest
 
-from kembed.client import EmbedClient, decode
+from kembed.client import EmbedClient
 from kembed.client.corpus.reader import Shard
 from kembed.client.corpus.reader import lines as reader_lines
 from kembed.contract import EXIT_EMBED_FAILED, EXIT_EMBED_FINAL
@@ -74,7 +74,11 @@ def summary_count(stdout: str, what: str) -> int:
 
 
 def assert_same_vectors(rows: np.ndarray, reference: np.ndarray) -> None:
+    """The same rows: a blank line's zeros exactly, any other row within float rounding."""
     assert rows.shape == reference.shape and rows.dtype == np.float32
+    blank = ~reference.any(axis=1)
+    assert not rows[blank].any()
+    rows, reference = rows[~blank], reference[~blank]
     cosines = np.sum(rows * reference, axis=1) / np.linalg.norm(rows, axis=1) / np.linalg.norm(reference, axis=1)
     assert cosines.min() >= 0.9999, (cosines.argmin(), cosines.min())
 
@@ -96,11 +100,13 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
 
 @pytest.fixture(scope="module")
 def reference(server: ServerProcess) -> np.ndarray:
-    """The server's vectors of TEXTS, the empty one included: sent as raw requests, as the corpus
-    command sends a blank line (``embed`` refuses an empty string before sending it)."""
+    """``embed``'s vectors of TEXTS, and a row of zeros for the empty one, as the corpus command
+    writes a blank line (the server refuses an empty text)."""
     with EmbedClient(server.target, timeout_s=600) as client:
-        requests = [pb.EmbedRequest(texts=TEXTS[i : i + 50], truncate=True) for i in range(0, len(TEXTS), 50)]
-        return np.concatenate([decode(client.embed_request(request)) for request in requests])
+        vectors = client.embed([text for text in TEXTS if text], truncate=True)
+    rows = np.zeros((len(TEXTS), vectors.shape[1]), dtype=np.float32)
+    rows[[bool(text) for text in TEXTS]] = vectors
+    return rows
 
 
 def test_a_corpus_file_to_npy_gives_embed_clients_vectors_in_order(
@@ -112,7 +118,26 @@ def test_a_corpus_file_to_npy_gives_embed_clients_vectors_in_order(
     assert result.returncode == 0, result.stderr
     assert_same_vectors(np.load(output), reference)
     assert summary_count(result.stdout, "embedded") == len(TEXTS)
+    assert summary_count(result.stdout, "blank lines as rows of zeros") == TEXTS.count("") == 1
     assert "texts/s" in result.stderr  # the progress bar
+
+
+def test_blank_lines_are_rows_of_zeros_counted_and_kept_on_resume(server: ServerProcess, tmp_path: Path):
+    """The server refuses an empty text: a blank line keeps its row, as zeros, and a span of blank
+    lines alone is written without a request; a resumed run checks a blank last row and keeps it."""
+    source = write_lines(tmp_path / "corpus.txt", ["alpha", "", "", "", "beta", ""])
+    output = tmp_path / "vectors.npy"
+    flags = ["--input", str(source), "--output", str(output), "--batch-texts", "2", "--no-progress"]
+    first = run_embed(server, *flags)
+    assert first.returncode == 0, first.stderr
+    rows = np.load(output)
+    assert rows.shape == (6, DIMS)
+    assert [bool(row.any()) for row in rows] == [True, False, False, False, True, False]
+    assert summary_count(first.stdout, "blank lines as rows of zeros") == 4
+    again = run_embed(server, *flags)
+    assert again.returncode == 0, again.stderr
+    assert (summary_count(again.stdout, "embedded"), summary_count(again.stdout, "blank lines")) == (0, 0)
+    assert np.array_equal(np.load(output), rows)
 
 
 def test_jsonl_from_stdin_to_jsonl_with_fewer_dimensions(server: ServerProcess, reference: np.ndarray, tmp_path: Path):
@@ -123,7 +148,8 @@ def test_jsonl_from_stdin_to_jsonl_with_fewer_dimensions(server: ServerProcess, 
     result = run_embed(server, *flags, stdin=source)
     assert result.returncode == 0, result.stderr
     assert result.stderr == ""  # no bar asked for
-    short = reference[:, :128] / np.linalg.norm(reference[:, :128], axis=1, keepdims=True)  # Matryoshka, renormalised
+    norms = np.linalg.norm(reference[:, :128], axis=1, keepdims=True)
+    short = reference[:, :128] / np.maximum(norms, 1e-12)  # Matryoshka, renormalised (a blank line's zeros kept)
     assert_same_vectors(read_jsonl(output), short)
 
 

@@ -148,7 +148,18 @@ def test_the_servers_default_chunks_unless_the_request_says_otherwise(
 
 
 MOST = MAX_CHUNKS * (LIMIT - 2) + 2  # the longest input four chunks hold
+ADVICE = "; set truncate=true to cut it to fit, or chunk=true to embed it whole as chunks"  # either way out
 REFUSED = {
+    "an input over the model's limit": (
+        pb.EmbedRequest(texts=[SHORT, LONG], chunk=False),
+        "texts[1]: ",
+        f"over the model's {LIMIT} tokens{ADVICE}",
+    ),
+    "pre-tokenized ids over the model's limit": (
+        pb.EmbedRequest(tokens=tokens([[101, *[1000] * LIMIT, 102]]), chunk=False),
+        "tokens.lengths[0]: ",
+        f"{LIMIT + 2} tokens, longer than the model's {LIMIT} tokens{ADVICE}",
+    ),
     "chunk with truncate": (
         pb.EmbedRequest(texts=[LONG], chunk=True, truncate=True),
         "chunk: ",
@@ -228,6 +239,7 @@ def test_rest_chunks_and_usage_counts_every_chunks_tokens(
 @pytest.mark.parametrize(
     ("body", "param", "reason"),
     [
+        ({"input": [SHORT, LONG], "chunk": False}, "input[1]", f"over the model's {LIMIT} tokens{ADVICE}"),
         ({"input": LONG, "chunk": True, "truncate": True}, "chunk", "chunk: chunk and truncate are both true"),
         ({"input": [SHORT, TOO_LONG], "chunk": True}, "input[1]", f"the {MOST} tokens of {MAX_CHUNKS} chunks"),
         ({"input": [LONG] * 3}, "input", "needs at least"),

@@ -17,6 +17,7 @@ import pytest
 
 from kembed.client import AsyncEmbedClient, EmbedClient, EmbedError, InvalidInput, decode
 from kembed.client.__main__ import main
+from kembed.client.requests import Limits, Options, plan
 from kembed.engine.model import BUNDLED_MODEL_ID
 from kembed.v1 import embedder_pb2 as pb
 from kembed.v1 import embedder_pb2_grpc as pb_grpc
@@ -90,6 +91,21 @@ def test_truncate_cuts_a_text_past_the_servers_character_limit(server: ServerPro
         assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
         cut = client.embed([text], truncate=True, dimensions=64)
     assert cut.shape == (1, 64)
+
+
+def test_truncated_left_a_text_past_the_character_limit_keeps_its_end(server: ServerProcess):
+    """The client cuts the text as the server would: to its last ``max_text_chars`` characters."""
+    text = "head " + "word " * (MAX_TEXT_CHARS // 5) + "and the end"
+    parts = plan([text], Options(truncate=True, truncation_direction="left"), Limits(8, MAX_MESSAGE, MAX_TEXT_CHARS))
+    assert list(parts[0].request.texts) == [text[-MAX_TEXT_CHARS:]]
+    assert parts[0].request.truncation_direction == pb.TRUNCATION_DIRECTION_LEFT
+    with EmbedClient(server.target) as client:
+        with pytest.raises(InvalidInput) as refused:
+            client.embed([text], truncate=True, truncation_direction="up")
+        assert refused.value.message == "truncation_direction: 'up' is not right or left"
+        left = client.embed([text], truncate=True, truncation_direction="left")
+        tail = client.embed([text[-MAX_TEXT_CHARS:]], truncate=True, truncation_direction="left")
+    np.testing.assert_allclose(left, tail, atol=2e-6)
 
 
 def test_an_error_names_the_text_in_the_whole_list(server: ServerProcess):

@@ -53,8 +53,13 @@ WIRE_ERRORS = {
     "both": (pb.EmbedRequest(texts=["a"], tokens=pb.TokenIds(ids=ids(1), lengths=[1])), "texts, tokens: exactly one"),
     "unknown priority": (pb.EmbedRequest(texts=["a"], priority=7), "priority: 7 is not a priority class"),  # type: ignore[arg-type]
     "bytes not int32": (tokens(b"\x01\x00\x00\x00\x02", [1]), "tokens.ids: 5 bytes"),
-    "zero length": (tokens(ids(1, 2), [2, 0]), "tokens.lengths[1]: must be at least 1"),
+    "zero length": (tokens(ids(1, 2), [2, 0]), "tokens.lengths[1]: an empty array of token ids"),
     "lengths do not sum": (tokens(ids(1, 2, 3, 4), [2, 3]), "tokens.lengths: sum to 5 tokens, but tokens.ids holds 4"),
+    "an empty text": (pb.EmbedRequest(texts=["a", ""]), "texts[1]: an empty string"),
+    "unknown truncation direction": (
+        pb.EmbedRequest(texts=["a"], truncation_direction=5),  # type: ignore[arg-type]
+        "truncation_direction: 5 is not a direction",
+    ),
     "too many texts": (pb.EmbedRequest(texts=["a"] * 9), "texts: 9 inputs, at most 8"),
     "too many sequences": (tokens(ids(*[1] * 9), [1] * 9), "tokens.lengths: 9 inputs"),
     "no sequences": (pb.EmbedRequest(tokens=pb.TokenIds()), "tokens.lengths: no inputs"),

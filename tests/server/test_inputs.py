@@ -62,7 +62,8 @@ def test_a_text_over_the_models_limit_is_located(tok: Tokenizer) -> None:
         tok.from_texts(["short", "short", LONG_TEXT], truncate=False)
     assert located(caught) == (Field.INPUT, 2, None)
     # Tokenized from a prefix that holds more than the limit: how many more is not counted.
-    assert caught.value.reason == f"over the model's {LIMIT} tokens; set truncate=true to cut it to fit"
+    advice = "set truncate=true to cut it to fit, or chunk=true to embed it whole as chunks"
+    assert caught.value.reason == f"over the model's {LIMIT} tokens; {advice}"
 
 
 def test_the_special_tokens_around_a_text_are_read_from_the_tokenizer(tok: Tokenizer) -> None:
@@ -94,6 +95,27 @@ def test_text_truncation_keeps_the_closing_token(tok: Tokenizer, hf_tokenizer: P
     assert seqs.ids[3:].tolist() == [*full[: LIMIT - 1], SEP]
 
 
+def test_left_truncation_keeps_the_opening_token_and_the_texts_tail(
+    tok: Tokenizer, hf_tokenizer: PreTrainedTokenizerBase
+) -> None:
+    text = "a beginning that is cut " + LONG_TEXT + "and the end that is kept"
+    full = hf_tokenizer(text)["input_ids"]
+    seqs = tok.from_texts(["short", text], truncate=True, left=tok.left("", 0))
+    assert seqs.lengths.tolist() == [3, LIMIT]
+    assert seqs.ids[3:].tolist() == [CLS, *full[len(full) - (LIMIT - 1) :]]
+    assert seqs.ids[:3].tolist() == tok.from_texts(["short"], truncate=True).ids.tolist()  # within the limit: as it is
+
+
+def test_left_truncation_keeps_the_prompt_at_the_head(tok: Tokenizer, hf_tokenizer: PreTrainedTokenizerBase) -> None:
+    """A prompt is a prefix, not the text's start: it stays, and the text's last tokens fill the rest."""
+    prompt, text = "query: ", LONG_TEXT + "the end"
+    prompt_ids = hf_tokenizer(prompt, add_special_tokens=False)["input_ids"]
+    full = hf_tokenizer(text)["input_ids"]
+    seqs = tok.from_texts([prompt + text], truncate=True, left=tok.left(prompt, len(prompt_ids)))
+    room = LIMIT - 1 - len(prompt_ids)
+    assert seqs.ids.tolist() == [CLS, *prompt_ids, *full[len(full) - room :]]
+
+
 TOKEN_ERRORS = {
     "negative id": ([CLS, 5, SEP, CLS, 7, -1, SEP], [3, 4], (1, 2), "-1 is outside the vocabulary [0, 30522)"),
     "id past the vocabulary": ([CLS, VOCAB, SEP], [3], (0, 1), "30522 is outside"),
@@ -119,6 +141,16 @@ def test_token_truncation_keeps_first_and_last(tok: Tokenizer) -> None:
     assert got.lengths.tolist() == [3, 16, 16, 16, 1]
     assert got.ids.tolist() == list(chain.from_iterable(expected))
     assert (got.ids.dtype, got.lengths.dtype) == (np.int32, np.int32)
+
+
+def test_left_token_truncation_keeps_the_first_and_the_last(tok: Tokenizer) -> None:
+    rng = np.random.default_rng(0)
+    lengths = [3, 16, 17, 40, 1]
+    seqs = [rng.integers(1000, 2000, n).tolist() for n in lengths]
+    got = tok.from_ids(sequences(list(chain.from_iterable(seqs)), lengths), truncate=True, left=True)
+    expected = [s if len(s) <= LIMIT else [s[0], *s[len(s) - (LIMIT - 1) :]] for s in seqs]
+    assert got.lengths.tolist() == [3, 16, 16, 16, 1]
+    assert got.ids.tolist() == list(chain.from_iterable(expected))
 
 
 @pytest.mark.parametrize("truncate", [False, True])
@@ -239,6 +271,23 @@ def test_long_texts_are_tokenized_from_a_prefix_exactly(
         assert tok.from_texts([text], truncate=False).ids.tolist() == whole
 
 
+@pytest.mark.parametrize("name", HARD_TEXTS)
+@pytest.mark.parametrize("limit", [LIMIT, 512])
+@pytest.mark.parametrize("prompt", ["", "query: "])
+def test_long_texts_truncated_left_are_tokenized_from_a_suffix_exactly(
+    hf_tokenizer: PreTrainedTokenizerBase, name: str, limit: int, prompt: str
+) -> None:
+    """A suffix holding what the limit keeps gives exactly the ids the whole text, cut left, would."""
+    tok = Tokenizer.from_transformers(hf_tokenizer, max_input_tokens=limit, vocab_size=VOCAB)
+    text = HARD_TEXTS[name]
+    assert len(text) > tok.whole_chars  # the suffix path
+    whole = hf_tokenizer(prompt + text)["input_ids"]
+    kept = 1 + tok.count(prompt)
+    expected = whole if len(whole) <= limit else [*whole[:kept], *whole[len(whole) - (limit - kept) :]]
+    truncated = tok.from_texts(["short", prompt + text], truncate=True, left=tok.left(prompt, tok.count(prompt)))
+    assert truncated.ids[truncated.lengths[0] :].tolist() == expected
+
+
 def test_the_work_of_a_text_is_bounded_by_the_model_limit_not_its_length(
     counted: tuple[Tokenizer, Counting, Counting],
 ) -> None:
@@ -257,6 +306,9 @@ def test_the_work_of_a_text_is_bounded_by_the_model_limit_not_its_length(
     document = LONG_TEXT * 250  # 110,000 characters of prose
     assert tok.from_texts([document], truncate=True).lengths.tolist() == [LIMIT]
     assert full.chars + truncating.chars <= 4 * tok.whole_chars  # a prefix or two a few times the limit
+    full.chars = truncating.chars = 0
+    assert tok.from_texts([*attack, document], truncate=True, left=tok.left("", 0)).lengths.tolist() == [LIMIT] * 11
+    assert full.chars + truncating.chars <= 10 * (LIMIT + 1) + 4 * tok.whole_chars  # suffixes, as the prefixes
 
 
 def test_an_earlier_text_over_the_limit_is_named_before_a_later_long_one(tok: Tokenizer) -> None:

@@ -108,6 +108,12 @@ BAD_BODIES: dict[str, tuple[Any, int, str | None, str]] = {
     "dimensions a string": ({"input": "x", "dimensions": "64"}, 400, "dimensions", "dimensions: must be"),
     "truncate not a flag": ({"input": "x", "truncate": "yes"}, 400, "truncate", "truncate: must be true or false"),
     "chunk not a flag": ({"input": "x", "chunk": 1}, 400, "chunk", "chunk: must be true or false"),
+    "unknown truncation direction": (
+        {"input": "x", "truncation_direction": "up"},
+        400,
+        "truncation_direction",
+        "truncation_direction: 'up' is not right or left",
+    ),
     "unknown priority": ({"input": "x", "priority": 1}, 400, "priority", "priority: 1 is not one of"),
     "model not a string": ({"input": "x", "model": 5}, 400, "model", "model: must be a string"),
     "unknown model": ({"input": "x", "model": "gpt-4"}, 404, "model", "model: 'gpt-4' is not served here"),
@@ -212,6 +218,16 @@ def test_with_truncate_a_text_over_the_character_limit_is_cut_in_either_field_or
         assert inputs.chars == 1002
     error = refusal({"input": texts})  # without truncate the first one over the limit is named
     assert (error.status, error.param) == (400, "input[1]") and "501 characters, more than 500" in error.message
+
+
+@pytest.mark.parametrize("direction_first", [True, False], ids=["direction before input", "direction after input"])
+def test_truncated_left_a_text_over_the_character_limit_keeps_its_end(direction_first: bool) -> None:
+    texts = ["ok", "x" * 501 + "end"]
+    fields = [("truncate", True), ("truncation_direction", "left"), ("input", texts)]
+    call = from_json(dict(fields if direction_first else fields[::-1])).call
+    assert isinstance(call.inputs, Texts) and list(call.inputs.items) == ["ok", "x" * 497 + "end"]
+    assert call.truncate_left and call.inputs.chars == 502
+    assert not from_json({"input": "x", "truncation_direction": "Right"}).call.truncate_left  # TEI's spelling
 
 
 @pytest.mark.parametrize(

@@ -7,8 +7,10 @@ import json
 from collections.abc import Iterator
 from typing import Any
 
+import numpy as np
 import pytest
 
+from kembed.client import EmbedClient, decode
 from kembed.v1 import embedder_pb2 as pb
 from kembed.v1 import embedder_pb2_grpc as pb_grpc
 from tests.server.serving import ServerProcess
@@ -69,3 +71,49 @@ def test_tokenize_refuses_as_the_embedding_call_does(server: ServerProcess) -> N
     assert status == 400 and body["error"]["param"] == "input[0]"
     status, body, _ = tokenize(server, {"input": ["a"], "prompt_name": "nope"})
     assert status == 400 and body["error"]["param"] == "prompt_name"
+
+
+TAIL = "the start that left truncation cuts " + LONG + "and the end it keeps"
+
+
+@pytest.mark.parametrize("prompt", ["", "query"])
+def test_left_truncation_keeps_the_texts_tail_after_the_prompt(
+    server: ServerProcess, stub: pb_grpc.EmbedderStub, hf_tokenizer: Any, prompt: str
+) -> None:
+    """``truncation_direction: left`` keeps [CLS], the prompt (a prefix, never cut), then the tokens of
+    the text's tail; a text within the limit is as it is. The embedding call computes those ids: on
+    REST, on gRPC, and from the client, as the pre-tokenized ids would be."""
+    fields = {"truncate": True, "truncation_direction": "left", "prompt_name": prompt}
+    status, tokens, _ = tokenize(server, {"input": [TAIL, "hello world"], **fields})
+    assert status == 200, tokens
+    whole = hf_tokenizer(TAIL)["input_ids"]
+    prompt_ids = hf_tokenizer(PROMPTS.get(prompt, ""), add_special_tokens=False)["input_ids"]
+    ids = [whole[0], *prompt_ids, *whole[len(whole) - (255 - len(prompt_ids)) :]]
+    assert tokens["data"][0]["tokens"] == [ids]
+    assert tokens["data"][1]["tokens"] == [hf_tokenizer(PROMPTS.get(prompt, "") + "hello world")["input_ids"]]
+    left = pb.TRUNCATION_DIRECTION_LEFT
+    answer = stub.Embed(pb.EmbedRequest(texts=[TAIL], truncate=True, truncation_direction=left, prompt_name=prompt))
+    pretokenized = pb.TokenIds(ids=np.asarray(ids, dtype="<i4").tobytes(), lengths=[len(ids)])
+    np.testing.assert_allclose(decode(answer), decode(stub.Embed(pb.EmbedRequest(tokens=pretokenized))), atol=2e-6)
+    status, embedded, _ = post(server, {"input": [TAIL], **fields})
+    assert status == 200, embedded
+    np.testing.assert_allclose(np.asarray([embedded["data"][0]["embedding"]]), decode(answer), atol=2e-6)
+    with EmbedClient(server.target, timeout_s=120) as client:
+        vectors = client.embed([TAIL], truncate=True, truncation_direction="left", prompt_name=prompt)
+        np.testing.assert_allclose(vectors, decode(answer), atol=2e-6)
+        right = client.embed([TAIL], truncate=True, prompt_name=prompt)
+    assert float(vectors[0] @ right[0]) < 0.99  # the other end of the text
+
+
+def test_left_truncation_of_ids_keeps_the_first_and_the_last(stub: pb_grpc.EmbedderStub) -> None:
+    ids = [101, *range(1000, 1300), 102]
+    request = pb.EmbedRequest(
+        tokens=pb.TokenIds(ids=np.asarray(ids, dtype="<i4").tobytes(), lengths=[len(ids)]),
+        truncate=True,
+        truncation_direction=pb.TRUNCATION_DIRECTION_LEFT,
+    )
+    kept = [101, *ids[len(ids) - 255 :]]
+    expected = pb.EmbedRequest(tokens=pb.TokenIds(ids=np.asarray(kept, dtype="<i4").tobytes(), lengths=[256]))
+    answer = stub.Embed(request, timeout=120)
+    assert list(answer.token_counts) == [256]
+    np.testing.assert_allclose(decode(answer), decode(stub.Embed(expected, timeout=120)), atol=2e-6)

@@ -128,18 +128,21 @@ class AsyncEmbedClient:
         prompt: str | None = None,
         input_type: str = "",
         encoding: str = "float32",
+        truncation_direction: str = "right",
     ) -> np.ndarray:
         """Any number of texts (non-empty strings), in parts within the server's limits, paced by
         its refusals, answered in order as float32 ``[len(texts), dimensions]`` (``encoding``: int8,
         uint8, binary or ubinary, quantized by the server as docs/api.md says). ``priority`` is
         ``"interactive"`` (a caller waits) or ``"batch"`` (an ingest, which queries go ahead of);
+        ``truncate`` cuts a text over the model's limit to its start, or with
+        ``truncation_direction="left"`` to its end (a prompt stays at its head);
         ``chunk=True`` embeds a text longer than the model's limit as chunks (None: the server's
         default). At most one of ``prompt_name`` (one of the model's prompts), ``prompt`` (its text;
         ``""``: none) and ``input_type`` (query, passage or document); none: the model's default."""
         check_texts(texts)
         deadline = Deadline.after(self._timeout)
         chosen = Prompt(prompt_name, prompt, input_type)
-        options = Options(normalize, dimensions, truncate, priority, chunk, chosen, encoding)
+        options = Options(normalize, dimensions, truncate, priority, chunk, chosen, encoding, truncation_direction)
         limits = await self._read_limits(deadline)
         try:
             parts = plan(texts, options, limits)

@@ -44,7 +44,7 @@ class EmbedClient:
     def embed(self, texts: Sequence[str], **options: Any) -> np.ndarray:
         """:meth:`AsyncEmbedClient.embed <kembed.client.AsyncEmbedClient.embed>`: any number of texts,
         with its keyword options (normalize, dimensions, truncate, priority, chunk, prompt_name,
-        prompt, input_type, encoding)."""
+        prompt, input_type, encoding, truncation_direction)."""
         return self._run(self._client.embed(texts, **options))
 
     def embed_tokens(

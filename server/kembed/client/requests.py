@@ -81,6 +81,7 @@ class Options:
     chunk: bool | None = None  # None: the server's default
     prompt: Prompt = NO_PROMPT
     encoding: str = "float32"  # or int8, uint8, binary, ubinary: quantized by the server (docs/api.md)
+    truncation_direction: str = "right"  # or "left": truncate keeps a text's end
 
 
 @dataclass(frozen=True)
@@ -133,8 +134,10 @@ def plan(texts: Sequence[str], options: Options, limits: Limits) -> list[Part]:
     """The requests that carry ``texts`` in order, each within ``limits``. With ``truncate`` a text is
     cut to the server's character limit here, as the server would cut it, so it weighs no more."""
     kind, encoding = priority(options.priority), encoding_of(options.encoding)
+    direction = direction_of(options.truncation_direction)
     if options.truncate and limits.text_chars:
-        texts = [text[: limits.text_chars] for text in texts]
+        keep = slice(-limits.text_chars, None) if direction == LEFT else slice(limits.text_chars)
+        texts = [text[keep] for text in texts]
     parts, first = [], 0
     for run in split_texts(texts, limits.texts_per_request(options), limits.request_bytes) if texts else [[]]:
         request = pb.EmbedRequest(
@@ -148,6 +151,7 @@ def plan(texts: Sequence[str], options: Options, limits: Limits) -> list[Part]:
             prompt=options.prompt.text,  # None leaves it unset: "" is no prompt, unset the default
             input_type=options.prompt.input_type,
             encoding=encoding,
+            truncation_direction=direction,
         )
         parts.append(Part(first, request))
         first += len(run)
@@ -163,6 +167,16 @@ _ROWS = {
     pb.ENCODING_BINARY: ("i1", lambda d: -(-d // 8)),
     pb.ENCODING_UBINARY: ("u1", lambda d: -(-d // 8)),
 }
+
+
+LEFT = "TRUNCATION_DIRECTION_LEFT"
+
+
+def direction_of(name: str) -> str:
+    """``right`` or ``left`` as the proto's enum name; any other is refused, naming the argument."""
+    if name not in ("right", "left"):
+        raise ValueError(f"truncation_direction: {name!r} is not right or left")
+    return f"TRUNCATION_DIRECTION_{name.upper()}"
 
 
 def encoding_of(name: str) -> str:

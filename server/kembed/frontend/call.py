@@ -3,8 +3,8 @@
 Each edge maps its wire format to an :class:`EmbedCall`, and an :class:`EmbedResult` back to its own
 (``grpc_api``: protobuf; ``openai_api``: OpenAI's JSON). An edge checks the :class:`Limits` while it
 reads its input, before it builds anything proportional to it, so a call that reaches the service
-holds at most ``max_items`` items, no text over ``max_text_chars`` characters and no empty sequence of
-ids. What needs the model (the vocabulary, lengths in tokens, dimensions) the service checks. Bad
+holds at most ``max_items`` items, no text over ``max_text_chars`` characters, no empty text and no
+empty sequence of ids. What needs the model (the vocabulary, lengths in tokens, dimensions) the service checks. Bad
 input is an :class:`~kembed.errors.InvalidInput` that locates it as data, for each edge to name.
 """
 
@@ -23,6 +23,9 @@ from kembed.prompts import NO_CHOICE, PromptChoice
 from kembed.protocol import ServingInfo
 from kembed.quantize import Encoding
 
+EMPTY_TEXT = "an empty string"
+EMPTY_IDS = "an empty array of token ids"
+
 
 @dataclass(frozen=True, slots=True)
 class Texts:
@@ -34,6 +37,7 @@ class Texts:
 class EmbedCall:
     inputs: Texts | Sequences  # texts, or pre-tokenized ids
     truncate: bool = False  # cut over-long inputs to the model's limit instead of refusing them
+    truncate_left: bool = False  # truncate keeps an input's end, not its start (TEI's truncation_direction=left)
     chunk: bool | None = None  # embed over-long inputs as chunks (frontend/chunks.py); None = the server's default
     normalize: bool = True
     dimensions: int = 0  # keep the first this many (0 = all), then normalize
@@ -119,21 +123,42 @@ class Limits:
         if index == self.max_items:
             raise InvalidInput(Field.INPUT, f"more than {self.max_items} inputs, at most {self.max_items} per request")
 
+    @staticmethod
+    def check_size(size: int, index: int, ids: bool = False) -> None:
+        """One rule for empty inputs on every edge, OpenAI's: refused, naming the item (embedded, an
+        empty text would be its special tokens alone: a vector that means nothing)."""
+        if size == 0:
+            raise InvalidInput(Field.INPUT, EMPTY_IDS if ids else EMPTY_TEXT, index)
+
+    def check_sizes(self, sizes: Sequence[int] | np.ndarray, ids: bool = False) -> None:
+        """:meth:`check_size` of each item, at once."""
+        if len(sizes) and min(sizes) == 0:
+            self.check_size(0, int(np.argmin(sizes)), ids)
+
     def check_chars(self, chars: int, index: int) -> None:
         if chars > self.max_text_chars:
             raise InvalidInput(Field.INPUT, f"{chars} characters, more than {self.max_text_chars}", index)
 
-    def texts(self, items: Sequence[str], truncate: bool = False) -> Texts:
+    def texts(self, items: Sequence[str], truncate: bool = False, left: bool = False) -> Texts:
         """``items`` (strings) as a call's texts, their count and each one's characters checked. With
-        ``truncate`` a text over the character limit is cut to it rather than refused: the limit
-        bounds the tokenizer's work, and what it drops lies past any model's input limit anyway."""
+        ``truncate`` a text over the character limit is cut to it rather than refused (its start,
+        or ``left`` its end): the limit bounds the tokenizer's work, and what it drops lies past any
+        model's input limit anyway."""
         self.check_count(len(items))
         sizes = list(map(len, items))
+        self.check_sizes(sizes)
         limit = self.max_text_chars
         if max(sizes) > limit:
             if truncate:
-                items = [text[:limit] for text in items]
+                items = [cut_chars(text, limit, left) for text in items]
                 return Texts(items, sum(min(size, limit) for size in sizes))
             index = next(i for i, chars in enumerate(sizes) if chars > limit)
             self.check_chars(sizes[index], index)
         return Texts(items, sum(sizes))
+
+
+def cut_chars(text: str, limit: int, left: bool) -> str:
+    """``text`` cut to ``limit`` characters: its first, or ``left`` its last."""
+    if len(text) <= limit:
+        return text
+    return text[len(text) - limit :] if left else text[:limit]

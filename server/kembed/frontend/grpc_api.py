@@ -532,9 +532,14 @@ def to_call(
         raise _invalid(f"priority: {request.priority} is not a priority class")
     if request.encoding not in ENCODINGS:
         raise _invalid(f"encoding: {request.encoding} is not an encoding")
+    if request.truncation_direction not in (pb.TRUNCATION_DIRECTION_RIGHT, pb.TRUNCATION_DIRECTION_LEFT):
+        raise _invalid(f"truncation_direction: {request.truncation_direction} is not a direction")
+    left = request.truncation_direction == pb.TRUNCATION_DIRECTION_LEFT
+    inputs = _sequences(request.tokens, limits) if has_tokens else limits.texts(request.texts, request.truncate, left)
     return EmbedCall(
-        inputs=_sequences(request.tokens, limits) if has_tokens else limits.texts(request.texts, request.truncate),
+        inputs=inputs,
         truncate=request.truncate,
+        truncate_left=left,
         chunk=request.chunk if request.HasField("chunk") else None,
         normalize=request.normalize if request.HasField("normalize") else True,
         dimensions=request.dimensions,
@@ -559,9 +564,7 @@ def _sequences(tokens: pb.TokenIds, limits: Limits) -> Sequences:
         raise EmbedError(
             Failure.INVALID_ARGUMENT, f"tokens.ids: {len(tokens.ids)} bytes is not a whole number of int32 ids"
         )
-    zero = counts < 1
-    if zero.any():
-        raise _invalid(f"tokens.lengths[{int(np.argmax(zero))}]: must be at least 1")
+    limits.check_sizes(counts, ids=True)
     total = int(counts.sum())
     if total * 4 != len(tokens.ids):
         held = len(tokens.ids) // 4

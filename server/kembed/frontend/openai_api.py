@@ -34,7 +34,7 @@ import numpy as np
 import orjson
 
 from kembed.errors import EmbedError, Failure, Field, InvalidInput
-from kembed.frontend.call import EmbedCall, EmbedResult, Limits, Texts
+from kembed.frontend.call import EmbedCall, EmbedResult, Limits, Texts, cut_chars
 from kembed.frontend.chunks import Chunks
 from kembed.inputs import Sequences
 from kembed.priority import Priority
@@ -53,7 +53,9 @@ INPUT_SHAPES = "a string, an array of strings, an array of token ids, or an arra
 # The body's fields: OpenAI's (what its SDK and LangChain's OpenAIEmbeddings send), then kembed's
 # extensions. Any other is refused, as OpenAI refuses it: ignored, a misspelt option would be lost.
 OPENAI_FIELDS = ("input", "model", "encoding_format", "dimensions", "user")
-EXTENSIONS = ("truncate", "chunk", "priority", "prompt_name", "prompt", "input_type")
+EXTENSIONS = ("truncate", "truncation_direction", "chunk", "priority", "prompt_name", "prompt", "input_type")
+# TEI's truncation_direction, as TEI spells it or in lower case: whether truncate keeps an input's end.
+DIRECTIONS = {"right": False, "left": True, "Right": False, "Left": True}
 FIELDS = frozenset(OPENAI_FIELDS + EXTENSIONS)
 MAX_FIELD_CHARS = 1024  # a field other than input: a model name, an encoding, a user id
 _YAJL = ijson.get_backend("yajl2_c")  # C: a Python backend would cost ten times as much per event
@@ -176,6 +178,7 @@ class Body:
         self._texts: list[str] = []
         self._chars = 0
         self._too_long: tuple[int, int] | None = None  # the first text over the limit: (its characters, index)
+        self._ends: dict[int, str] = {}  # the texts over the limit, by index: their last characters, kept
         self._ids = array("i")  # int32: ids are checked to fit before they are stored
         self._lengths: list[int] = []
         self._length = 0  # ids so far in the sequence being read
@@ -251,6 +254,9 @@ class Body:
             raise invalid("input: missing", "input")
         if self._too_long is not None and self._fields.get("truncate") is not True:
             self._limits.check_chars(*self._too_long)
+        if _left(self._fields):  # a text over the limit is cut to its end, not its start
+            for index, end in self._ends.items():
+                self._texts[index] = end
         inputs, nested = self._inputs(), self._kind is _Kind.NESTED
         return _embeddings(self._fields, inputs, nested, served, peer, timeout_s)
 
@@ -307,9 +313,7 @@ class Body:
             if event == "number":
                 self._id(value, len(self._lengths))
             elif event == "end_array":
-                if not self._length:
-                    index = len(self._lengths)
-                    raise invalid(f"input[{index}]: an empty array of token ids", f"input[{index}]")
+                self._limits.check_size(self._length, len(self._lengths), ids=True)
                 self._lengths.append(self._length)
                 self._length = 0
                 self._depth = 2
@@ -340,12 +344,12 @@ class Body:
     def _text(self, text: str) -> None:
         index = len(self._texts)
         self._limits.check_item(index)
-        if not text:
-            raise invalid(f"input[{index}]: an empty string", f"input[{index}]")
+        self._limits.check_size(len(text), index)
         limit = self._limits.max_text_chars
         if len(text) > limit:  # kept cut to the limit: whether it is refused, truncate says, which may come later
             self._too_long = self._too_long or (len(text), index)
-            text = text[:limit]
+            self._ends[index] = cut_chars(text, limit, left=True)  # and which end it keeps, truncation_direction
+            text = cut_chars(text, limit, left=False)
         self._texts.append(text)
         self._chars += len(text)
 
@@ -391,6 +395,7 @@ def _embeddings(
     call = EmbedCall(
         inputs=inputs,
         truncate=truncate,
+        truncate_left=_left(fields),
         chunk=_flag(fields, "chunk") if "chunk" in fields else None,
         dimensions=dimensions,
         encoding=ENCODINGS[encoding],
@@ -537,6 +542,17 @@ def _flag(data: dict[str, Any], name: str) -> bool:
     if not isinstance(value, bool):
         raise invalid(f"{name}: must be true or false", name)
     return value
+
+
+def _left(fields: dict[str, Any]) -> bool:
+    """kembed's extension ``truncation_direction``, TEI's: ``right`` (the default: truncate keeps an
+    input's start) or ``left`` (its end)."""
+    value = fields.get("truncation_direction")
+    if value is None:
+        return False
+    if not isinstance(value, str) or value not in DIRECTIONS:
+        raise invalid(f"truncation_direction: {value!r} is not right or left", "truncation_direction")
+    return DIRECTIONS[value]
 
 
 def _is_int(value: Any) -> bool:

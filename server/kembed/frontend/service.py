@@ -299,9 +299,11 @@ class EmbedService:
             # As sentence-transformers does: the prompt and the text tokenized as one, so it counts
             # in the tokens, and truncation cuts the text's end, never the prompt.
             texts = [prompt.text + text for text in inputs.items] if prompt.text else inputs.items
-            seqs = self._tokenizer.from_texts(texts, call.truncate, limit)
+            # Truncated from the left, the prompt stays: it is a prefix, not the text's start.
+            left = self._tokenizer.left(prompt.text, prompt.tokens) if call.truncate_left else None
+            seqs = self._tokenizer.from_texts(texts, call.truncate, limit, left)
         else:
-            seqs = self._tokenizer.from_ids(inputs, call.truncate, limit)
+            seqs = self._tokenizer.from_ids(inputs, call.truncate, limit, call.truncate_left)
         if chunking is None:
             return Chunks.whole(seqs)
         return chunking.split(seqs, self._settings.max_items_per_request)

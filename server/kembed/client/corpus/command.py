@@ -3,10 +3,11 @@
 
 ``--summary-file PATH`` gets one JSON object at exit, however the run ended (the operator points it
 at ``/dev/termination-log``, so a pod's last state says how far its shard got): ``rows`` in the
-output or part, ``embedded`` by this run, ``shard`` (``"I/N"`` or null), ``output`` (the output, or
-the part's name once complete) and ``complete``; then how the run went: its ``seconds`` and the
-server's answers (``retries``, ``refusals``, ``reconnects``), as the summary line on stdout says
-them; and ``error``, the message of a run that failed (null otherwise), cut to ``MAX_ERROR_CHARS``:
+output or part, ``embedded`` by this run (``blank`` of them blank lines, written as rows of zeros),
+``shard`` (``"I/N"`` or null), ``output`` (the output, or the part's name once complete) and
+``complete``; then how the run went: its ``seconds`` and the server's answers (``retries``,
+``refusals``, ``reconnects``), as the summary line on stdout says them; and ``error``, the message
+of a run that failed (null otherwise), cut to ``MAX_ERROR_CHARS``:
 a pod's termination message holds 4 KiB at most.
 """
 
@@ -131,7 +132,8 @@ def describe(summary: Summary) -> str:
     rate = summary.embedded / summary.seconds if summary.seconds else 0.0
     said = (
         f"{summary.output}: {summary.rows} x {summary.dimensions} ({summary.embedded} embedded, {summary.skipped} "
-        f"already there) in {summary.seconds:.1f} s, {rate:.1f} texts/s; {counts.retries} retries "
+        f"already there; {summary.blank} blank lines as rows of zeros) in {summary.seconds:.1f} s, "
+        f"{rate:.1f} texts/s; {counts.retries} retries "
         f"({counts.refusals} refusals), {counts.reconnects} reconnects"
     )
     return said if summary.manifest is None else f"{said}\nevery part is complete: {summary.manifest}"
@@ -141,6 +143,7 @@ def write_summary(path: Path, summary: Summary) -> None:
     record = {
         "rows": summary.rows,
         "embedded": summary.embedded,
+        "blank": summary.blank,
         "shard": None if summary.shard is None else str(summary.shard),
         "output": str(summary.output),
         "complete": summary.complete,

@@ -3,8 +3,9 @@ cut into spans of consecutive texts that each fit in one request.
 
 Line ``n`` (1-based) of the input, or of a shard, is row ``n - 1`` of the output, or of the part.
 Lines end at ``\\n`` (a ``\\r`` before it is dropped, so CRLF files read as expected); an empty
-line is an empty text. Input is UTF-8, strictly: a bad byte or a JSON line without the field is
-an error naming the line. So is a ``\\r`` anywhere else in a line: a file with CR-only line ends
+line is an empty text, whose row is zeros (:attr:`Span.sent`: the server refuses an empty text).
+Input is UTF-8, strictly: a bad byte or a JSON line without the field is an error naming the line.
+So is a ``\\r`` anywhere else in a line: a file with CR-only line ends
 (old Mac) would otherwise be one text, and splitting there instead would make the rows disagree
 with the line numbers every other tool counts (``wc -l``).
 
@@ -30,6 +31,8 @@ import threading
 from collections.abc import Iterator
 from dataclasses import dataclass
 from typing import BinaryIO
+
+import numpy as np
 
 from kembed.client.corpus import FinalError, file_error
 from kembed.client.requests import REQUEST_ENVELOPE_BYTES, TEXT_ENVELOPE_BYTES, split_texts
@@ -109,6 +112,28 @@ class Span:
             Span(self.first, self.texts[:texts], self.shard),
             Span(self.first + texts, self.texts[texts:], self.shard),
         )
+
+    @property
+    def sent(self) -> list[str]:
+        """The texts a request carries: all but the blank ones, whose rows are zeros (the server
+        refuses an empty text)."""
+        return [text for text in self.texts if text]
+
+    @property
+    def blank(self) -> int:
+        return len(self.texts) - len(self.sent)
+
+    def rows(self, vectors: np.ndarray) -> np.ndarray:
+        """The span's rows from the vectors of its sent texts: a row of zeros at each blank line."""
+        if len(vectors) == len(self.texts):
+            return vectors
+        rows = np.zeros((len(self.texts), vectors.shape[1]), dtype=vectors.dtype)
+        rows[np.fromiter(map(bool, self.texts), dtype=bool, count=len(self.texts))] = vectors
+        return rows
+
+    def texts_index(self, sent_index: int) -> int:
+        """The index in ``texts`` of ``sent[sent_index]``."""
+        return [i for i, text in enumerate(self.texts) if text][sent_index]
 
     def line(self, index: int) -> str:
         """The input line of ``texts[index]``, for messages."""

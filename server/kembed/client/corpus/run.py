@@ -69,6 +69,7 @@ class Summary:
     rows: int = 0  # in the output (the part) now
     dimensions: int = 0
     skipped: int = 0  # rows the output held before this run, and kept
+    blank: int = 0  # blank lines this run wrote, each as a row of zeros
     counts: Counts = field(default_factory=Counts)
     complete: bool = False  # every line embedded (for a shard: its part at its name)
     manifest: Path | None = None  # written by this run, as the last shard to finish
@@ -180,11 +181,14 @@ async def _embed_the_rest(streams: Streams, reader: CorpusReader, writer: Writer
         notes = Bar(None, 0, enabled=False)
         probe = Probe(last.first)
         await streams.driver(probe, notes, 1, 1).run(ThreadedSpans(iter([last])))
-        keep_or_replace(writer, probe.kept[0], last, notes, summary)
+        if keep_or_replace(writer, probe.kept[0], last, notes, summary):
+            summary.blank += last.blank
     progress = Bar(reader.count() if run.progress else None, writer.rows, run.progress)
+    driver = streams.driver(writer, progress, run.batch_texts, run.in_flight)
     try:
-        await streams.driver(writer, progress, run.batch_texts, run.in_flight).run(spans)
+        await driver.run(spans)
     finally:
+        summary.blank += driver.blank
         progress.close()
 
 
@@ -193,16 +197,18 @@ def _limits(run: CorpusRun, info: pb.InfoResponse) -> Limits:
     return Limits(message_bytes(run.connection, info), info.max_text_chars, run.request.truncate)
 
 
-def keep_or_replace(writer: Writer, row: np.ndarray, span: Span, progress: Progress, summary: Summary) -> None:
-    """The output's last row, embedded again from its line: replace the row if it is not that line's."""
+def keep_or_replace(writer: Writer, row: np.ndarray, span: Span, progress: Progress, summary: Summary) -> bool:
+    """The output's last row, embedded again from its line: replace the row if it is not that line's
+    (whether it was)."""
     similarity = cosine(row, writer.last_row())
     if similarity >= SAME_ROW:
-        return
+        return False
     progress.note(f"{span.line(0)} changed since its row was written (cosine {similarity:.4f}): its row is replaced")
     writer.drop_last()
     writer.append(row[np.newaxis])
     writer.commit()
     summary.skipped -= 1
+    return True
 
 
 class Probe:

@@ -73,7 +73,7 @@ class Request:
 def embed_request(span: Span, request: Request) -> pb.EmbedRequest:
     """The one place a run's request is built."""
     return pb.EmbedRequest(
-        texts=span.texts,
+        texts=span.sent,
         dimensions=request.dimensions,
         truncate=request.truncate,
         request_id=str(span.first),
@@ -242,6 +242,7 @@ class StreamDriver:
         self._input_error: Exception | None = None
         self._all_written = asyncio.Event()
         self.counts = counts or Counts()
+        self.blank = 0  # blank lines written, as rows of zeros
 
     async def run(self, spans: ThreadedSpans) -> Counts:
         """Embed every span and write its rows; raise CorpusError if the run cannot finish."""
@@ -309,6 +310,9 @@ class StreamDriver:
             if span is None:
                 await call.done_writing()
                 return
+            if not span.sent:  # blank lines only: their rows need no server
+                self._write(span, np.zeros((len(span.texts), self._dimensions), dtype=np.float32))
+                continue
             flight = on_wire.hold(span)
             await self._wait_for_room(on_wire)
             if len(span.texts) > self._size.texts:  # cut to the current size; the rest goes next
@@ -346,16 +350,21 @@ class StreamDriver:
         if response.HasField("error"):
             return self._refused(flight, response.error)
         vectors = decode(response)
-        if vectors.shape != (len(span.texts), self._dimensions):
+        if vectors.shape != (len(span.sent), self._dimensions):
             raise CorpusError(f"{span.lines}: the server answered {vectors.shape[0]} x {vectors.shape[1]} rows")
-        for rows in self._in_order.add(span.first, vectors):
-            self._writer.append(rows)
-            self._open -= len(rows)
-            self._progress.update(len(rows))
-        self._room.set()
         self._pacing.progressed()
         self._window.succeeded()
         self._size.succeeded(len(span.texts))
+        self._write(span, span.rows(vectors))
+
+    def _write(self, span: Span, rows: np.ndarray) -> None:
+        """The span's rows, written once every span before it is."""
+        self.blank += span.blank
+        for due in self._in_order.add(span.first, rows):
+            self._writer.append(due)
+            self._open -= len(due)
+            self._progress.update(len(due))
+        self._room.set()
         if self._writer.rows + COMMIT_ROWS <= self._in_order.next_row:
             self._writer.commit()
         self._check_all_written()
@@ -383,7 +392,7 @@ class StreamDriver:
 def _where(span: Span, message: str) -> str:
     """The input line a request's error is about (``texts[3]: ...`` names one), else the span's lines."""
     found = re.match(r"texts\[(\d+)\]", message)
-    return span.line(int(found[1])) if found else span.lines
+    return span.line(span.texts_index(int(found[1]))) if found else span.lines
 
 
 def _describe(error: Exception) -> str:
