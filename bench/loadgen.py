@@ -34,6 +34,7 @@ OK = grpc.StatusCode.OK.name
 # Channels of one process share a TCP connection unless each keeps its own subchannels; the
 # server's SO_REUSEPORT spreads connections (not calls) over its processes, so each counts.
 CHANNEL_OPTIONS = (("grpc.use_local_subchannel_pool", 1),)
+ChannelOptions = Sequence[tuple[str, Any]]
 BARRIER_TIMEOUT_S = 120.0  # client processes start (spawn and import) within this
 T = TypeVar("T")
 
@@ -107,13 +108,14 @@ async def bounded(tasks: Sequence[asyncio.Task[T]], grace: float) -> list[T]:
 
 @contextlib.asynccontextmanager
 async def _callers(
-    target: str, requests: Sequence[bytes], deadline: float, channels: int
+    target: str, requests: Sequence[bytes], deadline: float, channels: int, options: ChannelOptions = ()
 ) -> AsyncIterator[list[_Caller]]:
-    """``channels`` connected channels (each its own TCP connection) sharing one clock, started
-    once every client process is connected too, so connection setup stays out of the figures."""
+    """``channels`` connected channels (each its own TCP connection, with ``options`` besides)
+    sharing one clock, started once every client process is connected too, so connection setup
+    stays out of the figures."""
     async with contextlib.AsyncExitStack() as stack:
         opened = [
-            await stack.enter_async_context(grpc.aio.insecure_channel(target, options=CHANNEL_OPTIONS))
+            await stack.enter_async_context(grpc.aio.insecure_channel(target, options=(*CHANNEL_OPTIONS, *options)))
             for _ in range(channels)
         ]
         await asyncio.wait_for(asyncio.gather(*(c.channel_ready() for c in opened)), deadline)
@@ -133,16 +135,18 @@ async def open_loop(
     retry_after: float | None = None,
     give_up: float = math.inf,
     channels: int = 1,
+    options: ChannelOptions = (),
 ) -> list[CallRecord]:
     """Fire one request at each Poisson arrival, whatever is outstanding, over ``channels``
-    channels in turn (a connection pool); wait ``deadline`` s for the last.
+    channels in turn (a connection pool), each with ``options`` (gRPC's own retry policy, say: its
+    attempts are one call here); wait ``deadline`` s for the last.
 
     With ``retry_after``, a rejected request is sent again that many seconds later, whatever the
     server's pushback says (a retry storm), until it is answered otherwise, or ``give_up`` s have
     passed since its arrival; every attempt is an outcome."""
     arrivals = poisson_arrivals(rate, duration, count, seed)
     outcomes: list[CallRecord] = []
-    async with _callers(target, requests, deadline, channels) as callers:
+    async with _callers(target, requests, deadline, channels, options) as callers:
         clock = callers[0]  # they share one
 
         async def send(item: int, arrival: float) -> None:
