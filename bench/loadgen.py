@@ -110,12 +110,12 @@ async def bounded(tasks: Sequence[asyncio.Task[T]], grace: float) -> list[T]:
 async def _callers(
     target: str, requests: Sequence[bytes], deadline: float, channels: int, options: ChannelOptions = ()
 ) -> AsyncIterator[list[_Caller]]:
-    """``channels`` connected channels (each its own TCP connection, with ``options`` too) sharing
-    one clock, started once every client process is connected too, so connection setup stays out
-    of the figures."""
+    """``channels`` connected channels (each its own TCP connection, with ``options`` besides)
+    sharing one clock, started once every client process is connected too, so connection setup
+    stays out of the figures."""
     async with contextlib.AsyncExitStack() as stack:
         opened = [
-            await stack.enter_async_context(grpc.aio.insecure_channel(target, options=[*CHANNEL_OPTIONS, *options]))
+            await stack.enter_async_context(grpc.aio.insecure_channel(target, options=(*CHANNEL_OPTIONS, *options)))
             for _ in range(channels)
         ]
         await asyncio.wait_for(asyncio.gather(*(c.channel_ready() for c in opened)), deadline)
@@ -138,7 +138,8 @@ async def open_loop(
     options: ChannelOptions = (),
 ) -> list[CallRecord]:
     """Fire one request at each Poisson arrival, whatever is outstanding, over ``channels``
-    channels in turn (a connection pool) opened with ``options``; wait ``deadline`` s for the last.
+    channels in turn (a connection pool), each with ``options`` (gRPC's own retry policy, say: its
+    attempts are one call here); wait ``deadline`` s for the last.
 
     With ``retry_after``, a rejected request is sent again that many seconds later, whatever the
     server's pushback says (a retry storm), until it is answered otherwise, or ``give_up`` s have
