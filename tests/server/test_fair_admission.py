@@ -49,6 +49,10 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
         max_tokens_per_batch=8192,
         refusal_burst=REFUSAL_BURST,
         refusal_rate=1,
+        # A request that sets no deadline gets at least this: what the tests hold here is the order
+        # of service, not the default deadline, which a CI machine's load can spend while the
+        # engine is held (the LangChain-like ingest was answered 504 there).
+        default_timeout_ms=600_000,
     )
     yield running.wait_ready()
     running.stop()
