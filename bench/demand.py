@@ -93,14 +93,15 @@ class GaugeSampler:
     def __init__(self, server: Server) -> None:
         self._server = server
         self._stop = threading.Event()
-        self.samples: list[tuple[float, float, float]] = []
+        self.samples: list[tuple[float, float, float, float]] = []
         self._thread = threading.Thread(target=self._run, daemon=True)
 
     def _run(self) -> None:
         while not self._stop.wait(1.0):
             scraped = self._server.metrics()
-            ratio, rate = (metric_sum(scraped, name) for name in (Metric.DEMAND_RATIO, Metric.SERVICE_RATE))
-            self.samples.append((time.monotonic(), ratio, rate))
+            names = (Metric.DEMAND_RATIO, Metric.SERVICE_RATE, Metric.CAPACITY)
+            ratio, rate, capacity = (metric_sum(scraped, name) for name in names)
+            self.samples.append((time.monotonic(), ratio, rate, capacity))
 
     def __enter__(self) -> GaugeSampler:
         self._thread.start()
@@ -111,10 +112,14 @@ class GaugeSampler:
         self._thread.join()
 
     def between(self, start: float, end: float) -> dict[str, Any]:
-        """The ratio's mean and samples, and the service rate's mean, scraped in [start, end]."""
-        ratios = [ratio for at, ratio, _ in self.samples if start <= at <= end]
-        rates = [rate for at, _, rate in self.samples if start <= at <= end]
-        return {"mean": mean(ratios), "samples": ratios, "service_rate_tokens_per_s": mean(rates)}
+        """The ratio's mean and samples, and the service rate's and capacity's means, scraped in [start, end]."""
+        inside = [sample for sample in self.samples if start <= sample[0] <= end]
+        return {
+            "mean": mean([ratio for _, ratio, _, _ in inside]),
+            "samples": [ratio for _, ratio, _, _ in inside],
+            "service_rate_tokens_per_s": mean([rate for _, _, rate, _ in inside]),
+            "capacity_tokens_per_s": mean([capacity for _, _, _, capacity in inside]),
+        }
 
 
 def mean(values: Sequence[float]) -> float:
