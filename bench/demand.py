@@ -9,6 +9,9 @@
    ``--phase-s`` long; ``kembed_demand_ratio`` is scraped every second over each phase's last
    ``--sample-s`` (its 15 s EWMA has settled by then). Targets: 0.75-1.3 at 1x; each other
    multiple within 25% of proportional to the 1x reading; the retried multiple 2.25-3.9x the 1x reading.
+   ``--texts N`` sends N short texts a call instead (``demand_gauge_texts<N>.json``): at one text a
+   call on two cores the front end's per-call cost (issue 46), not the engine, caps what 4x can
+   even be read and refused at.
 2. **A pod started under load** (part ``new_pod``). ``--concurrency`` closed-loop callers of one
    short text wait while a server starts (``KEMBED_COMPILE_CACHE_DIR`` empty, *cold*, then with
    what the cold start left, *warm*); from the instant its ``/readyz`` answers they send, for
@@ -71,6 +74,7 @@ class Options:
     new_pod_s: float
     client_nice: int
     timeout: float
+    texts: int
 
 
 def _hostpath_options(opts: Options, duration: float) -> hostpath.Options:
@@ -80,10 +84,10 @@ def _hostpath_options(opts: Options, duration: float) -> hostpath.Options:
                                timeout=opts.timeout)  # fmt: skip
 
 
-def short_requests() -> list[bytes]:
+def short_requests(per_call: int = 1) -> list[bytes]:
     wl = workload.load()
     short = [t for t, n in zip(wl.texts, wl.tokens, strict=True) if n <= hostpath.SHORT_TOKENS]
-    return hostpath.encode(short, 1)
+    return hostpath.encode(short, per_call)
 
 
 class GaugeSampler:
@@ -128,8 +132,8 @@ def mean(values: Sequence[float]) -> float:
 
 def _open_phase(server: Server, sampler: GaugeSampler, rate: float, opts: Options, retried: bool) -> dict[str, Any]:
     """One open-loop phase at ``rate`` calls/s; the gauge over its last ``sample_s``."""
-    load = {"target": server.grpc_target, "requests": short_requests(), "rate": rate, "duration": opts.phase_s,
-            "count": hostpath.MAX_CALLS, "seed": workload.SEED, "deadline": opts.timeout,
+    load = {"target": server.grpc_target, "requests": short_requests(opts.texts), "rate": rate,
+            "duration": opts.phase_s, "count": hostpath.MAX_CALLS, "seed": workload.SEED, "deadline": opts.timeout,
             "options": RETRY_OPTIONS if retried else ()}  # fmt: skip
     hp = _hostpath_options(opts, opts.phase_s)
     started = time.monotonic()
@@ -144,8 +148,9 @@ def _open_phase(server: Server, sampler: GaugeSampler, rate: float, opts: Option
 def gauge(opts: Options) -> dict[str, Any]:
     hp = _hostpath_options(opts, opts.saturation_s)
     with running({}, RESULTS_DIR / "demand_gauge.log") as server:
-        saturate = {"target": server.grpc_target, "requests": short_requests(), "concurrency": opts.concurrency,
-                    "duration": opts.saturation_s, "count": hostpath.MAX_CALLS, "deadline": opts.timeout}  # fmt: skip
+        saturate = {"target": server.grpc_target, "requests": short_requests(opts.texts),
+                    "concurrency": opts.concurrency, "duration": opts.saturation_s, "count": hostpath.MAX_CALLS,
+                    "deadline": opts.timeout}  # fmt: skip
         saturation = hostpath._phase(server, lambda: hostpath._niced(loadgen.closed_loop, saturate, hp), 1, hp,
                                      opts.saturation_s)  # fmt: skip
         calls_per_s = saturation["calls_per_s"]["median"]
@@ -259,6 +264,7 @@ def parse_options(argv: Sequence[str] | None = None) -> Options:
     parser.add_argument("--new-pod-s", type=float, default=90.0, help="seconds of load after the new pod is ready")
     parser.add_argument("--client-nice", type=int, default=19, help="clients' niceness, added to ours")
     parser.add_argument("--timeout", type=float, default=30.0, help="client deadline per call, seconds")
+    parser.add_argument("--texts", type=int, default=1, help="short texts a call in the gauge's load")
     args = parser.parse_args(argv)
     parts = tuple(p for p in args.parts.split(",") if p)
     if unknown := set(parts) - set(PARTS):
@@ -277,7 +283,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     print(f"demand: {', '.join(opts.parts)}; load average {loadavg}", flush=True)
     settings = {**dataclasses.asdict(opts), "loadavg_at_start": loadavg}
     if "gauge" in opts.parts:
-        machine.write_result("demand_gauge", {"settings": settings, **gauge(opts)})
+        name = "demand_gauge" if opts.texts == 1 else f"demand_gauge_texts{opts.texts}"
+        machine.write_result(name, {"settings": settings, **gauge(opts)})
     if "new_pod" in opts.parts:
         machine.write_result("demand_new_pod", {"settings": settings, **new_pod(opts)})
 

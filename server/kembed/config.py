@@ -316,7 +316,7 @@ class Settings(BaseModel):
         gt=0,
         le=600,
         description="Time constant of kembed_demand_ratio's weighting (reaches 63% of a step in it); "
-        "the capacity it divides by forgets a best rate over 20 of them",
+        "the capacity it divides by forgets a best rate over 60 of them",
         json_schema_extra=TUNING,
     )
     max_queued_tokens: int = Field(

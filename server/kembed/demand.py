@@ -22,10 +22,11 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable
 
-# The capacity forgets a best rate over this many of the demand's time constants (300 s at the
-# default 15 s: the HPA's own scale-down window), so neither a lull nor an overload moves it within
-# a scaling episode, and a lasting change (a slower mix of lengths, a busy node) still reaches it.
-CAPACITY_HOLD_TAUS = 20.0
+# The capacity forgets a best rate over this many of the demand's time constants (15 minutes at the
+# default 15 s), so neither a lull nor an overload moves it within a scaling episode, and a lasting
+# change (a slower mix of lengths, a busy node) still reaches it. At 20 (300 s) four minutes of
+# overload took a quarter off it, and the gauge read 3.9 times its 1x value at 3x (bench.demand).
+CAPACITY_HOLD_TAUS = 60.0
 
 
 def decayed(rate: float, at: float, now: float, tau_s: float) -> float:
