@@ -6,7 +6,7 @@ import math
 from dataclasses import dataclass
 from typing import Any
 
-from bench.report import Spread, percentile
+from bench.tools.report import Spread, percentile
 
 
 @dataclass(frozen=True)
@@ -207,7 +207,7 @@ def gpu_table(gpu: dict[str, Any] | None) -> str:
     return "\n".join(lines)
 
 
-# --- host path (bench.hostpath) -----------------------------------------------------------------
+# --- host path (bench.serving.hostpath) -----------------------------------------------------------------
 
 HOST_PATH_TARGET = ">= 0.50"  # one front end against a one-process echo
 REJECTION_TARGET = "<= 2.00"
@@ -314,7 +314,7 @@ def _burst_ratios(name: str, burst: dict[str, Any], echo: dict[str, Any]) -> lis
 
 
 def serve_ratios(serve: dict[str, Any]) -> list[Ratio]:
-    """The serve part's figures (``bench.hostpath --parts serve``): per load, embeddings/s, accepted
+    """The serve part's figures (``bench.serving.hostpath --parts serve``): per load, embeddings/s, accepted
     p95, the share of the in-process ceiling and GPU busy; targets only where it ran on CUDA."""
     cuda = str(serve["info"].get("device", "")).startswith("cuda")
     ceiling = serve.get("ceiling")
@@ -434,7 +434,7 @@ def _emb(phase: dict[str, Any]) -> str:
     return f"{_fmt(Spread.from_dict(phase['emb_per_s']))} emb/s"
 
 
-# --- priority classes (bench.priority) ------------------------------------------------------------
+# --- priority classes (bench.serving.priority) ------------------------------------------------------------
 
 QUERY_P95_TARGET = "<= 1.00"  # of the idle p95 plus two batch durations
 QUERY_OVER_BATCH_TARGET = "<= 0.35"
@@ -563,7 +563,7 @@ def abuse_table(result: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-# --- admission one client cannot game (bench.fairness) ---------------------------------------------
+# --- admission one client cannot game (bench.serving.fairness) ---------------------------------------------
 
 EXPORTED_P95_TARGET = "<= 1.50"  # of the served queries' own p95
 
@@ -637,7 +637,7 @@ def _poison_notes(poison: dict[str, Any]) -> str:
     )
 
 
-# --- a corpus job beside queries (bench.corpus) ---------------------------------------------------
+# --- a corpus job beside queries (bench.serving.corpus) ---------------------------------------------------
 
 CORPUS_GOODPUT_TARGET = ">= 0.90"
 SAME_ROW_TARGET = ">= 0.9999"  # one text in two batches: float rounding apart (the corpus command's SAME_ROW)
@@ -737,8 +737,8 @@ def cpu_ratios(
     hostpath: dict[str, Any] | None,
     startup: dict[str, Any] | None,
 ) -> list[Ratio]:
-    """The server against sentence-transformers' encode and the compiled ceiling (``bench.ceiling``'s
-    ``limits``), against Infinity (``bench.hostpath``'s REST part), its vectors, padding and
+    """The server against sentence-transformers' encode and the compiled ceiling (``bench.compute.ceiling``'s
+    ``limits``), against Infinity (``bench.serving.hostpath``'s REST part), its vectors, padding and
     start-up; each row where its results are."""
     limits = (ceiling or {}).get("limits")
     rows = []
@@ -783,7 +783,7 @@ def _calls_of(serve: dict[str, Any]) -> str:
 
 
 def startup_ratios(startup: dict[str, Any]) -> list[Ratio]:
-    """Seconds to ready, cold and warm, over the rounds (``bench.startup``)."""
+    """Seconds to ready, cold and warm, over the rounds (``bench.serving.startup``)."""
     rows = []
     for start, target in (("cold", COLD_START_TARGET), ("warm", WARM_START_TARGET)):
         seconds = Spread.of([r[start]["ready_s"] for r in startup["rounds"]])

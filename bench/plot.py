@@ -21,7 +21,7 @@ matplotlib.use("Agg")  # files only, no display
 import matplotlib.pyplot as plt
 
 from bench import RESULTS_DIR, headline
-from bench.machine import read_result
+from bench.tools.machine import read_result
 
 README = RESULTS_DIR.parent / "README.md"
 TOP_README = RESULTS_DIR.parent.parent / "README.md"
@@ -192,8 +192,9 @@ def cpu_block(
     flags = ", ".join(m.get("cpu_flags", [])) or "not recorded"
     served = f"kembed served {one_text.get('dtype') or '?'}, forward {one_text.get('forward') or '?'}"
     heading = f"Against what users would otherwise run, on {m['cpu']} ({m['cores']} cores; flags: {flags}), {served}:"
-    sources = {"bench.ceiling": ceiling, "bench.serve_load": one_text, "bench.serve_load, many texts": many_texts,
-               "bench.hostpath": judged.get("hostpath"), "bench.startup": judged.get("startup")}  # fmt: skip
+    sources = {"bench.compute.ceiling": ceiling, "bench.serving.serve_load": one_text,
+               "bench.serving.serve_load, many texts": many_texts, "bench.serving.hostpath": judged.get("hostpath"),
+               "bench.serving.startup": judged.get("startup")}  # fmt: skip
     found = [f"{name} at {r['machine']['time_utc']} on {r['machine']['cpu']}" for name, r in sources.items() if r]
     return "\n\n".join([heading, headline.ratio_table(rows), f"From {'; '.join(found)}."])
 

@@ -16,7 +16,7 @@ from urllib.parse import unquote
 import pytest
 
 from bench import plot
-from bench.machine import read_result
+from bench.tools.machine import read_result
 
 ROOT = Path(__file__).resolve().parents[1]
 FRONT_PAGE = ROOT / "README.md"

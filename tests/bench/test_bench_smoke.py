@@ -11,8 +11,11 @@ import numpy as np
 import pytest
 import torch
 
-from bench import ceiling, headline, loadgen, plot, serve_load, workload
-from bench.report import (
+from bench import headline, plot
+from bench.compute import ceiling
+from bench.serving import serve_load
+from bench.tools import loadgen, workload
+from bench.tools.report import (
     Spread,
     deltas_by_label,
     metric_delta,
@@ -22,7 +25,7 @@ from bench.report import (
     window_rates,
     worker_figures,
 )
-from bench.server import Server
+from bench.tools.server import Server
 from kembed.contract import RETRY_PUSHBACK_KEY
 from kembed.engine.batcher import BatchShapes
 from kembed.v1 import embedder_pb2

@@ -9,8 +9,8 @@ from dataclasses import dataclass
 
 from aiohttp import web
 
-from bench import fleet
-from bench.fleet_service import RETRY_COUNT_HEADER, ClusterIP, RestProcess, pick
+from bench.fleet import run as fleet
+from bench.fleet.service import RETRY_COUNT_HEADER, ClusterIP, RestProcess, pick
 from kembed.config import Settings
 from kembed.v1 import embedder_pb2
 

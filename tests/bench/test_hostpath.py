@@ -10,10 +10,12 @@ from typing import Any
 import grpc
 import pytest
 
-from bench import echo, headline, hostpath, loadgen, machine, run_all
-from bench.loadgen import OK, CallRecord
-from bench.report import Spread
-from bench.server import echo_running, process_tree
+from bench import headline, run_all
+from bench.serving import hostpath
+from bench.tools import echo, loadgen, machine
+from bench.tools.loadgen import OK, CallRecord
+from bench.tools.report import Spread
+from bench.tools.server import echo_running, process_tree
 from kembed.v1 import embedder_pb2, embedder_pb2_grpc
 
 EIGHT_TEXTS = embedder_pb2.EmbedRequest(texts=["a short text"] * 8).SerializeToString()
@@ -247,7 +249,10 @@ def _rest(rest_calls: float, kembed_calls: float | None) -> dict[str, Any]:
     host = {"settings": {"frontends": "1"}, "grpc": loop(4000, OK), "rest": loop(rest_calls, "200")}
     peer: dict[str, Any]
     if kembed_calls is None:
-        peer = {"skipped": "no Infinity in /nowhere", "setup_command": "python -m bench.peers setup --venv /nowhere"}
+        peer = {
+            "skipped": "no Infinity in /nowhere",
+            "setup_command": "python -m bench.serving.peers setup --venv /nowhere",
+        }
     else:
         peer = {"peer": "infinity-emb 0.0.78", "settings": {"frontends": "auto"}, "infinity": loop(200, "200"),
                 "kembed": loop(kembed_calls, "200")}  # fmt: skip
@@ -279,7 +284,7 @@ def test_rest_rows_without_the_peer_say_why_and_how_to_set_it_up() -> None:
     table = headline.hostpath_table(skipped)
     assert table.count("\n") == 1 + 3  # header rule; gRPC, REST and the skipped peer
     assert "REST closed loop, 2 x 32 connections, 1 text" in table
-    assert "skipped: no Infinity in /nowhere (`python -m bench.peers setup --venv /nowhere`)" in table
+    assert "skipped: no Infinity in /nowhere (`python -m bench.serving.peers setup --venv /nowhere`)" in table
     ran = headline.hostpath_table(_rest(rest_calls=3400, kembed_calls=450))
     assert "| REST, real model | infinity-emb 0.0.78 | REST closed loop, 2 x 32 connections, 1 text, 20 s |" in ran
     assert "| REST, real model | kembed, frontends=auto |" in ran
@@ -290,7 +295,7 @@ def test_the_peer_is_skipped_without_its_venv(tmp_path: Path) -> None:
     opts = hostpath.parse_options(["--parts", "rest", "--peer-venv", str(missing)])
     assert hostpath.rest_peer(opts, ["a short text"]) == {
         "skipped": f"no Infinity in {missing}",
-        "setup_command": f"python -m bench.peers setup --venv {missing}",
+        "setup_command": f"python -m bench.serving.peers setup --venv {missing}",
     }
     assert not missing.exists()  # nothing installed
 

@@ -1,4 +1,4 @@
-"""The candidate REST edge's shared request code and the plain httptools protocol (bench.http_edges),
+"""The candidate REST edge's shared request code and the plain httptools protocol (bench.edges.http_edges),
 over real loopback connections."""
 
 from __future__ import annotations
@@ -11,8 +11,8 @@ from collections.abc import AsyncIterator
 import numpy as np
 import pytest
 
-from bench import http_edges
-from bench.http_edges import BadRequest, HttpServer, Limits
+from bench.edges import http_edges
+from bench.edges.http_edges import BadRequest, HttpServer, Limits
 
 PATIENCE_S = 60.0  # for conditions that must come: generous, never a bound on how fast
 BODY = b'{"input": "one short text", "model": "m"}'

@@ -1,4 +1,4 @@
-"""The CPU limits' machinery (``bench.limits``), the start-up bench's parsing, and how the headline
+"""The CPU limits' machinery (``bench.compute.limits``), the start-up bench's parsing, and how the headline
 judges the server against sentence-transformers, the compiled ceiling, Infinity and its start-up."""
 
 from __future__ import annotations
@@ -12,8 +12,11 @@ import pytest
 import torch
 from sentence_transformers import SentenceTransformer
 
-from bench import ceiling, headline, inprocess, limits, machine, plot, startup, workload
-from bench.report import Spread
+from bench import headline, plot
+from bench.compute import ceiling, inprocess, limits
+from bench.serving import startup
+from bench.tools import machine, workload
+from bench.tools.report import Spread
 from kembed.engine import cpu
 
 
@@ -166,7 +169,8 @@ def test_the_headline_block_names_the_cpu_and_its_flags() -> None:
     )
     assert "kembed served torch.bfloat16, forward compiled" in block
     assert block.endswith(
-        "From bench.ceiling at 2026-11-26T10:00:00Z on Test CPU; bench.serve_load at 2026-11-26T10:00:00Z on Test CPU."
+        "From bench.compute.ceiling at 2026-11-26T10:00:00Z on Test CPU; "
+        "bench.serving.serve_load at 2026-11-26T10:00:00Z on Test CPU."
     )
     table = headline.limits_table(_ceiling(100, 150, 180))
     assert "cold compile 41.0 s" in table and "| st_encode |" in table and "2 lane(s) x 1 thread(s)" in table
