@@ -35,7 +35,7 @@ import torch
 from sentence_transformers import SentenceTransformer
 
 from bench.compute import inprocess
-from bench.compute.ceiling import PaddedBatch, compiles, materialize, plan_groups, rates
+from bench.compute.batches import PaddedBatch, compiles, materialize, plan_groups, rates
 from bench.tools.report import padding_ratio
 from kembed.engine import cpu
 from kembed.engine.warmup import min_cosine

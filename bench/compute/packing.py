@@ -29,7 +29,7 @@ from typing import Any
 
 import numpy as np
 
-from bench.compute import ceiling
+from bench.compute import batches
 from bench.tools import machine, workload
 from kembed.engine.batcher import Batcher, BatchPolicy
 from kembed.engine.buckets import BucketQueue
@@ -102,7 +102,7 @@ def _call(caller: int, lengths: list[int], ladder: list[int], now: float) -> lis
 def sorted_ceiling(lengths: Sequence[int], shapes: BatchShapes, cost: CostModel) -> float:
     """Embeddings per second of every text sorted by length and packed greedily (``bench.compute.ceiling``)."""
     order = sorted(range(len(lengths)), key=lengths.__getitem__)
-    groups = ceiling.pack(order, lengths, shapes.sizes[-1], shapes.max_tokens)
+    groups = batches.pack(order, lengths, shapes.sizes[-1], shapes.max_tokens)
     seconds = sum((cost.overhead_tokens + len(g) * max(lengths[i] for i in g)) / cost.tokens_per_s for g in groups)
     return len(lengths) / seconds
 

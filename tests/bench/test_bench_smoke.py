@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from bench import headline, plot
-from bench.compute import ceiling
+from bench.compute import batches, ceiling
 from bench.serving import serve_load
 from bench.tools import loadgen, workload
 from bench.tools.report import (
@@ -121,8 +121,8 @@ def test_sorted_packing_pads_less_and_respects_limits() -> None:
     def padded(groups: list[list[int]]) -> int:
         return sum(len(g) * max(lengths[i] for i in g) for g in groups)
 
-    arrival = ceiling.pack(order, lengths, max_rows=64, max_tokens=8192)
-    by_length = ceiling.pack(sorted(order, key=lengths.__getitem__), lengths, max_rows=64, max_tokens=8192)
+    arrival = batches.pack(order, lengths, max_rows=64, max_tokens=8192)
+    by_length = batches.pack(sorted(order, key=lengths.__getitem__), lengths, max_rows=64, max_tokens=8192)
     for groups in (arrival, by_length):
         assert sorted(i for g in groups for i in g) == order
         assert all(len(g) <= 64 and len(g) * max(lengths[i] for i in g) <= 8192 for g in groups)
@@ -131,12 +131,12 @@ def test_sorted_packing_pads_less_and_respects_limits() -> None:
 
 def test_ceiling_rates_overall_and_pass_range() -> None:
     # Two passes over four batches of 10 texts: 6 s, then 4 s.
-    spread = ceiling.rates([[1.0, 2.0, 1.0, 2.0], [1.0, 1.0, 1.0, 1.0]], [10, 10, 10, 10])
+    spread = batches.rates([[1.0, 2.0, 1.0, 2.0], [1.0, 1.0, 1.0, 1.0]], [10, 10, 10, 10])
     assert spread == Spread(80 / 10, 40 / 6, 10.0)
 
 
 def test_interleave_spreads_each_batching_over_the_pass() -> None:
-    batch = ceiling.PaddedBatch(torch.zeros(1, 1), torch.ones(1, 1), 1, 1)
+    batch = batches.PaddedBatch(torch.zeros(1, 1), torch.ones(1, 1), 1, 1)
     order = ceiling.interleave({"a": [batch] * 2, "b": [batch] * 4})
     assert order == [("b", 0), ("a", 0), ("b", 1), ("b", 2), ("a", 1), ("b", 3)]
 
@@ -145,11 +145,11 @@ def test_bucket_packing_keeps_each_batch_in_one_bucket() -> None:
     shapes = BatchShapes.build(max_batch_size=64, max_tokens=8192, fixed=False)
     buckets = [16, 32, 64, 128, 256]
     lengths = np.random.default_rng(1).integers(1, 257, size=700).tolist()
-    groups = ceiling.pack_buckets(lengths, buckets, shapes)
+    groups = batches.pack_buckets(lengths, buckets, shapes)
     assert sorted(i for g in groups for i in g) == list(range(700))
     for group in groups:
-        bucket = ceiling.bucket_of(max(lengths[i] for i in group), buckets)
-        assert {ceiling.bucket_of(lengths[i], buckets) for i in group} == {bucket}
+        bucket = batches.bucket_of(max(lengths[i] for i in group), buckets)
+        assert {batches.bucket_of(lengths[i], buckets) for i in group} == {bucket}
         assert len(group) <= shapes.max_rows(bucket)
 
 

@@ -13,7 +13,7 @@ import torch
 from sentence_transformers import SentenceTransformer
 
 from bench import headline, plot
-from bench.compute import ceiling, inprocess, limits
+from bench.compute import batches, inprocess, limits
 from bench.serving import startup
 from bench.tools import machine, workload
 from bench.tools.report import Spread
@@ -28,9 +28,9 @@ def test_sentence_transformers_batches_follow_its_own_length_order() -> None:
     assert measured == sorted(measured, reverse=True)  # longest first, as its encode sorts
 
 
-def _batch(rows: int, length: int) -> ceiling.PaddedBatch:
+def _batch(rows: int, length: int) -> batches.PaddedBatch:
     ids = torch.ones(rows, length, dtype=torch.int64)
-    return ceiling.PaddedBatch(ids, torch.ones_like(ids), rows, rows * length)
+    return batches.PaddedBatch(ids, torch.ones_like(ids), rows, rows * length)
 
 
 def test_a_timed_pass_runs_every_batch_once_a_round_at_a_time_in_the_lanes() -> None:
