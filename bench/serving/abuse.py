@@ -39,7 +39,7 @@ import grpc
 
 from bench import RESULTS_DIR, headline
 from bench.tools import machine
-from bench.tools.report import latency_summary
+from bench.tools.report import latency_summary, ratio_table
 from bench.tools.server import Server, running
 from kembed.config import Settings
 from kembed.v1 import embedder_pb2, embedder_pb2_grpc
@@ -235,7 +235,7 @@ def main(argv: Sequence[str] | None = None) -> None:
     rows = headline.abuse_ratios(result)
     result["ratios"] = [{"name": r.name, "value": r.value.to_dict(), "target": r.target, "met": r.met()} for r in rows]
     machine.write_result("abuse", result)
-    print(headline.ratio_table(rows))
+    print(ratio_table(rows))
     print(headline.abuse_table(result))
 
 

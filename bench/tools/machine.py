@@ -20,7 +20,7 @@ from typing import Any
 import torch
 
 from bench import RESULTS_DIR
-from bench.headline import Ratio, ratio_table
+from bench.tools.report import Ratio, ratio_table
 from kembed.engine.precision import bf16_units, cpu_flags
 
 # The vector and matrix units a CPU's forward pass may use (x86, then Arm), recorded where present.

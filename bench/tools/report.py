@@ -137,3 +137,37 @@ def deltas_by_label(before: Samples, after: Samples, name: str, label: str) -> d
     """Change of each ``label`` value's sample of ``name``, e.g. rejections per reason."""
     values = {dict(ls)[label] for n, ls in after if n == name and label in dict(ls)}
     return {v: metric_delta(before, after, name, **{label: v}) for v in sorted(values)}
+
+
+@dataclass(frozen=True)
+class Ratio:
+    name: str
+    value: Spread
+    target: str  # e.g. ">= 0.90"; empty when the figure is informative only
+
+    def met(self) -> bool | None:
+        if not self.target:
+            return None
+        op, bound = self.target.split()
+        return self.value.median >= float(bound) if op == ">=" else self.value.median <= float(bound)
+
+    def digits(self) -> int:
+        """Decimals shown: 2, or two more than a finer target has (a cosine's 0.999 shows 0.99993)."""
+        decimals = len(self.target.partition(".")[2])
+        return decimals + 2 if decimals >= 3 else 2
+
+
+def spread_text(s: Spread, digits: int = 2) -> str:
+    if math.isnan(s.median):
+        return "—"
+    if math.isclose(s.lo, s.hi):
+        return f"{s.median:.{digits}f}"
+    return f"{s.median:.{digits}f} ({s.lo:.{digits}f}–{s.hi:.{digits}f})"
+
+
+def ratio_table(rows: list[Ratio]) -> str:
+    lines = ["| Figure | Measured (range) | Target | Met |", "| --- | --- | --- | --- |"]
+    for r in rows:
+        met = {True: "yes", False: "**no**", None: ""}[r.met()]
+        lines.append(f"| {r.name} | {spread_text(r.value, r.digits())} | {r.target} | {met} |")
+    return "\n".join(lines)

@@ -22,6 +22,7 @@ from bench.tools.report import (
     padding_ratio,
     parse_prometheus,
     percentile,
+    ratio_table,
     window_rates,
     worker_figures,
 )
@@ -219,7 +220,7 @@ def test_headline_ratios_and_readme_splice() -> None:
     assert by_name["Server at saturation / sorted ceiling"].met() is True
     assert by_name["Accepted p95 at 4x / drain budget"].value.median == pytest.approx(0.75)
     assert by_name["Token bucket / naive server, at saturation"].value.median == pytest.approx(2.0)
-    assert "| yes |" in headline.ratio_table(rows)
+    assert "| yes |" in ratio_table(rows)
     compiled_only = {"bucketed": ceiling_result["sorted"]}  # CUDA graphs: only the server's shapes
     first = headline.ratios(compiled_only, _serve_result("token_bucket", 46, 1500), None)[0]
     assert first.name.startswith("Server at saturation / bucketed ceiling")
