@@ -39,10 +39,12 @@ from collections.abc import Sequence
 from bench import plot
 from bench.compute import ceiling, gpu, packing
 from bench.edges import ipc
-from bench.serving import abuse, corpus, fairness, hostpath, priority, serve_load, startup
+from bench.serving import abuse, corpus, fairness, priority, serve_load, startup
+from bench.serving.hostpath import measure as hostpath_measure
+from bench.serving.hostpath import run as hostpath
 
 TUNED_BUCKETS = "buckets=16,24,32,48,64,96,128,192,256"
-HOSTPATH = ["--parts", f"{hostpath.DEFAULT_PARTS},storm,spikes,deadlines"]
+HOSTPATH = ["--parts", f"{hostpath_measure.DEFAULT_PARTS},storm,spikes,deadlines"]
 QUICK_HOSTPATH = ["--duration", "5", "--warmup", "1", "--windows", "2", "--burst-rounds", "2", "--peer-duration", "5"]
 
 

@@ -39,7 +39,8 @@ from pathlib import Path
 from typing import Any
 
 from bench import RESULTS_DIR
-from bench.serving import hostpath, startup
+from bench.serving import startup
+from bench.serving.hostpath import measure
 from bench.tools import loadgen, machine, workload
 from bench.tools.loadgen import OK, CallRecord
 from bench.tools.report import metric_sum
@@ -75,17 +76,17 @@ class Options:
     timeout: float
 
 
-def _hostpath_options(opts: Options, duration: float) -> hostpath.Options:
+def _hostpath_options(opts: Options, duration: float) -> measure.Options:
     """hostpath's options for its phase helpers: rates over the whole phase, in 3 windows."""
-    base = hostpath.parse_options([])
+    base = measure.parse_options([])
     return dataclasses.replace(base, warmup=0.0, windows=3, storm_duration=duration, client_nice=opts.client_nice,
                                timeout=opts.timeout)  # fmt: skip
 
 
 def short_requests() -> list[bytes]:
     wl = workload.load()
-    short = [t for t, n in zip(wl.texts, wl.tokens, strict=True) if n <= hostpath.SHORT_TOKENS]
-    return hostpath.encode(short, 1)
+    short = [t for t, n in zip(wl.texts, wl.tokens, strict=True) if n <= measure.SHORT_TOKENS]
+    return measure.encode(short, 1)
 
 
 class GaugeSampler:
@@ -126,11 +127,11 @@ def mean(values: Sequence[float]) -> float:
 def _open_phase(server: Server, sampler: GaugeSampler, rate: float, opts: Options, retried: bool) -> dict[str, Any]:
     """One open-loop phase at ``rate`` calls/s; the gauge over its last ``sample_s``."""
     load = {"target": server.grpc_target, "requests": short_requests(), "rate": rate, "duration": opts.phase_s,
-            "count": hostpath.MAX_CALLS, "seed": workload.SEED, "deadline": opts.timeout,
+            "count": measure.MAX_CALLS, "seed": workload.SEED, "deadline": opts.timeout,
             "options": RETRY_OPTIONS if retried else ()}  # fmt: skip
     hp = _hostpath_options(opts, opts.phase_s)
     started = time.monotonic()
-    figures = hostpath._phase(server, lambda: hostpath._niced(loadgen.open_loop, load, hp), 1, hp, opts.phase_s)
+    figures = measure.phase_figures(server, lambda: measure.niced(loadgen.open_loop, load, hp), 1, hp, opts.phase_s)
     # The client process starts (spawn, imports) before its clock: the phase ends span_s after that.
     ended = time.monotonic()
     figures["offered_calls_per_s"] = rate
@@ -142,8 +143,8 @@ def gauge(opts: Options) -> dict[str, Any]:
     hp = _hostpath_options(opts, opts.saturation_s)
     with running({}, RESULTS_DIR / "demand_gauge.log") as server:
         saturate = {"target": server.grpc_target, "requests": short_requests(), "concurrency": opts.concurrency,
-                    "duration": opts.saturation_s, "count": hostpath.MAX_CALLS, "deadline": opts.timeout}  # fmt: skip
-        saturation = hostpath._phase(server, lambda: hostpath._niced(loadgen.closed_loop, saturate, hp), 1, hp,
+                    "duration": opts.saturation_s, "count": measure.MAX_CALLS, "deadline": opts.timeout}  # fmt: skip
+        saturation = measure.phase_figures(server, lambda: measure.niced(loadgen.closed_loop, saturate, hp), 1, hp,
                                      opts.saturation_s)  # fmt: skip
         calls_per_s = saturation["calls_per_s"]["median"]
         saturation["service_rate_tokens_per_s"] = metric_sum(server.metrics(), Metric.SERVICE_RATE)
@@ -201,7 +202,7 @@ def new_pod_start(opts: Options, cache: str, log: Path) -> dict[str, Any]:
     """One server started with ``cache`` while the callers wait; their figures from ready on."""
     log.unlink(missing_ok=True)
     job = {"log": str(log), "requests": short_requests(), "concurrency": opts.concurrency,
-           "duration": opts.new_pod_s, "count": hostpath.MAX_CALLS, "deadline": opts.timeout}  # fmt: skip
+           "duration": opts.new_pod_s, "count": measure.MAX_CALLS, "deadline": opts.timeout}  # fmt: skip
     done: list[tuple[list[CallRecord], float]] = []
     clients = threading.Thread(
         target=lambda: done.extend(loadgen.in_processes(after_ready, [job], nice=opts.client_nice)[0])
