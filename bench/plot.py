@@ -9,7 +9,6 @@ the throughput plot).
 
 from __future__ import annotations
 
-import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -22,7 +21,7 @@ import matplotlib.pyplot as plt
 
 from bench import RESULTS_DIR, headline
 from bench.tools.machine import read_result
-from bench.tools.report import Ratio, ratio_table
+from bench.tools.report import Ratio, ratio_table, splice
 
 README = RESULTS_DIR.parent / "README.md"
 TOP_README = RESULTS_DIR.parent.parent / "README.md"
@@ -205,13 +204,6 @@ def _bf16(m: dict[str, Any]) -> str:
     if "cpu_bf16_flags" not in m:
         return "bf16 units not recorded"
     return f"bf16 units: {', '.join(m['cpu_bf16_flags'])}" if m["cpu_bf16_flags"] else "no bf16 units"
-
-
-def splice(readme: str, block: str, markers: tuple[str, str]) -> str:
-    """``readme`` with the text between the markers replaced by ``block`` (unchanged without them)."""
-    begin, end = markers
-    pattern = re.compile(re.escape(begin) + ".*?" + re.escape(end), re.DOTALL)
-    return pattern.sub(lambda _: f"{begin}\n{block}\n{end}", readme)
 
 
 def headline_block(

@@ -171,3 +171,10 @@ def ratio_table(rows: list[Ratio]) -> str:
         met = {True: "yes", False: "**no**", None: ""}[r.met()]
         lines.append(f"| {r.name} | {spread_text(r.value, r.digits())} | {r.target} | {met} |")
     return "\n".join(lines)
+
+
+def splice(readme: str, block: str, markers: tuple[str, str]) -> str:
+    """``readme`` with the text between the markers replaced by ``block`` (unchanged without them)."""
+    begin, end = markers
+    pattern = re.compile(re.escape(begin) + ".*?" + re.escape(end), re.DOTALL)
+    return pattern.sub(lambda _: f"{begin}\n{block}\n{end}", readme)

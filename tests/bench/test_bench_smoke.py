@@ -23,6 +23,7 @@ from bench.tools.report import (
     parse_prometheus,
     percentile,
     ratio_table,
+    splice,
     window_rates,
     worker_figures,
 )
@@ -226,8 +227,8 @@ def test_headline_ratios_and_readme_splice() -> None:
     assert first.name.startswith("Server at saturation / bucketed ceiling")
     begin, end = plot.RESULTS_MARKERS
     readme = f"intro\n{begin}\nold\n{end}\nend\n"
-    assert plot.splice(readme, "new", plot.RESULTS_MARKERS) == f"intro\n{begin}\nnew\n{end}\nend\n"
-    assert plot.splice(readme, "new", plot.HEADLINE_MARKERS) == readme
+    assert splice(readme, "new", plot.RESULTS_MARKERS) == f"intro\n{begin}\nnew\n{end}\nend\n"
+    assert splice(readme, "new", plot.HEADLINE_MARKERS) == readme
 
 
 def test_spread_median_is_the_middle() -> None:

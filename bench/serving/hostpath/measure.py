@@ -16,7 +16,10 @@ from typing import Any, NamedTuple, TypeVar
 import grpc
 
 from bench import RESULTS_DIR
-from bench.serving import peers
+from bench.serving import (
+    hostpath,  # the package's docstring is the command's help
+    peers,
+)
 from bench.tools import http_loadgen, loadgen
 from bench.tools.loadgen import OK, CallRecord
 from bench.tools.report import (
@@ -283,7 +286,7 @@ def calls_text(figures: dict[str, Any]) -> str:
 
 
 def parse_options(argv: Sequence[str] | None = None) -> Options:
-    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(description=hostpath.__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--parts", default=DEFAULT_PARTS, help=f"comma-separated, of {', '.join(PARTS)}")
     parser.add_argument("--frontends", default="1", help="process counts to compare, e.g. 1,2")
     parser.add_argument("--name", default="hostpath", help="write bench/results/NAME.json")
