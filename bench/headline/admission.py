@@ -10,11 +10,8 @@ from bench.headline.figures import exact, ms_text
 from bench.tools.report import Ratio, Spread, percentile, spread_text
 
 QUERY_P95_TARGET = "<= 1.00"  # of the idle p95 plus two batch durations
-
 QUERY_OVER_BATCH_TARGET = "<= 0.35"
-
 PRIORITY_GOODPUT_TARGET = ">= 0.90"
-
 NONE = "<= 0"
 
 
@@ -108,7 +105,6 @@ def _by_class(rejections: dict[str, dict[str, float]]) -> str:
 
 
 ABUSE_PHASES = ("idle", "bad_bodies", "slow_bodies")
-
 ABUSE_TARGET = "<= 3.00"  # a ping's p99 beside a hostile client, over its idle p99
 
 
@@ -212,7 +208,6 @@ def _poison_notes(poison: dict[str, Any]) -> str:
 
 
 CORPUS_GOODPUT_TARGET = ">= 0.90"
-
 SAME_ROW_TARGET = ">= 0.9999"  # one text in two batches: float rounding apart (the corpus command's SAME_ROW)
 
 

@@ -159,17 +159,11 @@ def gpu_table(gpu: dict[str, Any] | None) -> str:
 
 
 ST_ONE_TEXT_TARGET = ">= 1.10"  # kembed at 1 text a call over sentence-transformers' sorted encode
-
 COMPILED_CEILING_TARGET = ">= 0.90"  # kembed at 1 text a call over the compiled in-process ceiling
-
 INFINITY_TARGET = ">= 3.00"  # kembed over Infinity in its own bf16 mode, 1 text a call
-
 ST_MANY_TEXTS_TARGET = ">= 1.20"  # kembed at 16 texts a call over sentence-transformers' sorted encode
-
 COSINE_TARGET = ">= 0.999"  # against sentence-transformers in fp32, every workload text
-
 COLD_START_TARGET = "<= 40"  # seconds to ready, empty compile cache, default settings
-
 WARM_START_TARGET = "<= 15"  # the same, from the cache the cold start filled
 
 

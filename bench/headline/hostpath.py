@@ -10,32 +10,20 @@ from bench.headline.figures import calls_rate, cores_text, emb_rate, exact, ms_t
 from bench.tools.report import Ratio, Spread, spread_text
 
 HOST_PATH_TARGET = ">= 0.50"  # one front end against a one-process echo
-
 REJECTION_TARGET = "<= 2.00"
-
 STORM_TARGET = ">= 0.90"
-
 # Open-loop spikes over a connection pool, by offered multiple of saturation: goodput, and the
 # refusals' p99 in ms; the accepted calls' p95 within the drain budget at every multiple.
 SPIKE_GOODPUT_TARGETS = {2.0: ">= 0.90", 4.0: ">= 0.85"}
-
 SPIKE_REFUSAL_P99_TARGETS = {2.0: "<= 100", 4.0: "<= 250"}
-
 SPIKE_ACCEPTED_TARGET = "<= 1.00"
-
 EXPORTED_P95_TARGET = "<= 1.50"  # the exported P95 and the served callers' p95, the larger over the smaller
-
 REST_TARGET = ">= 0.80"  # REST's calls/s over gRPC's, one front end
-
 PEER_TARGET = ">= 2.50"  # kembed's REST calls/s over the peer's, the real model, each in its own bf16 on a bf16 CPU
-
 # The GPU targets of the serve part, judged only where the server ran on CUDA: texts a call -> target.
 SERVE_EMB_TARGETS = {1: ">= 15000", 16: ">= 25000"}
-
 SERVE_P95_MS_TARGETS = {1: "<= 100"}
-
 SERVE_CEILING_TARGETS = {16: ">= 0.55"}
-
 GPU_BUSY_TARGET = ">= 0.50"
 
 

@@ -36,19 +36,12 @@ from bench.tools.server import Server
 from kembed.v1 import embedder_pb2
 
 ZERO_COST = "bench.tools.zero_cost"
-
 PARTS = ("host_path", "rejection", "rest", "storm", "spikes", "deadlines", "serve")
-
 DEFAULT_PARTS = "host_path,rejection,rest"
-
 SHORT_TOKENS = 16  # "one short text": the workload's shortest class
-
 BURST_TOKENS = (64, 128)  # a burst call's texts: about 60 words each
-
 MAX_CALLS = 1_000_000  # closed loops end on time; this only bounds a runaway
-
 EXHAUSTED = grpc.StatusCode.RESOURCE_EXHAUSTED.name
-
 T = TypeVar("T")
 
 
@@ -60,7 +53,6 @@ class Codes(NamedTuple):
 
 
 GRPC_CODES = Codes(OK, EXHAUSTED)
-
 HTTP_CODES = Codes("200", "429")
 
 
@@ -263,7 +255,6 @@ def bursts(server: Server, request: bytes, opts: Options, senders: Senders, code
 # The short-deadline shape: real callers of 4 texts of about 40 words with 10 s deadlines; after a
 # lead, careless callers of 1 text with 30 ms deadlines on a connection of their own.
 DEADLINE_CALLERS, DEADLINE_TEXTS, DEADLINE_S = 24, 4, 10.0
-
 SHORT_CALLERS, SHORT_DEADLINE_S, SHORT_LEAD_S = 48, 0.03, 12.0
 
 
