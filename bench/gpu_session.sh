@@ -174,8 +174,8 @@ for name in ("grpcio", "protobuf", "pydantic", "pydantic-core", "typing-extensio
     print(f"  {name} {v(name)}")
 for module in ("grpc", "google.protobuf", "pydantic", "grpc_health.v1.health", "grpc_reflection.v1alpha.reflection",
                "prometheus_client", "kembed.v1.embedder_pb2", "kembed.v1.embedder_pb2_grpc", "kembed.config",
-               "kembed.supervisor.process", "kembed.engine.worker", "bench.serving.hostpath", "bench.compute.ceiling", "bench.compute.gpu", "pytest_asyncio",
-               "pytest_timeout", "sentence_transformers"):
+               "kembed.supervisor.process", "kembed.engine.worker", "bench.serving.hostpath.run", "bench.compute.ceiling",
+               "bench.compute.gpu", "pytest_asyncio", "pytest_timeout", "sentence_transformers"):
     try:
         importlib.import_module(module)
     except Exception as err:  # report every missing piece, not just the first
@@ -304,6 +304,7 @@ def read(phase: str, name: str) -> dict | None:
 
 try:
     from bench import headline
+    from bench.tools.report import ratio_table
 except Exception as err:  # the summary must not die with the environment
     print(f"(no tables: bench.headline does not import: {err})")
     raise SystemExit(0)
@@ -316,7 +317,7 @@ if hostpath := read("serve", "hostpath"):
     torch_seen.add(hostpath["machine"]["torch"])
     serve = hostpath.get("serve", {})
     print(f"serve: {serve.get('info', {}).get('device')} {serve.get('info', {}).get('dtype')}, {serve.get('settings')}")
-    print(headline.ratio_table(headline.serve_ratios(serve)))
+    print(ratio_table(headline.serve_ratios(serve)))
     for load in serve.get("loads", []):
         w = load.get("worker", {})
         print(f"  {load['texts_per_call']} text(s): codes {load['codes']}, server CPU cores "
