@@ -112,24 +112,36 @@ def judge_steps(
 ) -> list[dict[str, Any]]:
     """Per hold: its ideal size; for a hold after a rise, when the serving pods reached it (within
     the deadline?) and whether the size stayed within one replica after; for every hold, the
-    changes of direction of the size (at most one)."""
+    changes of direction of the size (at most one) and the largest size once settled, against the
+    size it needed (:func:`_needed`)."""
     verdicts = []
+    grace = 2 * sync_s + pod_start_s
     for i, hold in enumerate(segments):
         if hold.kind != "hold":
             continue
         ideal = ideal_replicas(hold.level_to)
         during = [s for s in samples if hold.start <= s.t < hold.end]
+        rose = i > 0 and segments[i - 1].level_to > segments[i - 1].level_from
         verdict: dict[str, Any] = {
             "start": hold.start,
             "level": hold.level_to,
             "ideal": ideal,
             "direction_changes": direction_changes([s.replicas for s in during]),
+            "needed": ideal if rose else _needed(ideal, samples, hold.start + grace),
+            "largest": max((s.replicas for s in samples if hold.start + grace <= s.t < hold.end), default=None),
         }
         verdict["no_flapping"] = verdict["direction_changes"] <= 1
-        if i > 0 and segments[i - 1].level_to > segments[i - 1].level_from:
-            verdict.update(_step_up(segments[i - 1].start, hold, ideal, samples, 2 * sync_s + pod_start_s))
+        if rose:
+            verdict.update(_step_up(segments[i - 1].start, hold, ideal, samples, grace))
         verdicts.append(verdict)
     return verdicts
+
+
+def _needed(ideal: int, samples: Sequence[Sample], settled: float) -> int:
+    """What a hold after a fall or at the start needs: its ideal size, or the size the fleet had
+    once settled if larger (scaling down waits by design); growing past that is what it did not need."""
+    before = [s.replicas for s in samples if s.t <= settled]
+    return max(ideal, before[-1] if before else ideal)
 
 
 def _step_up(rise_start: float, hold: Segment, ideal: int, samples: Sequence[Sample], grace: float) -> dict[str, Any]:
@@ -141,7 +153,6 @@ def _step_up(rise_start: float, hold: Segment, ideal: int, samples: Sequence[Sam
         "reached_at": reached,
         "reached_in_time": reached is not None and reached <= deadline,
         "held_within_one": all(abs(r - ideal) <= 1 for r in after) if after else None,  # None: hold too short
-        "largest": max(after, default=None),
     }
 
 
@@ -216,9 +227,9 @@ def judge(
         "steps_reached_in_time": all(s.get("reached_in_time") is not False for s in steps),
         "steps_held_within_one": all(s.get("held_within_one") is not False for s in steps),
         "no_flapping": all(s["no_flapping"] for s in steps),
-        # The largest size a step up held once settled, over the size its load needs (a retry storm's
-        # target: its retries must not size the fleet past 1.3x what the first attempts need).
-        "largest_over_ideal": max((s["largest"] / s["ideal"] for s in steps if s.get("largest")), default=None),
+        # The largest size a hold had once settled, over the size it needed (a retry storm's target:
+        # its retries must not size the fleet past 1.3x what the first attempts need).
+        "largest_over_needed": max((s["largest"] / s["needed"] for s in steps if s["largest"]), default=None),
         **judge_calls(calls, windows, slo_s),
         "replica_seconds": used,
         "ideal_replica_seconds": ideal,

@@ -174,9 +174,10 @@ class Setup:
 
 
 def fleet_settings(setup: Setup) -> dict[str, str]:
-    """The operator's settings, on the modeled device: one front end, compile off, the P95's window
-    and the connection age compressed like the controller's periods."""
+    """The operator's settings, on the modeled device: one front end, compile off, the P95's and the
+    demand's windows and the connection age compressed like the controller's periods."""
     window = float(setup.rendered.settings.get("latency_window_s", 10.0)) / COMPRESSION
+    demand_s = float(setup.rendered.settings.get("demand_window_s", Settings().demand_window_s)) / COMPRESSION
     age_ms = int(Settings.model_fields["max_connection_age_ms"].default / COMPRESSION)
     return {
         **setup.rendered.settings,
@@ -184,6 +185,7 @@ def fleet_settings(setup: Setup) -> dict[str, str]:
         "compile": "off",
         "dtype": "float32",
         "latency_window_s": str(window),
+        "demand_window_s": str(demand_s),
         "max_connection_age_ms": str(max(1000, age_ms)),
     }
 
@@ -355,7 +357,7 @@ def _headline(targets: Mapping[str, Any]) -> dict[str, Any]:
         "refused",
         "lost",
         "p95_outside_windows_ms",
-        "largest_over_ideal",
+        "largest_over_needed",
         "attempts_per_call",
     )
     return {k: targets[k] for k in keys}

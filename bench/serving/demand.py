@@ -9,6 +9,9 @@
    ``--phase-s`` long; ``kembed_demand_ratio`` is scraped every second over each phase's last
    ``--sample-s`` (its 15 s EWMA has settled by then). Targets: 0.75-1.3 at 1x; each other
    multiple within 25% of proportional to the 1x reading; the retried multiple 2.25-3.9x the 1x reading.
+   ``--texts N`` sends N short texts a call instead (``demand_gauge_texts<N>.json``): at one text a
+   call on two cores the front end's per-call cost (issue 46), not the engine, caps what 4x can
+   even be read and refused at.
 2. **A pod started under load** (part ``new_pod``). ``--concurrency`` closed-loop callers of one
    short text wait while a server starts (``KEMBED_COMPILE_CACHE_DIR`` empty, *cold*, then with
    what the cold start left, *warm*); from the instant its ``/readyz`` answers they send, for
@@ -74,6 +77,7 @@ class Options:
     new_pod_s: float
     client_nice: int
     timeout: float
+    texts: int
 
 
 def _hostpath_options(opts: Options, duration: float) -> measure.Options:
@@ -83,10 +87,10 @@ def _hostpath_options(opts: Options, duration: float) -> measure.Options:
                                timeout=opts.timeout)  # fmt: skip
 
 
-def short_requests() -> list[bytes]:
+def short_requests(per_call: int = 1) -> list[bytes]:
     wl = workload.load()
     short = [t for t, n in zip(wl.texts, wl.tokens, strict=True) if n <= measure.SHORT_TOKENS]
-    return measure.encode(short, 1)
+    return measure.encode(short, per_call)
 
 
 class GaugeSampler:
@@ -96,14 +100,15 @@ class GaugeSampler:
     def __init__(self, server: Server) -> None:
         self._server = server
         self._stop = threading.Event()
-        self.samples: list[tuple[float, float, float]] = []
+        self.samples: list[tuple[float, float, float, float]] = []
         self._thread = threading.Thread(target=self._run, daemon=True)
 
     def _run(self) -> None:
         while not self._stop.wait(1.0):
             scraped = self._server.metrics()
-            ratio, rate = (metric_sum(scraped, name) for name in (Metric.DEMAND_RATIO, Metric.SERVICE_RATE))
-            self.samples.append((time.monotonic(), ratio, rate))
+            names = (Metric.DEMAND_RATIO, Metric.SERVICE_RATE, Metric.CAPACITY)
+            ratio, rate, capacity = (metric_sum(scraped, name) for name in names)
+            self.samples.append((time.monotonic(), ratio, rate, capacity))
 
     def __enter__(self) -> GaugeSampler:
         self._thread.start()
@@ -114,10 +119,14 @@ class GaugeSampler:
         self._thread.join()
 
     def between(self, start: float, end: float) -> dict[str, Any]:
-        """The ratio's mean and samples, and the service rate's mean, scraped in [start, end]."""
-        ratios = [ratio for at, ratio, _ in self.samples if start <= at <= end]
-        rates = [rate for at, _, rate in self.samples if start <= at <= end]
-        return {"mean": mean(ratios), "samples": ratios, "service_rate_tokens_per_s": mean(rates)}
+        """The ratio's mean and samples, and the service rate's and capacity's means, scraped in [start, end]."""
+        inside = [sample for sample in self.samples if start <= sample[0] <= end]
+        return {
+            "mean": mean([ratio for _, ratio, _, _ in inside]),
+            "samples": [ratio for _, ratio, _, _ in inside],
+            "service_rate_tokens_per_s": mean([rate for _, _, rate, _ in inside]),
+            "capacity_tokens_per_s": mean([capacity for _, _, _, capacity in inside]),
+        }
 
 
 def mean(values: Sequence[float]) -> float:
@@ -126,8 +135,8 @@ def mean(values: Sequence[float]) -> float:
 
 def _open_phase(server: Server, sampler: GaugeSampler, rate: float, opts: Options, retried: bool) -> dict[str, Any]:
     """One open-loop phase at ``rate`` calls/s; the gauge over its last ``sample_s``."""
-    load = {"target": server.grpc_target, "requests": short_requests(), "rate": rate, "duration": opts.phase_s,
-            "count": measure.MAX_CALLS, "seed": workload.SEED, "deadline": opts.timeout,
+    load = {"target": server.grpc_target, "requests": short_requests(opts.texts), "rate": rate,
+            "duration": opts.phase_s, "count": measure.MAX_CALLS, "seed": workload.SEED, "deadline": opts.timeout,
             "options": RETRY_OPTIONS if retried else ()}  # fmt: skip
     hp = _hostpath_options(opts, opts.phase_s)
     started = time.monotonic()
@@ -142,8 +151,9 @@ def _open_phase(server: Server, sampler: GaugeSampler, rate: float, opts: Option
 def gauge(opts: Options) -> dict[str, Any]:
     hp = _hostpath_options(opts, opts.saturation_s)
     with running({}, RESULTS_DIR / "demand_gauge.log") as server:
-        saturate = {"target": server.grpc_target, "requests": short_requests(), "concurrency": opts.concurrency,
-                    "duration": opts.saturation_s, "count": measure.MAX_CALLS, "deadline": opts.timeout}  # fmt: skip
+        saturate = {"target": server.grpc_target, "requests": short_requests(opts.texts),
+                    "concurrency": opts.concurrency, "duration": opts.saturation_s, "count": measure.MAX_CALLS,
+                    "deadline": opts.timeout}  # fmt: skip
         saturation = measure.phase_figures(server, lambda: measure.niced(loadgen.closed_loop, saturate, hp), 1, hp,
                                      opts.saturation_s)  # fmt: skip
         calls_per_s = saturation["calls_per_s"]["median"]
@@ -257,6 +267,7 @@ def parse_options(argv: Sequence[str] | None = None) -> Options:
     parser.add_argument("--new-pod-s", type=float, default=90.0, help="seconds of load after the new pod is ready")
     parser.add_argument("--client-nice", type=int, default=19, help="clients' niceness, added to ours")
     parser.add_argument("--timeout", type=float, default=30.0, help="client deadline per call, seconds")
+    parser.add_argument("--texts", type=int, default=1, help="short texts a call in the gauge's load")
     args = parser.parse_args(argv)
     parts = tuple(p for p in args.parts.split(",") if p)
     if unknown := set(parts) - set(PARTS):
@@ -275,7 +286,8 @@ def main(argv: Sequence[str] | None = None) -> None:
     print(f"demand: {', '.join(opts.parts)}; load average {loadavg}", flush=True)
     settings = {**dataclasses.asdict(opts), "loadavg_at_start": loadavg}
     if "gauge" in opts.parts:
-        machine.write_result("demand_gauge", {"settings": settings, **gauge(opts)})
+        name = "demand_gauge" if opts.texts == 1 else f"demand_gauge_texts{opts.texts}"
+        machine.write_result(name, {"settings": settings, **gauge(opts)})
     if "new_pod" in opts.parts:
         machine.write_result("demand_new_pod", {"settings": settings, **new_pod(opts)})
 

@@ -56,6 +56,7 @@ from typing import Protocol
 import numpy as np
 
 from kembed.config import Admission, Settings
+from kembed.demand import CAPACITY_HOLD_TAUS, Capacity
 from kembed.priority import Priority
 from kembed.shapes import Queueing
 
@@ -232,6 +233,8 @@ class MeasuredLoad:
         self._hard = settings.p95_hard_ms / 1000
         self.recover_below = self._soft * RECOVER_FRACTION
         self.rate = ServiceRate(batch_tokens)
+        self._capacity = Capacity(settings.demand_window_s * CAPACITY_HOLD_TAUS)
+        self._clock = clock
         self.latency = {priority: LatencyWindow(settings.latency_window_s, clock) for priority in Priority}
         # Served interactive requests and refusals at the wait they were spared.
         self.pressure = LatencyWindow(settings.latency_window_s, clock)
@@ -240,6 +243,10 @@ class MeasuredLoad:
     @property
     def tokens_per_second(self) -> float:
         return self.rate.tokens_per_second
+
+    def capacity(self) -> float:
+        """What the pod can serve, for the demand: the best rate measured, held (kembed/demand.py)."""
+        return self._capacity.update(self.rate.tokens_per_second, self._clock())
 
     def p95_seconds(self, priority: Priority = Priority.INTERACTIVE) -> float:
         """The class's P95 of served requests: what is exported."""

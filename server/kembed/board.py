@@ -35,6 +35,7 @@ class Cell(IntEnum):
     DISPLACEABLE_TOKENS = 10  # queued batch tokens of requests none of whose items started
     SATURATION = 11  # 0 to 1: the share of the admission budget the backlog fills
     IN_FLIGHT_INTERACTIVE_TOKENS = 12  # of IN_FLIGHT_TOKENS: the rows of interactive items
+    CAPACITY = 13  # padded tokens per second the pod can serve: the demand's denominator (kembed/demand.py)
 
 
 class ClassCell(IntEnum):

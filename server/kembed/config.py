@@ -311,6 +311,14 @@ class Settings(BaseModel):
         json_schema_extra=TUNING,
     )
     latency_window_s: float = Field(10.0, gt=0, description="Sliding window for the P95", json_schema_extra=TUNING)
+    demand_window_s: float = Field(
+        15.0,
+        gt=0,
+        le=600,
+        description="Time constant of kembed_demand_ratio's weighting (reaches 63% of a step in it); "
+        "the capacity it divides by forgets a best rate over 60 of them",
+        json_schema_extra=TUNING,
+    )
     max_queued_tokens: int = Field(
         262144,
         ge=1,

@@ -74,6 +74,7 @@ class Metric:
     PRIORITY_LATENCY_P95_SECONDS: Final = "kembed_priority_latency_p95_seconds"  # {priority}
     SATURATION: Final = "kembed_saturation"  # 0 to 1, of the admission budget
     SERVICE_RATE: Final = "kembed_service_rate_tokens_per_second"
+    CAPACITY: Final = "kembed_capacity_tokens_per_second"
     REQUESTS: Final = "kembed_requests"  # exposed as kembed_requests_total{code}
     REJECTED: Final = "kembed_rejected"  # exposed as kembed_rejected_total{reason,priority}
     REFUSALS_PACED: Final = "kembed_refusals_paced"  # exposed as kembed_refusals_paced_total

@@ -135,14 +135,14 @@ class EngineMetrics:
 class BoardGauges(Collector):
     """Gauges of the present, read off the engine's board at scrape time."""
 
-    def __init__(self, board: Board, ready: Callable[[], bool]) -> None:
+    def __init__(self, board: Board, ready: Callable[[], bool], demand_window_s: float) -> None:
         self._board = board
         self._gauges: list[tuple[str, str, Callable[[], float]]] = [
             (
                 Metric.DEMAND_RATIO,
                 "Work offered per second, refused included, over the work per second the pod can do "
-                f"(padded tokens, weighted over {demand.DEMAND_TAU_S:g} s); 1 is at capacity",
-                lambda: demand_ratio(board, time.monotonic()),
+                f"(padded tokens, weighted over {demand_window_s:g} s); 1 is at capacity",
+                lambda: demand_ratio(board, time.monotonic(), demand_window_s),
             ),
             (
                 Metric.QUEUE_DRAIN_SECONDS,
@@ -163,6 +163,11 @@ class BoardGauges(Collector):
                 Metric.SERVICE_RATE,
                 "Measured padded tokens per compute second",
                 lambda: board[Cell.TOKENS_PER_SECOND],
+            ),
+            (
+                Metric.CAPACITY,
+                "Padded tokens per second the pod can serve: the best service rate, held (the demand's denominator)",
+                lambda: board[Cell.CAPACITY],
             ),
             (Metric.WORKER_QUEUE_DEPTH, "Batches handed to the worker", lambda: board[Cell.IN_FLIGHT_BATCHES]),
             (Metric.RUNNING_REQUESTS, "Requests some of whose items started, not yet answered", lambda: running(board)),
@@ -189,11 +194,13 @@ class BoardGauges(Collector):
             yield family
 
 
-def supervisor_registry(metrics_dir: Path, board: Board, ready: Callable[[], bool]) -> CollectorRegistry:
+def supervisor_registry(
+    metrics_dir: Path, board: Board, ready: Callable[[], bool], demand_window_s: float
+) -> CollectorRegistry:
     """What ``/metrics`` serves: every process's counters merged, and the board's gauges."""
     registry = CollectorRegistry()
     MultiProcessCollector(registry, path=str(metrics_dir))
-    registry.register(BoardGauges(board, ready))
+    registry.register(BoardGauges(board, ready, demand_window_s))
     return registry
 
 
@@ -203,13 +210,13 @@ def running(board: Board) -> float:
     return max(0.0, board[Cell.OPEN_REQUESTS] - waiting)
 
 
-def demand_ratio(board: Board, now: float) -> float:
-    """The work the pod's front ends were offered, as it stands at ``now``, over the measured rate."""
+def demand_ratio(board: Board, now: float, window_s: float) -> float:
+    """The work the pod's front ends were offered, as it stands at ``now``, over its capacity."""
     rates = (
         (board.frontend(i, FrontendCell.OFFERED_RATE), board.frontend(i, FrontendCell.OFFERED_AT))
         for i in range(board.frontends)
     )
-    return demand.ratio(rates, now, board[Cell.TOKENS_PER_SECOND])
+    return demand.ratio(rates, now, board[Cell.CAPACITY], window_s)
 
 
 def drain_seconds(board: Board) -> float:

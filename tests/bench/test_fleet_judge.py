@@ -68,6 +68,18 @@ def test_a_step_reached_late_flapping_and_overshooting_is_judged_so() -> None:
     assert step["direction_changes"] == 2 and not step["no_flapping"]
 
 
+def test_a_fleet_that_grows_in_a_hold_after_a_fall_is_judged_on_it() -> None:
+    """The retry storm's bound holds on the way down too: a fleet that kept 3 pods as the load fell
+    to 1.5x is fine (scaling down is slow by design), one that grew to 6 there is twice what it needed."""
+    segments = profile(1.0, SHAPE)  # ... the spike to 3x ends at 37, then a hold at 1.5x until 47
+    kept = samples((0, 1, 1), (20, 2, 2), (36, 3, 3), (40, 3, 3), (46, 3, 3))
+    after_fall = judge_steps(segments, kept, sync_s=1, pod_start_s=2)[-1]
+    assert after_fall["ideal"] == 2 and after_fall["needed"] == 3 and after_fall["largest"] == 3
+    grew = samples((0, 1, 1), (20, 2, 2), (36, 3, 3), (40, 3, 3), (42, 6, 6), (46, 6, 6))
+    after_fall = judge_steps(segments, grew, sync_s=1, pod_start_s=2)[-1]
+    assert after_fall["largest"] / after_fall["needed"] == 2
+
+
 def test_calls_outside_windows_judged_on_p95_refusals_and_losses() -> None:
     windows = [(10.0, 20.0)]
     calls = [Call(float(t), 0.1, "ok") for t in range(30)] + [Call(12, 0, "refused")]

@@ -13,8 +13,8 @@ import grpc
 import numpy as np
 import pytest
 
+from kembed.config import Settings
 from kembed.contract import OPENAI_RETRY_COUNT_HEADER, Metric
-from kembed.demand import DEMAND_TAU_S
 from kembed.v1 import embedder_pb2 as pb
 from kembed.v1 import embedder_pb2_grpc as pb_grpc
 from tests.server.serving import ServerProcess
@@ -67,7 +67,8 @@ def demand(server: ServerProcess) -> float:
 
 def one_call(server: ServerProcess) -> float:
     """What one call of COST adds to the gauge, read at once."""
-    return COST / DEMAND_TAU_S / server.metric(Metric.SERVICE_RATE)
+    window_s = Settings.model_fields["demand_window_s"].default
+    return COST / window_s / server.metric(Metric.CAPACITY)
 
 
 def post(server: ServerProcess, headers: dict[str, str]) -> int:

@@ -12,13 +12,14 @@ import subprocess
 import sys
 import urllib.request
 from pathlib import Path
+from typing import Any
 
 import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from kembed.board import Board, Cell, FrontendCell
-from kembed.contract import EXIT_FATAL
+from kembed.contract import EXIT_FATAL, RETRY_PUSHBACK_KEY
 from kembed.protocol import PROTOCOL_VERSION, Hello, frame
 from kembed.runtime import BOARD_FILE, ENGINE_SOCKET
 from kembed.v1 import embedder_pb2 as pb
@@ -183,6 +184,9 @@ def test_sigterm_answers_everything_accepted_in_every_front_end(tmp_path: Path):
                 with pytest.raises(grpc.RpcError) as caught:
                     pb_grpc.EmbedderStub(channel).Embed(pb.EmbedRequest(texts=["after SIGTERM"]), timeout=30)
                 assert caught.value.code() is grpc.StatusCode.UNAVAILABLE
+                # a pushback, so gRPC's retry policy sends it again (on another replica)
+                trailing: Any = caught.value.trailing_metadata()  # the stubs type it as a tuple of Never
+                assert dict(trailing)[RETRY_PUSHBACK_KEY] == "100"
             assert not any(future.done() for future in accepted)  # every one of them is still in flight
         assert [future.result().count for future in accepted] == [8] * 20
         assert server.process.wait(timeout=60) == 0

@@ -272,8 +272,9 @@ def test_warming_up_and_draining_are_503_and_sigterm_answers_every_accepted_call
             server.wait_open_requests(6)
             server.process.send_signal(signal.SIGTERM)
             wait_until(lambda: server.http("/readyz")[0] != 200, 60, "readiness to drop")
-            status, body, _ = post(server, {"input": "after SIGTERM"})
+            status, body, headers = post(server, {"input": "after SIGTERM"})
             assert status == 503 and body["error"]["code"] == "unavailable"
+            assert headers["retry-after-ms"] == "100"  # the openai SDK retries a 503 after it
             server.engine.release()
             answers = [future.result(timeout=120) for future in accepted]
         assert [(status, len(body["data"])) for status, body, _ in answers] == [(200, 4)] * 6

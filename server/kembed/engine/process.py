@@ -325,6 +325,7 @@ class EngineProcess:
         """The worker's heartbeat (a batch stuck on the device stops it: the pod is restarted), P95
         and shedding."""
         self._board[Cell.ENGINE_HEARTBEAT] = worker.heartbeat
+        self._board[Cell.CAPACITY] = core.load.capacity()
         self._publish(core)
         for priority in Priority:
             self._board.set_class(priority, ClassCell.P95_SECONDS, core.load.p95_seconds(priority))

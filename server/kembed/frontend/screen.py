@@ -68,7 +68,9 @@ class Screen:
         self._clock = clock
         # Carried on from the board: a front end restarted in a running pod keeps its predecessor's rate.
         self._offered = OfferedRate(
-            board.frontend(frontend, FrontendCell.OFFERED_RATE), board.frontend(frontend, FrontendCell.OFFERED_AT)
+            settings.demand_window_s,
+            board.frontend(frontend, FrontendCell.OFFERED_RATE),
+            board.frontend(frontend, FrontendCell.OFFERED_AT),
         )
 
     def class_of(self, padded_tokens: int, priority: Priority) -> Priority:

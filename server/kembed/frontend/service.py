@@ -41,6 +41,7 @@ from kembed.runtime import read_serving
 from kembed.shapes import padded_lengths
 
 MAX_REQUEST_ID_CHARS = 256
+DRAINING_PUSHBACK_MS = 100  # a draining pod's refusal: come back at once, on a new connection
 # Inputs up to this many characters or id bytes are tokenized on the event loop: a trip through the
 # executor (two thread switches and a loop wake-up) costs more than tokenizing a sentence. Larger
 # inputs go to the executor, where the Rust tokenizer runs without the GIL.
@@ -116,7 +117,9 @@ def warming_up() -> EmbedError:
 
 
 def draining() -> EmbedError:
-    return EmbedError(Failure.UNAVAILABLE, "server is draining: retry on another replica")
+    """With a pushback, so a client's retry policy (gRPC's, the openai SDK's) sends the call again on
+    another replica: the Service has taken this pod out of its endpoints before its SIGTERM."""
+    return EmbedError(Failure.UNAVAILABLE, "server is draining: retry on another replica", DRAINING_PUSHBACK_MS)
 
 
 class WarmingUp:

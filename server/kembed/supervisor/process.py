@@ -59,7 +59,9 @@ class Supervisor:
             self._runtime = held.enter_context(RuntimeDir.create()).path
             (self._runtime / METRICS_DIR).mkdir()
             self.board = Board(self._runtime / BOARD_FILE, frontends=self.frontends)
-            self._registry = supervisor_registry(self._runtime / METRICS_DIR, self.board, self.ready)
+            self._registry = supervisor_registry(
+                self._runtime / METRICS_DIR, self.board, self.ready, settings.demand_window_s
+            )
             self.http = held.enter_context(
                 HealthServer(
                     listen.bind(settings.http_host, settings.http_port, "HTTP", "http_port"),
