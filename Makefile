@@ -45,7 +45,7 @@ test: lint typecheck unit
 bench: $(VENV)/.test $(PROTO_OUT)
 	$(BIN)/python -m bench.run_all
 
-# About 42 minutes: a fleet of servers scaled by six autoscaling policies in turn (bench/fleet.py).
+# About 42 minutes: a fleet of servers scaled by six autoscaling policies in turn (bench/fleet/).
 bench-fleet: $(VENV)/.test $(PROTO_OUT)
 	$(BIN)/python -m bench.fleet
 

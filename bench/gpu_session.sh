@@ -10,13 +10,13 @@
 #            import the benchmarks need; the model kembed will load. No GPU needed.
 #   test     pytest -q tests/server/test_gpu.py (every planned shape replays a CUDA graph, no
 #            recompiles, bf16 vs fp32 cosine)
-#   ceiling  python -m bench.ceiling --device cuda --compile on --name ceiling_gpu: the in-process
+#   ceiling  python -m bench.compute.ceiling --device cuda --compile on --name ceiling_gpu: the in-process
 #            compiled ceiling the serve loads are judged against (run it in the same call as serve)
-#   serve    python -m bench.hostpath --parts serve: python -m kembed with KEMBED_FRONTENDS=auto,
+#   serve    python -m bench.serving.hostpath --parts serve: python -m kembed with KEMBED_FRONTENDS=auto,
 #            closed-loop load from several client processes at 1 and 16 texts a call, GPU busy from
 #            nvidia-smi during each load, then one 1-text load under py-spy
-#   gpu      python -m bench.gpu --parts models: compiled vs eager vs bare compiled, MiniLM and BERT-base
-#   startup  python -m bench.gpu --parts startup: cold and warm start-ups per KEMBED_GRAPHS mode
+#   gpu      python -m bench.compute.gpu --parts models: compiled vs eager vs bare compiled, MiniLM and BERT-base
+#   startup  python -m bench.compute.gpu --parts startup: cold and warm start-ups per KEMBED_GRAPHS mode
 #
 # Environment (all optional): PYTHON (python3), OUT (./gpu-out), GPU_SESSION_BUDGET_S (570: the whole
 # script, under the device tool's 600 s), GPU_SESSION_LIMIT_<PHASE> (seconds, e.g. GPU_SESSION_LIMIT_SERVE=400),
@@ -123,7 +123,7 @@ PYEOF
     fi
     # The bundled model package, fp16, ahead of any installed one: the default (empty) KEMBED_MODEL
     # then loads it everywhere. KEMBED_MODEL=<folder> would not do: the tests pass their own settings,
-    # bench.server drops KEMBED_* from a server's environment, and a folder changes the model id.
+    # bench.tools.server drops KEMBED_* from a server's environment, and a folder changes the model id.
     [[ -d $CARRY/model ]] && PATHS+=("$CARRY/model")
 else
     say "no .gpu-carry here: this interpreter's packages are used as they are (bash bench/gpu_carry.sh builds it)"
@@ -174,8 +174,8 @@ for name in ("grpcio", "protobuf", "pydantic", "pydantic-core", "typing-extensio
     print(f"  {name} {v(name)}")
 for module in ("grpc", "google.protobuf", "pydantic", "grpc_health.v1.health", "grpc_reflection.v1alpha.reflection",
                "prometheus_client", "kembed.v1.embedder_pb2", "kembed.v1.embedder_pb2_grpc", "kembed.config",
-               "kembed.supervisor.process", "kembed.engine.worker", "bench.hostpath", "bench.ceiling", "bench.gpu", "pytest_asyncio",
-               "pytest_timeout", "sentence_transformers"):
+               "kembed.supervisor.process", "kembed.engine.worker", "bench.serving.hostpath.run", "bench.compute.ceiling",
+               "bench.compute.gpu", "pytest_asyncio", "pytest_timeout", "sentence_transformers"):
     try:
         importlib.import_module(module)
     except Exception as err:  # report every missing piece, not just the first
@@ -210,12 +210,12 @@ phase_command() {  # the command of a phase, with its extra arguments
     case $2 in
         env) echo env_report ;;
         test) echo "$PY -m pytest -q -p no:cacheprovider tests/server/test_gpu.py ${PYTEST_ARGS:-}" ;;
-        ceiling) echo "$PY -m bench.ceiling --device cuda --compile on --name ceiling_gpu --max-seconds 120 ${CEILING_ARGS:-}" ;;
-        serve) echo "$PY -m bench.hostpath --parts serve --serve-ceiling ceiling_gpu --client-processes 6 --concurrency 64" \
+        ceiling) echo "$PY -m bench.compute.ceiling --device cuda --compile on --name ceiling_gpu --max-seconds 120 ${CEILING_ARGS:-}" ;;
+        serve) echo "$PY -m bench.serving.hostpath --parts serve --serve-ceiling ceiling_gpu --client-processes 6 --concurrency 64" \
                     "--channels 4 --duration 12 --warmup 3 --windows 3 --py-spy-seconds 10" \
                     "--serve-start-timeout $((limit > 180 ? limit - 90 : 90)) ${HOSTPATH_ARGS:-}" ;;
-        gpu) echo "$PY -m bench.gpu --parts models ${GPU_ARGS:-}" ;;
-        startup) echo "$PY -m bench.gpu --parts startup ${GPU_ARGS:-}" ;;
+        gpu) echo "$PY -m bench.compute.gpu --parts models ${GPU_ARGS:-}" ;;
+        startup) echo "$PY -m bench.compute.gpu --parts startup ${GPU_ARGS:-}" ;;
     esac
 }
 
@@ -304,6 +304,7 @@ def read(phase: str, name: str) -> dict | None:
 
 try:
     from bench import headline
+    from bench.tools.report import ratio_table
 except Exception as err:  # the summary must not die with the environment
     print(f"(no tables: bench.headline does not import: {err})")
     raise SystemExit(0)
@@ -316,7 +317,7 @@ if hostpath := read("serve", "hostpath"):
     torch_seen.add(hostpath["machine"]["torch"])
     serve = hostpath.get("serve", {})
     print(f"serve: {serve.get('info', {}).get('device')} {serve.get('info', {}).get('dtype')}, {serve.get('settings')}")
-    print(headline.ratio_table(headline.serve_ratios(serve)))
+    print(ratio_table(headline.serve_ratios(serve)))
     for load in serve.get("loads", []):
         w = load.get("worker", {})
         print(f"  {load['texts_per_call']} text(s): codes {load['codes']}, server CPU cores "

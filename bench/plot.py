@@ -9,7 +9,6 @@ the throughput plot).
 
 from __future__ import annotations
 
-import re
 from collections.abc import Callable, Mapping
 from dataclasses import dataclass
 from pathlib import Path
@@ -21,7 +20,8 @@ matplotlib.use("Agg")  # files only, no display
 import matplotlib.pyplot as plt
 
 from bench import RESULTS_DIR, headline
-from bench.machine import read_result
+from bench.tools.machine import read_result
+from bench.tools.report import Ratio, ratio_table, splice
 
 README = RESULTS_DIR.parent / "README.md"
 TOP_README = RESULTS_DIR.parent.parent / "README.md"
@@ -111,7 +111,7 @@ class Section:
     name: str
     title: str  # said when it was not run
     what: str  # its heading's subject
-    ratios: Callable[[dict[str, Any]], list[headline.Ratio]]
+    ratios: Callable[[dict[str, Any]], list[Ratio]]
     table: Callable[[dict[str, Any]], str]
 
     def text(self, result: dict[str, Any] | None) -> str:
@@ -138,11 +138,11 @@ SECTIONS = (
 )  # fmt: skip
 
 
-def _judged(what: str, result: dict[str, Any], rows: list[headline.Ratio], table: str) -> str:
+def _judged(what: str, result: dict[str, Any], rows: list[Ratio], table: str) -> str:
     """A result's heading (when, under what load, which commit), its ratios and its table."""
     m = result["machine"]
     heading = f"{what} in one run at {m['time_utc']} (load {m['loadavg_1_5_15'][0]}, git {m['git']}):"
-    return "\n\n".join([heading, headline.ratio_table(rows), table])
+    return "\n\n".join([heading, ratio_table(rows), table])
 
 
 def markdown(
@@ -166,7 +166,7 @@ def markdown(
             f"{_bf16(m)}), torch {m['torch']}, git {m['git']}: {runs}. Ranges: over passes (ceiling) "
             "or time windows (server) within one run; ratios pair the worst and best ends of both ranges.",
             cpu_block(ceiling, serves[0], many_texts, judged),
-            headline.ratio_table(headline.ratios(ceiling, serves[0], naive)),
+            ratio_table(headline.ratios(ceiling, serves[0], naive)),
             "![throughput](results/throughput.png)\n![latency](results/latency.png)\n![padding](results/padding.png)",
             f"Ceiling (one process, no server), {ceiling.get('dtype', 'torch.float32')} "
             f"({ceiling.get('dtype_reason', 'before the dtype was recorded')}):\n\n" + headline.ceiling_table(ceiling),
@@ -192,10 +192,11 @@ def cpu_block(
     flags = ", ".join(m.get("cpu_flags", [])) or "not recorded"
     served = f"kembed served {one_text.get('dtype') or '?'}, forward {one_text.get('forward') or '?'}"
     heading = f"Against what users would otherwise run, on {m['cpu']} ({m['cores']} cores; flags: {flags}), {served}:"
-    sources = {"bench.ceiling": ceiling, "bench.serve_load": one_text, "bench.serve_load, many texts": many_texts,
-               "bench.hostpath": judged.get("hostpath"), "bench.startup": judged.get("startup")}  # fmt: skip
+    sources = {"bench.compute.ceiling": ceiling, "bench.serving.serve_load": one_text,
+               "bench.serving.serve_load, many texts": many_texts, "bench.serving.hostpath": judged.get("hostpath"),
+               "bench.serving.startup": judged.get("startup")}  # fmt: skip
     found = [f"{name} at {r['machine']['time_utc']} on {r['machine']['cpu']}" for name, r in sources.items() if r]
-    return "\n\n".join([heading, headline.ratio_table(rows), f"From {'; '.join(found)}."])
+    return "\n\n".join([heading, ratio_table(rows), f"From {'; '.join(found)}."])
 
 
 def _bf16(m: dict[str, Any]) -> str:
@@ -203,13 +204,6 @@ def _bf16(m: dict[str, Any]) -> str:
     if "cpu_bf16_flags" not in m:
         return "bf16 units not recorded"
     return f"bf16 units: {', '.join(m['cpu_bf16_flags'])}" if m["cpu_bf16_flags"] else "no bf16 units"
-
-
-def splice(readme: str, block: str, markers: tuple[str, str]) -> str:
-    """``readme`` with the text between the markers replaced by ``block`` (unchanged without them)."""
-    begin, end = markers
-    pattern = re.compile(re.escape(begin) + ".*?" + re.escape(end), re.DOTALL)
-    return pattern.sub(lambda _: f"{begin}\n{block}\n{end}", readme)
 
 
 def headline_block(
@@ -226,7 +220,7 @@ def headline_block(
         [
             cpu_block(ceiling, token_bucket, many_texts, judged or {}),
             "Serving against the in-process ceiling of one batch at a time, and under overload:",
-            headline.ratio_table(headline.ratios(ceiling, token_bucket, naive)),
+            ratio_table(headline.ratios(ceiling, token_bucket, naive)),
             "![throughput vs offered load](bench/results/throughput.png)",
             f"One run of `make bench` on {m['cpu']} ({m['cores']} cores, {m['gpu'] or 'no GPU'}), "
             f"{m['time_utc']}; method, every phase and the other plots: [bench/README.md](bench/README.md).",

@@ -16,7 +16,8 @@ from urllib.parse import unquote
 import pytest
 
 from bench import plot
-from bench.machine import read_result
+from bench.tools.machine import read_result
+from bench.tools.report import splice
 
 ROOT = Path(__file__).resolve().parents[1]
 FRONT_PAGE = ROOT / "README.md"
@@ -151,7 +152,7 @@ def test_the_headline_block_is_what_bench_plot_writes() -> None:
     many_texts = read_result("serve_token_bucket_16texts")
     judged = {section.name: read_result(section.name) for section in plot.SECTIONS}
     block = plot.headline_block(ceiling, token_bucket, naive, many_texts, judged)
-    assert plot.splice(readme, block, plot.HEADLINE_MARKERS) == readme, "run python -m bench.plot"
+    assert splice(readme, block, plot.HEADLINE_MARKERS) == readme, "run python -m bench.plot"
 
 
 @pytest.mark.parametrize(

@@ -1,4 +1,4 @@
-"""bench.abuse's pieces without a server: its bad bodies are maximal and what the REST edge refuses
+"""bench.serving.abuse's pieces without a server: its bad bodies are maximal and what the REST edge refuses
 at once, and its ratios and table are read off a result as bench.plot reads them."""
 
 from __future__ import annotations
@@ -7,7 +7,8 @@ from typing import Any
 
 import pytest
 
-from bench import abuse, headline
+from bench import headline
+from bench.serving import abuse
 from kembed.config import Settings
 from kembed.errors import InvalidInput
 from kembed.frontend.call import Limits

@@ -11,18 +11,23 @@ import numpy as np
 import pytest
 import torch
 
-from bench import ceiling, headline, loadgen, plot, serve_load, workload
-from bench.report import (
+from bench import headline, plot
+from bench.compute import batches, ceiling
+from bench.serving import serve_load
+from bench.tools import loadgen, workload
+from bench.tools.report import (
     Spread,
     deltas_by_label,
     metric_delta,
     padding_ratio,
     parse_prometheus,
     percentile,
+    ratio_table,
+    splice,
     window_rates,
     worker_figures,
 )
-from bench.server import Server
+from bench.tools.server import Server
 from kembed.contract import RETRY_PUSHBACK_KEY
 from kembed.engine.batcher import BatchShapes
 from kembed.v1 import embedder_pb2
@@ -118,8 +123,8 @@ def test_sorted_packing_pads_less_and_respects_limits() -> None:
     def padded(groups: list[list[int]]) -> int:
         return sum(len(g) * max(lengths[i] for i in g) for g in groups)
 
-    arrival = ceiling.pack(order, lengths, max_rows=64, max_tokens=8192)
-    by_length = ceiling.pack(sorted(order, key=lengths.__getitem__), lengths, max_rows=64, max_tokens=8192)
+    arrival = batches.pack(order, lengths, max_rows=64, max_tokens=8192)
+    by_length = batches.pack(sorted(order, key=lengths.__getitem__), lengths, max_rows=64, max_tokens=8192)
     for groups in (arrival, by_length):
         assert sorted(i for g in groups for i in g) == order
         assert all(len(g) <= 64 and len(g) * max(lengths[i] for i in g) <= 8192 for g in groups)
@@ -128,12 +133,12 @@ def test_sorted_packing_pads_less_and_respects_limits() -> None:
 
 def test_ceiling_rates_overall_and_pass_range() -> None:
     # Two passes over four batches of 10 texts: 6 s, then 4 s.
-    spread = ceiling.rates([[1.0, 2.0, 1.0, 2.0], [1.0, 1.0, 1.0, 1.0]], [10, 10, 10, 10])
+    spread = batches.rates([[1.0, 2.0, 1.0, 2.0], [1.0, 1.0, 1.0, 1.0]], [10, 10, 10, 10])
     assert spread == Spread(80 / 10, 40 / 6, 10.0)
 
 
 def test_interleave_spreads_each_batching_over_the_pass() -> None:
-    batch = ceiling.PaddedBatch(torch.zeros(1, 1), torch.ones(1, 1), 1, 1)
+    batch = batches.PaddedBatch(torch.zeros(1, 1), torch.ones(1, 1), 1, 1)
     order = ceiling.interleave({"a": [batch] * 2, "b": [batch] * 4})
     assert order == [("b", 0), ("a", 0), ("b", 1), ("b", 2), ("a", 1), ("b", 3)]
 
@@ -142,11 +147,11 @@ def test_bucket_packing_keeps_each_batch_in_one_bucket() -> None:
     shapes = BatchShapes.build(max_batch_size=64, max_tokens=8192, fixed=False)
     buckets = [16, 32, 64, 128, 256]
     lengths = np.random.default_rng(1).integers(1, 257, size=700).tolist()
-    groups = ceiling.pack_buckets(lengths, buckets, shapes)
+    groups = batches.pack_buckets(lengths, buckets, shapes)
     assert sorted(i for g in groups for i in g) == list(range(700))
     for group in groups:
-        bucket = ceiling.bucket_of(max(lengths[i] for i in group), buckets)
-        assert {ceiling.bucket_of(lengths[i], buckets) for i in group} == {bucket}
+        bucket = batches.bucket_of(max(lengths[i] for i in group), buckets)
+        assert {batches.bucket_of(lengths[i], buckets) for i in group} == {bucket}
         assert len(group) <= shapes.max_rows(bucket)
 
 
@@ -216,14 +221,14 @@ def test_headline_ratios_and_readme_splice() -> None:
     assert by_name["Server at saturation / sorted ceiling"].met() is True
     assert by_name["Accepted p95 at 4x / drain budget"].value.median == pytest.approx(0.75)
     assert by_name["Token bucket / naive server, at saturation"].value.median == pytest.approx(2.0)
-    assert "| yes |" in headline.ratio_table(rows)
+    assert "| yes |" in ratio_table(rows)
     compiled_only = {"bucketed": ceiling_result["sorted"]}  # CUDA graphs: only the server's shapes
     first = headline.ratios(compiled_only, _serve_result("token_bucket", 46, 1500), None)[0]
     assert first.name.startswith("Server at saturation / bucketed ceiling")
     begin, end = plot.RESULTS_MARKERS
     readme = f"intro\n{begin}\nold\n{end}\nend\n"
-    assert plot.splice(readme, "new", plot.RESULTS_MARKERS) == f"intro\n{begin}\nnew\n{end}\nend\n"
-    assert plot.splice(readme, "new", plot.HEADLINE_MARKERS) == readme
+    assert splice(readme, "new", plot.RESULTS_MARKERS) == f"intro\n{begin}\nnew\n{end}\nend\n"
+    assert splice(readme, "new", plot.HEADLINE_MARKERS) == readme
 
 
 def test_spread_median_is_the_middle() -> None:

@@ -13,9 +13,10 @@ from typing import Any
 import numpy as np
 import pytest
 
-from bench import corpus, headline, priority
-from bench.loadgen import OK
-from bench.report import Spread, parse_prometheus
+from bench import headline
+from bench.serving import corpus, priority
+from bench.tools.loadgen import OK
+from bench.tools.report import Spread, parse_prometheus
 from kembed.client.corpus.command import parser
 from kembed.client.corpus.parts import part_path, write_manifest
 from kembed.client.corpus.reader import Shard

@@ -1,4 +1,4 @@
-"""bench.demand's judging, on made-up outcomes: the gauge's targets and the new pod's windows."""
+"""bench.serving.demand's judging, on made-up outcomes: the gauge's targets and the new pod's windows."""
 
 from __future__ import annotations
 
@@ -6,8 +6,8 @@ import math
 
 import pytest
 
-from bench.demand import gauge_verdict, new_pod_figures, parse_options
-from bench.loadgen import OK, CallRecord
+from bench.serving.demand import gauge_verdict, new_pod_figures, parse_options
+from bench.tools.loadgen import OK, CallRecord
 
 EXHAUSTED = "RESOURCE_EXHAUSTED"
 

@@ -7,8 +7,9 @@ from typing import Any
 
 import pytest
 
-from bench import fairness, headline
-from bench.loadgen import OK
+from bench import headline
+from bench.serving import fairness
+from bench.tools.loadgen import OK
 from kembed.v1 import embedder_pb2
 
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from bench.fleet_device import Cost, fit
+from bench.fleet.device import Cost, fit
 
 
 def test_the_device_cost_is_the_line_through_a_batch_curve() -> None:

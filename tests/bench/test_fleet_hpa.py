@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from bench.fleet_hpa import (
+from bench.fleet.hpa import (
     DEFAULT_DOWN,
     DEFAULT_UP,
     Behavior,

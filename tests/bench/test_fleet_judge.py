@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from bench.fleet_judge import (
+from bench.fleet.judge import (
     Call,
     Sample,
     Segment,

@@ -9,8 +9,8 @@ from dataclasses import dataclass
 
 from aiohttp import web
 
-from bench import fleet
-from bench.fleet_service import RETRY_COUNT_HEADER, ClusterIP, RestProcess, pick
+from bench.fleet import policies, run
+from bench.fleet.service import RETRY_COUNT_HEADER, ClusterIP, RestProcess, pick
 from kembed.config import Settings
 from kembed.v1 import embedder_pb2
 
@@ -85,17 +85,17 @@ def test_a_service_without_endpoints_closes_the_connection() -> None:
 
 
 def test_the_peers_policies_scale_on_namespace_totals() -> None:
-    by_name = {p.name: p for p in fleet.policies(fleet.SLO_MS, capacity_per_s=20.0)}
+    by_name = {p.name: p for p in policies.policies(run.SLO_MS, capacity_per_s=20.0)}
     keda, knative = by_name["keda_waiting5"], by_name["knative70"]
-    assert keda.external == {fleet.WAITING_QUERY: 5.0} and keda.behavior is None
-    assert knative.external == {fleet.IN_FLIGHT_QUERY: 0.7 * 20.0 * 1.0}  # 0.7 of 20/s x the 1 s SLO
-    assert "kembed_running_requests" in fleet.IN_FLIGHT_QUERY.format(ns="x")
+    assert keda.external == {policies.WAITING_QUERY: 5.0} and keda.behavior is None
+    assert knative.external == {policies.IN_FLIGHT_QUERY: 0.7 * 20.0 * 1.0}  # 0.7 of 20/s x the 1 s SLO
+    assert "kembed_running_requests" in policies.IN_FLIGHT_QUERY.format(ns="x")
 
 
 def test_the_connection_age_is_compressed_with_the_controller() -> None:
     default_ms = Settings.model_fields["max_connection_age_ms"].default
-    setup = fleet.Setup(fleet.rendered(fleet.SLO_MS), None, None, [], [], "", None, 0, fleet.SLO_MS)  # type: ignore[arg-type]
-    assert int(fleet.fleet_settings(setup)["max_connection_age_ms"]) == max(1000, int(default_ms / fleet.COMPRESSION))
+    setup = run.Setup(policies.rendered(run.SLO_MS), None, None, [], [], "", None, 0, run.SLO_MS)  # type: ignore[arg-type]
+    assert int(run.fleet_settings(setup)["max_connection_age_ms"]) == max(1000, int(default_ms / run.COMPRESSION))
 
 
 def test_a_rest_client_process_sends_the_call_as_the_openai_api_and_reads_its_outcome() -> None:

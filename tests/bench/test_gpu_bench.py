@@ -1,4 +1,4 @@
-"""bench.gpu: a clean "not run" without CUDA; on a GPU, start-ups that compiled whole graphs."""
+"""bench.compute.gpu: a clean "not run" without CUDA; on a GPU, start-ups that compiled whole graphs."""
 
 from __future__ import annotations
 
@@ -8,7 +8,8 @@ from pathlib import Path
 import pytest
 import torch
 
-from bench import gpu, machine
+from bench.compute import gpu
+from bench.tools import machine
 from kembed.config import Graphs
 
 CUDA = torch.cuda.is_available()

@@ -10,10 +10,12 @@ from typing import Any
 import grpc
 import pytest
 
-from bench import echo, headline, hostpath, loadgen, machine, run_all
-from bench.loadgen import OK, CallRecord
-from bench.report import Spread
-from bench.server import echo_running, process_tree
+from bench import headline, run_all
+from bench.serving.hostpath import deadlines, host_path, measure
+from bench.tools import echo, loadgen, machine
+from bench.tools.loadgen import OK, CallRecord
+from bench.tools.report import Spread
+from bench.tools.server import echo_running, process_tree
 from kembed.v1 import embedder_pb2, embedder_pb2_grpc
 
 EIGHT_TEXTS = embedder_pb2.EmbedRequest(texts=["a short text"] * 8).SerializeToString()
@@ -57,7 +59,7 @@ async def test_two_echo_processes_answer_the_multiprocess_load_and_bursts(tmp_pa
     assert {o.code for p in parts for o in p} == {OK}
     assert client_cpu > 0
     assert [[len(r) for r in p] for p in bursts] == [[40, 40], [40, 40]]
-    figures = hostpath.burst_figures([[o for p in bursts for o in p[r]] for r in range(2)])
+    figures = measure.burst_figures([[o for p in bursts for o in p[r]] for r in range(2)])
     assert figures["calls"] == 160
     assert figures["codes"] == {OK: 160}
     assert figures["rejected_share"] == 0
@@ -69,12 +71,12 @@ def _outcome(done: float, code: str = OK) -> CallRecord:
 
 
 def test_burst_figures_per_round() -> None:
-    rounds = [[_outcome(t / 100, hostpath.EXHAUSTED) for t in range(1, 101)], [_outcome(0.5), _outcome(2.0)]]
-    figures = hostpath.burst_figures(rounds)
+    rounds = [[_outcome(t / 100, measure.EXHAUSTED) for t in range(1, 101)], [_outcome(0.5), _outcome(2.0)]]
+    figures = measure.burst_figures(rounds)
     assert figures["last_ms"] == Spread(1500.0, 1000.0, 2000.0).to_dict()
     assert figures["p99_ms"]["lo"] == pytest.approx(990.1)  # 10 ms .. 1000 ms: rank 98.01 of 0..99
     assert figures["rejected_share"] == pytest.approx(100 / 102)
-    assert figures["codes"] == {hostpath.EXHAUSTED: 100, OK: 2}
+    assert figures["codes"] == {measure.EXHAUSTED: 100, OK: 2}
 
 
 def test_split_shares_out_every_call() -> None:
@@ -218,21 +220,21 @@ def test_gpu_busy_summary_keeps_the_readings_in_the_window() -> None:
 
 
 def test_burst_figures_of_one_code() -> None:
-    rounds = [[_outcome(0.1, hostpath.EXHAUSTED), _outcome(5.0)], [_outcome(0.2, hostpath.EXHAUSTED)]]
-    figures = hostpath.burst_figures(rounds, hostpath.EXHAUSTED)
+    rounds = [[_outcome(0.1, measure.EXHAUSTED), _outcome(5.0)], [_outcome(0.2, measure.EXHAUSTED)]]
+    figures = measure.burst_figures(rounds, measure.EXHAUSTED)
     assert figures["last_ms"] == Spread(150.0, 100.0, 200.0).to_dict()  # the OK answer's 5 s left out
     assert figures["calls"] == 3
 
 
 def test_give_ups_against_the_fewest_possible() -> None:
     attempts = [
-        CallRecord(item=0, scheduled=0.0, sent=0.0, done=0.1, code=hostpath.EXHAUSTED),
+        CallRecord(item=0, scheduled=0.0, sent=0.0, done=0.1, code=measure.EXHAUSTED),
         CallRecord(item=0, scheduled=0.11, sent=0.11, done=0.2, code=OK),  # retried, then answered
-        CallRecord(item=1, scheduled=1.0, sent=1.0, done=1.1, code=hostpath.EXHAUSTED),
-        CallRecord(item=1, scheduled=1.2, sent=1.2, done=1.3, code=hostpath.EXHAUSTED),  # gave up
+        CallRecord(item=1, scheduled=1.0, sent=1.0, done=1.1, code=measure.EXHAUSTED),
+        CallRecord(item=1, scheduled=1.2, sent=1.2, done=1.3, code=measure.EXHAUSTED),  # gave up
     ]
     # Arrivals over 1 s, give-ups 9 s later: 0.1 calls/s serves 1 of the 2 calls within 10 s.
-    assert hostpath.give_ups(attempts, capacity_calls_per_s=0.1, give_up_s=9) == {
+    assert deadlines.give_ups(attempts, capacity_calls_per_s=0.1, give_up_s=9) == {
         "calls": 2,
         "gave_up": 1,
         "fewest_possible": 1,
@@ -247,7 +249,10 @@ def _rest(rest_calls: float, kembed_calls: float | None) -> dict[str, Any]:
     host = {"settings": {"frontends": "1"}, "grpc": loop(4000, OK), "rest": loop(rest_calls, "200")}
     peer: dict[str, Any]
     if kembed_calls is None:
-        peer = {"skipped": "no Infinity in /nowhere", "setup_command": "python -m bench.peers setup --venv /nowhere"}
+        peer = {
+            "skipped": "no Infinity in /nowhere",
+            "setup_command": "python -m bench.serving.peers setup --venv /nowhere",
+        }
     else:
         peer = {"peer": "infinity-emb 0.0.78", "settings": {"frontends": "auto"}, "infinity": loop(200, "200"),
                 "kembed": loop(kembed_calls, "200")}  # fmt: skip
@@ -279,7 +284,7 @@ def test_rest_rows_without_the_peer_say_why_and_how_to_set_it_up() -> None:
     table = headline.hostpath_table(skipped)
     assert table.count("\n") == 1 + 3  # header rule; gRPC, REST and the skipped peer
     assert "REST closed loop, 2 x 32 connections, 1 text" in table
-    assert "skipped: no Infinity in /nowhere (`python -m bench.peers setup --venv /nowhere`)" in table
+    assert "skipped: no Infinity in /nowhere (`python -m bench.serving.peers setup --venv /nowhere`)" in table
     ran = headline.hostpath_table(_rest(rest_calls=3400, kembed_calls=450))
     assert "| REST, real model | infinity-emb 0.0.78 | REST closed loop, 2 x 32 connections, 1 text, 20 s |" in ran
     assert "| REST, real model | kembed, frontends=auto |" in ran
@@ -287,16 +292,16 @@ def test_rest_rows_without_the_peer_say_why_and_how_to_set_it_up() -> None:
 
 def test_the_peer_is_skipped_without_its_venv(tmp_path: Path) -> None:
     missing = tmp_path / "no-venv"
-    opts = hostpath.parse_options(["--parts", "rest", "--peer-venv", str(missing)])
-    assert hostpath.rest_peer(opts, ["a short text"]) == {
+    opts = measure.parse_options(["--parts", "rest", "--peer-venv", str(missing)])
+    assert host_path.rest_peer(opts, ["a short text"]) == {
         "skipped": f"no Infinity in {missing}",
-        "setup_command": f"python -m bench.peers setup --venv {missing}",
+        "setup_command": f"python -m bench.serving.peers setup --venv {missing}",
     }
     assert not missing.exists()  # nothing installed
 
 
 def test_make_bench_runs_the_rest_part_and_its_flags_parse() -> None:
-    assert "rest" in hostpath.parse_options(run_all.HOSTPATH).parts
-    quick = hostpath.parse_options(run_all.QUICK_HOSTPATH)
+    assert "rest" in measure.parse_options(run_all.HOSTPATH).parts
+    quick = measure.parse_options(run_all.QUICK_HOSTPATH)
     assert "rest" in quick.parts
     assert quick.peer_duration > quick.warmup

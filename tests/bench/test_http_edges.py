@@ -1,4 +1,4 @@
-"""The candidate REST edge's shared request code and the plain httptools protocol (bench.http_edges),
+"""The candidate REST edge's shared request code and the plain httptools protocol (bench.edges.http_edges),
 over real loopback connections."""
 
 from __future__ import annotations
@@ -11,8 +11,9 @@ from collections.abc import AsyncIterator
 import numpy as np
 import pytest
 
-from bench import http_edges
-from bench.http_edges import BadRequest, HttpServer, Limits
+from bench.edges.http_edges import api, plain, process
+from bench.edges.http_edges.api import BadRequest, Limits
+from bench.edges.http_edges.plain import HttpServer
 
 PATIENCE_S = 60.0  # for conditions that must come: generous, never a bound on how fast
 BODY = b'{"input": "one short text", "model": "m"}'
@@ -33,23 +34,23 @@ BODY = b'{"input": "one short text", "model": "m"}'
 )
 def test_a_bad_request_names_its_field(body: bytes, field: str) -> None:
     with pytest.raises(BadRequest) as caught:
-        http_edges.parse(body)
+        api.parse(body)
     assert caught.value.field == field
 
 
 def test_replies_carry_the_embedding_as_floats_or_base64() -> None:
-    floats = json.loads(http_edges.render(http_edges.parse(b'{"input": ["a", "b"], "model": "m"}')))
+    floats = json.loads(api.render(api.parse(b'{"input": ["a", "b"], "model": "m"}')))
     assert [d["index"] for d in floats["data"]] == [0, 1]
-    assert np.array_equal(np.array(floats["data"][1]["embedding"], np.float32), http_edges.EMBEDDING)
+    assert np.array_equal(np.array(floats["data"][1]["embedding"], np.float32), api.EMBEDDING)
     assert floats["usage"] == {"prompt_tokens": 32, "total_tokens": 32}
-    call = http_edges.parse(b'{"input": "a", "model": "m", "encoding_format": "base64"}')
-    packed = json.loads(http_edges.render(call))["data"][0]["embedding"]
-    assert np.array_equal(np.frombuffer(base64.b64decode(packed), np.float32), http_edges.EMBEDDING)
+    call = api.parse(b'{"input": "a", "model": "m", "encoding_format": "base64"}')
+    packed = json.loads(api.render(call))["data"][0]["embedding"]
+    assert np.array_equal(np.frombuffer(base64.b64decode(packed), np.float32), api.EMBEDDING)
 
 
 async def serving(limits: Limits) -> tuple[HttpServer, int]:
     server = HttpServer(limits)
-    sock = http_edges.reuseport_socket(0)
+    sock = process.reuseport_socket(0)
     await server.start(sock)
     return server, sock.getsockname()[1]
 
@@ -61,7 +62,7 @@ async def edge() -> AsyncIterator[tuple[HttpServer, int]]:
     await server.stop()
 
 
-def post(body: bytes, path: str = http_edges.EMBEDDINGS_PATH, *headers: str) -> bytes:
+def post(body: bytes, path: str = api.EMBEDDINGS_PATH, *headers: str) -> bytes:
     head = "".join(f"{h}\r\n" for h in (f"POST {path} HTTP/1.1", "host: x", f"content-length: {len(body)}", *headers))
     return head.encode() + b"\r\n" + body
 
@@ -83,7 +84,7 @@ async def closed(reader: asyncio.StreamReader) -> bool:
 
 
 async def test_keep_alive_and_pipelined_requests_answered_in_order(edge: tuple[HttpServer, int]) -> None:
-    reader, writer = await asyncio.open_connection(http_edges.HOST, edge[1])
+    reader, writer = await asyncio.open_connection(api.HOST, edge[1])
     bodies = [
         json.dumps({"input": "t", "model": m, "delay_s": d}).encode() for m, d in (("a", 0.05), ("b", 0), ("c", 0))
     ]
@@ -108,7 +109,7 @@ async def test_limits_and_errors_get_their_status(edge: tuple[HttpServer, int]) 
         (b"NOT HTTP AT ALL\r\n\r\n", 400, True),
     ]
     for request, status, closes in cases:
-        reader, writer = await asyncio.open_connection(http_edges.HOST, edge[1])
+        reader, writer = await asyncio.open_connection(api.HOST, edge[1])
         writer.write(request)
         got, headers, body = await reply(reader)
         assert (got, headers.get("connection") == "close") == (status, closes), request
@@ -119,7 +120,7 @@ async def test_limits_and_errors_get_their_status(edge: tuple[HttpServer, int]) 
 async def test_an_oversized_body_sent_whole_still_reads_its_413(edge: tuple[HttpServer, int]) -> None:
     """Like most clients, this one sends the whole body before it reads: the answer must survive
     (a server that closes at once resets the connection, and the reset discards the answer)."""
-    reader, writer = await asyncio.open_connection(http_edges.HOST, edge[1])
+    reader, writer = await asyncio.open_connection(api.HOST, edge[1])
     chunk, chunks = b" " * 65536, 64  # 4 MiB, far over the socket buffers
     writer.write(post(b"")[:-2].replace(b"content-length: 0", b"content-length: %d" % (len(chunk) * chunks)) + b"\r\n")
     for _ in range(chunks):
@@ -131,19 +132,19 @@ async def test_an_oversized_body_sent_whole_still_reads_its_413(edge: tuple[Http
 
 
 async def test_a_request_head_over_the_bound_is_431(edge: tuple[HttpServer, int]) -> None:
-    reader, writer = await asyncio.open_connection(http_edges.HOST, edge[1])
-    writer.write(post(BODY, http_edges.EMBEDDINGS_PATH, "x-padding: " + "a" * (2 * http_edges.MAX_HEAD_BYTES)))
+    reader, writer = await asyncio.open_connection(api.HOST, edge[1])
+    writer.write(post(BODY, api.EMBEDDINGS_PATH, "x-padding: " + "a" * (2 * plain.MAX_HEAD_BYTES)))
     assert (await reply(reader))[0] == 431
     assert await closed(reader)
 
 
 async def test_chunked_bodies_are_read_and_bounded(edge: tuple[HttpServer, int]) -> None:
     def chunked(body: bytes) -> bytes:
-        head = f"POST {http_edges.EMBEDDINGS_PATH} HTTP/1.1\r\nhost: x\r\ntransfer-encoding: chunked\r\n\r\n"
+        head = f"POST {api.EMBEDDINGS_PATH} HTTP/1.1\r\nhost: x\r\ntransfer-encoding: chunked\r\n\r\n"
         return head.encode() + b"".join(b"%x\r\n%s\r\n" % (len(body[i : i + 10]), body[i : i + 10])
                                         for i in range(0, len(body), 10)) + b"0\r\n\r\n"  # fmt: skip
 
-    reader, writer = await asyncio.open_connection(http_edges.HOST, edge[1])
+    reader, writer = await asyncio.open_connection(api.HOST, edge[1])
     writer.write(chunked(BODY))
     assert (await reply(reader))[0] == 200
     writer.write(chunked(b" " * 2048))  # over the limit, with no length declared
@@ -152,8 +153,8 @@ async def test_chunked_bodies_are_read_and_bounded(edge: tuple[HttpServer, int])
 
 
 async def test_expect_continue_is_answered_before_the_body(edge: tuple[HttpServer, int]) -> None:
-    reader, writer = await asyncio.open_connection(http_edges.HOST, edge[1])
-    head = post(BODY, http_edges.EMBEDDINGS_PATH, "expect: 100-continue")
+    reader, writer = await asyncio.open_connection(api.HOST, edge[1])
+    head = post(BODY, api.EMBEDDINGS_PATH, "expect: 100-continue")
     writer.write(head[: -len(BODY)])
     assert await asyncio.wait_for(reader.readuntil(b"\r\n\r\n"), PATIENCE_S) == b"HTTP/1.1 100 Continue\r\n\r\n"
     writer.write(BODY)
@@ -164,10 +165,10 @@ async def test_expect_continue_is_answered_before_the_body(edge: tuple[HttpServe
 async def test_idle_and_slow_connections_are_closed() -> None:
     server, port = await serving(Limits(idle_s=0.2, request_s=0.2))
     try:
-        idle_reader, idle = await asyncio.open_connection(http_edges.HOST, port)
+        idle_reader, idle = await asyncio.open_connection(api.HOST, port)
         idle.write(post(BODY))
         assert (await reply(idle_reader))[0] == 200
-        slow_reader, slow = await asyncio.open_connection(http_edges.HOST, port)
+        slow_reader, slow = await asyncio.open_connection(api.HOST, port)
         slow.write(post(BODY)[:20])  # a request begun and never finished (slowloris)
         assert await closed(idle_reader)
         assert (await reply(slow_reader))[0] == 408
@@ -186,14 +187,14 @@ async def test_stop_refuses_new_connections_and_finishes_the_request_in_flight()
         return 200, b"{}"
 
     server.routes[(b"POST", b"/slow")] = slow
-    busy_reader, busy = await asyncio.open_connection(http_edges.HOST, port)
-    idle_reader, _ = await asyncio.open_connection(http_edges.HOST, port)
+    busy_reader, busy = await asyncio.open_connection(api.HOST, port)
+    idle_reader, _ = await asyncio.open_connection(api.HOST, port)
     busy.write(post(b"{}", "/slow"))
     await asyncio.wait_for(entered.wait(), PATIENCE_S)
     stopping = asyncio.create_task(server.stop())
     assert await closed(idle_reader)  # nothing in flight there: closed at once
     with pytest.raises(ConnectionRefusedError):
-        await asyncio.open_connection(http_edges.HOST, port)
+        await asyncio.open_connection(api.HOST, port)
     assert not stopping.done()
     release.set()
     status, headers, _ = await reply(busy_reader)

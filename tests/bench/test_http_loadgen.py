@@ -1,4 +1,4 @@
-"""bench.http_loadgen against a tiny local HTTP server that answers in every framing it must read."""
+"""bench.tools.http_loadgen against a tiny local HTTP server that answers in every framing it must read."""
 
 from __future__ import annotations
 
@@ -10,8 +10,8 @@ from dataclasses import dataclass, field
 
 import pytest
 
-from bench import http_loadgen
-from bench.loadgen import CallRecord
+from bench.tools import http_loadgen
+from bench.tools.loadgen import CallRecord
 
 OK_BODY = b'{"object":"list","data":[]}'
 

@@ -1,4 +1,4 @@
-"""The CPU limits' machinery (``bench.limits``), the start-up bench's parsing, and how the headline
+"""The CPU limits' machinery (``bench.compute.limits``), the start-up bench's parsing, and how the headline
 judges the server against sentence-transformers, the compiled ceiling, Infinity and its start-up."""
 
 from __future__ import annotations
@@ -12,8 +12,11 @@ import pytest
 import torch
 from sentence_transformers import SentenceTransformer
 
-from bench import ceiling, headline, inprocess, limits, machine, plot, startup, workload
-from bench.report import Spread
+from bench import headline, plot
+from bench.compute import batches, inprocess, limits
+from bench.serving import startup
+from bench.tools import machine, workload
+from bench.tools.report import Spread, ratio_table
 from kembed.engine import cpu
 
 
@@ -25,9 +28,9 @@ def test_sentence_transformers_batches_follow_its_own_length_order() -> None:
     assert measured == sorted(measured, reverse=True)  # longest first, as its encode sorts
 
 
-def _batch(rows: int, length: int) -> ceiling.PaddedBatch:
+def _batch(rows: int, length: int) -> batches.PaddedBatch:
     ids = torch.ones(rows, length, dtype=torch.int64)
-    return ceiling.PaddedBatch(ids, torch.ones_like(ids), rows, rows * length)
+    return batches.PaddedBatch(ids, torch.ones_like(ids), rows, rows * length)
 
 
 def test_a_timed_pass_runs_every_batch_once_a_round_at_a_time_in_the_lanes() -> None:
@@ -138,8 +141,8 @@ def test_the_server_is_judged_against_sentence_transformers_the_compiled_ceiling
     assert by_name["Ready after start (s), default settings, the compile cache the cold start filled"].met() is True
     assert by_name["Padding share of computed tokens, 1 text a call, 32 callers"].met() is True
     assert all(r.met() for r in rows if r.name.startswith("Min cosine"))
-    assert "| 0.99990 | >= 0.999 | yes |" in headline.ratio_table(rows)  # a cosine shown finer than its target
-    assert "| 1.70 (1.62–1.79) | >= 1.10 | yes |" in headline.ratio_table(rows)
+    assert "| 0.99990 | >= 0.999 | yes |" in ratio_table(rows)  # a cosine shown finer than its target
+    assert "| 1.70 (1.62–1.79) | >= 1.10 | yes |" in ratio_table(rows)
     assert by_name["Compiled in-process ceiling / eager, same batches and lanes (emb/s)"].met() is None
 
 
@@ -166,7 +169,8 @@ def test_the_headline_block_names_the_cpu_and_its_flags() -> None:
     )
     assert "kembed served torch.bfloat16, forward compiled" in block
     assert block.endswith(
-        "From bench.ceiling at 2026-11-26T10:00:00Z on Test CPU; bench.serve_load at 2026-11-26T10:00:00Z on Test CPU."
+        "From bench.compute.ceiling at 2026-11-26T10:00:00Z on Test CPU; "
+        "bench.serving.serve_load at 2026-11-26T10:00:00Z on Test CPU."
     )
     table = headline.limits_table(_ceiling(100, 150, 180))
     assert "cold compile 41.0 s" in table and "| st_encode |" in table and "2 lane(s) x 1 thread(s)" in table

@@ -1,4 +1,4 @@
-"""The eager batcher's policy under a simulated clock (bench.packing): the engine's own batcher,
+"""The eager batcher's policy under a simulated clock (bench.compute.packing): the engine's own batcher,
 the workload's lengths, the CPU batch curve's cost model; deterministic, so its figures are facts
 about the policy, not about the machine."""
 
@@ -9,7 +9,8 @@ import argparse
 import pytest
 import torch
 
-from bench import ceiling, packing, workload
+from bench.compute import ceiling, packing
+from bench.tools import workload
 from kembed.engine.batcher import BatchPolicy
 from kembed.shapes import BatchShapes, clip_buckets
 

@@ -1,4 +1,4 @@
-"""bench.peers without Infinity's venv: what it serves, where, and its refusal of a CUDA torch."""
+"""bench.serving.peers without Infinity's venv: what it serves, where, and its refusal of a CUDA torch."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from bench import peers
+from bench.serving import peers
 
 
 def test_it_serves_the_bundled_model_on_loopback_offline(tmp_path: Path) -> None:

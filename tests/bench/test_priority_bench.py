@@ -9,10 +9,12 @@ from typing import Any
 
 import pytest
 
-from bench import headline, loadgen, priority
-from bench.loadgen import OK, CallRecord
-from bench.report import Spread
-from bench.server import echo_running
+from bench import headline
+from bench.serving import priority
+from bench.tools import loadgen
+from bench.tools.loadgen import OK, CallRecord
+from bench.tools.report import Spread
+from bench.tools.server import echo_running
 from kembed.priority import Priority
 from kembed.v1 import embedder_pb2
 

@@ -21,7 +21,7 @@ from typing import Any
 import pytest
 import yaml
 
-from bench import prometheus as bench_prometheus
+from bench.tools import prometheus as bench_prometheus
 from kembed.contract import METRICS_PATH, Metric
 from kembed_operator import kinds, render
 from kembed_operator.config import OperatorConfig

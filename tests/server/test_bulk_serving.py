@@ -607,7 +607,7 @@ def test_under_a_low_service_rate_the_command_paces_by_the_pushback(slow_server:
     assert result.returncode == 0, result.stderr
     refused = server.metric(REFUSED_REQUESTS) - before
     assert summary_count(result.stdout, "refusals") == refused
-    record = json.loads(summary.read_text())  # bench.corpus reads the refusals from here
+    record = json.loads(summary.read_text())  # bench.serving.corpus reads the refusals from here
     assert (record["refusals"], record["retries"]) == (refused, summary_count(result.stdout, "retries"))
     assert refused <= len(texts) / 8, result.stdout
     with EmbedClient(server.target, timeout_s=600) as client:

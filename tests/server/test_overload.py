@@ -2,7 +2,7 @@
 refusals never wait for the engine, they carry a pushback, the queue stays bounded, every accepted
 request is answered, a burst on one connection is refused at once however many calls it holds, and
 a connection refused past its burst is answered at its refusal rate while others are answered at
-once. How fast refusals are is measured in ``bench.hostpath``, not here."""
+once. How fast refusals are is measured in ``bench.serving.hostpath``, not here."""
 
 from __future__ import annotations
 
