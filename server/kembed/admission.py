@@ -183,8 +183,8 @@ class LatencyWindow:
 
     The samples are a preallocated ring of (time added, seconds), the newest overwriting the oldest
     past ``MAX_LATENCY_SAMPLES``: the P95 selects the window's part with one mask and partitions it,
-    with no Python object per sample to walk (over a deque of tuples it cost about a millisecond
-    a window at thousands of samples, ten times a second)."""
+    with no Python object per sample to walk: 25-30 µs a window of 4,500-8,192 samples on a 2-core
+    EPYC, against 300-530 µs over a deque of tuples (docs/decisions/grpc-host-path.md)."""
 
     def __init__(self, window_s: float, clock: Callable[[], float]) -> None:
         self._window = window_s
@@ -216,9 +216,9 @@ class LatencyWindow:
 
 
 def percentile(samples: np.ndarray, q: float) -> float:
-    """``np.percentile(samples, q)`` (its default, linear interpolation between the two closest
-    ranks), by a partition around those ranks alone: a fraction of the generic function's cost on
-    the few thousand samples of a window."""
+    """``np.percentile(samples, q)`` to within rounding (its default: linear interpolation between
+    the two closest ranks), by a partition around those two ranks alone: a sixth of the generic
+    function's cost on the few thousand samples of a window."""
     rank = (samples.size - 1) * q / 100
     below = math.floor(rank)
     above = min(below + 1, samples.size - 1)
