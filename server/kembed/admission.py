@@ -48,7 +48,6 @@ from __future__ import annotations
 import math
 import random
 import time
-from collections import deque
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Protocol
@@ -132,6 +131,12 @@ class Backlog:
             return Backlog(i + tokens, b, f, d, fi, il, bl)
         return Backlog(i, b + tokens, f, d, fi, il, bl)
 
+    def with_lapsing(self, interactive: int, batch: int) -> Backlog:
+        """With these parts of each class's queued work set apart as lapsing (built directly, as in
+        ``plus``: this runs twice a frame and once a batch)."""
+        i, b, f, d, fi = self.interactive, self.batch, self.in_flight, self.displaceable, self.in_flight_interactive
+        return Backlog(i, b, f, d, fi, interactive, batch)
+
     def without_batch(self, tokens: int) -> Backlog:
         """With this much batch work not started displaced (it may have been what lapses)."""
         i, b, f, d, fi = self.interactive, self.batch, self.in_flight, self.displaceable, self.in_flight_interactive
@@ -174,33 +179,52 @@ class ServiceRate:
 
 class LatencyWindow:
     """Server-side latencies of the last ``window_s`` seconds, and their 95th percentile. Only the
-    engine's event loop touches it (the board carries the percentile to everyone else)."""
+    engine's event loop touches it (the board carries the percentile to everyone else).
+
+    The samples are a preallocated ring of (time added, seconds), the newest overwriting the oldest
+    past ``MAX_LATENCY_SAMPLES``: the P95 selects the window's part with one mask and partitions it,
+    with no Python object per sample to walk: 25-30 µs a window of 4,500-8,192 samples on a 2-core
+    EPYC, against 300-530 µs over a deque of tuples (docs/decisions/grpc-host-path.md)."""
 
     def __init__(self, window_s: float, clock: Callable[[], float]) -> None:
         self._window = window_s
         self._clock = clock
-        self._samples: deque[tuple[float, float]] = deque(maxlen=MAX_LATENCY_SAMPLES)
+        self._added_at = np.empty(MAX_LATENCY_SAMPLES)
+        self._seconds = np.empty(MAX_LATENCY_SAMPLES)
+        self._count = 0  # samples ever added: the next goes to ``_count % MAX_LATENCY_SAMPLES``
         self._p95: float | None = None
         self._computed_at = -math.inf
 
     def add(self, seconds: float) -> None:
         # The cached P95 is not invalidated here: under overload every request adds a sample, and
         # recomputing per request cost more than the request itself.
-        self._samples.append((self._clock(), seconds))
+        at = self._count % MAX_LATENCY_SAMPLES
+        self._added_at[at] = self._clock()
+        self._seconds[at] = seconds
+        self._count += 1
 
     def p95(self) -> float | None:
         """None until there are enough recent samples to say anything."""
         now = self._clock()
         if now - self._computed_at < P95_CACHE_S:
             return self._p95
-        while self._samples and self._samples[0][0] < now - self._window:
-            self._samples.popleft()
-        if len(self._samples) < MIN_LATENCY_SAMPLES:
-            self._p95 = None
-        else:
-            self._p95 = float(np.percentile([s for _, s in self._samples], 95))
+        held = min(self._count, MAX_LATENCY_SAMPLES)
+        recent = self._seconds[:held][self._added_at[:held] >= now - self._window]
+        self._p95 = None if recent.size < MIN_LATENCY_SAMPLES else percentile(recent, 95)
         self._computed_at = now
         return self._p95
+
+
+def percentile(samples: np.ndarray, q: float) -> float:
+    """``np.percentile(samples, q)`` to within rounding (its default: linear interpolation between
+    the two closest ranks), by a partition around those two ranks alone: a sixth of the generic
+    function's cost on the few thousand samples of a window."""
+    rank = (samples.size - 1) * q / 100
+    below = math.floor(rank)
+    above = min(below + 1, samples.size - 1)
+    ranked = np.partition(samples, (below, above))
+    low, high = float(ranked[below]), float(ranked[above])
+    return low + (high - low) * (rank - below)
 
 
 class Load(Protocol):

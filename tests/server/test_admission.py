@@ -2,14 +2,17 @@
 
 import random
 
+import numpy as np
 import pytest
 
 from kembed.admission import (
     INTERACTIVE_RESERVE,
+    MAX_LATENCY_SAMPLES,
     MIN_LATENCY_SAMPLES,
     P95_CACHE_S,
     AdmissionController,
     Backlog,
+    LatencyWindow,
     MeasuredLoad,
     Rejection,
     lapsing,
@@ -227,6 +230,33 @@ def test_p95_is_recomputed_at_most_every_cache_period_however_many_samples_arriv
     assert load.p95_seconds() == pytest.approx(0.1)  # cached
     clock.now += P95_CACHE_S
     assert load.p95_seconds() == pytest.approx(5.0)
+
+
+def test_the_p95_is_the_linear_percentile_of_the_samples_still_in_the_window():
+    """What ``np.percentile`` gives over the window's samples, interpolated between ranks, while
+    samples leave the window and new ones arrive."""
+    clock, rng = FakeClock(), random.Random(3)
+    window = LatencyWindow(window_s=2.0, clock=clock)
+    added: list[tuple[float, float]] = []
+    for step in range(60):
+        for _ in range(rng.randint(0, 40)):
+            seconds = rng.expovariate(10)
+            window.add(seconds)
+            added.append((clock.now, seconds))
+        clock.now += 0.1
+        recent = [seconds for at, seconds in added if at >= clock.now - 2.0]
+        expected = float(np.percentile(recent, 95)) if len(recent) >= MIN_LATENCY_SAMPLES else None
+        assert window.p95() == pytest.approx(expected, rel=1e-12), step
+
+
+def test_the_window_holds_the_newest_samples_up_to_its_bound():
+    clock = FakeClock()
+    window = LatencyWindow(window_s=60.0, clock=clock)
+    for _ in range(MAX_LATENCY_SAMPLES // 10):
+        window.add(9.0)  # the oldest: overwritten by what follows
+    for i in range(MAX_LATENCY_SAMPLES):
+        window.add(i / MAX_LATENCY_SAMPLES)
+    assert window.p95() == pytest.approx(0.95 * (MAX_LATENCY_SAMPLES - 1) / MAX_LATENCY_SAMPLES)
 
 
 # --- priority classes ------------------------------------------------------------------------------

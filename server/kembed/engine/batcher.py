@@ -51,6 +51,7 @@ IN_FLIGHT_FIXED = 2
 
 INTERACTIVE_ONLY = (Priority.INTERACTIVE,)
 BATCH_FIRST = (Priority.BATCH, Priority.INTERACTIVE)
+ONE_ITEM = np.ones(1, dtype=bool)  # the mask that takes a one-item chunk whole (never written to)
 
 
 @dataclass(frozen=True)
@@ -113,6 +114,8 @@ def choose_batch(
     """Which bucket leads the next batch, how many of its items and of which classes; None means
     wait. ``idle``: a lane of the worker has nothing to do; ``batch_served_at``: when a batch holding batch
     work last started."""
+    if not queue:  # the common answer once a one-call frame's batch has formed: at once
+        return None
     shapes = policy.shapes
     if (starved := starved_bucket(queue, now, policy.starved_after, batch_served_at)) is not None:
         most = shapes.max_rows(queue.bucket_lengths[starved])
@@ -173,6 +176,8 @@ def pack(lengths: np.ndarray, lead: int, max_rows: int, max_tokens: int, overhea
 def next_stale_time(queue: BucketQueue, max_wait: float) -> float | None:
     """When the next bucket that may go turns stale: the batcher's only timed wake-up. (Starved
     ingest needs none: interactive work that starves it keeps finishing batches, each a wake-up.)"""
+    if not queue:
+        return None
     leads = _leads(queue)
     return min(lead.oldest for lead in leads.values()) + max_wait if leads else None
 
@@ -231,7 +236,8 @@ class Batcher:
             # otherwise make ingest starved again the moment it finished, every time, and the
             # queries waiting behind it would wait for the whole ingest.
             self._batch_served_at = self._clock()
-        self._wake.set()
+        if self.queue:  # a lane is free for what waits (with none queued, new work wakes the loop)
+            self._wake.set()
 
     async def run(self) -> None:
         while True:
@@ -290,6 +296,8 @@ class Batcher:
         found, expired = self.queue.front([pick.bucket, *neighbours], pick.classes, rows, now)
         if not found or found[0][0] != pick.bucket:  # the lead's items were all abandoned: pick again
             return [], expired
+        if len(found) == 1 and found[0][1].items == 1:  # a lone item (one call a frame) goes alone
+            return [self.queue.take_items(pick.bucket, found[0][1], ONE_ITEM)], expired
         lengths = np.concatenate([chunk.lengths for _, chunk in found])
         chosen = np.zeros(len(lengths), dtype=bool)
         chosen[pack(lengths, 0, rows, self.policy.shapes.max_tokens, self.policy.overhead_tokens)] = True

@@ -222,3 +222,7 @@ class BucketQueue:
 
     def __len__(self) -> int:
         return sum(sum(c.items) for c in self._classes.values())
+
+    def __bool__(self) -> bool:
+        """Whether any chunk is queued, live or not: cheaper than counting them."""
+        return any(any(c.items) for c in self._classes.values())

@@ -11,7 +11,6 @@ started, which are refused in its place.
 
 from __future__ import annotations
 
-import dataclasses
 import time
 from collections.abc import Callable
 
@@ -53,6 +52,7 @@ class Intake:
         self._metrics = metrics
         self._pad = pad_token_id
         self._bucket_lengths = batcher.queue.bucket_lengths
+        self._ladder = np.asarray(self._bucket_lengths)  # for ``bucket_of``, converted once
         self._clock = clock
 
     def accept(self, link_id: int, work: Work) -> None:
@@ -72,12 +72,9 @@ class Intake:
         """What admission weighs: the batcher's backlog, with the queued work of each class that
         will expire before the worker could reach it (by the class's latest deadline) set apart."""
         backlog, now, rate = self._batcher.backlog, self._clock(), self._load.tokens_per_second
-        return dataclasses.replace(
-            backlog,
-            interactive_lapsing=lapsing(
-                backlog.interactive, rate, self._jobs.latest_deadline(Priority.INTERACTIVE), now
-            ),
-            batch_lapsing=lapsing(backlog.batch, rate, self._jobs.latest_deadline(Priority.BATCH), now),
+        return backlog.with_lapsing(
+            lapsing(backlog.interactive, rate, self._jobs.latest_deadline(Priority.INTERACTIVE), now),
+            lapsing(backlog.batch, rate, self._jobs.latest_deadline(Priority.BATCH), now),
         )
 
     def _admit(self, link_id: int, work: Work) -> None:
@@ -123,21 +120,21 @@ class Intake:
         common case at high call rates) is padded with two array operations and no routing."""
         now = self._clock()
         lengths = work.lengths
-        offsets = (np.cumsum(lengths, dtype=np.int64) - lengths).tolist()
-        starts = (np.cumsum(work.counts, dtype=np.int64) - work.counts).tolist()
-        buckets = bucket_of(lengths, self._bucket_lengths).tolist()
-        parts = []
-        for job, start in zip(jobs, starts, strict=True):
+        ends = np.cumsum(lengths, dtype=np.int64).tolist()  # where each item's ids end in ``work.ids``
+        buckets = bucket_of(lengths, self._ladder).tolist()
+        parts, end = [], 0  # the item after the request's last
+        for job, count in zip(jobs, work.counts.tolist(), strict=True):
+            first, end = end, end + count
             if job is None:
                 continue
-            if job.count == 1:
-                bucket, length, offset = buckets[start], int(lengths[start]), offsets[start]
+            offset = ends[first] - int(lengths[first])
+            if count == 1:
+                bucket = buckets[first]
                 ids = np.full((1, self._bucket_lengths[bucket]), self._pad, dtype=np.int32)
-                ids[0, :length] = work.ids[offset : offset + length]
-                parts.append((bucket, Chunk(job, ONE_SLOT, ids, lengths[start : start + 1], now)))
+                ids[0, : ends[first] - offset] = work.ids[offset : ends[first]]
+                parts.append((bucket, Chunk(job, ONE_SLOT, ids, lengths[first:end], now)))
                 continue
-            end = start + job.count
-            seqs = Sequences(work.ids[offsets[start] : offsets[end - 1] + int(lengths[end - 1])], lengths[start:end])
+            seqs = Sequences(work.ids[offset : ends[end - 1]], lengths[first:end])
             for routed in route(seqs, self._bucket_lengths, self._pad):
                 parts.append((routed.bucket, Chunk(job, routed.items, routed.ids, routed.lengths, now)))
         return parts
