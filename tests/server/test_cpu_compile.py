@@ -6,6 +6,7 @@ every other one pins ``KEMBED_COMPILE=off`` (tests/server/serving.py)."""
 from __future__ import annotations
 
 import dataclasses
+import os
 import threading
 from collections.abc import Iterator
 from typing import Any
@@ -80,6 +81,26 @@ def test_a_cpu_compiles_one_forward_for_packed_batches_and_fixed_shapes_only_whe
     assert queueing.compiles_forward(device) is tried
     if forward is not None:
         assert cpu_compile.unmeasured(Toggle(asked), fixed).forward == forward
+
+
+def test_the_compile_waits_for_a_window_with_cpu_to_spare() -> None:
+    """A pod that joins under load serves eager at its full speed: its compile starts only once a
+    quarter of its CPUs went unused over a whole window (two CPUs, a 10 s window here)."""
+    spare = cpu_compile.SpareCpu(cpus=2.0, share=0.25, window_s=10.0)
+    assert not spare.spare(used_s=0.0, now=0.0)
+    assert not spare.spare(used_s=5.0, now=5.0)  # half idle, but not a whole window seen yet
+    assert not spare.spare(used_s=19.0, now=10.0)  # 19 of 20 CPU-seconds used: under load
+    assert not spare.spare(used_s=28.0, now=15.0)  # 23 of 20 over the last 10 s (a burst past the quota)
+    assert spare.spare(used_s=30.0, now=20.0)  # 11 of 20: the load left room
+
+
+def test_cpu_use_is_the_containers_where_its_cgroup_says_else_the_machines(tmp_path) -> None:
+    stat, proc = tmp_path / "cpu.stat", tmp_path / "stat"
+    stat.write_text("usage_usec 2500000\nuser_usec 2000000\nsystem_usec 500000\n")
+    proc.write_text("cpu  100 0 50 800 50 0 10 0 0 0\ncpu0 50 0 25 400 25 0 5 0 0 0\n")
+    assert cpu.cpu_seconds_used(stat, proc) == (2.5, True)
+    used, own = cpu.cpu_seconds_used(tmp_path / "absent", proc)  # cgroup v1, or no cgroup: the machine
+    assert not own and used == pytest.approx(160 / os.sysconf("SC_CLK_TCK"))  # idle and iowait left out
 
 
 def test_a_failed_compile_says_what_failed_on_one_line() -> None:

@@ -29,6 +29,8 @@ import torch
 log = logging.getLogger(__name__)
 
 TASKS = Path("/proc/self/task")
+CGROUP_CPU_STAT = Path("/sys/fs/cgroup/cpu.stat")  # cgroup v2: the container's own use
+PROC_STAT = Path("/proc/stat")
 MAX_NICE = 19
 T = TypeVar("T")
 
@@ -109,3 +111,18 @@ def _for_a_while(read: Callable[[], T], write: Callable[[T], None], value: T) ->
         yield
     finally:
         write(before)
+
+
+def cpu_seconds_used(cgroup_stat: Path = CGROUP_CPU_STAT, proc_stat: Path = PROC_STAT) -> tuple[float, bool]:
+    """CPU seconds spent so far by this container (cgroup v2's ``usage_usec``), and True; where it
+    cannot be read, by the whole machine (``/proc/stat``, idle and iowait left out), and False."""
+    try:
+        for line in cgroup_stat.read_text().splitlines():
+            key, value = line.split()
+            if key == "usage_usec":
+                return int(value) / 1e6, True
+    except (OSError, ValueError):
+        pass
+    ticks = [int(field) for field in proc_stat.read_text().split("\n", 1)[0].split()[1:9]]
+    busy = sum(ticks) - ticks[3] - ticks[4]
+    return busy / os.sysconf("SC_CLK_TCK"), False

@@ -43,6 +43,33 @@ MIN_SPEEDUP = 1.05
 MIN_SHAPE_SPEEDUP = 0.95
 
 Forward = Callable[[torch.Tensor, torch.Tensor], torch.Tensor]
+# The compile beside serving starts once the pod's CPUs have been this idle over SPARE_WINDOW_S,
+# or after SPARE_MAX_WAIT_S whatever the load: a pod that joins under load serves eager at its
+# full speed until the load leaves room (docs/decisions/cpu-compile.md, "Once there is CPU to spare").
+SPARE_SHARE = 0.25
+SPARE_WINDOW_S = 10.0
+SPARE_MAX_WAIT_S = 300.0
+
+
+class SpareCpu:
+    """Whether a pod's CPUs have had time to spare lately: fed the CPU seconds used so far with the
+    time, it answers whether at least ``share`` of ``cpus`` went unused over the last ``window_s``.
+    Pure: the clock and the use are passed in."""
+
+    def __init__(self, cpus: float, share: float = SPARE_SHARE, window_s: float = SPARE_WINDOW_S) -> None:
+        self._cpus = cpus
+        self._share = share
+        self._window = window_s
+        self._samples: list[tuple[float, float]] = []  # (time, CPU seconds used so far), the window's
+
+    def spare(self, used_s: float, now: float) -> bool:
+        self._samples.append((now, used_s))
+        while len(self._samples) > 1 and self._samples[1][0] <= now - self._window:
+            self._samples.pop(0)
+        at, used_then = self._samples[0]
+        if now - at < self._window:
+            return False  # not a whole window seen yet
+        return 1 - (used_s - used_then) / (self._cpus * (now - at)) >= self._share
 
 
 @dataclass(frozen=True)

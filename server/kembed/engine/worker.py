@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import os
 import queue
 import threading
 import time
@@ -25,6 +26,8 @@ from kembed.engine.units import Batch
 from kembed.engine.warmup import compile_while_serving, compiles_while_serving, start_runner
 
 log = logging.getLogger(__name__)
+
+SPARE_POLL_S = 1.0  # how often the compile thread looks whether the pod has CPU to spare
 
 
 @dataclass(frozen=True)
@@ -107,8 +110,9 @@ class Worker:
         self._lane(runner, deliver, 0, threads)
 
     def _compile(self, runner: ModelRunner) -> None:
-        """Compile the forward beside eager serving, on CPU time the lanes leave idle; ``on_served``
-        hears which serves, on the loop."""
+        """Compile the forward beside eager serving, once the pod has CPU to spare and then on CPU
+        time serving leaves idle; ``on_served`` hears which serves, on the loop."""
+        self._wait_for_spare_cpu()
         log.info("compiling the forward beside serving at %s", cpu.only_when_idle())
         try:
             with cpu.switching_often(cpu.COMPILE_SWITCH_INTERVAL_S):
@@ -117,6 +121,19 @@ class Worker:
             log.exception("the compile thread failed; eager serves")
             served = runner.served = cpu_compile.failed(error)
         self._loop.call_soon_threadsafe(self._on_served, served)
+
+    def _wait_for_spare_cpu(self) -> None:
+        """Until the pod's CPUs (the container's, else the machine's) have been idle a share of a
+        window, or for at most ``SPARE_MAX_WAIT_S``."""
+        used, own = cpu.cpu_seconds_used()
+        spare = cpu_compile.SpareCpu(self._settings.cpus() if own else float(os.cpu_count() or 1))
+        started = time.monotonic()
+        scope = "the container" if own else "the machine"
+        share, window = cpu_compile.SPARE_SHARE, cpu_compile.SPARE_WINDOW_S
+        log.info("the forward compiles once %s's CPUs are %.0f%% idle over %.0f s", scope, 100 * share, window)
+        while not spare.spare(used, now := time.monotonic()) and now - started < cpu_compile.SPARE_MAX_WAIT_S:
+            time.sleep(SPARE_POLL_S)
+            used, _ = cpu.cpu_seconds_used()
 
     def _resolve_warm(self, runner: ModelRunner | None, error: BaseException | None) -> None:
         if self.warm.done():
