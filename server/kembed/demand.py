@@ -61,8 +61,8 @@ class Capacity:
         self.at: float | None = None
 
     def update(self, rate: float, now: float) -> float:
-        if self.at is not None:
-            self.value = rate + (self.value - rate) * math.exp(-max(0.0, now - self.at) / self.hold_s)
+        if self.at is not None:  # the gap to the rate of the moment decays as an offered rate does
+            self.value = rate + decayed(self.value - rate, self.at, now, self.hold_s)
         self.value, self.at = max(self.value, rate), now
         return self.value
 

@@ -23,6 +23,7 @@ not this module's: see :mod:`kembed.engine.graphs`.
 
 from __future__ import annotations
 
+from collections import deque
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -60,12 +61,12 @@ class SpareCpu:
         self._cpus = cpus
         self._share = share
         self._window = window_s
-        self._samples: list[tuple[float, float]] = []  # (time, CPU seconds used so far), the window's
+        self._samples: deque[tuple[float, float]] = deque()  # (time, CPU seconds used so far), the window's
 
     def spare(self, used_s: float, now: float) -> bool:
         self._samples.append((now, used_s))
         while len(self._samples) > 1 and self._samples[1][0] <= now - self._window:
-            self._samples.pop(0)
+            self._samples.popleft()
         at, used_then = self._samples[0]
         if now - at < self._window:
             return False  # not a whole window seen yet
