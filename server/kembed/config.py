@@ -366,7 +366,7 @@ class Settings(BaseModel):
         1024,
         ge=1,
         description="Open REST connections per front end, lowered to half the file descriptors it may "
-        "open; past it the oldest idle one is closed",
+        "open; past it one of the client holding the most is closed",
         json_schema_extra=TUNING,
     )
     refusal_rate: float = Field(

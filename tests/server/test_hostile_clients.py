@@ -21,8 +21,8 @@ import orjson
 import pytest
 
 from kembed.frontend.budget import frontend_budget, growth_bound
+from kembed.frontend.connections import IDLE_GRACE_S
 from kembed.frontend.process import TOKENIZER_THREADS
-from kembed.frontend.rest import IDLE_GRACE_S
 from kembed.v1 import embedder_pb2 as pb
 from kembed.v1 import embedder_pb2_grpc as pb_grpc
 from tests.server.bodies import ONE_ANSWER
@@ -173,6 +173,21 @@ def test_past_the_connection_cap_the_oldest_idle_connection_is_closed(server: Se
         assert len(peer_ports(frontend(server), server.rest_port)) <= 16
     finally:
         for sock in idle:
+            sock.close()
+
+
+def test_past_the_connection_cap_the_client_holding_the_most_makes_room(server: ServerProcess):
+    """One client holds every connection, none idle long enough to be closed for it: a neighbour's
+    new connection is served all the same, and one of the holder's is closed for it."""
+    held = [connect(server) for _ in range(16)]
+    try:
+        neighbour = socket.create_connection(("127.0.0.1", server.rest_port), 120, source_address=("127.0.0.2", 0))
+        with neighbour:
+            neighbour.sendall(head(len(b'{"input": "x"}')) + b'{"input": "x"}')
+            assert answer(neighbour)[0] == 200
+        assert sum(not still_open(sock) for sock in held) == 1
+    finally:
+        for sock in held:
             sock.close()
 
 

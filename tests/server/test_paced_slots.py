@@ -16,7 +16,7 @@ import orjson
 import pytest
 
 from kembed.contract import RETRY_PUSHBACK_KEY
-from kembed.frontend.rest import IDLE_GRACE_S
+from kembed.frontend.connections import IDLE_GRACE_S
 from kembed.v1 import embedder_pb2 as pb
 from kembed.v1 import embedder_pb2_grpc as pb_grpc
 from tests.server.serving import ServerProcess, wait_until

@@ -21,8 +21,8 @@ What one client can hold here is bounded (``docs/decisions/hostile-clients.md``)
   transport's buffer must be taken within ``KEMBED_DEFAULT_TIMEOUT_MS``; a draining front end cuts
   off bodies still arriving;
 - connections: at most ``KEMBED_MAX_REST_CONNECTIONS`` and half the file descriptors this process
-  may open, so gRPC keeps room; past it the connection idle the longest is closed (once idle a
-  second), else the one sending its request the longest, else the new one;
+  may open, so gRPC keeps room; past it one of the client holding the most is closed
+  (:mod:`kembed.frontend.connections`);
 - a client that leaves cancels its call (the engine drops its work), logged in one line.
 
 A connection older than ``KEMBED_MAX_CONNECTION_AGE_MS`` (each its own, within 10% of it, so that
@@ -40,15 +40,12 @@ from __future__ import annotations
 import asyncio
 import dataclasses
 import logging
-import math
-import random
 import resource
 import time
 from collections.abc import Awaitable, Callable
 from typing import Any
 
 from aiohttp import web
-from aiohttp.web import RequestHandler
 
 from kembed import listen, tls
 from kembed.config import Settings
@@ -58,6 +55,7 @@ from kembed.errors import EmbedError, Failure
 from kembed.frontend import openai_api
 from kembed.frontend.budget import BODY_WEIGHT, MemoryBudget, Reservation
 from kembed.frontend.call import EmbedCall, Limits
+from kembed.frontend.connections import Connections
 from kembed.frontend.openai_api import ApiError, Body, Embeddings
 from kembed.frontend.pushback import rest_client
 from kembed.frontend.service import Gate, Service, draining, warming_up
@@ -73,12 +71,10 @@ MODELS_PATH = "/v1/models"
 TOKENIZE_PATH = "/tokenize"  # where TEI and vLLM answer it
 METHODS = {EMBEDDINGS_PATH: "POST", TOKENIZE_PATH: "POST", MODELS_PATH: "GET"}
 IDLE_S = 60.0  # a connection with no request, or whose request's head is still arriving, is closed after this
-IDLE_GRACE_S = 1.0  # past the connection cap, an idle connection is closed first only once idle this long
 LINGER_S = 2.0  # a body refused part-read is read and dropped this long, so that its client can read the answer
 STOP_S = 1.0  # stopping: the drain has waited for every call; answers still being written get this long
 WRITE_BUFFER_BYTES = 65536  # aiohttp's writer waits for the client only past this much unsent (its LIMIT)
 READ_CHUNK = 16384  # a body is parsed this much at a time: well under a millisecond of the event loop
-AGE_JITTER = 0.1  # a connection's age is the setting's within this share, as gRPC's core draws its own
 MAX_BACKLOG = 128  # asyncio accepts up to a backlog's worth of connections in one turn of the event loop
 # Descriptors this process keeps apart from its REST connections: the engine's socket, files,
 # gRPC's poller. What is left is halved: REST connections may take one half, gRPC's the other. Of
@@ -331,97 +327,6 @@ class RestEdge:
     def _reply(self, status: int, body: bytes, headers: dict[str, str] | None = None) -> web.Response:
         self._metrics.requests.labels(api="rest", code=str(status)).inc()
         return web.Response(status=status, body=body, content_type=JSON, headers=headers)
-
-
-class Connections(web.Server):
-    """aiohttp's low-level server, holding at most ``limit`` connections: past it, the one idle the
-    longest is closed if it has been idle ``IDLE_GRACE_S`` (no request, or a head still arriving;
-    a new connection gets that long to send one), else the one that has been sending its request
-    the longest, else the new one (every other is working on an accepted call). A client that
-    leaves cancels its handler, so its call is dropped. A connection is :meth:`aged` once open
-    ``max_age_s``, give or take ``AGE_JITTER``. Malformed requests are answered by ``error``;
-    ``kwargs`` go to each connection's :class:`~aiohttp.web.RequestHandler`."""
-
-    def __init__(
-        self,
-        handler: Callable[[web.BaseRequest], Any],
-        *,
-        limit: int,
-        error: Callable[[int, str], web.Response],
-        max_age_s: float,
-        **kwargs: Any,
-    ) -> None:
-        super().__init__(handler, handler_cancellation=True, **kwargs)
-        self._limit = limit
-        self._error = error
-        self._max_age_s = max_age_s
-        self._aged_at: dict[RequestHandler, float] = {}  # every open connection's
-        self._handler_args = kwargs
-        # Every open connection is in one of these, each in the order its connections entered it.
-        self._idle: dict[RequestHandler, float] = {}  # since when
-        self._reading: dict[RequestHandler, None] = {}
-        self._working: set[RequestHandler] = set()
-
-    def __call__(self) -> RequestHandler:
-        return _Connection(self, self._error, loop=asyncio.get_running_loop(), **self._handler_args)
-
-    def connection_made(self, handler: RequestHandler, transport: asyncio.Transport) -> None:
-        super().connection_made(handler, transport)
-        now = asyncio.get_running_loop().time()
-        self._idle[handler] = now
-        self._aged_at[handler] = now + self._max_age_s * random.uniform(1 - AGE_JITTER, 1 + AGE_JITTER)
-        if len(self._idle) + len(self._reading) + len(self._working) > self._limit:
-            self._close_one(handler)
-
-    def connection_lost(self, handler: RequestHandler, exc: BaseException | None = None) -> None:
-        super().connection_lost(handler, exc)
-        self._forget(handler)
-        self._aged_at.pop(handler, None)
-
-    def aged(self, handler: RequestHandler) -> bool:
-        return asyncio.get_running_loop().time() >= self._aged_at.get(handler, math.inf)
-
-    def reading(self, handler: RequestHandler) -> None:
-        if self._idle.pop(handler, None) is not None:
-            self._reading[handler] = None
-
-    def working(self, handler: RequestHandler) -> None:
-        if self._reading.pop(handler, False) is None:
-            self._working.add(handler)
-
-    def done(self, handler: RequestHandler) -> None:
-        """Its request answered (or refused): idle from now, if it is still open."""
-        if self._reading.pop(handler, False) is None or handler in self._working:
-            self._working.discard(handler)
-            self._idle[handler] = asyncio.get_running_loop().time()
-
-    def _forget(self, handler: RequestHandler) -> None:
-        self._idle.pop(handler, None)
-        self._reading.pop(handler, None)
-        self._working.discard(handler)
-
-    def _close_one(self, newest: RequestHandler) -> None:
-        idle = next(iter(self._idle.items()), None)
-        if idle is not None and asyncio.get_running_loop().time() - idle[1] >= IDLE_GRACE_S:
-            victim = idle[0]
-        else:
-            victim = next(iter(self._reading), newest)
-        self._forget(victim)
-        victim.force_close()
-
-
-class _Connection(RequestHandler):
-    """One connection; a request aiohttp cannot parse is answered by the edge, not by aiohttp's
-    text/plain page and traceback."""
-
-    def __init__(self, manager: Connections, error: Callable[[int, str], web.Response], **kwargs: Any) -> None:
-        super().__init__(manager, **kwargs)
-        self._error = error
-
-    def handle_error(
-        self, request: web.BaseRequest, status: int = 500, exc: BaseException | None = None, message: str | None = None
-    ) -> web.StreamResponse:
-        return self._error(status, message or (type(exc).__name__ if exc else "unknown"))
 
 
 def fd_budget() -> tuple[int, int]:
