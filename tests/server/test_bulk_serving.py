@@ -536,8 +536,9 @@ def test_refused_requests_are_retried_after_their_pushback_and_every_row_lands_i
         refused = server.metric(REFUSED_REQUESTS)
         process.stdin.write("".join(f"{text}\n" for text in TEXTS[:100]).encode())
         process.stdin.flush()  # closed by communicate below
-        # The engine computes nothing until the command has been refused.
-        wait_until(lambda: server.metric(REFUSED_REQUESTS) > refused, 120, "the command refused")
+        # The engine computes nothing until the command has been refused (or has ended: said below).
+        wait_until(lambda: server.metric(REFUSED_REQUESTS) > refused or process.poll() is not None, 120, "a refusal")
+        assert process.poll() is None, process.communicate()[1].decode()
     stdout, stderr = process.communicate(timeout=600)
     assert process.returncode == 0, stderr.decode()
     assert summary_count(stdout.decode(), "retries") >= 1
