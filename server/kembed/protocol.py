@@ -25,7 +25,7 @@ import struct
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from enum import IntEnum
-from typing import Any, ClassVar
+from typing import Any, ClassVar, NamedTuple
 
 import numpy as np
 
@@ -35,6 +35,8 @@ from kembed.priority import Priority
 PROTOCOL_VERSION = 4  # both ends come from one install; a difference is a broken image
 MAGIC = 0x6B65  # "ke": a stream read out of step fails here, not somewhere in the rows
 HEADER = struct.Struct("<HBHI")  # magic, kind, parts, body bytes
+SHORT_PART = 64  # values: a part up to this long is checked in Python (see Span)
+MOST_PRIORITY = max(Priority)
 
 Part = np.ndarray | bytes
 
@@ -72,15 +74,43 @@ def _expect_parts(kind: Kind, parts: Sequence[memoryview], count: int) -> None:
         raise ProtocolError(f"{kind.name}: {len(parts)} parts, expected {count}")
 
 
-def _read_arrays(kind: Kind, parts: Sequence[memoryview], layout: Sequence[tuple[str, str]]) -> list[np.ndarray]:
+Layout = Sequence[tuple[str, np.dtype]]  # each part's name and dtype, in order
+
+
+def _layout(*parts: tuple[str, str]) -> tuple[tuple[str, np.dtype], ...]:
+    """A kind's parts, their dtypes made once: ``np.dtype`` of a string costs more than the part's read."""
+    return tuple((name, np.dtype(dtype)) for name, dtype in parts)
+
+
+def _read_arrays(kind: Kind, parts: Sequence[memoryview], layout: Layout) -> list[np.ndarray]:
     """Each part as a 1-D array of its declared dtype: views of the frame's bytes, no copy."""
     _expect_parts(kind, parts, len(layout))
     arrays = []
     for part, (name, dtype) in zip(parts, layout, strict=True):
-        if len(part) % np.dtype(dtype).itemsize:
-            raise ProtocolError(f"{kind.name}.{name}: {len(part)} bytes is not a whole number of {dtype}")
+        if len(part) % dtype.itemsize:
+            raise ProtocolError(f"{kind.name}.{name}: {len(part)} bytes is not a whole number of {dtype.str}")
         arrays.append(np.frombuffer(part, dtype=dtype))
     return arrays
+
+
+class Span(NamedTuple):
+    """The least, the most and the sum of an integer part's values: ``(1, 0, 0)`` when it is empty
+    (every value of none is at least 1, and at most anything)."""
+
+    least: int
+    most: int
+    total: int
+
+    @classmethod
+    def of(cls, part: np.ndarray) -> Span:
+        """Read as a Python list when short: a frame of a request or two, where numpy's three calls
+        cost several times more."""
+        if not part.size:
+            return cls(1, 0, 0)
+        if part.size <= SHORT_PART:
+            values = part.tolist()
+            return cls(min(values), max(values), sum(values))
+        return cls(int(part.min()), int(part.max()), int(part.sum()))
 
 
 def _check(kind: Kind, condition: bool, what: str) -> None:
@@ -169,7 +199,7 @@ class Work:
     latencies: np.ndarray  # float64: server-side latency samples for the P95 windows
     sample_priorities: np.ndarray  # uint8 [latencies]: whose window each sample goes to
     sample_refused: np.ndarray  # uint8 [latencies]: 1 for a refusal's (the wait it spared), 0 for a served request's
-    LAYOUT: ClassVar = (
+    LAYOUT: ClassVar = _layout(
         ("tags", "<u8"),
         ("deadlines", "<f8"),
         ("counts", "<u4"),
@@ -194,15 +224,13 @@ class Work:
         _check(cls.kind, all(part.size == requests for part in per_request), "per-request parts")
         samples = (work.sample_priorities.size, work.sample_refused.size)
         _check(cls.kind, samples == (work.latencies.size,) * 2, "a class and a kind per latency sample")
-        _check(cls.kind, _known_priorities(work.priorities, work.sample_priorities), "an unknown priority")
-        _check(cls.kind, bool((work.counts >= 1).all()) and bool((work.lengths >= 1).all()), "an empty request or item")
-        _check(cls.kind, int(work.counts.sum()) == work.lengths.size, "counts do not add up to the lengths")
-        _check(cls.kind, int(work.lengths.sum()) == work.ids.size, "lengths do not add up to the ids")
+        priorities = max(Span.of(work.priorities).most, Span.of(work.sample_priorities).most)
+        _check(cls.kind, priorities <= MOST_PRIORITY, "an unknown priority")
+        counts, lengths = Span.of(work.counts), Span.of(work.lengths)
+        _check(cls.kind, counts.least >= 1 and lengths.least >= 1, "an empty request or item")
+        _check(cls.kind, counts.total == work.lengths.size, "counts do not add up to the lengths")
+        _check(cls.kind, lengths.total == work.ids.size, "lengths do not add up to the ids")
         return work
-
-
-def _known_priorities(*parts: np.ndarray) -> bool:
-    return all(int(part.max(initial=0)) <= max(Priority) for part in parts)
 
 
 @dataclass(frozen=True)
@@ -215,6 +243,7 @@ class Result:
     tags: np.ndarray  # uint64 [rows]
     slots: np.ndarray  # uint32 [rows]
     rows: np.ndarray  # float32 [rows, dimensions]
+    LAYOUT: ClassVar = _layout(("timing", "<f8"), ("tags", "<u8"), ("slots", "<u4"), ("rows", "<f4"))
 
     def encode(self) -> list[Part]:
         timing = np.array([self.started, self.seconds], dtype="<f8")
@@ -223,8 +252,7 @@ class Result:
 
     @classmethod
     def decode(cls, parts: Sequence[memoryview]) -> Result:
-        layout = (("timing", "<f8"), ("tags", "<u8"), ("slots", "<u4"), ("rows", "<f4"))
-        timing, tags, slots, rows = _read_arrays(cls.kind, parts, layout)
+        timing, tags, slots, rows = _read_arrays(cls.kind, parts, cls.LAYOUT)
         _check(cls.kind, timing.size == 2 and tags.size == slots.size > 0, "timing, tags and slots")
         _check(cls.kind, rows.size % tags.size == 0, "rows do not divide among the tags")
         started, seconds = timing.tolist()

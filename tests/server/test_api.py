@@ -14,7 +14,7 @@ from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from kembed.client import EmbedClient, decode
 from kembed.config import Settings
-from kembed.contract import Metric
+from kembed.contract import GRPC_SERVICE, Metric
 from kembed.engine.model import resolve_model_path
 from kembed.v1 import embedder_pb2 as pb
 from kembed.v1 import embedder_pb2_grpc as pb_grpc
@@ -169,6 +169,20 @@ def test_oversized_message_is_refused(stub: pb_grpc.EmbedderStub):
         stub.Embed(pb.EmbedRequest(texts=["x" * (MAX_MESSAGE + 10)]), timeout=10)
     assert caught.value.code() is grpc.StatusCode.RESOURCE_EXHAUSTED
     assert stub.Embed(pb.EmbedRequest(texts=["still fine"])).count == 1
+
+
+def test_a_unary_call_without_its_message_is_refused(channel: grpc.Channel):
+    """Embed is read as a client stream (a slot is taken before its message): a client that
+    half-closes without sending one is told so; one that sends two is answered for the first."""
+    embed = channel.stream_unary(
+        f"/{GRPC_SERVICE}/Embed", pb.EmbedRequest.SerializeToString, pb.EmbedResponse.FromString
+    )
+    with pytest.raises(grpc.RpcError) as caught:
+        embed(iter(()), timeout=10)
+    assert caught.value.code() is grpc.StatusCode.INVALID_ARGUMENT
+    assert caught.value.details() == "no EmbedRequest was sent"
+    two = iter([pb.EmbedRequest(texts=["first"], request_id="1"), pb.EmbedRequest(texts=["second"], request_id="2")])
+    assert embed(two, timeout=30).request_id == "1"
 
 
 def test_stream_answers_many_requests_and_isolates_a_bad_one(stub: pb_grpc.EmbedderStub):

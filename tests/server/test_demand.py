@@ -11,12 +11,12 @@ from pathlib import Path
 
 import pytest
 
-from kembed.admission import MeasuredLoad
+from kembed.admission import MeasuredLoad, Rejection
 from kembed.board import Board, Cell
 from kembed.config import Settings
 from kembed.demand import Capacity, OfferedRate, decayed, ratio, retry_attempt
 from kembed.frontend.outbox import InTransit
-from kembed.frontend.screen import Screen
+from kembed.frontend.screen import Screen, Waits
 from kembed.metrics import demand_ratio
 from kembed.priority import Priority
 
@@ -124,15 +124,15 @@ def screens(tmp_path: Path) -> Iterator[tuple[Screen, Screen, Board, Clock]]:
 def test_each_call_counts_once_at_the_step_that_decides_it(tmp_path: Path) -> None:
     with screens(tmp_path) as (screen, _, board, clock):
         unit = COST / TAU_S / RATE  # one call of COST, read at once
-        assert screen.after_tokenizing(COST, Priority.INTERACTIVE) is None  # admitted: counted at its cost
+        assert isinstance(screen.after_tokenizing(COST, Priority.INTERACTIVE), Waits)  # admitted: counted at its cost
         assert demand_ratio(board, clock.now, TAU_S) == pytest.approx(unit)
         board[Cell.IN_FLIGHT_TOKENS] = 4000  # four seconds of work: refusals
         assert screen.before_tokenizing(COST, Priority.BATCH) is not None  # refused before tokenizing
         assert demand_ratio(board, clock.now, TAU_S) == pytest.approx(2 * unit)
         assert screen.before_tokenizing(COST, Priority.BATCH, attempt=1) is not None  # its retry
-        assert screen.after_tokenizing(COST, Priority.BATCH, attempt=2) is not None
+        assert isinstance(screen.after_tokenizing(COST, Priority.BATCH, attempt=2), Rejection)
         assert demand_ratio(board, clock.now, TAU_S) == pytest.approx(2 * unit)  # counted at its first attempt only
-        assert screen.in_time(COST, Priority.BATCH, 0.001) is not None  # cannot be served in its deadline
+        assert screen.before_tokenizing(COST, Priority.BATCH, seconds_left=0.001) is not None  # or in its deadline
         assert demand_ratio(board, clock.now, TAU_S) == pytest.approx(3 * unit)
         board[Cell.IN_FLIGHT_TOKENS] = 0
         assert screen.before_tokenizing(COST, Priority.BATCH) is None  # passed: counted once it is costed

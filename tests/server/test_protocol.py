@@ -94,6 +94,14 @@ async def test_every_kind_crosses_a_socket_unchanged(wire, message: Message) -> 
     assert same(await receive(reader), message)
 
 
+async def test_a_work_frame_of_many_requests_crosses_unchanged(wire) -> None:
+    """Parts longer than protocol.SHORT_PART are checked by numpy, not in Python."""
+    writer, reader = wire
+    many = work([[2] * 80, [1]] * 40, range(80), [8, 16], priorities=[BATCH, INTERACTIVE] * 40)
+    send(writer, many)
+    assert same(await receive(reader), many)
+
+
 async def test_frames_follow_one_another(wire) -> None:
     writer, reader = wire
     for message in MESSAGES:
@@ -134,11 +142,17 @@ def corrupt(data: bytes, offset: int, value: bytes) -> bytes:
 
 RESULT = frame_bytes(MESSAGES[3])
 WORK = work([[3, 9], [1]], [7, 8], [8, 16])
+# Parts longer than protocol.SHORT_PART are checked by numpy, shorter ones in Python: both are damaged.
+LONG_WORK = work([[1] * 100] + [[1]] * 99, range(100), [8, 16])
 WORK_PARTS = [p.tobytes() if isinstance(p, np.ndarray) else p for p in WORK.encode()]
 
 
 def work_with(**arrays: np.ndarray) -> bytes:
     return frame_bytes(dataclasses.replace(WORK, **arrays))
+
+
+def long_work_with(**arrays: np.ndarray) -> bytes:
+    return frame_bytes(dataclasses.replace(LONG_WORK, **arrays))
 
 
 DAMAGE: dict[str, Callable[[], bytes]] = {
@@ -152,6 +166,10 @@ DAMAGE: dict[str, Callable[[], bytes]] = {
     ),
     "counts that do not add up": lambda: work_with(counts=np.array([1, 1], "<u4")),
     "an empty item": lambda: work_with(lengths=np.array([0, 12, 1], "<i4")),
+    "an empty item of many": lambda: long_work_with(lengths=np.array([0, 2] + [1] * 197, "<i4")),
+    "an empty request of many": lambda: long_work_with(counts=np.array([101, 0] + [1] * 98, "<u4")),
+    "counts of many that do not add up": lambda: long_work_with(counts=np.array([100, 2] + [1] * 98, "<u4")),
+    "an unknown priority of many": lambda: long_work_with(priorities=np.array([0] * 99 + [2], "u1")),
     "deadlines that do not match the requests": lambda: work_with(deadlines=np.array([1.0], "<f8")),
     "priorities that do not match the requests": lambda: work_with(priorities=np.array([0], "u1")),
     "an unknown priority": lambda: work_with(priorities=np.array([0, 2], "u1")),

@@ -9,10 +9,11 @@ import contextlib
 from collections.abc import AsyncIterator
 from pathlib import Path
 
+from kembed.admission import Rejection
 from kembed.board import Board, Cell, FrontendCell
 from kembed.config import Settings
 from kembed.frontend.link import EngineLink
-from kembed.frontend.screen import Screen
+from kembed.frontend.screen import Screen, Waits
 from kembed.priority import Priority
 from tests.server.test_link import Engine, linked, seqs
 
@@ -64,10 +65,10 @@ async def test_a_batch_of_ingest_in_the_worker_does_not_refuse_queries(tmp_path)
     async with screening(tmp_path) as (screen, board, *_):
         board[Cell.IN_FLIGHT_TOKENS] = 2048  # two seconds at this rate: over the budget twice over
         assert screen.before_tokenizing(COST, Priority.INTERACTIVE) is None
-        assert screen.after_tokenizing(COST, Priority.INTERACTIVE) is None
+        assert isinstance(screen.after_tokenizing(COST, Priority.INTERACTIVE), Waits)
         assert screen.before_tokenizing(COST, Priority.BATCH) is not None  # batch work waits for it
         board[Cell.IN_FLIGHT_INTERACTIVE_TOKENS] = 2048  # queries in the worker: ahead of the next one
-        assert screen.after_tokenizing(COST, Priority.INTERACTIVE) is not None
+        assert isinstance(screen.after_tokenizing(COST, Priority.INTERACTIVE), Rejection)
 
 
 async def test_a_request_too_large_for_the_interactive_share_goes_as_batch_work(tmp_path):
@@ -75,4 +76,5 @@ async def test_a_request_too_large_for_the_interactive_share_goes_as_batch_work(
         # At 1,000 tokens/s and a 1 s budget (twice the drain time), one query may hold 250 tokens.
         assert screen.class_of(250, Priority.INTERACTIVE) is Priority.INTERACTIVE
         assert screen.class_of(251, Priority.INTERACTIVE) is Priority.BATCH
-        assert screen.longest_wait(250, Priority.INTERACTIVE) == 0.5
+        waits = screen.after_tokenizing(250, Priority.INTERACTIVE)
+        assert isinstance(waits, Waits) and waits.longest == 0.5

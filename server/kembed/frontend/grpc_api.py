@@ -36,6 +36,7 @@ from google.protobuf.message import DecodeError
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1.health import aio as health_aio  # type: ignore[attr-defined]  # no stub
 from grpc_reflection.v1alpha import reflection
+from prometheus_client import Counter
 
 from kembed import listen, tls
 from kembed.config import Settings
@@ -330,12 +331,14 @@ class EmbedderServicer(pb_grpc.EmbedderServicer):
         self._service = service
         self._stream_window_bytes = stream_window_bytes
         self._slots = slots
+        # Each status code's labelled counter, made at its first answer: a label lookup takes a lock.
+        self._answers: dict[grpc.StatusCode, Counter] = {}
 
     async def Embed(
         self, requests: AsyncIterator[pb.EmbedRequest | Refused], context: grpc.aio.ServicerContext
     ) -> pb.EmbedResponse:
         try:
-            outcome = await self._unary(requests, context)
+            outcome = await self._unary(context)
             if isinstance(outcome, Failed) and outcome.paced:
                 await self._service().pace(context.peer())
         except asyncio.CancelledError:  # gRPC's core ended the call: its deadline passed, or its client left
@@ -353,17 +356,17 @@ class EmbedderServicer(pb_grpc.EmbedderServicer):
         self._count(grpc.StatusCode.OK)
         return response(outcome)
 
-    async def _unary(
-        self, requests: AsyncIterator[pb.EmbedRequest | Refused], context: grpc.aio.ServicerContext
-    ) -> EmbedResult | Failed:
+    async def _unary(self, context: grpc.aio.ServicerContext) -> EmbedResult | Failed:
         """A unary call's result, or its failure: its request read and served holding a slot,
         neither kept once it is decided."""
         if not self._slots.take():
             error = self._slots.busy()
             return Failed.of(error, error.message)
         try:
-            request = await anext(aiter(requests), None)
-            if request is None:  # the client half-closed without a message
+            # Read off the context, not the iterator: grpc's iterator is an async generator left
+            # unfinished here, whose finalizer costs the loop a wake-up and a task per call.
+            request = await context.read()
+            if request is grpc.aio.EOF:  # type: ignore[attr-defined]  # no stub; the client half-closed without a message
                 request = Refused(EmbedError(Failure.INVALID_ARGUMENT, "no EmbedRequest was sent"))
             try:
                 return await self._embed(request, context)
@@ -505,7 +508,10 @@ class EmbedderServicer(pb_grpc.EmbedderServicer):
         return status
 
     def _count(self, code: grpc.StatusCode) -> None:
-        self._metrics.requests.labels(api="grpc", code=code.name).inc()
+        counter = self._answers.get(code)
+        if counter is None:
+            counter = self._answers[code] = self._metrics.requests.labels(api="grpc", code=code.name)
+        counter.inc()
 
 
 def _past_deadline(context: grpc.aio.ServicerContext) -> bool:

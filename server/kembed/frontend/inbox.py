@@ -44,25 +44,34 @@ class Waiting:
         return self._pending.pop(tag, None) is not None
 
     def scatter(self, result: Result) -> None:
-        tags, slots, rows = result.tags, result.slots, result.rows
+        rows = result.rows
         if rows.shape[1] != self._dimensions:
             raise ProtocolError(f"RESULT: rows of {rows.shape[1]} dimensions, the model has {self._dimensions}")
-        # A request's rows in one batch are contiguous: one step per request, none per row.
-        bounds = [0, *(np.flatnonzero(np.diff(tags)) + 1).tolist(), len(tags)]
-        for begin, end in itertools.pairwise(bounds):
-            pending = self._pending.get(int(tags[begin]))
-            if pending is None:
-                continue  # timed out or cancelled meanwhile
-            if int(slots[begin:end].max()) >= len(pending.embeddings) or end - begin > pending.remaining:
-                raise ProtocolError(f"RESULT: slots beyond a request of {len(pending.embeddings)} items")
-            pending.embeddings[slots[begin:end]] = rows[begin:end]
-            pending.remaining -= end - begin
-            pending.inference_s += result.seconds
-            pending.last_start = max(pending.last_start, result.started)
-            if pending.remaining == 0:
-                del self._pending[int(tags[begin])]
-                if not pending.future.done():  # cancelled by its caller meanwhile
-                    pending.future.set_result(None)
+        # A request's rows in one batch are contiguous: one step per request, none per row. The tags
+        # and slots as lists: a frame holds a few requests, where numpy's calls cost more than Python's.
+        slots, begin = result.slots.tolist(), 0
+        for tag, run in itertools.groupby(result.tags.tolist()):
+            end = begin + sum(1 for _ in run)
+            pending = self._pending.get(tag)
+            if pending is not None:
+                self._fill(tag, pending, slots[begin:end], rows[begin:end], result)
+            begin = end
+
+    def _fill(self, tag: int, pending: Pending, slots: list[int], rows: np.ndarray, result: Result) -> None:
+        """A request's ``rows`` of one batch into its ``slots``."""
+        if max(slots) >= len(pending.embeddings) or len(slots) > pending.remaining:
+            raise ProtocolError(f"RESULT: slots beyond a request of {len(pending.embeddings)} items")
+        if len(slots) == 1:  # one text: an index, not numpy's fancy indexing
+            pending.embeddings[slots[0]] = rows[0]
+        else:
+            pending.embeddings[slots] = rows
+        pending.remaining -= len(slots)
+        pending.inference_s += result.seconds
+        pending.last_start = max(pending.last_start, result.started)
+        if pending.remaining == 0:
+            del self._pending[tag]
+            if not pending.future.done():  # cancelled by its caller meanwhile
+                pending.future.set_result(None)
 
     def fail(self, failed: Errors) -> None:
         for tag, error in zip(failed.tags, failed.errors, strict=True):

@@ -16,6 +16,7 @@ from __future__ import annotations
 import contextlib
 import time
 from collections.abc import Callable, Iterator
+from typing import NamedTuple
 
 from kembed.admission import AdmissionController, Backlog, Rejection
 from kembed.board import Board, Cell, ClassCell, FrontendCell
@@ -25,6 +26,14 @@ from kembed.frontend.outbox import InTransit
 from kembed.priority import Priority
 
 Refusals = Callable[[float, Priority], None]  # where refusals' samples go: to the engine's shedding window
+
+
+class Waits(NamedTuple):
+    """What an admitted request waits now, its own work included, with the queue ahead of it served
+    in order: ``expected`` (without the buckets' spread), and the ``longest``."""
+
+    expected: float
+    longest: float
 
 
 class PublishedLoad:
@@ -78,12 +87,17 @@ class Screen:
         share of the interactive budget goes as batch work)."""
         return self._admission.class_of(padded_tokens, priority)
 
-    def before_tokenizing(self, least_padded_tokens: int, priority: Priority, attempt: int = 0) -> Rejection | None:
-        """The latency draw and the capacity checks on a lower bound of the request's cost (counted
-        as offered when it refuses the call)."""
-        return self._offer_refused(
-            self._admission.prescreen(least_padded_tokens, self._backlog(), priority), least_padded_tokens, attempt
-        )
+    def before_tokenizing(
+        self, least_padded_tokens: int, priority: Priority, attempt: int = 0, seconds_left: float | None = None
+    ) -> Rejection | None:
+        """The latency draw and the capacity checks on a lower bound of the request's cost, and, for
+        a call with ``seconds_left`` of its deadline, whether it could be served before it ends
+        (counted as offered when refused). One read of the backlog for both."""
+        backlog = self._backlog()
+        rejection = self._admission.prescreen(least_padded_tokens, backlog, priority)
+        if rejection is None and seconds_left is not None:
+            rejection = self._admission.in_time(least_padded_tokens, backlog, priority, seconds_left)
+        return self._offer_refused(rejection, least_padded_tokens, attempt)
 
     @contextlib.contextmanager
     def tokenizing(self, least_padded_tokens: int, priority: Priority) -> Iterator[None]:
@@ -95,27 +109,16 @@ class Screen:
         finally:
             self._tokenizing[priority] -= least_padded_tokens
 
-    def expected_wait(self, padded_tokens: int, priority: Priority) -> float:
-        """How long a request of this cost and class waits now, its own work included, with the
-        queue ahead of it served in order (the longest wait without its spread)."""
-        return self._admission.drain_seconds(self._backlog().ahead(priority) + padded_tokens)
-
-    def in_time(
-        self, least_padded_tokens: int, priority: Priority, seconds_left: float, attempt: int = 0
-    ) -> Rejection | None:
-        """Whether a call with this much of its deadline left could be served before it ends
-        (counted as offered when it could not)."""
-        rejection = self._admission.in_time(least_padded_tokens, self._backlog(), priority, seconds_left)
-        return self._offer_refused(rejection, least_padded_tokens, attempt)
-
-    def longest_wait(self, padded_tokens: int, priority: Priority) -> float:
-        """The longest a request of this cost and class may wait now, its own work included."""
-        return self._admission.longest_wait(self._backlog().ahead(priority) + padded_tokens)
-
-    def after_tokenizing(self, padded_tokens: int, priority: Priority, attempt: int = 0) -> Rejection | None:
-        """The capacity checks with the request's exact padded cost, counted as offered."""
+    def after_tokenizing(self, padded_tokens: int, priority: Priority, attempt: int = 0) -> Rejection | Waits:
+        """The capacity checks with the request's exact padded cost, counted as offered: its
+        refusal, or the waits it was admitted to (one read of the backlog for both)."""
         self.offer(padded_tokens, attempt)
-        return self._admission.admit(padded_tokens, self._backlog(), priority)
+        backlog = self._backlog()
+        rejection = self._admission.admit(padded_tokens, backlog, priority)
+        if rejection is not None:
+            return rejection
+        ahead = backlog.ahead(priority) + padded_tokens
+        return Waits(self._admission.drain_seconds(ahead), self._admission.longest_wait(ahead))
 
     def offer(self, padded_tokens: int, attempt: int) -> None:
         """Count a call's work as offered, unless it is a retry (counted at its first attempt)."""
