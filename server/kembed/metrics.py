@@ -60,6 +60,7 @@ class FrontendMetrics:
             ["api", "code"],
             registry=r,
         )
+        self._answers: dict[tuple[str, str], Counter] = {}  # each (api, code)'s child, made at its first answer
         self.rejected = _rejected(r)
         self.refusals_paced = Counter(
             Metric.REFUSALS_PACED,
@@ -87,6 +88,13 @@ class FrontendMetrics:
             ["api"],
             registry=r,
         )
+
+    def answered(self, api: str, code: str) -> None:
+        """Count an answer; its labelled child looked up once, not per call (under a lock)."""
+        child = self._answers.get((api, code))
+        if child is None:
+            child = self._answers[api, code] = self.requests.labels(api=api, code=code)
+        child.inc()
 
 
 def _choice(registry: CollectorRegistry, name: str, label: str, what: str) -> Gauge:

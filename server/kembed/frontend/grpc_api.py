@@ -36,7 +36,6 @@ from google.protobuf.message import DecodeError
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1.health import aio as health_aio  # type: ignore[attr-defined]  # no stub
 from grpc_reflection.v1alpha import reflection
-from prometheus_client import Counter
 
 from kembed import listen, tls
 from kembed.config import Settings
@@ -331,8 +330,6 @@ class EmbedderServicer(pb_grpc.EmbedderServicer):
         self._service = service
         self._stream_window_bytes = stream_window_bytes
         self._slots = slots
-        # Each status code's labelled counter, made at its first answer: a label lookup takes a lock.
-        self._answers: dict[grpc.StatusCode, Counter] = {}
 
     async def Embed(
         self, requests: AsyncIterator[pb.EmbedRequest | Refused], context: grpc.aio.ServicerContext
@@ -508,10 +505,7 @@ class EmbedderServicer(pb_grpc.EmbedderServicer):
         return status
 
     def _count(self, code: grpc.StatusCode) -> None:
-        counter = self._answers.get(code)
-        if counter is None:
-            counter = self._answers[code] = self._metrics.requests.labels(api="grpc", code=code.name)
-        counter.inc()
+        self._metrics.answered("grpc", code.name)
 
 
 def _past_deadline(context: grpc.aio.ServicerContext) -> bool:

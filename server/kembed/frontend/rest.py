@@ -325,7 +325,7 @@ class RestEdge:
         return response
 
     def _reply(self, status: int, body: bytes, headers: dict[str, str] | None = None) -> web.Response:
-        self._metrics.requests.labels(api="rest", code=str(status)).inc()
+        self._metrics.answered("rest", str(status))
         return web.Response(status=status, body=body, content_type=JSON, headers=headers)
 
 
