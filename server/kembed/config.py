@@ -300,7 +300,10 @@ class Settings(BaseModel):
         2.0,
         ge=0,
         le=100,
-        description="Once calls overlap, a front end sends the engine a frame of requests per interval (0 = per turn)",
+        description=(
+            "Once calls overlap, a front end sends the engine a frame of requests per interval (0 = per turn),"
+            " each once the engine has taken the last"
+        ),
         json_schema_extra=TUNING,
     )
 

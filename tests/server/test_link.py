@@ -32,16 +32,20 @@ def seqs(*ids: int) -> Sequences:
 
 
 class Engine:
-    """The far end of one link: every frame it receives, with the loop time it arrived."""
+    """The far end of one link: every frame it receives, with the loop time it arrived, and how many
+    it has taken (its acknowledgement on the board): each as it arrives, unless ``takes`` is False."""
 
-    def __init__(self) -> None:
+    def __init__(self, takes: bool = True) -> None:
         self.frames: asyncio.Queue[tuple[float, Work]] = asyncio.Queue()
+        self.takes = takes
+        self.taken = 0
 
     async def serve(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
         loop = asyncio.get_running_loop()
         while True:
             work = await receive(reader)
             assert isinstance(work, Work)
+            self.taken += self.takes
             await self.frames.put((loop.time(), work))
 
     async def next_work(self) -> tuple[float, Work]:
@@ -49,11 +53,13 @@ class Engine:
 
 
 @contextlib.asynccontextmanager
-async def linked(path: Path, frame_interval: float) -> AsyncIterator[tuple[EngineLink, Engine]]:
-    engine = Engine()
+async def linked(
+    path: Path, frame_interval: float, engine: Engine | None = None
+) -> AsyncIterator[tuple[EngineLink, Engine]]:
+    engine = engine or Engine()
     server = await asyncio.start_unix_server(engine.serve, str(path))
     reader, writer = await asyncio.open_unix_connection(str(path))
-    link = EngineLink(reader, writer, serving_info(), frame_interval)
+    link = EngineLink(reader, writer, serving_info(), frame_interval, lambda: engine.taken)
     try:
         yield link, engine
     finally:
@@ -89,6 +95,25 @@ async def test_a_caller_alone_never_waits_for_the_interval(tmp_path):
             link.submit(seqs(tag), 16, sent, sent + 30, INTERACTIVE)
             _, work = await engine.next_work()
             assert work.tags.tolist() == [tag]
+
+
+async def test_a_frame_waits_until_the_engine_has_taken_the_last_and_then_carries_all_that_waited(tmp_path):
+    engine = Engine(takes=False)  # a busy engine loop: it has not acknowledged a frame yet
+    async with linked(tmp_path / "engine.sock", 0.0, engine) as (link, _):
+        loop = asyncio.get_running_loop()
+        link.submit(seqs(1), 16, loop.time(), loop.time() + 30, INTERACTIVE)
+        assert (await engine.next_work())[1].tags.tolist() == [1]  # nothing before it: at once
+        for _ in range(3):  # each alone in its loop turn, as gRPC hands calls over
+            link.submit(seqs(2), 16, loop.time(), loop.time() + 30, INTERACTIVE)
+            await asyncio.sleep(0.02)
+        assert engine.frames.empty(), "a frame went before the engine took the last"
+        engine.taken = 1
+        assert (await engine.next_work())[1].tags.tolist() == [2, 3, 4]
+        link.add_latency(0.5, BATCH)  # samples alone wait for the take too
+        await asyncio.sleep(0.05)
+        assert engine.frames.empty()
+        engine.taken = 2
+        assert (await engine.next_work())[1].latencies.tolist() == [0.5]
 
 
 async def test_with_no_interval_each_loop_turn_sends_its_own_frame(tmp_path):

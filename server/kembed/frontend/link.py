@@ -7,6 +7,11 @@ interval goes out in one WORK frame (with any cancellations and latency samples)
 forms a batch from a frame rather than from each request: per-request costs on both sides
 (wake-ups, syscalls, a batch's fixed work) are paid once per frame.
 
+Whatever the interval, a frame also waits until the engine has taken the last one (its
+acknowledgement on the board): the frames are clocked by the engine's event loop, so when that loop
+is what limits (many front ends feeding one engine) frames grow instead of queueing in the socket,
+and the loop's cost per frame is spread over more requests (docs/decisions/frame-interval.md).
+
 :class:`EngineLink` holds the socket and the pacing; the state is in the pieces it drives:
 ``outbox.NextFrame`` (what the next WORK frame carries), ``outbox.InTransit`` (padded tokens the
 engine's published backlog may not count yet, which the pre-screen reads) and ``inbox.Waiting``
@@ -18,6 +23,7 @@ from __future__ import annotations
 import asyncio
 import itertools
 import logging
+from collections.abc import Callable
 from pathlib import Path
 
 from kembed.frontend.inbox import Pending, Waiting
@@ -44,13 +50,19 @@ log = logging.getLogger(__name__)
 CONNECT_TIMEOUT_S = 120.0  # the engine binds its socket after importing torch: seconds, not minutes
 CONNECT_RETRY_S = 0.05
 SAMPLE_FLUSH_S = 0.01  # well under the P95 cache (50 ms) and the engine's board refresh (100 ms)
+TAKEN_POLL_S = 0.0002  # a frame held for the engine to take the last looks again this often
 
 
 class EngineLink:
     """The socket to the engine, and when frames go on it."""
 
     def __init__(
-        self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, info: ServingInfo, frame_interval: float
+        self,
+        reader: asyncio.StreamReader,
+        writer: asyncio.StreamWriter,
+        info: ServingInfo,
+        frame_interval: float,
+        frames_taken: Callable[[], int],
     ) -> None:
         self._reader = reader
         self._writer = writer
@@ -60,15 +72,19 @@ class EngineLink:
         self._waiting = Waiting(info.dimensions)
         self._tags = itertools.count(1)
         self._frame_interval = frame_interval
+        self._frames_taken = frames_taken  # the engine's acknowledgement, off the board
         self._last_flush = 0.0  # loop time; unused until a frame carried several requests
         self._last_frame_requests = 0  # requests the last WORK frame carried
         self._flush_at: asyncio.TimerHandle | None = None  # a later flush, for samples alone
         self._flush_now: asyncio.Handle | None = None  # the flush of queued requests
 
     @classmethod
-    async def connect(cls, runtime: Path, index: int, frame_interval: float) -> EngineLink:
+    async def connect(
+        cls, runtime: Path, index: int, frame_interval: float, frames_taken: Callable[[], int]
+    ) -> EngineLink:
         """Connect (retrying while the engine starts), say hello, and wait for READY. Once calls
-        overlap, WORK frames go at most one per ``frame_interval`` seconds."""
+        overlap, WORK frames go at most one per ``frame_interval`` seconds; each once the engine
+        has taken the WORK frames before it, by ``frames_taken``."""
         path = str(runtime / ENGINE_SOCKET)
         loop = asyncio.get_running_loop()
         give_up = loop.time() + CONNECT_TIMEOUT_S
@@ -85,7 +101,7 @@ class EngineLink:
         if not isinstance(ready, Ready):
             raise ProtocolError(f"expected READY from the engine, got {ready.kind.name}")
         check_version(ready.version)
-        return cls(reader, writer, ready.info, frame_interval)
+        return cls(reader, writer, ready.info, frame_interval, frames_taken)
 
     def submit(
         self, seqs: Sequences, cost: int, arrival: float, deadline: float, priority: Priority
@@ -150,9 +166,13 @@ class EngineLink:
             if handle is not None:
                 handle.cancel()
         self._flush_now = self._flush_at = None
-        self._last_flush = asyncio.get_running_loop().time()
-        self._last_frame_requests = self._next.requests
         if self._writer.is_closing():
             return
+        loop = asyncio.get_running_loop()
+        if self._frames_taken() < self.in_transit.frames_sent:  # the engine's loop is behind: gather more
+            self._flush_now = loop.call_later(TAKEN_POLL_S, self._flush)
+            return
+        self._last_flush = loop.time()
+        self._last_frame_requests = self._next.requests
         send(self._writer, self._next.take())
         self.in_transit.frame_sent()

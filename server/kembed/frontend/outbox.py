@@ -82,6 +82,10 @@ class InTransit:
         self._sent: deque[tuple[int, list[int]]] = deque()  # (frame number, tokens by class)
         self._untaken = [0] * len(Priority)  # in frames sent, not yet taken
 
+    @property
+    def frames_sent(self) -> int:
+        return self._frames_sent
+
     def queued(self, cost: int, priority: Priority) -> None:
         self._queued[priority] += cost
 

@@ -62,7 +62,8 @@ class FrontendProcess:
         await self._listen()
         ticker = asyncio.create_task(self._child.tick(TICK_S, self._beat))
         frame_interval = self._settings.frame_interval_ms / 1000
-        connect = asyncio.create_task(EngineLink.connect(self._runtime, self._index, frame_interval))
+        connecting = EngineLink.connect(self._runtime, self._index, frame_interval, self._frames_taken)
+        connect = asyncio.create_task(connecting)
         stopped = asyncio.create_task(self._child.stop.wait())
         await asyncio.wait({connect, stopped}, return_when=asyncio.FIRST_COMPLETED)
         if not connect.done():
@@ -125,6 +126,10 @@ class FrontendProcess:
         if self._rest is not None:
             await self._rest.stop()
         self._executor.shutdown(wait=False, cancel_futures=True)
+
+    def _frames_taken(self) -> int:
+        """The WORK frames of this front end the engine has taken: the link's clock."""
+        return int(self._board.frontend(self._index, FrontendCell.FRAMES_TAKEN))
 
     def _beat(self) -> None:
         """The event loop's heartbeat for /livez; rotated TLS files reach the REST port."""
