@@ -64,7 +64,7 @@ class Server:
 
     def cpu_seconds(self) -> float:
         """User plus system CPU time of the server's process tree, all threads, reaped children included."""
-        return sum(_proc_cpu_seconds(pid) for pid in process_tree(self.pid))
+        return sum(proc_cpu_seconds(pid) for pid in process_tree(self.pid))
 
     def peak_rss_mib(self) -> float:
         """Sum over the process tree of each process's VmHWM (its most resident memory since it
@@ -83,7 +83,8 @@ def process_tree(root: int) -> list[int]:
     return tree
 
 
-def _proc_cpu_seconds(pid: int) -> float:
+def proc_cpu_seconds(pid: int) -> float:
+    """User plus system CPU seconds of process ``pid`` (its threads and reaped children); 0 once it ended."""
     try:
         fields = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()
     except OSError:  # ended since the tree was read

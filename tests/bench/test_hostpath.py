@@ -4,6 +4,7 @@ and the arithmetic that judges kembed against the echo. kembed itself is never s
 from __future__ import annotations
 
 import math
+import os
 from pathlib import Path
 from typing import Any
 
@@ -11,7 +12,7 @@ import grpc
 import pytest
 
 from bench import headline, run_all
-from bench.serving.hostpath import deadlines, host_path, measure
+from bench.serving.hostpath import deadlines, engine_bound, host_path, measure
 from bench.tools import echo, loadgen, machine
 from bench.tools.loadgen import OK, CallRecord
 from bench.tools.report import Spread
@@ -305,3 +306,20 @@ def test_make_bench_runs_the_rest_part_and_its_flags_parse() -> None:
     quick = measure.parse_options(run_all.QUICK_HOSTPATH)
     assert "rest" in quick.parts
     assert quick.peer_duration > quick.warmup
+
+
+def test_spinners_stay_on_their_cpu_and_end_with_the_block() -> None:
+    """What part ``engine_bound`` starves the engine's loop with."""
+    cpu = max(os.sched_getaffinity(0))
+    with engine_bound.spinning(2, {cpu}):
+        spinners = [pid for pid in process_tree(os.getpid())[1:] if engine_bound.SPIN.encode() in _cmdline(pid)]
+        assert len(spinners) == 2
+        assert all(os.sched_getaffinity(pid) == {cpu} for pid in spinners)
+    assert not any(Path(f"/proc/{pid}").exists() for pid in spinners)
+
+
+def _cmdline(pid: int) -> bytes:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return b""

@@ -35,6 +35,13 @@
    model (``KEMBED_FRONTENDS=auto``, default settings), each under that REST load for
    ``--peer-duration`` s. Target: kembed >= 2x Infinity's calls/s.
 
+5. **Engine-bound** (part ``engine_bound``). One zero-cost server, ``KEMBED_FRONTENDS=1``, with the
+   engine's threads sharing the last CPU with ``--engine-spinners`` busy processes, so that its event
+   loop, not the front end, is the limit, as on a GPU host whose front ends outnumber the engine's one
+   loop; the front end and the client processes run on the other CPUs. The host-path load: calls/s,
+   CPU per call of the engine and of the front end, rows per batch. No target: it shows what the
+   frames' clocking by the engine lets through (docs/decisions/frame-interval.md).
+
 ``KEMBED_FRONTENDS`` is always set: N, or 1, where a process count is compared (``auto`` never
 picks it), and ``auto`` for the storm (what a pod runs); a server that does not know the setting
 fails loudly. Writes

@@ -36,7 +36,7 @@ from bench.tools.server import Server
 from kembed.v1 import embedder_pb2
 
 ZERO_COST = "bench.tools.zero_cost"
-PARTS = ("host_path", "rejection", "rest", "storm", "spikes", "deadlines", "serve")
+PARTS = ("host_path", "rejection", "rest", "engine_bound", "storm", "spikes", "deadlines", "serve")
 DEFAULT_PARTS = "host_path,rejection,rest"
 SHORT_TOKENS = 16  # "one short text": the workload's shortest class
 BURST_TOKENS = (64, 128)  # a burst call's texts: about 60 words each
@@ -80,6 +80,7 @@ class Options:
     retry_after_ms: float
     give_up_s: float  # a storm client stops retrying a call this long after its arrival
     client_nice: int  # the storm's clients run this much below the server
+    engine_spinners: int  # engine_bound: busy processes sharing the engine's CPU
     timeout: float
     serve_texts: tuple[int, ...]  # texts a call, one closed-loop load each (part serve)
     serve_env: tuple[str, ...]  # SETTING=VALUE for the serve part's server
@@ -300,6 +301,7 @@ def parse_options(argv: Sequence[str] | None = None) -> Options:
     parser.add_argument("--retry-after-ms", type=float, default=10.0, help="storm clients retry this soon")
     parser.add_argument("--give-up-s", type=float, default=8.0, help="storm clients give a call up this long after it")
     parser.add_argument("--client-nice", type=int, default=19, help="storm clients' niceness, added to ours")
+    parser.add_argument("--engine-spinners", type=int, default=7, help="engine_bound: busy processes on its CPU")
     parser.add_argument("--timeout", type=float, default=30.0, help="client deadline per call, seconds")
     parser.add_argument("--serve-texts", default="1,16", help="serve: texts a call, one load each")
     parser.add_argument("--serve-env", action="append", default=[], metavar="SETTING=VALUE", help="serve: a setting")

@@ -9,6 +9,7 @@ from typing import Any
 
 from bench import headline
 from bench.serving.hostpath.deadlines import short_deadlines
+from bench.serving.hostpath.engine_bound import engine_bound
 from bench.serving.hostpath.gpu_serve import serve
 from bench.serving.hostpath.host_path import host_path, rest
 from bench.serving.hostpath.measure import BURST_TOKENS, SHORT_TOKENS, Options, parse_options
@@ -29,6 +30,8 @@ def run(opts: Options) -> dict[str, Any]:
         result["rejection"] = rejection(opts, about_60_words)
     if "rest" in opts.parts:
         result["rest"] = rest(opts, short)
+    if "engine_bound" in opts.parts:
+        result["engine_bound"] = engine_bound(opts, short)
     if "storm" in opts.parts:
         result["retry_storm"] = retry_storm(opts, wl.texts)
     if "spikes" in opts.parts:
