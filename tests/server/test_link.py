@@ -116,6 +116,27 @@ async def test_a_frame_waits_until_the_engine_has_taken_the_last_and_then_carrie
         assert (await engine.next_work())[1].latencies.tolist() == [0.5]
 
 
+async def test_a_request_cancelled_before_its_frame_went_never_reaches_the_engine(tmp_path):
+    engine = Engine(takes=False)
+    async with linked(tmp_path / "engine.sock", 0.0, engine) as (link, _):
+        loop = asyncio.get_running_loop()
+        first, _ = link.submit(seqs(1), 16, loop.time(), loop.time() + 30, INTERACTIVE)
+        await engine.next_work()  # sent at once; the next frame waits for the engine to take it
+        held, _ = link.submit(seqs(2), 32, loop.time(), loop.time() + 30, INTERACTIVE)
+        link.submit(seqs(3), 64, loop.time(), loop.time() + 30, BATCH)
+        link.cancel(held)  # its deadline passed while its frame was held
+        link.cancel(first)  # in the engine already
+        assert link.in_transit.unconfirmed(frames_taken=1) == [0, 64]  # the held request's 32 withdrawn
+        engine.taken = 1
+        work = (await engine.next_work())[1]
+        assert (work.tags.tolist(), work.cancels.tolist()) == ([3], [first])
+        alone, _ = link.submit(seqs(4), 16, loop.time(), loop.time() + 30, INTERACTIVE)
+        link.cancel(alone)  # the held frame's only content
+        engine.taken = 2
+        await asyncio.sleep(0.05)
+        assert engine.frames.empty(), "a frame went with nothing in it"
+
+
 async def test_with_no_interval_each_loop_turn_sends_its_own_frame(tmp_path):
     async with linked(tmp_path / "engine.sock", 0.0) as (link, engine):
         now = asyncio.get_running_loop().time()

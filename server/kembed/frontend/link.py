@@ -117,10 +117,14 @@ class EngineLink:
         return tag, pending
 
     def cancel(self, tag: int) -> None:
-        """Nobody waits for this request any more: the engine drops what is still queued."""
-        if self._waiting.discard(tag):
-            self._next.cancel(tag)
+        """Nobody waits for this request any more: dropped here if its frame has not gone, else the
+        engine drops what it still holds of it."""
+        if not self._waiting.discard(tag):
+            return
+        if (dropped := self._next.cancel(tag)) is None:
             self._schedule_flush()
+        else:  # never sent: the engine need not hear of it
+            self.in_transit.withdrawn(*dropped)
 
     def add_latency(self, seconds: float, priority: Priority) -> None:
         """A served request's latency, for the engine's P95 windows of the class (which every front
@@ -166,7 +170,7 @@ class EngineLink:
             if handle is not None:
                 handle.cancel()
         self._flush_now = self._flush_at = None
-        if self._writer.is_closing():
+        if self._writer.is_closing() or not self._next:  # closed, or all that was queued withdrawn
             return
         loop = asyncio.get_running_loop()
         if self._frames_taken() < self.in_transit.frames_sent:  # the engine's loop is behind: gather more

@@ -33,8 +33,19 @@ class NextFrame:
     def add(self, tag: int, seqs: Sequences, cost: int, deadline: float, priority: Priority) -> None:
         self._requests.append(_Outgoing(tag, deadline, cost, priority, seqs.lengths, seqs.ids))
 
-    def cancel(self, tag: int) -> None:
+    def cancel(self, tag: int) -> tuple[int, Priority] | None:
+        """Nobody waits for ``tag``: a request still queued here is dropped (its cost and class
+        returned), one already sent is cancelled in the engine by the next frame."""
+        for i, request in enumerate(self._requests):
+            if request.tag == tag:
+                del self._requests[i]
+                return request.cost, request.priority
         self._cancels.append(tag)
+        return None
+
+    def __bool__(self) -> bool:
+        """Whether there is anything to send."""
+        return bool(self._requests or self._cancels or self._samples)
 
     def add_latency(self, seconds: float, priority: Priority) -> None:
         """A served request's latency."""
@@ -88,6 +99,10 @@ class InTransit:
 
     def queued(self, cost: int, priority: Priority) -> None:
         self._queued[priority] += cost
+
+    def withdrawn(self, cost: int, priority: Priority) -> None:
+        """A queued request was dropped before its frame went."""
+        self._queued[priority] -= cost
 
     def frame_sent(self) -> None:
         """A WORK frame went, carrying everything queued."""
