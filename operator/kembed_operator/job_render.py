@@ -162,6 +162,8 @@ def arguments(spec: EmbeddingJobSpec, target: Target) -> list[str]:
         args.append("--chunk")
     elif not spec.truncate:
         args.append("--no-truncate")
+    if spec.truncation_direction != "right":  # the default's pods keep the command they had
+        args += ["--truncation-direction", spec.truncation_direction]
     if spec.prompt_name:
         args.append(_option("--prompt-name", spec.prompt_name))
     if spec.prompt is not None:

@@ -104,6 +104,11 @@ class EmbeddingJobSpec(PodOptions):
         "every shard at once.",
     )
     truncate: bool = Field(True, description="Cut documents longer than the model's limit; false: such a line fails.")
+    truncation_direction: Literal["right", "left"] = Field(
+        "right",
+        description="Which end truncate cuts (--truncation-direction): right keeps a document's start, left its end "
+        "(its last tokens). With truncate false or chunk it changes nothing.",
+    )
     priority: Literal["batch", "interactive"] = Field(
         "batch", description="The requests' class: batch lets the service's queries go first."
     )

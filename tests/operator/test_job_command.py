@@ -170,10 +170,11 @@ def test_what_the_author_wrote_reaches_the_command_as_written() -> None:
     kubelet: the corpus command's own parser reads back exactly what the resource says."""
     authored = "-x$(JOB_COMPLETION_INDEX)$$"
     source = {"claimName": "corpora", "path": "-a/$(HOME).jsonl", "format": "jsonl", "jsonlField": authored}
-    container = rendered_container(input=source, prompt=f"-{authored}: ")
+    container = rendered_container(input=source, prompt=f"-{authored}: ", truncationDirection="left")
     argv, _ = pod_command(container, 1)
     args = corpus_command.parser().parse_args(argv[argv.index("embed") + 1 :])
     assert args.jsonl_field == authored
+    assert args.truncation_direction == "left"
     assert args.prompt == f"-{authored}: "
     assert args.input == f"{job_render.DATA_DIR}/corpora/-a/$(HOME).jsonl"
     assert option(argv, "--shard") == "1/3"  # the operator's own reference still expands

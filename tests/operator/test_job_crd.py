@@ -88,6 +88,7 @@ BAD: dict[str, dict[str, Any]] = {
     "unknown input format": {**BASE, "input": {**BASE["input"], "format": "csv"}},
     "unknown output format": {**BASE, "output": {**BASE["output"], "format": "csv"}},
     "unknown priority": {**BASE, "priority": "urgent"},
+    "unknown truncation direction": {**BASE, "truncationDirection": "up"},
     "negative retries": {**BASE, "retry": {"perShard": -1}},
     "more dimensions than any model has": {**BASE, "dimensions": 100_000},
     "input without a claim": {**BASE, "input": {"path": "x.txt"}},

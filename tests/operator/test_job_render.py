@@ -37,6 +37,7 @@ JOB_FEATURES: dict[str, dict[str, Any]] = {
         "parallelism": 4,
         "dimensions": 256,
         "truncate": False,
+        "truncationDirection": "left",
         "priority": "interactive",
         "promptName": "passage",
         "resources": {"cpu": 2, "memory": "4Gi"},
@@ -149,7 +150,16 @@ def test_every_option_reaches_the_command() -> None:
     jsonl = container(JOB_FEATURES["jsonl in, parquet out, one claim"])["args"]
     assert "--jsonl-field=body" in jsonl
     assert jsonl[jsonl.index("--format") + 1] == "parquet"
-    assert not [arg for arg in container(BASE)["args"] if arg.startswith(("--dimensions", "--no-truncate", "--prompt"))]
+    flags = ("--dimensions", "--no-truncate", "--truncation-direction", "--prompt")
+    assert not [arg for arg in container(BASE)["args"] if arg.startswith(flags)]
+
+
+def test_the_truncation_direction_reaches_the_command_only_when_left() -> None:
+    """The default renders no flag: a job that does not set it keeps the pod template it had."""
+    left = container({**BASE, "truncationDirection": "left"})["args"]
+    assert left[left.index("--truncation-direction") + 1] == "left"
+    assert container({**BASE, "truncationDirection": "right"}) == container(BASE)
+    assert "--truncation-direction" not in container(BASE)["args"]
 
 
 def test_a_prompt_an_input_type_and_chunks_reach_the_command() -> None:
@@ -249,6 +259,7 @@ INVALID_JOBS: dict[str, tuple[dict[str, Any], str]] = {
     "too many shards": ({**BASE, "shards": 10_001}, "spec.shards"),
     "two prompts": ({**BASE, "prompt": "query: ", "inputType": "query"}, "prompt and inputType: set at most one"),
     "an unknown input type": ({**BASE, "inputType": "question"}, "spec.inputType"),
+    "TEI's spelling of a direction": ({**BASE, "truncationDirection": "Left"}, "spec.truncationDirection"),
     "a prompt longer than a request allows": ({**BASE, "prompt": "x" * 1025}, "spec.prompt"),
     "unknown field": ({**BASE, "replicas": 2}, "spec.replicas"),
 }

@@ -19,6 +19,7 @@ from kembed.client.__main__ import main
 from kembed.client.corpus import CorpusError, FinalError, file_error
 from kembed.client.corpus.parts import complete, growing_path, manifest_path, part_path, write_manifest
 from kembed.client.corpus.reader import (
+    SKIP_CHUNK,
     CorpusReader,
     Limits,
     Shard,
@@ -261,6 +262,32 @@ def test_truncate_cuts_a_text_to_the_servers_character_limit(tmp_path: Path):
     source = corpus_file(tmp_path, "東京東京東京\nab\n".encode())
     assert read_all(source, limits=Limits(LIMITS.message_bytes, text_chars=4)) == ["東京東京", "ab"]
     assert read_all(source, limits=Limits(LIMITS.message_bytes, text_chars=4, truncate=False))[0] == "東京東京東京"
+
+
+LEFT = Limits(TINY.message_bytes, truncate_left=True)  # a text may weigh 10 bytes, cut to its end
+
+
+def test_truncating_left_keeps_a_texts_last_characters(tmp_path: Path):
+    source = corpus_file(tmp_path, "京都東京大阪\nab\n".encode())
+    assert read_all(source, limits=Limits(LIMITS.message_bytes, text_chars=4, truncate_left=True)) == ["東京大阪", "ab"]
+
+
+def test_truncating_left_a_line_longer_than_a_request_carries_keeps_its_end_in_whole_characters(tmp_path: Path):
+    """Read to its end, only its last bytes held: "é" is 2 bytes, so the 10-byte cut falls inside
+    the fifth from the end, which goes whole; a CRLF end and a line past the read's chunks alike."""
+    past_a_chunk = b"y" * (SKIP_CHUNK * 2 + 5) + b"0123456789"
+    data = "ééééééx\r\n".encode() + past_a_chunk + b"\nshort\n" + b"z" * 11 + b"\r\nlast"
+    source = corpus_file(tmp_path, data)
+    assert read_all(source, limits=LEFT) == ["ééééx", "0123456789", "short", "z" * 10, "last"]
+    assert read_all(source, limits=TINY)[:2] == ["ééééé", "y" * 10]  # right: its start, as before
+
+
+def test_a_shard_truncating_left_starts_at_the_line_after_a_long_one(tmp_path: Path):
+    """A line read to its end for its tail still counts all its bytes: the next line is where it is."""
+    source = corpus_file(tmp_path, b"x" * 100 + b"the end\n" + b"second\nthird\n")
+    whole = read_all(source, limits=LEFT)
+    assert whole == ["xxxthe end", "second", "third"]
+    assert read_all(source, limits=LEFT, shard=Shard(0, 2)) + read_all(source, limits=LEFT, shard=Shard(1, 2)) == whole
 
 
 # --- shards -------------------------------------------------------------------------------------
@@ -713,6 +740,9 @@ def test_the_request_carries_the_job_settings_and_the_rows_it_is_for():
     assert not request.HasField("chunk")  # the server's default
     chunked = embed_request(Span(0, ["a"]), Request(dimensions=0, truncate=False, chunk=True))
     assert chunked.HasField("chunk") and chunked.chunk
+    assert request.truncation_direction == pb.TRUNCATION_DIRECTION_RIGHT
+    left = embed_request(Span(0, ["a"]), Request(dimensions=0, truncate=True, truncation_direction="left"))
+    assert left.truncation_direction == pb.TRUNCATION_DIRECTION_LEFT
 
 
 # --- the CLI ----------------------------------------------------------------------------------
@@ -726,6 +756,7 @@ def test_the_request_carries_the_job_settings_and_the_rows_it_is_for():
         (["--dimensions", "-1"], "argument --dimensions: must be at least 0, not -1"),
         (["--format", "csv"], "argument --format: invalid choice: 'csv'"),
         (["--priority", "urgent"], "argument --priority: invalid choice: 'urgent'"),
+        (["--truncation-direction", "up"], "argument --truncation-direction: invalid choice: 'up'"),
     ],
 )
 def test_bad_flags_are_usage_errors(flags: list[str], message: str, capsys: pytest.CaptureFixture[str]):

@@ -381,6 +381,34 @@ def test_a_line_over_a_requests_16_mib_is_cut_with_truncate_and_named_without(se
     assert np.load(output).shape == (1, DIMS)  # the line before it
 
 
+def test_truncation_direction_left_keeps_each_documents_end(server: ServerProcess, tmp_path: Path):
+    """--truncation-direction left reaches every request: a document past the model's tokens keeps
+    its last ones, and one past the server's 100,000 characters its last characters (the client
+    cuts it as the server would), as the library's truncation_direction="left" gives; not what the
+    default keeps, the start. With --chunk, which cuts nothing, it changes nothing."""
+    head, tail = "pods and nodes ", "the queue drains the shards at last "
+    past_tokens = head * 60 + tail * 30  # about 400 tokens
+    past_chars = head * 6667 + tail * 89  # 103,209 characters: its first 100,000 hold none of its end
+    texts = ["before", past_tokens, past_chars, "after"]
+    flags = ["--no-progress", "--batch-texts", "2", "--truncation-direction", "left"]
+    output = tmp_path / "left.npy"
+    result = run_embed(server, "--input", str(write_lines(tmp_path / "a.txt", texts)), "--output", str(output), *flags)
+    assert result.returncode == 0, result.stderr
+    fits = [texts[0], past_tokens, texts[3]]  # chunked, a text past the characters would fail the run
+    chunked = tmp_path / "chunked.npy"
+    source = write_lines(tmp_path / "b.txt", fits)
+    result = run_embed(server, "--input", str(source), "--output", str(chunked), "--chunk", *flags)
+    assert result.returncode == 0, result.stderr
+    with EmbedClient(server.target, timeout_s=600) as client:
+        left = client.embed(texts, truncate=True, truncation_direction="left")
+        right = client.embed(texts, truncate=True)
+        assert_same_vectors(np.load(chunked), client.embed(fits, chunk=True))
+    rows = np.load(output)
+    assert_same_vectors(rows, left)
+    cosines = np.sum(rows[1:3] * right[1:3], axis=1)  # normalised rows
+    assert cosines.max() < 0.95, cosines
+
+
 @pytest.mark.parametrize("output_format", ["npy", "jsonl", "parquet"])
 def test_a_last_line_that_grew_since_it_was_embedded_is_embedded_again(
     server: ServerProcess, tmp_path: Path, output_format: str

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 import urllib.request
 from collections.abc import Iterator
 from pathlib import Path
@@ -212,13 +213,46 @@ def test_the_command_takes_the_request_options(server: ServerProcess, capsys: py
     assert server.metric(BATCH_ANSWERS) == before + 1
 
 
+def printed_values(line: str) -> np.ndarray:
+    """The first values of a vector as the command prints them: ``'text' [+0.0123, -0.0456, ..., ...]``."""
+    return np.array([float(value) for value in re.findall(r"[+-]\d\.\d{4}", line)], dtype=np.float32)
+
+
+def test_the_command_truncates_left_keeping_a_texts_end(server: ServerProcess, capsys: pytest.CaptureFixture[str]):
+    """A text past the model's 256 tokens: with --truncation-direction left its vector is that of its
+    last tokens, the library's truncation_direction="left", not the start's."""
+    text = "pods and nodes " * 60 + "the queue drains the shards at last " * 30  # 1,980 characters, 400 tokens
+    flags = ["--target", server.target, "--truncate", "--truncation-direction", "left"]
+    assert main([*flags, text]) == 0
+    printed = printed_values(capsys.readouterr().out.splitlines()[1])
+    with EmbedClient(server.target) as client:
+        left = client.embed([text], truncate=True, truncation_direction="left")[0, :6]
+        right = client.embed([text], truncate=True)[0, :6]
+    assert printed.shape == (6,)
+    np.testing.assert_allclose(printed, left, atol=1e-4)  # printed to 4 decimals
+    assert np.abs(printed - right).max() > 1e-3
+
+
+def test_the_commands_truncation_direction_changes_nothing_without_truncate(
+    server: ServerProcess, capsys: pytest.CaptureFixture[str]
+):
+    """As the request's field on the server: a short text is embedded as ever, a long one refused as ever."""
+    flags = ["--target", server.target, "--truncation-direction", "left"]
+    assert main([*flags, "hello world"]) == 0
+    printed = printed_values(capsys.readouterr().out.splitlines()[1])
+    with EmbedClient(server.target) as client:
+        np.testing.assert_allclose(printed, client.embed(["hello world"])[0, :6], atol=1e-4)
+    assert main([*flags, "x" * (MAX_TEXT_CHARS + 1)]) == 1
+    assert f"INVALID_ARGUMENT: texts[0]: {MAX_TEXT_CHARS + 1} characters" in capsys.readouterr().err
+
+
 def test_the_commands_help_lists_its_subcommands(capsys: pytest.CaptureFixture[str]):
     with pytest.raises(SystemExit) as done:
         main(["--help"])
     assert done.value.code == 0
     said = capsys.readouterr().out
     assert "python -m kembed.client embed --help" in said
-    for flag in ("--truncate", "--dimensions", "--priority"):
+    for flag in ("--truncate", "--truncation-direction", "--dimensions", "--priority"):
         assert flag in said
 
 

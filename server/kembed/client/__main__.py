@@ -12,7 +12,7 @@ import time
 from kembed.client import connection
 from kembed.client.embed_client import EmbedClient
 from kembed.client.errors import EmbedError
-from kembed.client.flags import add_chunk, add_dimensions, add_priority, add_prompt
+from kembed.client.flags import add_chunk, add_dimensions, add_priority, add_prompt, add_truncation_direction
 
 PROG = "python -m kembed.client"
 COMMANDS = f"""commands:
@@ -44,6 +44,7 @@ def parser() -> argparse.ArgumentParser:
     parser.add_argument(
         "--truncate", action="store_true", help="cut texts longer than the model's limit instead of an error"
     )
+    add_truncation_direction(parser)
     add_chunk(parser)
     add_priority(parser, "interactive")
     add_prompt(parser)
@@ -61,6 +62,7 @@ def embed_texts(argv: list[str]) -> int:
                 args.texts,
                 dimensions=args.dimensions,
                 truncate=args.truncate,
+                truncation_direction=args.truncation_direction,
                 priority=args.priority,
                 chunk=args.chunk,
                 prompt_name=args.prompt_name,

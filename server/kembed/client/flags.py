@@ -6,7 +6,7 @@ import argparse
 from collections.abc import Callable
 from typing import TypeVar
 
-from kembed.client.requests import PRIORITIES, Prompt
+from kembed.client.requests import PRIORITIES, TRUNCATION_DIRECTIONS, Prompt
 
 Number = TypeVar("Number", int, float)
 
@@ -34,6 +34,17 @@ def add_chunk(parser: argparse.ArgumentParser) -> None:
         action=argparse.BooleanOptionalAction,
         help="embed a text longer than the model's limit as chunks, their vectors averaged (--no-chunk: "
         "refuse or truncate it; neither: the server's default)",
+    )
+
+
+def add_truncation_direction(parser: argparse.ArgumentParser) -> None:
+    # Without truncation it changes nothing, as the request's field changes nothing without truncate.
+    parser.add_argument(
+        "--truncation-direction",
+        choices=TRUNCATION_DIRECTIONS,
+        default="right",
+        help="which end of a long text truncation cuts: right (default) keeps its start, left its end (its "
+        "last tokens); with truncation off it changes nothing",
     )
 
 

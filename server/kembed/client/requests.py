@@ -136,8 +136,7 @@ def plan(texts: Sequence[str], options: Options, limits: Limits) -> list[Part]:
     kind, encoding = priority(options.priority), encoding_of(options.encoding)
     direction = direction_of(options.truncation_direction)
     if options.truncate and limits.text_chars:
-        keep = slice(-limits.text_chars, None) if direction == LEFT else slice(limits.text_chars)
-        texts = [text[keep] for text in texts]
+        texts = [cut_chars(text, limits.text_chars, direction == LEFT) for text in texts]
     parts, first = [], 0
     for run in split_texts(texts, limits.texts_per_request(options), limits.request_bytes) if texts else [[]]:
         request = pb.EmbedRequest(
@@ -169,12 +168,20 @@ _ROWS = {
 }
 
 
+# Which end ``truncate`` cuts, by the label the commands and the library take (TEI's values, lower case).
+TRUNCATION_DIRECTIONS = ("right", "left")
 LEFT = "TRUNCATION_DIRECTION_LEFT"
+
+
+def cut_chars(text: str, chars: int, left: bool) -> str:
+    """``text`` cut to ``chars`` characters (more than 0) as a truncating server cuts it: its first
+    ones, or truncating left its last."""
+    return text[-chars:] if left else text[:chars]
 
 
 def direction_of(name: str) -> str:
     """``right`` or ``left`` as the proto's enum name; any other is refused, naming the argument."""
-    if name not in ("right", "left"):
+    if name not in TRUNCATION_DIRECTIONS:
         raise ValueError(f"truncation_direction: {name!r} is not right or left")
     return f"TRUNCATION_DIRECTION_{name.upper()}"
 

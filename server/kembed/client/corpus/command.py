@@ -24,7 +24,15 @@ from kembed.client.corpus.reader import STDIN, Shard
 from kembed.client.corpus.run import CorpusRun, Interrupted, Summary, embed_corpus
 from kembed.client.corpus.stream import Request
 from kembed.client.corpus.writers import FORMATS
-from kembed.client.flags import add_chunk, add_dimensions, add_priority, add_prompt, at_least, prompt_of
+from kembed.client.flags import (
+    add_chunk,
+    add_dimensions,
+    add_priority,
+    add_prompt,
+    add_truncation_direction,
+    at_least,
+    prompt_of,
+)
 from kembed.contract import EXIT_EMBED_FAILED, EXIT_EMBED_FINAL, EXIT_EMBED_INTERRUPTED
 
 MAX_ERROR_CHARS = 500
@@ -59,6 +67,7 @@ def parser() -> argparse.ArgumentParser:
         help="cut texts longer than the model's limit (default without --chunk); --no-truncate: such a text "
         "fails the run",
     )
+    add_truncation_direction(parser)
     add_chunk(parser)
     add_priority(parser, "batch")
     add_prompt(parser)
@@ -95,7 +104,9 @@ def main(argv: list[str]) -> int:
         connection=connection.from_arguments(flags, args),
         input=args.input,
         output=args.output,
-        request=Request(args.dimensions, truncate, args.priority, args.chunk, prompt_of(args)),
+        request=Request(
+            args.dimensions, truncate, args.priority, args.chunk, prompt_of(args), args.truncation_direction
+        ),
         output_format=args.format,
         jsonl_field=args.jsonl_field,
         shard=args.shard,

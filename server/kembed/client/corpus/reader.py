@@ -17,6 +17,8 @@ before belongs to the shard before). The shards' lines, in shard order, are the 
 Memory is bounded whatever the input: a line is read at most ``Limits.line_bytes`` at a time. A
 text longer than a request may carry is cut (``truncate``) or refused, naming its line; with
 ``truncate`` a text is also cut to the server's character limit, since the server would cut it.
+Cutting keeps a text's start, or truncating left its end (``Limits.truncate_left``: a line too long
+to read whole is then read to its end, only its last ``line_bytes`` held).
 """
 
 from __future__ import annotations
@@ -35,7 +37,7 @@ from typing import BinaryIO
 import numpy as np
 
 from kembed.client.corpus import FinalError, file_error
-from kembed.client.requests import REQUEST_ENVELOPE_BYTES, TEXT_ENVELOPE_BYTES, split_texts
+from kembed.client.requests import REQUEST_ENVELOPE_BYTES, TEXT_ENVELOPE_BYTES, cut_chars, split_texts
 
 STDIN = "-"
 # A JSONL line may hold this many times what its text may (escapes, other fields); past that it
@@ -75,6 +77,7 @@ class Limits:
     message_bytes: int  # the smaller of the server's and the client's message limits
     text_chars: int = 0  # 0: the server did not say
     truncate: bool = True
+    truncate_left: bool = False  # with truncate: a text is cut to its end, as the server cuts it
 
     @property
     def request_bytes(self) -> int:
@@ -164,29 +167,30 @@ def open_input(source: str) -> BinaryIO:
         raise file_error("--input", source, error) from None
 
 
-def lines(source: str, shard: Shard | None, line_bytes: int) -> Iterator[Line]:
-    """The lines of ``source`` (of its shard), each read at most ``line_bytes`` at a time; the file
-    is closed at the end."""
+def lines(source: str, shard: Shard | None, line_bytes: int, keep_end: bool = False) -> Iterator[Line]:
+    """The lines of ``source`` (of its shard), each cut to ``line_bytes``: its first, or with
+    ``keep_end`` its last; the file is closed at the end."""
     try:
-        yield from _lines(source, shard, line_bytes)
+        yield from _lines(source, shard, line_bytes, keep_end)
     except OSError as error:
         raise file_error("--input", source, error) from None
 
 
-def _lines(source: str, shard: Shard | None, line_bytes: int) -> Iterator[Line]:
+def _lines(source: str, shard: Shard | None, line_bytes: int, keep_end: bool) -> Iterator[Line]:
     with open_input(source) as file:
         if shard is None:
-            yield from read_lines(file, line_bytes, 0, None)
+            yield from read_lines(file, line_bytes, 0, None, keep_end)
             return
         start, end = shard.byte_range(os.fstat(file.fileno()).st_size)
         if start > 0:  # the line holding byte start - 1 is the previous shard's
             file.seek(start - 1)
             start += _skip_line(file) - 1
-        yield from read_lines(file, line_bytes, start, end)
+        yield from read_lines(file, line_bytes, start, end, keep_end)
 
 
-def read_lines(file: BinaryIO, limit: int, position: int, end: int | None) -> Iterator[Line]:
-    """Lines from ``position`` (a line start) that start before ``end`` (None: to the end)."""
+def read_lines(file: BinaryIO, limit: int, position: int, end: int | None, keep_end: bool = False) -> Iterator[Line]:
+    """Lines from ``position`` (a line start) that start before ``end`` (None: to the end), each cut
+    to ``limit`` bytes: its first, or with ``keep_end`` its last."""
     for number in itertools.count(1):
         if end is not None and position >= end:
             return
@@ -195,9 +199,24 @@ def read_lines(file: BinaryIO, limit: int, position: int, end: int | None) -> It
             return
         data = head.removesuffix(b"\n").removesuffix(b"\r")
         cut = len(data) > limit
-        length = len(head) + (_skip_line(file) if cut and not head.endswith(b"\n") else 0)
-        yield Line(number, position, data[:limit], cut)
-        position += length
+        rest = 0
+        if cut and not head.endswith(b"\n"):
+            rest, data = _line_end(file, head, limit) if keep_end else (_skip_line(file), data)
+        yield Line(number, position, data[-limit:] if keep_end else data[:limit], cut)
+        position += len(head) + rest
+
+
+def _line_end(file: BinaryIO, head: bytes, keep: int) -> tuple[int, bytes]:
+    """Read up to the end of the line ``head`` began (its newline included): how many bytes that was,
+    and the line's last ``keep`` bytes without its line end. Those and one read's chunk are all it holds."""
+    held, read = bytearray(head), 0
+    while chunk := file.readline(SKIP_CHUNK):
+        read += len(chunk)
+        held += chunk
+        del held[: -(keep + 2)]  # room for a line end after them
+        if chunk.endswith(b"\n"):
+            break
+    return read, bytes(held).removesuffix(b"\n").removesuffix(b"\r")[-keep:]
 
 
 def _skip_line(file: BinaryIO) -> int:
@@ -231,7 +250,8 @@ class CorpusReader:
         """Spans of at most ``size`` texts, each fitting in a request. With ``held`` rows already
         written, their lines are skipped unread but for the last: it comes first, alone, so its
         row can be checked against what the line says now."""
-        source = lines(self._source, self._shard, self._limits.line_bytes(self._field is not None))
+        limits = self._limits
+        source = lines(self._source, self._shard, limits.line_bytes(self._field is not None), limits.truncate_left)
         if held:
             skipped = sum(1 for _ in itertools.islice(source, held - 1))
             last = next(source, None)
@@ -259,7 +279,7 @@ class CorpusReader:
         return self._fit(line, text)
 
     def _decode(self, line: Line) -> str:
-        data = _whole_characters(line.data) if line.cut else line.data
+        data = _whole(line.data, self._limits.truncate_left) if line.cut else line.data
         try:
             return data.decode("utf-8")
         except UnicodeDecodeError as error:
@@ -281,16 +301,17 @@ class CorpusReader:
     def _fit(self, line: Line, text: str) -> str:
         limits = self._limits
         if limits.truncate and limits.text_chars and len(text) > limits.text_chars:
-            text = text[: limits.text_chars]  # the server would cut it there
+            text = cut_chars(text, limits.text_chars, limits.truncate_left)  # the server would cut it so
         try:
-            encoded = len(text.encode("utf-8"))
+            encoded = text.encode("utf-8")
         except UnicodeEncodeError:  # JSON escapes can spell a lone surrogate, which no request can carry
             raise self._error(line, f"field {self._field!r} holds a lone surrogate, not text") from None
-        if encoded <= limits.text_bytes and not line.cut:
+        if len(encoded) <= limits.text_bytes and not line.cut:
             return text
         if not limits.truncate:
             raise self._error(line, f"longer than the {limits.text_bytes} bytes a request carries (--no-truncate)")
-        return _whole_characters(text.encode("utf-8")[: limits.text_bytes]).decode("utf-8")
+        kept = encoded[-limits.text_bytes :] if limits.truncate_left else encoded[: limits.text_bytes]
+        return _whole(kept, limits.truncate_left).decode("utf-8")
 
     def _error(self, line: Line, message: str) -> FinalError:
         """A bad line: the same input fails the same way however often it is run."""
@@ -298,6 +319,19 @@ class CorpusReader:
         if self._shard is not None:
             where += f" (byte {line.offset} of the input)"
         return FinalError(f"{where}: {message}")
+
+
+def _whole(data: bytes, cut_at_start: bool) -> bytes:
+    """``data``, cut from a longer text at its start or at its end, without the character the cut split."""
+    return _past_a_split_character(data) if cut_at_start else _whole_characters(data)
+
+
+def _past_a_split_character(data: bytes) -> bytes:
+    """``data`` past the continuation bytes (at most 3) of a UTF-8 character that a cut split, if it did."""
+    start = 0
+    while start < min(3, len(data)) and 0x80 <= data[start] < 0xC0:
+        start += 1
+    return data[start:]
 
 
 def _whole_characters(data: bytes) -> bytes:

@@ -194,7 +194,8 @@ async def _embed_the_rest(streams: Streams, reader: CorpusReader, writer: Writer
 
 def _limits(run: CorpusRun, info: pb.InfoResponse) -> Limits:
     """What a request may carry: within the client's message limit and the server's (when it says)."""
-    return Limits(message_bytes(run.connection, info), info.max_text_chars, run.request.truncate)
+    request = run.request
+    return Limits(message_bytes(run.connection, info), info.max_text_chars, request.truncate, request.truncate_left)
 
 
 def keep_or_replace(writer: Writer, row: np.ndarray, span: Span, progress: Progress, summary: Summary) -> bool:

@@ -37,7 +37,7 @@ import numpy as np
 
 from kembed.client.corpus import CorpusError, FinalError
 from kembed.client.corpus.reader import Span, ThreadedSpans
-from kembed.client.requests import NO_PROMPT, Prompt, decode, priority
+from kembed.client.requests import NO_PROMPT, Prompt, decode, direction_of, priority
 from kembed.client.window import RequestSize, Window
 from kembed.v1 import embedder_pb2 as pb
 from kembed.v1 import embedder_pb2_grpc as pb_grpc
@@ -68,6 +68,11 @@ class Request:
     priority: str = "batch"  # a label of PRIORITIES
     chunk: bool | None = None  # None: the server's default
     prompt: Prompt = NO_PROMPT
+    truncation_direction: str = "right"  # or "left": truncate keeps a text's end
+
+    @property
+    def truncate_left(self) -> bool:
+        return self.truncate and self.truncation_direction == "left"
 
 
 def embed_request(span: Span, request: Request) -> pb.EmbedRequest:
@@ -82,6 +87,7 @@ def embed_request(span: Span, request: Request) -> pb.EmbedRequest:
         prompt_name=request.prompt.name,
         prompt=request.prompt.text,
         input_type=request.prompt.input_type,
+        truncation_direction=direction_of(request.truncation_direction),
     )
 
 
