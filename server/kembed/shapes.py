@@ -11,6 +11,7 @@ sets there, which the batcher, warmup and admission apply without knowing the mo
 
 from __future__ import annotations
 
+import bisect
 from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -43,6 +44,20 @@ def padded_lengths(lengths: np.ndarray, bucket_lengths: Sequence[int] | np.ndarr
     import numpy as np
 
     return np.asarray(bucket_lengths)[bucket_of(lengths, bucket_lengths)]
+
+
+# Up to this many items, a request's padded cost is summed in Python: numpy's calls on a few
+# elements cost more than the arithmetic (6 µs against under 1 for one item).
+FEW_ITEMS = 8
+
+
+def padded_tokens(lengths: np.ndarray, bucket_lengths: Sequence[int]) -> int:
+    """What items of these lengths cost once each is padded to its bucket (``bucket_lengths`` a
+    list, ascending): the sum of :func:`padded_lengths`."""
+    if len(lengths) > FEW_ITEMS:
+        return int(padded_lengths(lengths, bucket_lengths).sum())
+    last = len(bucket_lengths) - 1
+    return sum(bucket_lengths[min(bisect.bisect_left(bucket_lengths, length), last)] for length in lengths.tolist())
 
 
 # Buckets drain oldest first, each taking its items young and old: a request whose bucket is

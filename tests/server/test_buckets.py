@@ -7,7 +7,7 @@ from kembed.engine.buckets import BucketQueue, route
 from kembed.engine.units import Job
 from kembed.inputs import Sequences
 from kembed.priority import Priority
-from kembed.shapes import clip_buckets, padded_lengths
+from kembed.shapes import FEW_ITEMS, clip_buckets, padded_lengths, padded_tokens
 from tests.server.queueing import chunks
 
 LENGTHS = [16, 32, 64]
@@ -57,6 +57,13 @@ def test_routed_ids_are_the_items_ids_right_padded():
     assert mid.ids[0, :20].tolist() == list(range(2000, 2020))
     assert (mid.ids[0, 20:] == PAD).all()
     assert padded_lengths(s.lengths, LENGTHS).tolist() == [16, 32]
+
+
+@pytest.mark.parametrize("count", [0, 1, FEW_ITEMS, FEW_ITEMS + 1, 100])
+def test_a_requests_padded_cost_is_the_same_summed_in_python_or_numpy(count):
+    # Every boundary: a bucket's length itself, one past it, and past the last bucket.
+    lengths = np.resize(np.asarray([1, 15, 16, 17, 32, 33, 64, 65, 300], dtype=np.int32), count)
+    assert padded_tokens(lengths, LENGTHS) == int(padded_lengths(lengths, LENGTHS).sum())
 
 
 def test_take_splits_a_chunk_and_keeps_accounting():

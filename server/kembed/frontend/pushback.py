@@ -28,6 +28,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import functools
 import ipaddress
 import math
 import time
@@ -148,6 +149,7 @@ class PacedAnswers:
         self._draining.set()
 
 
+@functools.lru_cache(maxsize=4096)  # parsed once per address, not per call (4-13 µs each)
 def rest_client(host: str) -> str:
     """A REST client's key: its address, an IPv6 one by its /64 (what one host is usually given), an
     IPv4 one on a socket of both families (``::ffff:10.0.0.7``) as itself."""

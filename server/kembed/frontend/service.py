@@ -38,7 +38,7 @@ from kembed.priority import Priority
 from kembed.prompts import ModelPrompts
 from kembed.quantize import encode
 from kembed.runtime import read_serving
-from kembed.shapes import padded_lengths
+from kembed.shapes import padded_tokens
 
 MAX_REQUEST_ID_CHARS = 256
 DRAINING_PUSHBACK_MS = 100  # a draining pod's refusal: come back at once, on a new connection
@@ -165,7 +165,7 @@ class EmbedService:
         self._executor = executor
         self._memory = memory
         self._clock = clock
-        self._bucket_lengths = np.asarray(info.bucket_lengths)
+        self._bucket_lengths = list(info.bucket_lengths)
         self._cost_over_least = 1.0  # padded cost over its pre-screen bound, averaged over calls
         self._pacer = RefusalPacer(
             settings.refusal_rate, settings.refusal_burst, clock, on_shared=metrics.refusals_shared.inc
@@ -365,7 +365,7 @@ class EmbedService:
 
     def _padded_tokens(self, lengths: np.ndarray) -> int:
         """What items of these lengths cost once each is padded to its bucket."""
-        return int(padded_lengths(lengths, self._bucket_lengths).sum())
+        return padded_tokens(lengths, self._bucket_lengths)
 
     def _admit(self, cost: int, priority: Priority, attempt: int) -> Waits:
         """Admit the call at its exact cost, or raise; what it waits, admitted."""
