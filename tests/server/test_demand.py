@@ -114,8 +114,8 @@ def screens(tmp_path: Path) -> Iterator[tuple[Screen, Screen, Board, Clock]]:
         pass
 
     yield (
-        Screen(settings, board, 0, InTransit(), refusals, clock),
-        Screen(settings, board, 1, InTransit(), refusals, clock),
+        Screen(settings, board, 0, InTransit(lambda: 0), refusals, clock),
+        Screen(settings, board, 1, InTransit(lambda: 0), refusals, clock),
         board,
         clock,
     )
@@ -147,5 +147,5 @@ def test_a_pods_front_ends_add_up_and_a_restarted_one_carries_on(tmp_path: Path)
         expected = 4 * COST / TAU_S / RATE / math.e
         assert demand_ratio(board, clock.now, TAU_S) == pytest.approx(expected)
         settings = Settings.from_env({}, admission="throughput")
-        Screen(settings, board, 1, InTransit(), lambda *_: None, clock)  # front end 1 restarted
+        Screen(settings, board, 1, InTransit(lambda: 0), lambda *_: None, clock)  # front end 1 restarted
         assert demand_ratio(board, clock.now, TAU_S) == pytest.approx(expected)

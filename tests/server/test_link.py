@@ -126,8 +126,8 @@ async def test_a_request_cancelled_before_its_frame_went_never_reaches_the_engin
         link.submit(seqs(3), 64, loop.time(), loop.time() + 30, BATCH)
         link.cancel(held)  # its deadline passed while its frame was held
         link.cancel(first)  # in the engine already
-        assert link.in_transit.unconfirmed(frames_taken=1) == [0, 64]  # the held request's 32 withdrawn
         engine.taken = 1
+        assert link.in_transit.unconfirmed() == [0, 64]  # the held request's 32 withdrawn
         work = (await engine.next_work())[1]
         assert (work.tags.tolist(), work.cancels.tolist()) == ([3], [first])
         alone, _ = link.submit(seqs(4), 16, loop.time(), loop.time() + 30, INTERACTIVE)
@@ -149,13 +149,17 @@ async def test_with_no_interval_each_loop_turn_sends_its_own_frame(tmp_path):
 
 
 async def test_work_counts_as_unconfirmed_until_the_engine_takes_its_frame(tmp_path):
-    async with linked(tmp_path / "engine.sock", NEVER) as (link, engine):
+    engine = Engine(takes=False)
+    async with linked(tmp_path / "engine.sock", NEVER, engine) as (link, _):
         loop = asyncio.get_running_loop()
         link.submit(seqs(1, 2), 32, loop.time(), loop.time() + 30, INTERACTIVE)
         link.submit(seqs(3), 16, loop.time(), loop.time() + 30, BATCH)
-        assert link.in_transit.unconfirmed(frames_taken=0) == [32, 16]  # queued for the first frame
-        await engine.next_work()  # frame 1 went at once; the next waits an interval no test sees end
+        assert link.in_transit.unconfirmed() == [32, 16]  # queued for the first frame
+        await engine.next_work()  # frame 1 went at once; the next waits for the engine to take it
         link.submit(seqs(4), 64, loop.time(), loop.time() + 30, INTERACTIVE)
-        assert link.in_transit.unconfirmed(frames_taken=0) == [96, 16]  # frame 1 sent, not taken; 64 queued
-        assert link.in_transit.unconfirmed(frames_taken=1) == [64, 0]  # the engine's board counts frame 1 now
-        assert link.in_transit.unconfirmed(frames_taken=1) == [64, 0]
+        assert link.in_transit.engine_behind()
+        assert link.in_transit.unconfirmed() == [96, 16]  # frame 1 sent, not taken; 64 queued
+        engine.taken = 1  # the engine's board counts frame 1 now
+        assert not link.in_transit.engine_behind()
+        assert link.in_transit.unconfirmed() == [64, 0]
+        assert link.in_transit.unconfirmed() == [64, 0]

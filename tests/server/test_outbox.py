@@ -36,14 +36,16 @@ def test_a_frame_carries_everything_queued_and_the_next_starts_empty() -> None:
 
 
 def test_work_is_in_transit_until_the_engine_has_taken_its_frame() -> None:
-    ledger = InTransit()
+    taken = [0]  # the engine's acknowledgement
+    ledger = InTransit(lambda: taken[0])
     ledger.queued(32, INTERACTIVE)
     ledger.queued(16, BATCH)
-    assert ledger.unconfirmed(frames_taken=0) == [32, 16]
+    assert ledger.unconfirmed() == [32, 16]
     ledger.frame_sent()  # frame 1
     ledger.frame_sent()  # frame 2: samples alone
     ledger.queued(64, INTERACTIVE)
     ledger.frame_sent()  # frame 3
-    assert ledger.unconfirmed(frames_taken=1) == [64, 0]
-    assert ledger.unconfirmed(frames_taken=2) == [64, 0]
-    assert ledger.unconfirmed(frames_taken=3) == [0, 0]
+    for frames_taken, unconfirmed in ((1, [64, 0]), (2, [64, 0]), (3, [0, 0])):
+        taken[0] = frames_taken
+        assert ledger.unconfirmed() == unconfirmed
+        assert ledger.engine_behind() is (frames_taken < 3)

@@ -10,7 +10,7 @@ from collections.abc import AsyncIterator
 from pathlib import Path
 
 from kembed.admission import Rejection
-from kembed.board import Board, Cell, FrontendCell
+from kembed.board import Board, Cell
 from kembed.config import Settings
 from kembed.frontend.link import EngineLink
 from kembed.frontend.screen import Screen, Waits
@@ -28,12 +28,12 @@ async def screening(tmp_path: Path) -> AsyncIterator[tuple[Screen, Board, Engine
     board = Board(tmp_path / "board", frontends=2)
     board[Cell.TOKENS_PER_SECOND] = RATE
     settings = Settings.from_env({}, max_drain_ms=1000, admission="throughput")
-    async with linked(tmp_path / "engine.sock", 3600.0) as (link, engine):
+    async with linked(tmp_path / "engine.sock", 3600.0, Engine(takes=False)) as (link, engine):
         yield Screen(settings, board, FRONTEND, link.in_transit, link.add_latency), board, link, engine
 
 
 async def test_a_burst_is_screened_against_work_the_engine_has_not_taken(tmp_path):
-    async with screening(tmp_path) as (screen, board, link, engine):
+    async with screening(tmp_path) as (screen, _, link, engine):
         loop = asyncio.get_running_loop()
         admitted = 0
         for _ in range(20):  # one loop turn: the board (all zeros) sees none of these
@@ -44,8 +44,9 @@ async def test_a_burst_is_screened_against_work_the_engine_has_not_taken(tmp_pat
         refused = screen.before_tokenizing(COST, Priority.INTERACTIVE)
         assert refused is not None and refused.reason == "drain_time"
 
-        await engine.next_work()  # the frame went; the engine takes it and publishes its backlog
-        board.set_frontend(FRONTEND, FrontendCell.FRAMES_TAKEN, 1)
+        await engine.next_work()  # the frame went
+        assert screen.before_tokenizing(COST, Priority.INTERACTIVE) is not None  # not taken yet: still ahead
+        engine.taken = 1  # the engine took it and published its backlog
         assert screen.before_tokenizing(COST, Priority.INTERACTIVE) is None  # the board holds nothing: all drained
 
 

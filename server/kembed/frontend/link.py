@@ -67,12 +67,11 @@ class EngineLink:
         self._reader = reader
         self._writer = writer
         self.info = info
-        self.in_transit = InTransit()
+        self.in_transit = InTransit(frames_taken)
         self._next = NextFrame()
         self._waiting = Waiting(info.dimensions)
         self._tags = itertools.count(1)
         self._frame_interval = frame_interval
-        self._frames_taken = frames_taken  # the engine's acknowledgement, off the board
         self._last_flush = 0.0  # loop time; unused until a frame carried several requests
         self._last_frame_requests = 0  # requests the last WORK frame carried
         self._flush_at: asyncio.TimerHandle | None = None  # a later flush, for samples alone
@@ -173,7 +172,7 @@ class EngineLink:
         if self._writer.is_closing() or not self._next:  # closed, or all that was queued withdrawn
             return
         loop = asyncio.get_running_loop()
-        if self._frames_taken() < self.in_transit.frames_sent:  # the engine's loop is behind: gather more
+        if self.in_transit.engine_behind():  # the engine's loop is behind: gather more
             self._flush_now = loop.call_later(TAKEN_POLL_S, self._flush)
             return
         self._last_flush = loop.time()

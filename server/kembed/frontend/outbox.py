@@ -4,6 +4,7 @@ taken yet (which the pre-screen weighs, since the engine's published backlog can
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Callable
 from typing import NamedTuple
 
 import numpy as np
@@ -85,17 +86,19 @@ class InTransit:
     """Padded tokens by class of requests submitted here that the engine's published backlog may
     not count yet: queued for the next frame, or in frames past the number it has acknowledged
     taking. The pre-screen weighs them too: a burst read in one loop turn would otherwise be
-    admitted, request after request, against a board that has not seen any of it."""
+    admitted, request after request, against a board that has not seen any of it. ``frames_taken``
+    reads the engine's acknowledgement: how many of this front end's frames it has taken."""
 
-    def __init__(self) -> None:
+    def __init__(self, frames_taken: Callable[[], int]) -> None:
+        self._frames_taken = frames_taken
         self._queued = [0] * len(Priority)  # for the next frame
         self._frames_sent = 0
         self._sent: deque[tuple[int, list[int]]] = deque()  # (frame number, tokens by class)
         self._untaken = [0] * len(Priority)  # in frames sent, not yet taken
 
-    @property
-    def frames_sent(self) -> int:
-        return self._frames_sent
+    def engine_behind(self) -> bool:
+        """Whether the engine has yet to take a frame sent."""
+        return self._frames_taken() < self._frames_sent
 
     def queued(self, cost: int, priority: Priority) -> None:
         self._queued[priority] += cost
@@ -112,8 +115,9 @@ class InTransit:
             self._untaken = [sent + queued for sent, queued in zip(self._untaken, self._queued, strict=True)]
             self._queued = [0] * len(Priority)
 
-    def unconfirmed(self, frames_taken: int) -> list[int]:
-        """Padded tokens by class not counted by an engine that has taken ``frames_taken`` frames."""
+    def unconfirmed(self) -> list[int]:
+        """Padded tokens by class that the engine's published backlog does not count yet."""
+        frames_taken = self._frames_taken()
         while self._sent and self._sent[0][0] <= frames_taken:
             for priority, tokens in enumerate(self._sent.popleft()[1]):
                 self._untaken[priority] -= tokens

@@ -138,10 +138,8 @@ class Screen:
         """The engine's published backlog, plus this front end's work the engine has not taken yet:
         being tokenized, queued for the next frame, or in frames the engine has not acknowledged."""
         board = self._board
-        taken = int(board.frontend(self._frontend, FrontendCell.FRAMES_TAKEN))
         mine = [
-            sent + tokenizing
-            for sent, tokenizing in zip(self._in_transit.unconfirmed(taken), self._tokenizing, strict=True)
+            sent + tokenizing for sent, tokenizing in zip(self._in_transit.unconfirmed(), self._tokenizing, strict=True)
         ]
         return Backlog(
             interactive=int(board.of_class(Priority.INTERACTIVE, ClassCell.QUEUED_TOKENS)) + mine[Priority.INTERACTIVE],
