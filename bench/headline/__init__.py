@@ -26,6 +26,7 @@ from bench.headline.cpu import (
     startup_table,
     workload_text,
 )
+from bench.headline.efficiency import efficiency_ratios
 from bench.headline.hostpath import hostpath_ratios, hostpath_table, serve_ratios
 
 __all__ = [
@@ -37,6 +38,7 @@ __all__ = [
     "corpus_table",
     "cpu_ratios",
     "curve_table",
+    "efficiency_ratios",
     "fairness_ratios",
     "fairness_table",
     "gpu_table",

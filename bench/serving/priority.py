@@ -40,6 +40,7 @@ from bench.tools import loadgen, machine, workload
 from bench.tools.loadgen import OK, CallRecord
 from bench.tools.report import Samples, Spread, latency_summary, metric_delta, window_rates
 from bench.tools.server import Server, running
+from bench.tools.standin import model_settings
 from kembed.config import Settings
 from kembed.contract import PRIORITY_LABEL, Metric
 from kembed.priority import Priority
@@ -61,6 +62,7 @@ class Options:
     windows: int
     timeout: float  # client deadline per call
     name: str
+    model: str = "bundled"  # bundled, standin (bench.tools.standin) or a model folder
 
 
 def requests(texts: Sequence[str], per_call: int, priority: Priority) -> list[bytes]:
@@ -206,7 +208,8 @@ def run(opts: Options) -> dict[str, Any]:
     wl = workload.load()
     result: dict[str, Any] = {"settings": asdict(opts), "loadavg_at_start": [round(x, 2) for x in os.getloadavg()]}
     print(f"priority: load average {result['loadavg_at_start']}")
-    with running({"frontends": "auto"}, RESULTS_DIR / "priority.log", module="kembed") as server:
+    settings = {"frontends": "auto", **model_settings(opts.model)}
+    with running(settings, RESULTS_DIR / "priority.log", module="kembed") as server:
         result["loads"] = Loads(server, opts, wl.texts, short_texts(wl)).run()
     result["loadavg_at_end"] = [round(x, 2) for x in os.getloadavg()]
     machine.write_judged(opts.name, result, headline.priority_ratios(result), wl.describe())
@@ -224,6 +227,7 @@ def main(argv: Sequence[str] | None = None) -> dict[str, Any]:
     parser.add_argument("--windows", type=int, default=4, help="time windows per load, for the spread")
     parser.add_argument("--timeout", type=float, default=30.0, help="client deadline per call, seconds")
     parser.add_argument("--name", default="priority", help="write bench/results/NAME.json")
+    parser.add_argument("--model", default="bundled", help="bundled, standin (fast compute on any CPU) or a folder")
     return run(Options(**vars(parser.parse_args(argv))))
 
 

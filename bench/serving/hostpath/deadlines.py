@@ -19,8 +19,8 @@ from bench.serving.hostpath.measure import (
     SHORT_LEAD_S,
     Options,
     encode,
-    frontends_setting,
     log_file,
+    real_model,
 )
 from bench.tools import loadgen
 from bench.tools.loadgen import OK, CallRecord
@@ -50,7 +50,7 @@ def short_deadlines(opts: Options, texts: list[str]) -> dict[str, Any]:
     deadlines join real ones, against the real callers' own p95 over the same seconds: scraped
     every second after the latency window has filled with the mixed load."""
     requests, short = encode(texts, DEADLINE_TEXTS), encode(texts, 1)
-    with running(frontends_setting("auto"), log_file("deadlines"), module="kembed") as server:
+    with running(real_model(opts), log_file("deadlines"), module="kembed") as server:
         window_s = Settings.from_env({}).latency_window_s
         exported: list[float] = []
         stop = threading.Event()

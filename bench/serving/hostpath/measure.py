@@ -33,6 +33,7 @@ from bench.tools.report import (
     worker_figures,
 )
 from bench.tools.server import Server
+from bench.tools.standin import model_settings
 from kembed.v1 import embedder_pb2
 
 ZERO_COST = "bench.tools.zero_cost"
@@ -90,10 +91,16 @@ class Options:
     peer_venv: Path  # Infinity's venv (part rest); without it the peer comparison is skipped
     peer_duration: float  # seconds per REST load of the peer comparison (part rest)
     peer_dtype: str  # both servers' dtype in the peer comparison: auto (each its own choice), float32, bfloat16
+    model: str  # the real-model parts' model: bundled, standin (bench.tools.standin) or a folder
 
 
 def frontends_setting(value: int | str) -> dict[str, str]:
     return {"frontends": str(value)}
+
+
+def real_model(opts: Options) -> dict[str, str]:
+    """The settings of the parts that serve a real model: ``KEMBED_FRONTENDS=auto``, the ``--model``."""
+    return {**frontends_setting("auto"), **model_settings(opts.model)}
 
 
 def log_file(name: str) -> Path:
@@ -314,6 +321,7 @@ def parse_options(argv: Sequence[str] | None = None) -> Options:
     parser.add_argument("--peer-duration", type=float, default=20.0, help="rest: seconds per peer-comparison load")
     parser.add_argument("--peer-dtype", choices=["auto", "float32", "bfloat16"], default="auto",
                         help="rest: both servers' dtype (auto: each its own choice)")  # fmt: skip
+    parser.add_argument("--model", default="bundled", help="real-model parts: bundled, standin or a folder")
     args = parser.parse_args(argv)
     parts = tuple(p for p in args.parts.split(",") if p)
     if unknown := set(parts) - set(PARTS):

@@ -21,6 +21,7 @@ from bench.serving.hostpath.measure import (
     many_senders,
     niced,
     phase_figures,
+    real_model,
 )
 from bench.tools import loadgen, workload
 from bench.tools.loadgen import CallRecord
@@ -44,7 +45,7 @@ def rejection(opts: Options, texts: list[str]) -> dict[str, Any]:
     idle_settings = {**frontends_setting(1), "max_queued_tokens": "1"}
     with running(idle_settings, log_file("rejecting"), module="kembed") as server:
         idle = _rejecting_bursts(server, request, opts, many_senders(opts))
-    computing_settings = frontends_setting("auto")
+    computing_settings = real_model(opts)
     with running(computing_settings, log_file("computing"), module="kembed") as server:
         computing = _rejecting_bursts(server, request, opts, many_senders(opts), code=EXHAUSTED)
         computing_one = _rejecting_bursts(server, request, opts, ONE_CHANNEL, code=EXHAUSTED)
@@ -77,7 +78,7 @@ def retry_storm(opts: Options, texts: list[str]) -> dict[str, Any]:
     clients that retry every rejection ``retry_after_ms`` later until they give up; the real model,
     ``frontends=auto``; the clients ``client_nice`` below the server, in a process of their own."""
     requests = encode(texts, opts.storm_texts)
-    with running(frontends_setting("auto"), log_file("storm"), module="kembed") as server:
+    with running(real_model(opts), log_file("storm"), module="kembed") as server:
         target = server.grpc_target
         saturate = {"target": target, "requests": requests, "concurrency": opts.storm_concurrency,
                     "duration": opts.storm_duration, "count": MAX_CALLS, "deadline": opts.timeout}  # fmt: skip
@@ -116,7 +117,7 @@ def spikes(opts: Options, texts: list[str]) -> dict[str, Any]:
     ``frontends=auto``, the clients ``client_nice`` below the server."""
     requests = encode(texts, 1)
     budget_ms = Settings.from_env({}).max_drain_ms
-    with running(frontends_setting("auto"), log_file("spikes"), module="kembed") as server:
+    with running(real_model(opts), log_file("spikes"), module="kembed") as server:
         saturate = {"target": server.grpc_target, "requests": requests, "concurrency": opts.spike_concurrency,
                     "duration": opts.storm_duration, "count": MAX_CALLS, "deadline": opts.timeout,
                     "channels": opts.spike_channels}  # fmt: skip
