@@ -26,7 +26,7 @@ from bench.headline.cpu import (
     startup_table,
     workload_text,
 )
-from bench.headline.efficiency import efficiency_ratios
+from bench.headline.efficiency import efficiency_ratios, gpu_projection
 from bench.headline.hostpath import hostpath_ratios, hostpath_table, serve_ratios
 
 __all__ = [
@@ -41,6 +41,7 @@ __all__ = [
     "efficiency_ratios",
     "fairness_ratios",
     "fairness_table",
+    "gpu_projection",
     "gpu_table",
     "hostpath_ratios",
     "hostpath_table",

@@ -51,3 +51,35 @@ def efficiency_ratios(result: dict[str, Any]) -> list[Ratio]:
 def _load_text(load: str) -> str:
     texts, callers = load.split("x")
     return f"{callers} callers of {texts} text{'s' if texts != '1' else ''}"
+
+
+# A 16-core GPU host as KEMBED_FRONTENDS=auto sizes it (docs/decisions/cpu-sizing.md): 7 front ends,
+# the engine's event loop on a core of its own; the device's own rate from GPU.md's in-process ceiling.
+GPU_HOST_FRONTENDS = 7
+GPU_DEVICE_EMB_PER_S = 46_000.0  # MiniLM-L6, bf16, compiled, bucketed shapes, H100 (GPU.md)
+
+
+def gpu_projection(
+    model: dict[str, Any], frontends: int = GPU_HOST_FRONTENDS, device_emb_per_s: float = GPU_DEVICE_EMB_PER_S
+) -> list[dict[str, Any]]:
+    """Per load, the calls/s and emb/s a GPU host would serve from this run's host costs at this
+    CPU's speed: each front end's CPU per call (all front ends' processes, one core each), the
+    engine's event loop's (its main thread, one core), and the device's rate: the least of the three.
+    The lanes' compute is the CPU's and is left out: on a GPU host the device computes."""
+    rows = []
+    for load in model["loads"]:
+        texts = int(load["load"].split("x")[0])
+        per_call = load["cpu_ms_per_call_by_process"]
+        frontend_ms = sum(ms for role, ms in per_call.items() if role.startswith("frontend"))
+        loop_ms = load["cpu_ms_per_call_by_thread"].get("engine: MainThread", float("nan"))
+        limits = {
+            "front ends": frontends * 1000 / frontend_ms,
+            "engine loop": 1000 / loop_ms,
+            "device": device_emb_per_s / texts,
+        }
+        bound = min(limits, key=lambda k: limits[k])
+        calls = limits[bound]
+        rows.append({"load": load["load"], "frontend_ms_per_call": frontend_ms, "engine_loop_ms_per_call": loop_ms,
+                     "calls_per_s": calls, "emb_per_s": calls * texts, "bound_by": bound,
+                     "limits_calls_per_s": limits})  # fmt: skip
+    return rows

@@ -32,7 +32,7 @@ from typing import Any
 
 from bench import RESULTS_DIR, headline
 from bench.tools import loadgen, machine, workload
-from bench.tools.cpu_account import CpuSnapshot, Proc, account, sample_stages, server_processes
+from bench.tools.cpu_account import Accounted, CpuSnapshot, Proc, account, sample_stages, server_processes
 from bench.tools.loadgen import OK, CallRecord
 from bench.tools.report import Spread, latency_summary, metric_delta, padding_ratio, server_tokens, window_rates
 from bench.tools.server import Server, running
@@ -123,21 +123,22 @@ def measure_load(
     closed_loop(server, requests, load, opts, opts.profile_s + 2.0, pushback)
     time.sleep(1.5)
     sampler.join()
-    stages = account(procs, before, after, samples)
-    return _figures(outcomes, load, opts, (metrics_before, metrics_after), stages)
+    accounted = account(procs, before, after, samples)
+    return _figures(outcomes, load, opts, (metrics_before, metrics_after), accounted)
 
 
 def _figures(
-    outcomes: list[CallRecord], load: Load, opts: Options, metrics: tuple[Any, Any], stages: dict[str, dict[str, float]]
+    outcomes: list[CallRecord], load: Load, opts: Options, metrics: tuple[Any, Any], accounted: dict[str, Accounted]
 ) -> dict[str, Any]:
     ok = [o for o in outcomes if o.code == OK]
     embeddings = len(ok) * load.texts
     rates = window_rates([o.done for o in ok], [float(load.texts)] * len(ok), 0.0, opts.duration, 4)
-    by_process = {role: sum(s.values()) for role, s in stages.items()}
+    by_process = {role: sum(a.stages.values()) for role, a in accounted.items()}
     by_stage: dict[str, float] = {}
-    for role_stages in stages.values():
+    for role_stages in (a.stages for a in accounted.values()):
         for stage, seconds in role_stages.items():
             by_stage[stage] = by_stage.get(stage, 0.0) + seconds
+    by_thread = {f"{role}: {name}": s for role, a in accounted.items() for name, s in a.threads.items()}
     before, after = metrics
     real, padding = server_tokens(before, after)
     batches = metric_delta(before, after, Metric.BATCH_SIZE + "_count")
@@ -152,6 +153,7 @@ def _figures(
         "server_cpu_ms_per_call": _per(sum(by_process.values()), len(outcomes)),
         "cpu_ms_per_emb_by_process": {role: _per(s, embeddings) for role, s in by_process.items()},
         "cpu_ms_per_call_by_process": {role: _per(s, len(outcomes)) for role, s in by_process.items()},
+        "cpu_ms_per_call_by_thread": {k: _per(v, len(outcomes)) for k, v in by_thread.items()},
         "cpu_ms_per_call_by_stage": {
             k: _per(v, len(outcomes)) for k, v in sorted(by_stage.items(), key=lambda kv: -kv[1])
         },
@@ -184,10 +186,15 @@ def run_model(name: str, opts: Options, texts: list[str]) -> dict[str, Any]:
                   f"{figures['rows_per_batch']:.1f} rows/batch")  # fmt: skip
             loads.append(figures)
     refusals = measure_refusals(settings, name, opts, texts)
+    projection = headline.gpu_projection({"loads": loads})
+    for row in projection:
+        print(f"  a 16-core GPU host at this CPU's speed, {row['load']}: {row['calls_per_s']:.0f} calls/s, "
+              f"{row['emb_per_s']:.0f} emb/s, bound by the {row['bound_by']}")  # fmt: skip
     served_fe = _frontend_ms(loads[0]["cpu_ms_per_call_by_process"])
     refusals["frontend_over_served_call"] = _frontend_ms(refusals["cpu_ms_per_call_by_process"]) / served_fe
     print(f"  refusals: {refusals['frontend_over_served_call']:.2f}x a served {loads[0]['load']} call's front-end CPU")
-    return {"model": name, "own": own, "served": served, "settings": settings, "loads": loads, "refusals": refusals}
+    return {"model": name, "own": own, "served": served, "settings": settings, "loads": loads, "refusals": refusals,
+            "gpu_projection": projection}  # fmt: skip
 
 
 def measure_refusals(settings: dict[str, str], name: str, opts: Options, texts: list[str]) -> dict[str, Any]:

@@ -193,23 +193,34 @@ def _read_speedscope(path: Path, default: str) -> dict[int, ThreadSamples]:
     return threads
 
 
+@dataclass(frozen=True)
+class Accounted:
+    """A process's CPU seconds over a window, by stage and by thread (a thread's Python name where
+    py-spy saw it, else its ``comm``)."""
+
+    stages: dict[str, float]
+    threads: dict[str, float]
+
+
 def account(
     procs: Sequence[Proc], before: CpuSnapshot, after: CpuSnapshot, samples: Mapping[int, dict[int, ThreadSamples]]
-) -> dict[str, dict[str, float]]:
-    """CPU seconds between the snapshots, by process role then stage (``samples`` may come from
-    another window of the same load: only their shares are used)."""
-    out: dict[str, dict[str, float]] = {}
+) -> dict[str, Accounted]:
+    """CPU seconds between the snapshots, by process role (``samples`` may come from another window
+    of the same load: only their shares are used)."""
+    out: dict[str, Accounted] = {}
     for proc in procs:
         if proc.pid not in before.procs or proc.pid not in after.procs:
             continue
         was, now = before.procs[proc.pid], after.procs[proc.pid]
         stages: dict[str, float] = defaultdict(float)
+        threads: dict[str, float] = defaultdict(float)
         by_thread = samples.get(proc.pid, {})
         for tid, (comm, seconds) in now.threads.items():
             used = seconds - was.threads.get(tid, (comm, 0.0))[1]
             if used <= 0:
                 continue
             sampled = by_thread.get(tid)
+            threads[sampled.name if sampled else comm] += used
             if proc.role == "supervisor":
                 stages["supervisor"] += used
             elif sampled is None:  # a native thread py-spy does not see
@@ -223,5 +234,10 @@ def account(
         ended = (now.total - was.total) - sum(stages.values())
         if abs(ended) > 1e-3:  # threads that ended within the window, or rounding of the ticks
             stages[f"{proc.role}: ended threads and rounding"] += ended
-        out[proc.role] = dict(sorted(stages.items(), key=lambda kv: -kv[1]))
+            threads["ended threads and rounding"] += ended
+        out[proc.role] = Accounted(_by_size(stages), _by_size(threads))
     return out
+
+
+def _by_size(seconds: Mapping[str, float]) -> dict[str, float]:
+    return dict(sorted(seconds.items(), key=lambda kv: -kv[1]))

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 from safetensors import safe_open
 
-from bench.headline import efficiency_ratios
+from bench.headline import efficiency_ratios, gpu_projection
 from bench.serving.efficiency import Load
 from bench.tools.cpu_account import CpuSnapshot, Proc, ProcCpu, ThreadSamples, account, stage_of
 from bench.tools.standin import model_settings, standin_model
@@ -54,13 +54,17 @@ def test_a_process_cpu_is_shared_out_over_its_stages_and_adds_up() -> None:
     after = CpuSnapshot({10: ProcCpu(9.5, {10: ("python", 2.0), 11: ("python", 7.0), 12: ("grpc_poller", 0.5)})})
     samples = {10: {10: ThreadSamples("MainThread", Counter({"engine: loop": 3, "batch formation": 1})),
                     11: ThreadSamples("kembed-worker", Counter({"forward": 9, "pooling": 1}))}}  # fmt: skip
-    stages = account([engine], before, after, samples)["engine"]
+    accounted = account([engine], before, after, samples)["engine"]
+    stages = accounted.stages
     assert stages["forward"] == pytest.approx(2.7) and stages["pooling"] == pytest.approx(0.3)
     assert stages["engine: loop"] == pytest.approx(0.75) and stages["batch formation"] == pytest.approx(0.25)
     assert stages["engine: thread grpc_poller"] == pytest.approx(0.5)  # unseen by py-spy: named by its thread
     assert sum(stages.values()) == pytest.approx(4.5)  # the process's own CPU over the window
+    assert accounted.threads == pytest.approx({"kembed-worker": 3.0, "MainThread": 1.0, "grpc_poller": 0.5})
     ended = CpuSnapshot({10: ProcCpu(10.5, after.procs[10].threads)})  # a thread that ended used 1 s
-    assert account([engine], before, ended, samples)["engine"]["engine: ended threads and rounding"] == pytest.approx(1)
+    assert account([engine], before, ended, samples)["engine"].stages[
+        "engine: ended threads and rounding"
+    ] == pytest.approx(1)
 
 
 def test_loads_are_texts_by_callers() -> None:
@@ -81,3 +85,14 @@ def test_the_efficiency_figures_are_judged_at_32_callers_of_one_text() -> None:
         "standin: a refusal's front-end CPU / a served one-text call's": (0.4, "<= 0.50"),
     }
     assert len(rows) == 5
+
+
+def test_a_gpu_host_is_projected_from_the_host_costs_per_call() -> None:
+    def load(name: str, frontend_ms: float, loop_ms: float) -> dict[str, object]:
+        return {"load": name, "cpu_ms_per_call_by_process": {"engine": 5.0, "frontend-0": frontend_ms},
+                "cpu_ms_per_call_by_thread": {"engine: MainThread": loop_ms, "engine: kembed-worker": 4.0}}  # fmt: skip
+
+    one, many = gpu_projection({"loads": [load("1x32", 1.0, 0.2), load("16x16", 2.0, 0.1)]}, 7, 46_000)
+    assert (one["calls_per_s"], one["emb_per_s"], one["bound_by"]) == (5000, 5000, "engine loop")
+    assert (many["calls_per_s"], many["emb_per_s"], many["bound_by"]) == (2875, 46_000, "device")
+    assert many["limits_calls_per_s"]["front ends"] == 3500
