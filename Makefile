@@ -9,7 +9,7 @@ BIN    := $(VENV)/bin
 TORCH  := torch==2.13.0
 PROTO_OUT := server/kembed/v1/embedder_pb2.py
 
-.PHONY: serve client operator-dev test lint typecheck unit proto bench bench-fleet clean env-table crds image image-test
+.PHONY: serve client operator-dev test lint typecheck unit proto bench bench-fleet clean env-table crds monitoring image image-test
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -74,6 +74,11 @@ bench-fleet: $(VENV)/.test $(PROTO_OUT)
 # The CRDs in crds/ and the chart's crds/, generated from the operator's spec models.
 crds: $(VENV)/.test
 	$(BIN)/python -m kembed_operator.crd
+
+# The chart's Grafana dashboard and alert rules (charts/kembed-operator/monitoring/), generated from
+# the metric names the server exports (kembed.contract).
+monitoring: $(VENV)/.test
+	$(BIN)/python -m kembed_operator.monitoring
 
 # The server (CPU) and operator images, built with buildah (docs/images.md): a Debian base from
 # mmdebstrap where no registry answers, this machine's pip settings carried in as build secrets.
