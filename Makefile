@@ -1,4 +1,7 @@
 # Two commands matter: `make serve` and `make test`. Both create .venv and install what they need.
+# Each role has its own install into the same .venv, none but the server's with torch: `make client`
+# (the client and what the README's examples import), `make operator-dev` (the operator and its
+# offline preview).
 PYTHON ?= python3
 VENV   := .venv
 BIN    := $(VENV)/bin
@@ -6,7 +9,7 @@ BIN    := $(VENV)/bin
 TORCH  := torch==2.13.0
 PROTO_OUT := server/kembed/v1/embedder_pb2.py
 
-.PHONY: serve test lint typecheck unit proto bench bench-fleet clean env-table crds image image-test
+.PHONY: serve client operator-dev test lint typecheck unit proto bench bench-fleet clean env-table crds monitoring image image-test
 
 $(BIN)/python:
 	$(PYTHON) -m venv $(VENV)
@@ -17,11 +20,24 @@ $(VENV)/.serve: pyproject.toml | $(BIN)/python
 	$(BIN)/pip install -q -e ".[server,proto]"
 	touch $@
 
+$(VENV)/.client: pyproject.toml | $(BIN)/python
+	$(BIN)/pip install -q -e ".[client,examples]"
+	touch $@
+
+$(VENV)/.operator-dev: pyproject.toml | $(BIN)/python
+	$(BIN)/pip install -q -e ".[operator,preview]"
+	touch $@
+
+$(VENV)/.proto: pyproject.toml | $(BIN)/python
+	$(BIN)/pip install -q -e ".[proto]"
+	touch $@
+
 $(VENV)/.test: pyproject.toml $(VENV)/.serve
 	$(BIN)/pip install -q -e ".[server,client,parquet,proto,operator,bench,test]"
 	touch $@
 
-$(PROTO_OUT): protos/kembed/v1/embedder.proto | $(VENV)/.serve
+# grpcio-tools alone: the client's install needs the generated code too, and no torch.
+$(PROTO_OUT): protos/kembed/v1/embedder.proto | $(VENV)/.proto
 	$(BIN)/python -m grpc_tools.protoc -Iprotos --python_out=server --pyi_out=server \
 	    --grpc_python_out=server protos/kembed/v1/embedder.proto
 
@@ -29,6 +45,12 @@ proto: $(PROTO_OUT)
 
 serve: $(VENV)/.serve $(PROTO_OUT)
 	$(BIN)/python -m kembed
+
+# The client library and commands, and what the README's Python block imports (openai, langchain-openai).
+client: $(VENV)/.client $(PROTO_OUT)
+
+# `python -m kembed_operator.preview` and the chart's offline render (docs/operator.md).
+operator-dev: $(VENV)/.operator-dev
 
 lint: $(VENV)/.test
 	$(BIN)/ruff check .
@@ -52,6 +74,11 @@ bench-fleet: $(VENV)/.test $(PROTO_OUT)
 # The CRDs in crds/ and the chart's crds/, generated from the operator's spec models.
 crds: $(VENV)/.test
 	$(BIN)/python -m kembed_operator.crd
+
+# The chart's Grafana dashboard and alert rules (charts/kembed-operator/monitoring/), generated from
+# the metric names the server exports (kembed.contract).
+monitoring: $(VENV)/.test
+	$(BIN)/python -m kembed_operator.monitoring
 
 # The server (CPU) and operator images, built with buildah (docs/images.md): a Debian base from
 # mmdebstrap where no registry answers, this machine's pip settings carried in as build secrets.

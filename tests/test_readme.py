@@ -4,7 +4,8 @@ Every fenced block of README.md is either run here (its addresses mapped to a te
 serves the prompts the README gives it) or checked where it is said below: a block nobody runs
 fails this test. ``make`` lines start the server this fixture starts; ``helm install`` is rendered
 and validated in tests/operator/test_chart.py, the EmbeddingService it applies in
-tests/operator/test_preview.py."""
+tests/operator/test_preview.py. The Python blocks run with only what ``make client``, which the
+README names for them, installs (tests/installs.py)."""
 
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ from pathlib import Path
 
 import pytest
 
+from tests.installs import run_with_only, target_extras
 from tests.server.serving import ServerProcess
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -71,10 +73,14 @@ def test_the_front_page_has_only_blocks_this_test_runs() -> None:
     assert {lang for lang, _ in BLOCK.findall(FRONT_PAGE)} == {"sh", "python"}
 
 
-def test_the_python_examples_run_in_order(server: ServerProcess, tmp_path: Path) -> None:
-    """As a reader runs them: one session, each block after the ones above it."""
+def test_the_python_examples_run_in_order_with_what_make_client_installs(server: ServerProcess, tmp_path: Path) -> None:
+    """As a reader runs them: one session, each block after the ones above it, in the .venv that the
+    command their section names (`make client`) installs: other modules of the test venv are absent."""
+    section = FRONT_PAGE[: FRONT_PAGE.index("```python")].rsplit("\n## ", 1)[1]
+    assert "`make client`" in section
     code = localized("\n".join(blocks("python")), server)
-    result = subprocess.run([sys.executable, "-c", code], cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    (tmp_path / "examples.py").write_text(code)
+    result = run_with_only(target_extras("client"), "file", "examples.py", cwd=tmp_path)
     assert result.returncode == 0, f"{code}\n{result.stderr}"
 
 

@@ -1,14 +1,15 @@
-"""Who may reach the server, and how (pure): the TLS Secret mounts and variables, what a corpus job's
-client mounts to reach it, the NetworkPolicy, and whether it lets Prometheus reach the metrics the
-autoscaler needs.
+"""Who may reach the server, and how (pure): the TLS and API key Secret mounts and variables, what a
+corpus job's client mounts to reach it, the NetworkPolicy, and whether it lets Prometheus reach the
+metrics the autoscaler needs.
 
 The Secrets are mounted whole (never with ``subPath``): only then does the kubelet swap in a renewed
-certificate, which the server picks up for new connections without a restart.
+certificate (or a rotated key), which the server picks up without a restart. The operator only names
+them in pod specs: it never reads a Secret, and needs no permission to.
 """
 
 from __future__ import annotations
 
-from kembed.contract import GRPC_PORT, HTTP_PORT, REST_PORT
+from kembed.contract import GRPC_PORT, HTTP_PORT, REST_PORT, env_name
 from kembed_operator.config import OperatorConfig
 from kembed_operator.job_spec import JobTls
 from kembed_operator.kinds import Manifest
@@ -21,6 +22,9 @@ CLIENT_CA_DIR = "/etc/kembed/client-ca"
 SERVER_CA_DIR = "/etc/kembed/server-ca"
 CLIENT_TLS_DIR = "/etc/kembed/client-tls"
 SECRET_MODE = 0o440  # group-readable: the pod's fsGroup owns Secret files, and the key is no one else's
+# The API keys' Secret, in the server's pods and in a corpus job's (whose client sends the first).
+API_KEY_DIR = "/etc/kembed/api-key"
+API_KEY_FILE_VAR = env_name("api_key_file")  # the server's setting
 
 
 def transport(spec: EmbeddingServiceSpec) -> str:
@@ -53,6 +57,33 @@ def tls_volumes(spec: EmbeddingServiceSpec) -> tuple[list[Manifest], list[Manife
         volumes.append(_secret_volume("client-ca", tls.client_ca_secret_name, "ca.crt"))
         mounts.append({"name": "client-ca", "mountPath": CLIENT_CA_DIR, "readOnly": True})
     return volumes, mounts
+
+
+def api_key_file(spec: EmbeddingServiceSpec) -> str | None:
+    """Where the pods find the API keys, one a line; None when the spec asks for none."""
+    return None if spec.api_key is None else f"{API_KEY_DIR}/{spec.api_key.key}"
+
+
+def api_key_env(spec: EmbeddingServiceSpec) -> list[Manifest]:
+    """The server's variable naming the key file, when the spec asks for a key."""
+    path = api_key_file(spec)
+    return [] if path is None else [{"name": API_KEY_FILE_VAR, "value": path}]
+
+
+def api_key_volumes(spec: EmbeddingServiceSpec) -> tuple[list[Manifest], list[Manifest]]:
+    """(volumes, volumeMounts) for the Secret's one key, read-only: the server's, and a corpus job's
+    that calls it."""
+    if spec.api_key is None:
+        return [], []
+    volume = _secret_volume("api-key", spec.api_key.secret_name, spec.api_key.key)
+    return [volume], [{"name": "api-key", "mountPath": API_KEY_DIR, "readOnly": True}]
+
+
+def client_api_key(server: EmbeddingServiceSpec) -> tuple[list[str], list[Manifest], list[Manifest]]:
+    """What a corpus job's client needs to call a ``server`` that requires a key: (arguments, volumes,
+    volumeMounts). The same Secret as the server's: the client sends its first key."""
+    path = api_key_file(server)
+    return ([] if path is None else ["--api-key-file", path]), *api_key_volumes(server)
 
 
 def client_tls(job: JobTls, server: EmbeddingServiceSpec) -> tuple[list[str], list[Manifest], list[Manifest]]:

@@ -18,13 +18,16 @@ from kembed.contract import OPERATOR_ENV_PREFIX
 from kembed_operator.spec import REPLICAS_CEILING
 
 AFFINITY_KINDS = ("nodeAffinity", "podAffinity", "podAntiAffinity")
+# The server image's name before anyone builds one: no registry has it (`make image` builds it, and
+# its builder pushes it where the cluster pulls from, chart value serverImage).
+UNPUBLISHED_IMAGE = "ghcr.io/kembed/kembed-server:0.1.0"
 PEER_FIELDS = frozenset({"podSelector", "namespaceSelector", "ipBlock"})
 
 
 class OperatorConfig(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    default_image: str = "ghcr.io/kembed/kembed-server:0.1.0"
+    default_image: str = UNPUBLISHED_IMAGE
     # The Prometheus every ScaledObject queries (KEDA appends /api/v1/query?query=...); empty = no KEDA.
     keda_server_address: str = ""
     # How long a silent leader holds its lease before a standby takes over.

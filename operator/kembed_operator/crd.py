@@ -293,26 +293,30 @@ def files() -> dict[str, str]:
     return {f"{folder}/{file_name(r)}": text(r) for folder in FOLDERS for r in RESOURCES}
 
 
-def stale(root: Path) -> list[str]:
-    """The generated files under ``root`` that differ from what the sources give now."""
-    return [
-        path for path, wanted in files().items() if not (root / path).is_file() or (root / path).read_text() != wanted
-    ]
+def stale(root: Path, wanted: dict[str, str]) -> list[str]:
+    """The generated files under ``root`` that differ from what their sources give now (``wanted``)."""
+    return [path for path, text in wanted.items() if not (root / path).is_file() or (root / path).read_text() != text]
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="python -m kembed_operator.crd", description=__doc__.split("\n\n")[0])
+def generate(prog: str, doc: str, wanted: Callable[[], dict[str, str]], target: str, argv: list[str] | None) -> int:
+    """A generator's command: write the files ``wanted`` gives, or with ``--check`` exit 1 when one is stale."""
+    parser = argparse.ArgumentParser(prog=prog, description=doc.split("\n\n")[0])
     parser.add_argument("--root", type=Path, default=Path.cwd(), help="the repository's root (default: here)")
     parser.add_argument("--check", action="store_true", help="write nothing; exit 1 if a file is stale")
     args = parser.parse_args(argv)
     if args.check:
-        for path in stale(args.root):
-            print(f"{path}: stale, run `make crds`", file=sys.stderr)
-        return 1 if stale(args.root) else 0
-    for path, wanted in files().items():
+        stale_paths = stale(args.root, wanted())
+        for path in stale_paths:
+            print(f"{path}: stale, run `{target}`", file=sys.stderr)
+        return 1 if stale_paths else 0
+    for path, text in wanted().items():
         (args.root / path).parent.mkdir(parents=True, exist_ok=True)
-        (args.root / path).write_text(wanted)
+        (args.root / path).write_text(text)
     return 0
+
+
+def main(argv: list[str] | None = None) -> int:
+    return generate("python -m kembed_operator.crd", __doc__, files, "make crds", argv)
 
 
 if __name__ == "__main__":

@@ -2,10 +2,11 @@
 
 One Job with ``completionMode: Indexed``: index *i* runs the corpus command on shard *i* of the
 input, writing part *i* of the output, against the service's in-cluster gRPC address (with TLS
-when the service serves it). The command is the client's fixed interface (``python -m
-kembed.client embed ... --shard $(JOB_COMPLETION_INDEX)/N --summary-file /dev/termination-log``);
-the kubelet expands ``$(JOB_COMPLETION_INDEX)`` from the container's variables, and the summary the
-command writes at exit becomes the pod's termination message, which the status reads for its rows.
+when the service serves it, its API key when it requires one). The command is the client's
+fixed interface (``python -m kembed.client embed ... --shard $(JOB_COMPLETION_INDEX)/N
+--summary-file /dev/termination-log``); the kubelet expands ``$(JOB_COMPLETION_INDEX)`` from the
+container's variables, and the summary the command writes at exit becomes the pod's termination
+message, which the status reads for its rows.
 
 Retries are the Job API's own, per index (``backoffLimitPerIndex``, ``maxFailedIndexes``,
 ``podFailurePolicy``, ``podReplacementPolicy``: Kubernetes 1.30 or later, docs/corpus-jobs.md). A
@@ -77,6 +78,7 @@ def render_job(
 ) -> render.Desired:
     """The Job, or :class:`~kembed_operator.spec.InvalidSpec` when it could not reach the service."""
     tls_arguments, tls_volumes, tls_mounts = access.client_tls(spec.tls, target.spec)
+    key_arguments, key_volumes, key_mounts = access.client_api_key(target.spec)
     volumes, mounts = _claims(spec)
     pod: Manifest = {
         "restartPolicy": "Never",  # a failed pod is a retry of its index, counted by the Job
@@ -89,7 +91,7 @@ def render_job(
                 "image": image(spec, target, config),
                 "imagePullPolicy": spec.image_pull_policy,
                 "command": COMMAND,
-                "args": arguments(spec, target) + tls_arguments,
+                "args": arguments(spec, target) + tls_arguments + key_arguments,
                 "env": [
                     {
                         "name": INDEX_VAR,
@@ -103,13 +105,13 @@ def render_job(
                     "limits": {"memory": spec.resources.memory},
                 },
                 "securityContext": render.container_security(),
-                "volumeMounts": [{"name": "tmp", "mountPath": "/tmp"}, *mounts, *tls_mounts],
+                "volumeMounts": [{"name": "tmp", "mountPath": "/tmp"}, *mounts, *tls_mounts, *key_mounts],
                 "terminationMessagePath": TERMINATION_LOG,
                 # A command that died before writing its summary leaves the end of its log instead.
                 "terminationMessagePolicy": "FallbackToLogsOnError",
             }
         ],
-        "volumes": [{"name": "tmp", "emptyDir": {"sizeLimit": "1Gi"}}, *volumes, *tls_volumes],
+        "volumes": [{"name": "tmp", "emptyDir": {"sizeLimit": "1Gi"}}, *volumes, *tls_volumes, *key_volumes],
     }
     optional = {
         "nodeSelector": spec.node_selector,

@@ -68,6 +68,7 @@ OPERATOR_SETTINGS = frozenset(
         "tls_cert_file",
         "tls_key_file",
         "tls_client_ca_file",
+        "api_key_file",
         "grpc_host",
         "grpc_port",
         "http_host",
@@ -381,7 +382,7 @@ def _container(
     startup_failures = math.ceil(startup_seconds(spec, server.settings) / STARTUP_PERIOD_S)
     return {
         "name": CONTAINER,
-        "image": spec.image or config.default_image,
+        "image": server_image(spec, config),
         "imagePullPolicy": spec.image_pull_policy,
         "ports": [
             {"name": "grpc", "containerPort": GRPC_PORT, "protocol": "TCP"},
@@ -391,6 +392,7 @@ def _container(
         "env": [
             # The API server drops `value: ""`, so an empty value is spelt as no value: no false drift.
             *({"name": name, "value": value} if value else {"name": name} for name, value in server.env.items()),
+            *access.api_key_env(spec),
             *sizing_env(spec),
             {"name": "HOME", "value": "/tmp"},  # the root filesystem is read-only
             *(var.manifest() for var in spec.env),
@@ -404,6 +406,10 @@ def _container(
         "securityContext": container_security(),
         "volumeMounts": mounts,
     }
+
+
+def server_image(spec: EmbeddingServiceSpec, config: OperatorConfig) -> str:
+    return spec.image or config.default_image
 
 
 def pod_security() -> Manifest:
@@ -467,7 +473,8 @@ def _volumes(spec: EmbeddingServiceSpec) -> tuple[list[Manifest], list[Manifest]
         mounts.append({"name": "model-cache", "mountPath": CACHE_DIR})
     cache_volumes, cache_mounts = _compile_cache(spec)
     tls_volumes, tls_mounts = access.tls_volumes(spec)
-    return volumes + cache_volumes + tls_volumes, mounts + cache_mounts + tls_mounts
+    key_volumes, key_mounts = access.api_key_volumes(spec)
+    return volumes + cache_volumes + tls_volumes + key_volumes, mounts + cache_mounts + tls_mounts + key_mounts
 
 
 def _compile_cache(spec: EmbeddingServiceSpec) -> tuple[list[Manifest], list[Manifest]]:

@@ -60,6 +60,8 @@ RELATIVE_PATH_PATTERN = rf"^({_PART}(/{_PART})*)?$"
 _HUB_NAME = r"[A-Za-z0-9_]+([.-][A-Za-z0-9_]+)*"
 HUB_ID_PATTERN = rf"^({_HUB_NAME}/)?{_HUB_NAME}$"
 HUB_ID_MAX_LENGTH = 96  # the hub's own limit
+# A Secret's data key (apimachinery's IsConfigMapKey).
+SECRET_KEY_PATTERN = r"^[-._a-zA-Z0-9]+$"
 
 
 def matching(pattern: str, what: str) -> AfterValidator:
@@ -278,6 +280,20 @@ class TlsSpec(SpecModel):
     )
 
 
+class ApiKeySpec(SpecModel):
+    secret_name: str = Field(
+        min_length=1,
+        description="A Secret in the resource's namespace whose key holds the API keys, one a line (several: "
+        "rotation). Clients must send one as `Authorization: Bearer KEY` (REST) or `authorization` metadata "
+        "(gRPC); health and metrics stay open.",
+    )
+    key: Annotated[
+        str,
+        matching(SECRET_KEY_PATTERN, "a Secret key (letters, digits, '-', '_', '.')"),
+        Field(max_length=253, json_schema_extra={"pattern": SECRET_KEY_PATTERN}),
+    ] = Field("api-keys", description="The Secret's key that holds them; only it is mounted.")
+
+
 class IpBlock(SpecModel):
     cidr: str
     except_: list[str] | None = Field(None, alias="except")
@@ -394,6 +410,11 @@ class EmbeddingServiceSpec(PodOptions):
         None,
         description="TLS on the gRPC port, from Secrets mounted read-only; renewals reach new connections "
         "without a restart.",
+    )
+    api_key: ApiKeySpec | None = Field(
+        None,
+        description="Require an API key on gRPC and REST, from a Secret mounted read-only (KEMBED_API_KEY_FILE); "
+        "an EmbeddingJob calling this service sends the first key of the same Secret.",
     )
     network_policy: NetworkPolicySpec = Field(
         default_factory=NetworkPolicySpec,

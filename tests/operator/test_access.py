@@ -11,7 +11,7 @@ import pytest
 
 from kembed.config import Settings
 from kembed.contract import GRPC_PORT, HTTP_PORT, REST_PORT, env_name
-from kembed_operator import access, kinds, render
+from kembed_operator import access, kinds, permissions, render
 from kembed_operator.config import OperatorConfig
 from kembed_operator.spec import InvalidSpec, parse_spec
 from tests.operator.test_crd import apply_defaults, as_json_schema, resource
@@ -27,6 +27,7 @@ OFFICE = {"ipBlock": {"cidr": "10.0.0.0/8", "except": ["10.1.0.0/16"]}}
 SPECS: dict[str, dict[str, Any]] = {
     "tls": {"tls": {"secretName": "emb-tls"}},
     "mtls": {"tls": {"secretName": "emb-tls", "clientCASecretName": "clients-ca"}},
+    "api key": {"apiKey": {"secretName": "emb-keys"}},
     "peers": {"networkPolicy": {"from": [WEB, OFFICE], "metricsFrom": [PROMETHEUS]}},
     "no policy": {"networkPolicy": {"enabled": False}},
 }
@@ -82,6 +83,30 @@ def test_mtls_mounts_only_the_ca_certificate() -> None:
 def test_no_tls_mounts_nothing() -> None:
     assert [v["name"] for v in pod({})["volumes"]] == ["tmp", "compile-cache"]  # no TLS volume
     assert not any(name.startswith("KEMBED_TLS_") for name in env({}))
+
+
+def test_an_api_key_mounts_the_secrets_one_key_read_only_and_names_the_file() -> None:
+    spec = {"apiKey": {"secretName": "emb-keys", "key": "search-keys"}}
+    (volume,) = [v for v in pod(spec)["volumes"] if "secret" in v]
+    assert volume == {
+        "name": "api-key",
+        "secret": {
+            "secretName": "emb-keys",
+            "items": [{"key": "search-keys", "path": "search-keys"}],
+            "defaultMode": 0o440,
+        },
+    }
+    mounts = container(spec)["volumeMounts"]
+    assert {"name": "api-key", "mountPath": access.API_KEY_DIR, "readOnly": True} in mounts
+    assert not any("subPath" in mount for mount in mounts)  # a subPath mount never sees a rotated key
+    assert env(spec)["KEMBED_API_KEY_FILE"] == f"{access.API_KEY_DIR}/search-keys"
+    assert env(SPECS["api key"])["KEMBED_API_KEY_FILE"] == f"{access.API_KEY_DIR}/api-keys"  # the key's default
+    assert "KEMBED_API_KEY_FILE" not in env({})
+    assert not any("secret" in volume for volume in pod({})["volumes"])
+    # Probes stay on the open health port; the operator names the Secret and never reads one.
+    assert container(spec)["readinessProbe"]["httpGet"]["port"] == "http"
+    rules = permissions.CLUSTER_WIDE + permissions.NAMESPACED
+    assert not any(rule.resource == "secrets" for rule in rules)
 
 
 @pytest.mark.parametrize(
@@ -164,6 +189,9 @@ INVALID: dict[str, tuple[dict[str, Any], str]] = {
         r"spec\.env\[0\]",
     ),
     "peers not a list": ({"networkPolicy": {"from": WEB}}, "spec.networkPolicy.from"),
+    "api key without a secret": ({"apiKey": {"key": "k"}}, "spec.apiKey.secretName"),
+    "api key not a secret key": ({"apiKey": {"secretName": "s", "key": "a/b"}}, "spec.apiKey.key"),
+    "env fights the api key": ({"env": [{"name": "KEMBED_API_KEY_FILE", "value": "/x"}]}, r"spec\.env\[0\]"),
 }
 
 
@@ -178,6 +206,8 @@ BAD_FOR_THE_SCHEMA: dict[str, dict[str, Any]] = {
     "ipBlock without cidr": {"networkPolicy": {"from": [{"ipBlock": {"except": ["10.0.0.0/8"]}}]}},
     "enabled as text": {"networkPolicy": {"enabled": "yes"}},
     "metricsFrom not a list": {"networkPolicy": {"metricsFrom": PROMETHEUS}},
+    "api key without a secret": {"apiKey": {"key": "api-keys"}},
+    "api key not a secret key": {"apiKey": {"secretName": "s", "key": "../x"}},
 }
 
 

@@ -20,7 +20,8 @@ from kembed_operator.spec import REPLICAS_CEILING
 from tests.operator.conftest import CHART, CRD_PATH, ROOT, chart_operator_args, render_chart
 
 K8S_VERSION = "1.34.0"
-CUSTOM_KINDS = {"ClusterKopfPeering", "KopfPeering", "PodMonitor"}  # CRD kinds: no built-in schema to validate with
+# CRD kinds: no built-in schema to validate with (test_monitoring.py checks the PrometheusRule's shape).
+CUSTOM_KINDS = {"ClusterKopfPeering", "KopfPeering", "PodMonitor", "PrometheusRule"}
 ERROR = 3
 SERVED = ["team-a", "team-b"]
 NAMESPACED = {"watchNamespaces": SERVED}
@@ -63,8 +64,12 @@ NAMESPACED_KINDS = {"ServiceAccount", "Role", "RoleBinding", "Deployment", "Kopf
         ({"podMonitor": {"enabled": True}, "replicaCount": 1}, CLUSTER_KINDS | {"PodMonitor"}),
         ({**NAMESPACED, "podMonitor": {"enabled": True}}, NAMESPACED_KINDS | {"PodMonitor"}),
         ({"allowedImages": ["registry.example/kembed/*"], "metricsFrom": [PROMETHEUS]}, CLUSTER_KINDS),
+        (
+            {"grafanaDashboard": {"enabled": True}, "prometheusRule": {"enabled": True}},
+            CLUSTER_KINDS | {"ConfigMap", "PrometheusRule"},
+        ),
     ],
-    ids=["default", "podmonitor", "namespaced", "trust"],
+    ids=["default", "podmonitor", "namespaced", "trust", "monitoring"],
 )
 def test_every_manifest_is_valid_kubernetes(values: dict[str, Any], kinds: set[str]) -> None:
     docs = render_chart(values)

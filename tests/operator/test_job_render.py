@@ -243,6 +243,21 @@ def test_an_mtls_service_needs_the_jobs_client_certificate() -> None:
     assert secrets["wiki-client"] == [{"key": "tls.crt", "path": "tls.crt"}, {"key": "tls.key", "path": "tls.key"}]
 
 
+def test_a_service_that_requires_a_key_is_called_with_its_secrets_key() -> None:
+    keyed = job_render.Target("bge", "search", parse_spec({"apiKey": {"secretName": "bge-keys", "key": "keys"}}))
+    client = container(BASE, keyed)
+    assert client["args"][client["args"].index("--api-key-file") + 1] == "/etc/kembed/api-key/keys"
+    (volume,) = [v for v in pod(BASE, keyed)["volumes"] if "secret" in v]
+    assert volume["secret"] == {
+        "secretName": "bge-keys",
+        "items": [{"key": "keys", "path": "keys"}],
+        "defaultMode": 0o440,
+    }
+    assert {"name": volume["name"], "mountPath": "/etc/kembed/api-key", "readOnly": True} in client["volumeMounts"]
+    kubernetes_validate.validate(job(BASE, keyed), K8S_VERSIONS[-1], strict=True)
+    assert "--api-key-file" not in container(BASE)["args"]  # a service without a key
+
+
 def test_render_is_deterministic() -> None:
     spec = JOB_FEATURES["every option"]
     assert job(spec) == job(spec)

@@ -3,13 +3,15 @@
 A real Prometheus scrapes a real kembed server on loopback, with the `namespace` and `pod` labels
 that Kubernetes service discovery would attach. The prometheus-adapter rules shipped with the chart
 are expanded the way the adapter expands them for an HPA's Pods metric, and must return, per pod,
-the value the server exposes; the KEDA queries the operator renders must return the same.
+the value the server exposes; the KEDA queries the operator renders must return the same. The
+chart's dashboard queries return the server's series, and its alert expressions evaluate.
 """
 
 from __future__ import annotations
 
 import functools
 import json
+import re
 import time
 import urllib.error
 import urllib.parse
@@ -23,7 +25,7 @@ import yaml
 
 from bench.tools import prometheus as bench_prometheus
 from kembed.contract import METRICS_PATH, Metric
-from kembed_operator import kinds, render
+from kembed_operator import kinds, monitoring, render
 from kembed_operator.config import OperatorConfig
 from kembed_operator.spec import parse_spec
 from tests.operator.conftest import CHART, wait_for
@@ -155,3 +157,35 @@ def assert_returns_what_the_server_exposes(server: str, prometheus: str, metric:
     (sample,) = query(prometheus, promql)
     after = scraped(server, metric)
     assert 0 < after <= float(sample["value"][1]) <= before
+
+
+def dashboard_query(expr: str) -> str:
+    """A panel's query as Grafana sends it for the fixture's service (its pods' names less the suffixes)."""
+    named = re.fullmatch(monitoring.POD_OF_A_SERVICE, POD)  # the service variable's regex
+    assert named is not None
+    service = named.group(1)
+    filled = expr.replace("$namespace", OWNER.namespace).replace("$service", service)
+    return filled.replace(monitoring.RATE, "1m")
+
+
+@needs_prometheus
+@pytest.mark.parametrize("panel", monitoring.PANELS, ids=lambda panel: panel.title)
+def test_the_dashboards_queries_return_the_servers_series(
+    panel: monitoring.Panel, server: str, prometheus: str
+) -> None:
+    """Every panel's query evaluates, and each returns a series of the fixture's server: all but the
+    refusals, which its few calls never met."""
+    for expr, _ in panel.queries:
+        promql = dashboard_query(expr)
+        if panel.title == "Refusals by reason":
+            assert query(prometheus, promql) == []
+        else:
+            wait_for(promql, functools.partial(query, prometheus, promql), 60, 0.5)
+
+
+@needs_prometheus
+def test_every_alert_expression_evaluates(server: str, prometheus: str) -> None:
+    """On the server's own series: none fires here (one idle pod, ready, no refusals, no drops)."""
+    for group in monitoring.alert_groups()["groups"]:
+        for rule in group["rules"]:
+            assert query(prometheus, rule["expr"]) == [], rule["alert"]
