@@ -514,6 +514,11 @@ class Settings(BaseModel):
     def tls(self) -> bool:
         return bool(self.tls_cert_file)
 
+    @property
+    def connection_age_grace_ms(self) -> int:
+        """How long a connection's calls may go on after its age's GOAWAY: the drain timeout."""
+        return int(self.drain_timeout_s * 1000)
+
     def cpus(self) -> float:
         """The CPUs this server may use: what front ends and torch's threads are sized by."""
         return available_cpus(self.cpu_request_millicores)

@@ -264,7 +264,7 @@ class GrpcEdge:
                 # GOAWAY past the age (gRPC's core jitters it by 10%): a client connects again through
                 # the Service, to any ready pod; its calls in flight get the grace to finish.
                 ("grpc.max_connection_age_ms", settings.max_connection_age_ms),
-                ("grpc.max_connection_age_grace_ms", int(settings.drain_timeout_s * 1000)),
+                ("grpc.max_connection_age_grace_ms", settings.connection_age_grace_ms),
             ],
         )
 
@@ -629,4 +629,7 @@ def info_response(info: ServerInfo) -> pb.InfoResponse:
         max_chunks_per_input=info.max_chunks_per_input,
         chunk_long_inputs=info.chunk_long_inputs,
         forward=info.forward,
+        admission_budget_tokens=info.admission_budget_tokens,
+        max_connection_age_ms=info.max_connection_age_ms,
+        max_connection_age_grace_ms=info.max_connection_age_grace_ms,
     )
