@@ -222,6 +222,12 @@ class Settings(BaseModel):
     tls_client_ca_file: str = Field(
         "", description="PEM CA bundle: mTLS, every client must present a certificate it signed", json_schema_extra=USER
     )
+    api_key_file: str = Field(
+        "",
+        description="File of API keys, one a line (several while one is rotated), read at start: every REST and "
+        "gRPC call must then present one (`Authorization: Bearer KEY`; docs/api.md#authentication); empty = none",
+        json_schema_extra=USER,
+    )
     log_level: str = Field("INFO", description="Python log level (DEBUG, INFO, WARNING, ERROR)", json_schema_extra=USER)
 
     # --- what a user sets: the latency targets ---

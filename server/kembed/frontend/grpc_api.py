@@ -20,6 +20,9 @@ answer is paced (:mod:`kembed.frontend.pushback`) has let go of its slot and its
 waits, and gRPC's cap is raised by the paced answers a front end may hold. So a unary Embed is
 handled as a client-streaming call of one message: its handler takes a slot before the message is
 read, and drops the message with the slot.
+
+With ``KEMBED_API_KEY_FILE`` the server's one interceptor, :class:`~kembed.frontend.auth.KeyCheck`,
+answers UNAUTHENTICATED to a call of the Embedder service without a key, before any of the above.
 """
 
 from __future__ import annotations
@@ -37,11 +40,12 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1.health import aio as health_aio  # type: ignore[attr-defined]  # no stub
 from grpc_reflection.v1alpha import reflection
 
-from kembed import listen, tls
+from kembed import api_keys, listen, tls
 from kembed.config import Settings
 from kembed.contract import GRPC_PREVIOUS_ATTEMPTS_KEY, GRPC_SERVICE, RETRY_ATTEMPT_KEY, RETRY_PUSHBACK_KEY
 from kembed.demand import retry_attempt
 from kembed.errors import EmbedError, Failure, Field, InvalidInput
+from kembed.frontend.auth import KeyCheck
 from kembed.frontend.budget import RETRY_AFTER_MS, MemoryBudget, grpc_calls
 from kembed.frontend.call import EmbedCall, EmbedResult, Limits, ServerInfo
 from kembed.frontend.pushback import MAX_PACED
@@ -253,7 +257,9 @@ class GrpcEdge:
         slots = CallSlots(self.max_calls)
         self._servicer = EmbedderServicer(metrics, gate, self._limits, service, settings.max_message_bytes, slots)
         self._health = health_aio.HealthServicer()
+        keys = api_keys.read(settings)
         self._server = grpc.aio.server(
+            interceptors=[KeyCheck(keys, metrics)] if keys else None,
             # A bound on everything besides: the calls counted, the paced answers, and a few more
             # for health checks, Info and the calls being refused for want of a slot.
             maximum_concurrent_rpcs=self.max_calls + MAX_PACED + 64,
