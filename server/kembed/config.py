@@ -337,7 +337,7 @@ class Settings(BaseModel):
 
     # --- tuning: request limits and serving ---
     max_items_per_request: int = Field(
-        1024, ge=1, description="Most texts or sequences in one request", json_schema_extra=TUNING
+        2048, ge=1, description="Most texts or sequences in one request (OpenAI's 2,048)", json_schema_extra=TUNING
     )
     max_text_chars: int = Field(
         100_000,
@@ -361,7 +361,7 @@ class Settings(BaseModel):
     max_message_bytes: int = Field(
         2 * 1024 * 1024,
         ge=1024,
-        description="Largest request: a gRPC message or a REST body (answers may be up to 16 MiB)",
+        description="Largest request: a gRPC message or a REST body (answers may be up to 32 MiB)",
         json_schema_extra=TUNING,
     )
     max_concurrent_rpcs: int = Field(

@@ -189,9 +189,10 @@ def cut_chars(text: str, chars: int, left: bool) -> str:
 
 
 def direction_of(name: str) -> str:
-    """``right`` or ``left`` as the proto's enum name; any other is refused, naming the argument."""
-    if name not in TRUNCATION_DIRECTIONS:
-        raise ValueError(f"truncation_direction: {name!r} is not right or left")
+    """``right`` or ``left``, in any case (TEI writes ``Left``), as the proto's enum name; any other is
+    refused, naming the argument."""
+    if not isinstance(name, str) or name.lower() not in TRUNCATION_DIRECTIONS:
+        raise ValueError(f"truncation_direction: {name!r} is not right or left (in any case)")
     return f"TRUNCATION_DIRECTION_{name.upper()}"
 
 

@@ -77,7 +77,7 @@ _INFO_FIELDS = sorted({f.name for f in fields(ServingInfo)} & set(pb.InfoRespons
 # bytes (the requests' and their answers'), at most one of the largest messages. Past either, the
 # stream stops reading.
 MAX_STREAM_REQUESTS = 256
-MAX_ANSWER_BYTES = 16 * 1024 * 1024  # the client's receive limit: 1,024 rows of 4,096 float32
+MAX_ANSWER_BYTES = 32 * 1024 * 1024  # 2,048 rows (a request's most) of 4,096 float32
 # A message up to this size is parsed without a scan: at most a few thousand fields, well under a millisecond.
 WHOLE_MESSAGE_BYTES = 8192
 # EmbedRequest's fields besides texts: a message with more fields than texts may hold and these is refused.
@@ -532,7 +532,9 @@ def to_call(
 ) -> EmbedCall:
     """The request as the domain's call, checked against ``limits`` as it is read."""
     has_texts, has_tokens = len(request.texts) > 0, request.HasField("tokens")
-    if has_texts == has_tokens:
+    if not has_texts and not has_tokens:  # proto3 cannot tell an empty list from none
+        raise _invalid("texts: empty, and no tokens: nothing to embed")
+    if has_texts and has_tokens:
         raise _invalid("texts, tokens: exactly one of the two must be set")
     if not 0 <= request.priority < len(BY_VALUE):  # a proto3 enum field takes any int32
         raise _invalid(f"priority: {request.priority} is not a priority class")

@@ -89,7 +89,7 @@ class Request:
 
     @property
     def truncate_left(self) -> bool:
-        return self.truncate and self.truncation_direction == "left"
+        return self.truncate and self.truncation_direction.lower() == "left"
 
 
 def embed_request(span: Span, request: Request) -> pb.EmbedRequest:
