@@ -424,7 +424,8 @@ class Settings(BaseModel):
     # --- what the operator sets, from the pod it renders ---
     compile_cache_dir: str = Field(
         "",
-        description="Folder kept across restarts for torch's compile caches (keyed by torch, GPU, model); empty = none",
+        description="Folder kept across restarts for auto's verdicts (dtype, forward) and torch's compile caches "
+        "(keyed by torch, CPU or GPU, model); empty = none (`make serve` sets `~/.cache/kembed`)",
         json_schema_extra=OPERATOR,
     )
     drain_timeout_s: float = Field(
