@@ -43,8 +43,12 @@ $(PROTO_OUT): protos/kembed/v1/embedder.proto | $(VENV)/.proto
 
 proto: $(PROTO_OUT)
 
+# auto's verdicts (dtype, forward) and torch's compile caches, kept across restarts of make serve
+# (docs/configuration.md#the-dtype); `KEMBED_COMPILE_CACHE_DIR= make serve` keeps none.
+KEMBED_COMPILE_CACHE_DIR ?= $(or $(XDG_CACHE_HOME),$(HOME)/.cache)/kembed
+
 serve: $(VENV)/.serve $(PROTO_OUT)
-	$(BIN)/python -m kembed
+	KEMBED_COMPILE_CACHE_DIR='$(KEMBED_COMPILE_CACHE_DIR)' $(BIN)/python -m kembed
 
 # The client library and commands, and what the README's Python block imports (openai, langchain-openai).
 client: $(VENV)/.client $(PROTO_OUT)

@@ -8,7 +8,7 @@ import logging
 import sys
 import textwrap
 
-from kembed import tls
+from kembed import api_keys, tls
 from kembed.config import ConfigError, Settings, env_tables
 from kembed.contract import EXIT_CONFIG, EXIT_STARTUP_FAILED, env_name
 from kembed.supervisor.process import Supervisor
@@ -33,6 +33,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         settings = Settings.from_env()
         tls.check(settings)  # before any child starts: a bad Secret fails the pod with one clear line
+        api_keys.read(settings)
     except ConfigError as error:
         print(f"kembed: configuration error: {error}", file=sys.stderr)
         return EXIT_CONFIG

@@ -382,6 +382,21 @@ class AdmissionController:
         message = "server queue is full: batch work not started gave its place to interactive work"
         return Rejection("displaced", self.pushback(ahead), message)
 
+    def budget_tokens(self) -> int:
+        """The padded tokens that an otherwise idle server admits at once, queued and computing, and
+        neither rule refuses: the longest wait behind them, at the measured rate, within the drain
+        budget, and with the latency rule under its recovery floor, where nothing is ever shed
+        (whatever the P95); at most the queue cap. The cap alone before a rate is known, or with
+        neither rule."""
+        rate, waits = self.load.tokens_per_second, []
+        if Admission.THROUGHPUT in self._strategies:
+            waits.append(self._max_drain)
+        if Admission.LATENCY in self._strategies:
+            waits.append(self._recover_below)
+        if not waits or rate <= 0:
+            return self._max_queued
+        return min(self._max_queued, int(rate * min(waits) / self._wait_spread))
+
     def saturation(self, backlog: Backlog) -> float:
         """The share of the admission budget the backlog fills, 0 to 1: the larger of the longest
         wait over the drain budget and the queued tokens over the cap. At 1 batch work is refused."""

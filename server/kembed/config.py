@@ -222,6 +222,12 @@ class Settings(BaseModel):
     tls_client_ca_file: str = Field(
         "", description="PEM CA bundle: mTLS, every client must present a certificate it signed", json_schema_extra=USER
     )
+    api_key_file: str = Field(
+        "",
+        description="File of API keys, one a line (several while one is rotated), read at start: every REST and "
+        "gRPC call must then present one (`Authorization: Bearer KEY`; docs/api.md#authentication); empty = none",
+        json_schema_extra=USER,
+    )
     log_level: str = Field("INFO", description="Python log level (DEBUG, INFO, WARNING, ERROR)", json_schema_extra=USER)
 
     # --- what a user sets: the latency targets ---
@@ -331,7 +337,7 @@ class Settings(BaseModel):
 
     # --- tuning: request limits and serving ---
     max_items_per_request: int = Field(
-        1024, ge=1, description="Most texts or sequences in one request", json_schema_extra=TUNING
+        2048, ge=1, description="Most texts or sequences in one request (OpenAI's 2,048)", json_schema_extra=TUNING
     )
     max_text_chars: int = Field(
         100_000,
@@ -355,7 +361,7 @@ class Settings(BaseModel):
     max_message_bytes: int = Field(
         2 * 1024 * 1024,
         ge=1024,
-        description="Largest request: a gRPC message or a REST body (answers may be up to 16 MiB)",
+        description="Largest request: a gRPC message or a REST body (answers may be up to 32 MiB)",
         json_schema_extra=TUNING,
     )
     max_concurrent_rpcs: int = Field(
@@ -418,7 +424,8 @@ class Settings(BaseModel):
     # --- what the operator sets, from the pod it renders ---
     compile_cache_dir: str = Field(
         "",
-        description="Folder kept across restarts for torch's compile caches (keyed by torch, GPU, model); empty = none",
+        description="Folder kept across restarts for auto's verdicts (dtype, forward) and torch's compile caches "
+        "(keyed by torch, CPU or GPU, model); empty = none (`make serve` sets `~/.cache/kembed`)",
         json_schema_extra=OPERATOR,
     )
     drain_timeout_s: float = Field(
@@ -513,6 +520,11 @@ class Settings(BaseModel):
     @property
     def tls(self) -> bool:
         return bool(self.tls_cert_file)
+
+    @property
+    def connection_age_grace_ms(self) -> int:
+        """How long a connection's calls may go on after its age's GOAWAY: the drain timeout."""
+        return int(self.drain_timeout_s * 1000)
 
     def cpus(self) -> float:
         """The CPUs this server may use: what front ends and torch's threads are sized by."""

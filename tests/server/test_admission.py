@@ -479,3 +479,37 @@ def test_the_rate_weighs_each_batch_by_its_size():
     for _ in range(100):
         load.rate.record(512, 0.128)  # quarter batches at 4,000 tokens/s
     assert load.tokens_per_second == pytest.approx(4000, rel=0.05)
+
+
+@pytest.mark.parametrize("priority", [INTERACTIVE, BATCH])
+def test_the_budget_info_tells_a_client_is_refused_by_neither_rule_even_while_shedding(priority: Priority):
+    """gRPC Info's admission_budget_tokens (issue 59): work within it, queued and arriving, is admitted
+    by the drain rule and never shed, whatever the P95; past it the rules may refuse."""
+    clock = FakeClock()
+    admission, load = controller(clock)  # both rules at their defaults: a 2 s budget, a 1.5 s soft P95
+    load.rate.seed(tokens=10_000, seconds=1.0)
+    for _ in range(50):
+        load.add_latency(5.0, INTERACTIVE)  # past the hard limit: shedding all it may
+    clock.now += 1
+    assert load.shed_fraction() == 1.0
+    budget = admission.budget_tokens()
+    assert budget == 6_000  # 10,000 tokens/s x the recovery floor (1.2 s, under the 2 s budget) / 2 (buckets)
+    for total in (100, budget // 2, budget - 1):
+        for request in (1, total // 3, total):
+            backlog = (
+                Backlog(interactive=total - request) if priority is INTERACTIVE else Backlog(batch=total - request)
+            )
+            assert admission.prescreen(request, backlog, priority) is None
+            assert admission.admit(request, backlog, priority) is None
+    over = Backlog(interactive=budget) if priority is INTERACTIVE else Backlog(batch=budget)
+    assert reason(admission.prescreen(100, over, priority)) == "latency_hard"
+
+
+def test_the_budget_follows_the_rules_that_are_on():
+    clock = FakeClock()
+    for strategies, expected in ((["throughput"], 10_000), (["latency"], 6_000), ([], 262_144)):
+        admission, load = controller(clock, admission=strategies)
+        load.rate.seed(tokens=10_000, seconds=1.0)
+        assert admission.budget_tokens() == expected, strategies
+    admission, _ = controller(clock, max_queued_tokens=5_000)
+    assert admission.budget_tokens() == 5_000  # no rate yet: the queue cap

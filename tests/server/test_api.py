@@ -137,7 +137,7 @@ def ids(*values: int) -> bytes:
 
 
 BAD_REQUESTS = {
-    "neither": (pb.EmbedRequest(), "texts, tokens"),
+    "neither": (pb.EmbedRequest(), "texts: empty, and no tokens"),
     "both": (pb.EmbedRequest(texts=["a"], tokens=pb.TokenIds(ids=ids(101, 102), lengths=[2])), "texts, tokens"),
     "bytes not int32": (pb.EmbedRequest(tokens=pb.TokenIds(ids=b"\x01\x02\x03", lengths=[1])), "tokens.ids"),
     "lengths do not sum": (pb.EmbedRequest(tokens=pb.TokenIds(ids=ids(101, 102), lengths=[3])), "tokens.lengths"),

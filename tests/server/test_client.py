@@ -30,7 +30,7 @@ FOLDER = "minilm-folder"  # the model's folder: what it is called unless told ot
 MAX_TEXT_CHARS = 2000
 MAX_MESSAGE = 64 * 1024
 TOPICS = ["pods", "nodes", "vectors", "queues", "tokens", "shards", "replicas", "graphs"]
-# More texts than a request may carry (1,024), of a few tokens each.
+# More texts than a request may carry (2,048), of a few tokens each.
 MANY = [f"note {i} on {TOPICS[i % len(TOPICS)]} and {TOPICS[i * 7 % len(TOPICS)]}" for i in range(2500)]
 SMALL_REQUEST = 16
 BATCH_ANSWERS = 'kembed_request_duration_seconds_count{priority="batch"}'
@@ -103,15 +103,17 @@ def test_truncated_left_a_text_past_the_character_limit_keeps_its_end(server: Se
     with EmbedClient(server.target) as client:
         with pytest.raises(InvalidInput) as refused:
             client.embed([text], truncate=True, truncation_direction="up")
-        assert refused.value.message == "truncation_direction: 'up' is not right or left"
+        assert refused.value.message == "truncation_direction: 'up' is not right or left (in any case)"
         left = client.embed([text], truncate=True, truncation_direction="left")
         tail = client.embed([text[-MAX_TEXT_CHARS:]], truncate=True, truncation_direction="left")
+        upper = client.embed([text], truncate=True, truncation_direction="LEFT")  # as TEI and REST take it
     np.testing.assert_allclose(left, tail, atol=2e-6)
+    np.testing.assert_allclose(upper, left, atol=2e-6)
 
 
 def test_an_error_names_the_text_in_the_whole_list(server: ServerProcess):
     texts = list(MANY[:1500])
-    texts[1200] = "x" * (MAX_TEXT_CHARS + 1)  # in the second request of the list
+    texts[1200] = "x" * (MAX_TEXT_CHARS + 1)  # in a later request of the list than the first
     with EmbedClient(server.target, timeout_s=300) as client, pytest.raises(grpc.RpcError) as refused:
         client.embed(texts)
     assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT
@@ -137,6 +139,7 @@ def test_one_string_is_refused_naming_texts(server: ServerProcess):
 @pytest.mark.parametrize(
     ("texts", "message"),
     [
+        ([], "texts: an empty list: nothing to embed"),  # not "texts, tokens: exactly one..." (issue 59)
         (["ok", None], "texts[1]: None is not a str"),
         (["ok", "fine", ""], "texts[2]: an empty string"),
         ([7], "texts[0]: 7 is not a str"),
@@ -172,7 +175,7 @@ def test_the_async_client_answers_as_the_sync_one(server: ServerProcess, in_smal
     np.testing.assert_allclose(many, in_small_requests, atol=1e-5)
     assert short.shape == (2, 128)
     assert info.served_model_name == BUNDLED_MODEL_ID
-    assert server.metric(BATCH_ANSWERS) >= before + 3  # 2,500 texts: requests of at most 1,024
+    assert server.metric(BATCH_ANSWERS) >= before + 3  # 2,500 texts: requests of at most 2,048, within the budget
 
 
 def test_the_async_client_names_the_text_at_fault(server: ServerProcess):
@@ -222,7 +225,7 @@ def test_the_command_truncates_left_keeping_a_texts_end(server: ServerProcess, c
     """A text past the model's 256 tokens: with --truncation-direction left its vector is that of its
     last tokens, the library's truncation_direction="left", not the start's."""
     text = "pods and nodes " * 60 + "the queue drains the shards at last " * 30  # 1,980 characters, 400 tokens
-    flags = ["--target", server.target, "--truncate", "--truncation-direction", "left"]
+    flags = ["--target", server.target, "--truncate", "--truncation-direction", "Left"]  # any case, as TEI writes it
     assert main([*flags, text]) == 0
     printed = printed_values(capsys.readouterr().out.splitlines()[1])
     with EmbedClient(server.target) as client:

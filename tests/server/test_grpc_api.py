@@ -49,7 +49,7 @@ def tokens(data: bytes, lengths: list[int]) -> pb.EmbedRequest:
 
 
 WIRE_ERRORS = {
-    "neither": (pb.EmbedRequest(), "texts, tokens: exactly one"),
+    "neither": (pb.EmbedRequest(), "texts: empty, and no tokens: nothing to embed"),
     "both": (pb.EmbedRequest(texts=["a"], tokens=pb.TokenIds(ids=ids(1), lengths=[1])), "texts, tokens: exactly one"),
     "unknown priority": (pb.EmbedRequest(texts=["a"], priority=7), "priority: 7 is not a priority class"),  # type: ignore[arg-type]
     "bytes not int32": (tokens(b"\x01\x00\x00\x00\x02", [1]), "tokens.ids: 5 bytes"),

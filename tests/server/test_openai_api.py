@@ -86,19 +86,22 @@ BAD_BODIES: dict[str, tuple[Any, int, str | None, str]] = {
     "empty input": ({"input": []}, 400, "input", "input: must be"),
     "an empty string": ({"input": ["fine", ""]}, 400, "input[1]", "input[1]: an empty string"),
     "wrong type": ({"input": {"text": "x"}}, 400, "input", "input: must be"),
-    "mixed array": ({"input": ["text", 5]}, 400, "input", "input: must be"),
-    "a float id": ({"input": [[101, 1.5, 102]]}, 400, "input", "input: token ids must be whole numbers"),
-    "a bool id": ({"input": [101, True]}, 400, "input", "input: token ids must be whole numbers"),
-    "an id outside int32": ({"input": [101, 2**40, 102]}, 400, "input", "input: token ids must be whole numbers"),
-    "a negative id": ({"input": [[101, -1]]}, 400, "input", "input: token ids must be whole numbers"),
+    "mixed array": ({"input": ["text", 5]}, 400, "input[1]", "input[1]: a number is not a string, as the items"),
+    "null among texts": ({"input": ["a", "b", "c", None]}, 400, "input[3]", "input[3]: null is not a string, as"),
+    "null first": ({"input": [None, "a"]}, 400, "input[0]", "input[0]: null is not a string, a token id or an array"),
+    "a float id": ({"input": [[101, 1.5, 102]]}, 400, "input[0][1]", "input[0][1]: 1.5 is not a token id, a whole"),
+    "a bool id": ({"input": [101, True]}, 400, "input[1]", "input[1]: true or false is not a token id, a whole"),
+    "a null id": ({"input": [[101], [101, None]]}, 400, "input[1][1]", "input[1][1]: null is not a token id"),
+    "an id outside int32": ({"input": [101, 2**40, 102]}, 400, "input[1]", f"input[1]: {2**40} is not a token id"),
+    "a negative id": ({"input": [[101, -1]]}, 400, "input[0][1]", "input[0][1]: -1 is not a token id"),
     "an empty sequence": ({"input": [[101, 102], []]}, 400, "input[1]", "input[1]: an empty array of token ids"),
-    "a sequence among texts": ({"input": [[101], "text"]}, 400, "input", "input: must be"),
+    "a sequence among texts": ({"input": [[101], "text"]}, 400, "input[1]", "input[1]: a string is not an array of"),
     "over-long text": ({"input": ["fine", "x" * 501]}, 400, "input[1]", "input[1]: 501 characters, more than 500"),
     "too many texts": ({"input": ["a"] * 9}, 400, "input", "input: more than 8 inputs, at most 8 per request"),
     "too many sequences": ({"input": [[1]] * 9}, 400, "input", "input: more than 8 inputs, at most 8 per request"),
     "a sequence over the cap": ({"input": [[1], [7] * 501]}, 400, "input[1]", "input[1]: more than 500 token ids"),
-    "ids nested too deep": ({"input": [[[101]]]}, 400, "input", "input: token ids must be whole numbers"),
-    "an object among texts": ({"input": ["a", {"b": 1}]}, 400, "input", "input: must be"),
+    "ids nested too deep": ({"input": [[[101]]]}, 400, "input[0][0]", "input[0][0]: an array is not a token id"),
+    "an object among texts": ({"input": ["a", {"b": 1}]}, 400, "input[1]", "input[1]: an object is not a string"),
     "an array in another field": ({"input": "x", "user": ["u"]}, 400, "user", "user: an object or array"),
     "a long field": ({"input": "x", "user": "u" * 1025}, 400, "user", "user: longer than 1024"),
     "an unknown field": ({"input": "x", "inputs": "y"}, 400, "inputs", "inputs: not a field of this API (it takes"),
@@ -112,7 +115,7 @@ BAD_BODIES: dict[str, tuple[Any, int, str | None, str]] = {
         {"input": "x", "truncation_direction": "up"},
         400,
         "truncation_direction",
-        "truncation_direction: 'up' is not right or left",
+        "truncation_direction: 'up' is not right or left (in any case)",
     ),
     "unknown priority": ({"input": "x", "priority": 1}, 400, "priority", "priority: 1 is not one of"),
     "model not a string": ({"input": "x", "model": 5}, 400, "model", "model: must be a string"),
@@ -228,6 +231,13 @@ def test_truncated_left_a_text_over_the_character_limit_keeps_its_end(direction_
     assert isinstance(call.inputs, Texts) and list(call.inputs.items) == ["ok", "x" * 497 + "end"]
     assert call.truncate_left and call.inputs.chars == 502
     assert not from_json({"input": "x", "truncation_direction": "Right"}).call.truncate_left  # TEI's spelling
+
+
+@pytest.mark.parametrize("direction", ["right", "Right", "RIGHT", "left", "Left", "LEFT", "lEfT"])
+def test_the_truncation_direction_is_taken_in_any_case(direction: str) -> None:
+    """TEI writes "Left", kembed's client "left", a user "LEFT" (issue 59): all one direction."""
+    call = from_json({"input": "x", "truncate": True, "truncation_direction": direction}).call
+    assert call.truncate_left is (direction.lower() == "left")
 
 
 @pytest.mark.parametrize(

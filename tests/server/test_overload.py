@@ -76,7 +76,12 @@ async def test_refusals_do_not_wait_for_the_engine_and_everything_accepted_is_an
             assert admitted >= 1 and len(refused) >= calls // 2
             assert server.metric(PACED) == paced
             assert int(dict(refused[0].exception().trailing_metadata())[RETRY_PUSHBACK_KEY]) > 0
-            assert server.health()["queued_tokens"] <= MAX_QUEUED
+            health = server.health()
+            assert health["queued_tokens"] <= MAX_QUEUED
+            # /health says the pod refuses (issue 59: it said "healthy" while refusing 96% of a burst),
+            # and readiness stays: a refusing pod still serves what it admits.
+            assert health["saturated"] and health["refusals"]["refused"] >= len(refused), health
+            assert health["status"] in ("saturated", "degraded", "overloaded") and server.http("/readyz")[0] == 200
         await asyncio.gather(*futures, return_exceptions=True)
     codes = [code(f) for f in futures]
     assert (codes.count(OK), codes.count(EXHAUSTED)) == (admitted, len(refused))  # nothing lost, nothing else
@@ -84,6 +89,9 @@ async def test_refusals_do_not_wait_for_the_engine_and_everything_accepted_is_an
     assert server.metric(drain_time.format("interactive")) + server.metric(drain_time.format("batch")) > 0
     with EmbedClient(server.target) as client:
         assert client.embed(["the server recovers"]).shape == (1, 384)
+    # Once no call was refused for a window, it is healthy again.
+    wait_until(lambda: server.health()["status"] == "healthy", 120, "healthy again")
+    assert server.health()["saturated"] is False
 
 
 def code(call: asyncio.Future[Any]) -> grpc.StatusCode:

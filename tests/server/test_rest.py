@@ -162,9 +162,10 @@ BAD_BODIES: dict[str, tuple[Body, int, str | None]] = {
     "empty input": ({"input": []}, 400, "input"),
     "an empty string": ({"input": ["fine", ""]}, 400, "input[1]"),
     "wrong type": ({"input": {"text": "x"}}, 400, "input"),
-    "mixed array": ({"input": ["text", 5]}, 400, "input"),
-    "a float id": ({"input": [[101, 1.5, 102]]}, 400, "input"),
-    "an id outside int32": ({"input": [101, 2**40, 102]}, 400, "input"),
+    "mixed array": ({"input": ["text", 5]}, 400, "input[1]"),
+    "null in a list": ({"input": ["a", "b", "c", None]}, 400, "input[3]"),  # issue 59: its index named
+    "a float id": ({"input": [[101, 1.5, 102]]}, 400, "input[0][1]"),
+    "an id outside int32": ({"input": [101, 2**40, 102]}, 400, "input[1]"),
     "an id outside the vocabulary": ({"input": [[101, 102], [101, 999999, 102]]}, 400, "input[1][1]"),
     "an empty sequence": ({"input": [[101, 102], []]}, 400, "input[1]"),
     "over-long text": ({"input": ["fine", "word " * 400]}, 400, "input[1]"),
@@ -209,6 +210,48 @@ def test_a_batch_call_is_counted_in_its_class(server: ServerProcess):
 def test_over_long_input_is_truncated_when_asked(server: ServerProcess):
     status, body, _ = post(server, {"input": ["word " * 400], "truncate": True})
     assert status == 200 and body["usage"]["prompt_tokens"] == 256
+    status, body, _ = post(server, {"input": ["word " * 400], "truncate": True, "truncation_direction": "LEFT"})
+    assert status == 200 and body["usage"]["prompt_tokens"] == 256  # the direction in any case
+
+
+def test_langchain_embeds_a_long_document_with_truncate_in_extra_body(server: ServerProcess):
+    """docs/api.md: LangChain's OpenAIEmbeddings passes model_kwargs to the SDK, extra_body among them."""
+    from langchain_openai import OpenAIEmbeddings
+    from pydantic import SecretStr
+
+    def embeddings(**more: Any) -> OpenAIEmbeddings:
+        return OpenAIEmbeddings(  # the README's arguments, by the names mypy knows
+            model=ALIAS,
+            openai_api_base=server.rest_url,
+            openai_api_key=SecretStr("unused"),
+            check_embedding_ctx_length=False,
+            max_retries=0,
+            **more,
+        )
+
+    long_document = "Kubernetes scales embedding servers. " * 100  # about 500 tokens, past the model's 256
+    with pytest.raises(openai.BadRequestError, match="input\\[0\\]: over the model's 256 tokens"):
+        embeddings().embed_documents([long_document])
+    cut = embeddings(model_kwargs={"extra_body": {"truncate": True}}).embed_documents([long_document, "short"])
+    assert len(cut) == 2 and len(cut[0]) == 384
+
+
+def test_the_api_is_described_at_openapi_json_and_docs(server: ServerProcess):
+    """Every route this server serves, under its own limits; the page loads nothing (test_openapi)."""
+    from openapi_spec_validator import validate
+
+    root = server.rest_url.removesuffix("/v1")
+    with urllib.request.urlopen(f"{root}/openapi.json", timeout=60) as answer:
+        assert answer.headers["Content-Type"] == "application/json"
+        described = json.loads(answer.read())
+    validate(described)
+    assert set(described["paths"]) == {"/v1/embeddings", "/tokenize", "/v1/models", "/openapi.json", "/docs"}
+    texts = described["components"]["schemas"]["EmbeddingsBody"]["properties"]["input"]["oneOf"][1]
+    assert texts["maxItems"] == MAX_ITEMS
+    with urllib.request.urlopen(f"{root}/docs", timeout=60) as answer:
+        assert answer.headers["Content-Type"] == "text/html; charset=utf-8"
+        assert b"<code>/v1/embeddings</code>" in answer.read()
+    assert post_to(f"{root}/docs", {"input": "x"})[0] == 405
 
 
 def test_rest_and_grpc_share_a_batch(tmp_path):

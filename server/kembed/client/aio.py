@@ -5,6 +5,10 @@
 from ``Info``: texts per request, message size; :mod:`.requests`) and sends them paced by what the
 server says, as the corpus command paces its stream (:mod:`.window`):
 
+- the padded tokens of its parts out at once within half of what the server admits
+  (``Info.admission_budget_tokens``, read again every second while it sends), each part at most a
+  quarter of it, a text's tokens estimated from its characters at the rate the answers have shown
+  (:class:`~kembed.client.window.Budget`): a lone client on an idle server is never refused;
 - a window of parts out at once, from one, grown by each answer and cut to one by a refusal of a
   part sent while others of the client's were out: the server had room for those, so the window
   was too wide (so is one just after an answer of ours: :data:`ECHO_S`). Such a refusal is not a
@@ -38,7 +42,7 @@ from kembed.client.connection import MAX_MESSAGE_BYTES, Connection
 from kembed.client.errors import EmbedError, InvalidInput, Unavailable, check_texts, embed_error
 from kembed.client.requests import Limits, Options, Part, Prompt, decode, plan
 from kembed.client.retries import Deadline, RetryBudget, Retrying
-from kembed.client.window import RequestSize, Window
+from kembed.client.window import Budget, RequestSize, Window
 from kembed.contract import RETRY_ATTEMPT_KEY
 from kembed.v1 import embedder_pb2 as pb
 from kembed.v1 import embedder_pb2_grpc as pb_grpc
@@ -66,6 +70,7 @@ class Flight:
     echo: bool
     attempt: int
     sent: int
+    cost: int  # its padded tokens, as the budget estimated them
 
 
 # A call's parts not out, as (first text's index, attempt, earlier sends, part): a heap, so the
@@ -109,6 +114,8 @@ class AsyncEmbedClient:
         self._answered_at = -ECHO_S  # monotonic: the latest answer to a part
         self._limits: Limits | None = None  # the server's, read from Info at the first embed
         self._size: RequestSize | None = None  # with the limits
+        self._budget: Budget | None = None  # with the limits, read again while sending
+        self.refusals = 0  # RESOURCE_EXHAUSTED answers, retried or not
 
     @property
     def retries(self) -> int:
@@ -148,7 +155,7 @@ class AsyncEmbedClient:
             parts = plan(texts, options, limits)
         except ValueError as error:  # an option the server does not take (the priority's label)
             raise InvalidInput(str(error)) from None
-        rows = await self._send(parts, deadline)
+        rows = await self._send(parts, deadline, limits.chunked(options))
         return np.concatenate([rows[first] for first in sorted(rows)])
 
     async def embed_tokens(
@@ -175,11 +182,13 @@ class AsyncEmbedClient:
 
     async def _read_limits(self, deadline: Deadline) -> Limits:
         if self._limits is None:
-            self._limits = Limits.of(self.connection, await self._info(deadline))
+            info = await self._info(deadline)
+            self._limits = Limits.of(self.connection, info)
             self._size = RequestSize(max(1, self._limits.items or START_TEXTS), START_TEXTS)
+            self._budget = Budget(info, self._stub)
         return self._limits
 
-    async def _send(self, parts: list[Part], deadline: Deadline) -> dict[int, np.ndarray]:
+    async def _send(self, parts: list[Part], deadline: Deadline, chunked: bool) -> dict[int, np.ndarray]:
         """Every part's rows, by its first text's index: sent as the window and the pushback allow,
         a refused part sent again (cut to the size by then); the first failure ends the call."""
         waiting: Waiting = [(part.first, 1, 0, part) for part in parts]  # in input order: a heap already
@@ -187,7 +196,9 @@ class AsyncEmbedClient:
         rows: dict[int, np.ndarray] = {}
         try:
             while waiting or out:
-                self._send_what_fits(waiting, out, deadline)
+                assert self._budget is not None
+                self._budget.read_if_due()
+                self._send_what_fits(waiting, out, deadline, chunked)
                 if deadline.left() <= 0:
                     raise Unavailable(grpc.StatusCode.DEADLINE_EXCEEDED, f"timeout_s: not done in {self._timeout} s")
                 if not out:  # held by a pushback, or the window is filled by another call's parts
@@ -195,28 +206,43 @@ class AsyncEmbedClient:
                     continue
                 done, _ = await asyncio.wait(out, return_when=asyncio.FIRST_COMPLETED)
                 for task in done:
-                    self._out -= 1
                     flight = out.pop(task)
+                    self._settled(flight)
                     self._settle(flight, task, rows, waiting, deadline)
         finally:
-            for task in out:  # the call failed or was cancelled: its other parts are not awaited
+            for task, flight in out.items():  # the call failed or was cancelled: its other parts are not awaited
                 task.cancel()
-                self._out -= 1
+                self._settled(flight)
         return rows
 
+    def _settled(self, flight: Flight) -> None:
+        """A part is no longer out."""
+        assert self._budget is not None
+        self._out -= 1
+        self._budget.settled(flight.cost)
+
     def _send_what_fits(
-        self, waiting: Waiting, out: dict[asyncio.Task[pb.EmbedResponse], Flight], deadline: Deadline
+        self, waiting: Waiting, out: dict[asyncio.Task[pb.EmbedResponse], Flight], deadline: Deadline, chunked: bool
     ) -> None:
-        assert self._size is not None
+        """Send the parts that the pushback, the window and the budget let go now, each cut to the
+        size the server takes and to its share of the budget."""
+        assert self._size is not None and self._budget is not None
+        budget = self._budget
         while waiting and not self._retrying.held_s() and self._window.admits(self._out):
             _, attempt, sent, part = heapq.heappop(waiting)
-            if len(part) > self._size.texts:  # cut to the size the server takes now; the rest goes next
-                part, rest = part.split(self._size.texts)
+            texts = min(self._size.texts, budget.fitting(part.request.texts, chunked))
+            if len(part) > texts:  # the rest goes next
+                part, rest = part.split(texts)
                 heapq.heappush(waiting, (rest.first, attempt, sent, rest))
+            cost = budget.cost(part.request.texts, chunked)
+            if not budget.admits(cost):  # it waits for an answer, of this call or another
+                heapq.heappush(waiting, (part.first, attempt, sent, part))
+                return
             echo = time.monotonic() - self._answered_at < ECHO_S
-            flight = Flight(part, self._window.epoch, self._out, echo, attempt, sent)
+            flight = Flight(part, self._window.epoch, self._out, echo, attempt, sent, cost)
             out[asyncio.ensure_future(self._attempt(self._stub.Embed, part.request, deadline, sent))] = flight
             self._out += 1
+            budget.sent(cost)
 
     def _settle(
         self,
@@ -236,6 +262,8 @@ class AsyncEmbedClient:
             heapq.heappush(waiting, (part.first, attempt, flight.sent + 1, part))
             return
         rows[part.first] = decode(answer)
+        assert self._budget is not None
+        self._budget.answered(part.request.texts, answer.token_counts)
         self._answered_at = time.monotonic()
         self._retrying.answered()
         self._window.succeeded()
@@ -252,6 +280,7 @@ class AsyncEmbedClient:
         refused = error.code() is grpc.StatusCode.RESOURCE_EXHAUSTED
         ours = refused and (flight.beside > 0 or flight.echo)
         if refused:
+            self.refusals += 1
             self._window.refused(flight.epoch)
             if flight.beside == 1 or not ours:
                 self._size.refused(len(flight.part))
@@ -277,6 +306,7 @@ class AsyncEmbedClient:
                 answer = await self._attempt(call, request, deadline, attempt - 1)
             except grpc.RpcError as error:
                 failure = embed_error(error)
+                self.refusals += failure.code() is grpc.StatusCode.RESOURCE_EXHAUSTED
                 wait = self._retrying.wait_s(failure, attempt, deadline)
                 if wait is None:
                     raise failure from None
@@ -294,6 +324,8 @@ class AsyncEmbedClient:
         return await call(request, timeout=deadline.attempt_s(), metadata=marker)
 
     async def close(self) -> None:
+        if self._budget is not None:
+            self._budget.close()
         await self._channel.close(None)
 
     async def __aenter__(self) -> AsyncEmbedClient:

@@ -41,6 +41,11 @@ class EmbedClient:
         """How many attempts were retried, for callers that want to know."""
         return self._client.retries
 
+    @property
+    def refusals(self) -> int:
+        """How many attempts the server refused (RESOURCE_EXHAUSTED), retried or not."""
+        return self._client.refusals
+
     def embed(self, texts: Sequence[str], **options: Any) -> np.ndarray:
         """:meth:`AsyncEmbedClient.embed <kembed.client.AsyncEmbedClient.embed>`: any number of texts,
         with its keyword options (normalize, dimensions, truncate, priority, chunk, prompt_name,

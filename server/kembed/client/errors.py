@@ -85,6 +85,8 @@ def check_texts(texts: Sequence[str]) -> None:
     """What the client can refuse before sending, naming the text (as OpenAI's edge does)."""
     if isinstance(texts, str):
         raise InvalidInput("texts: a list of strings, not one string")
+    if not texts:
+        raise InvalidInput("texts: an empty list: nothing to embed")
     for index, text in enumerate(texts):
         if not isinstance(text, str):
             raise InvalidInput(f"texts[{index}]: {text!r:.40} is not a str")

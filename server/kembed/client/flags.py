@@ -41,6 +41,7 @@ def add_truncation_direction(parser: argparse.ArgumentParser) -> None:
     # Without truncation it changes nothing, as the request's field changes nothing without truncate.
     parser.add_argument(
         "--truncation-direction",
+        type=str.lower,  # in any case, as TEI writes it (Left) and the REST API takes it
         choices=TRUNCATION_DIRECTIONS,
         default="right",
         help="which end of a long text truncation cuts: right (default) keeps its start, left its end (its "

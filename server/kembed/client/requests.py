@@ -17,6 +17,9 @@ from kembed.v1 import embedder_pb2 as pb
 # in the message limit.
 REQUEST_ENVELOPE_BYTES = 1024 + 4 * 1024
 TEXT_ENVELOPE_BYTES = 6
+# What an answer carries besides its rows: a token count a row (at most 5 bytes, packed), the
+# request_id and timings; room for 2,048 rows.
+ANSWER_ENVELOPE_BYTES = 16 * 1024
 # The requests' classes, by the label the commands and the library take: the proto's PRIORITY_* names, lower case.
 PRIORITIES = tuple(pb.Priority.Name(value).removeprefix("PRIORITY_").lower() for value in pb.Priority.values())
 
@@ -96,16 +99,22 @@ class Limits:
 
     @classmethod
     def of(cls, connection: Connection, info: pb.InfoResponse) -> Limits:
+        """The server's limits; the texts a request carries also within the rows of float32 an answer
+        the connection receives may hold (2,048 rows of 4,096 dimensions are 32 MiB)."""
         request_bytes = message_bytes(connection, info) - REQUEST_ENVELOPE_BYTES
-        return cls(
-            info.max_batch_items, request_bytes, info.max_text_chars, info.max_chunks_per_input, info.chunk_long_inputs
-        )
+        items = info.max_batch_items
+        if items and info.dimensions:
+            items = max(1, min(items, (connection.max_message_bytes - ANSWER_ENVELOPE_BYTES) // (4 * info.dimensions)))
+        return cls(items, request_bytes, info.max_text_chars, info.max_chunks_per_input, info.chunk_long_inputs)
+
+    def chunked(self, options: Options) -> bool:
+        """Whether the server embeds these options' long texts as chunks: as they say, else its default."""
+        return options.chunk if options.chunk is not None else self.chunk_by_default and not options.truncate
 
     def texts_per_request(self, options: Options) -> int:
         """Texts a request carries: with chunking, as many as fit the server's items however many
         chunks each needs (the client does not tokenize, so it counts each at the most)."""
-        chunked = options.chunk if options.chunk is not None else self.chunk_by_default and not options.truncate
-        if chunked and self.items and self.chunks:
+        if self.chunked(options) and self.items and self.chunks:
             return max(1, self.items // self.chunks)
         return self.items
 
@@ -180,9 +189,10 @@ def cut_chars(text: str, chars: int, left: bool) -> str:
 
 
 def direction_of(name: str) -> str:
-    """``right`` or ``left`` as the proto's enum name; any other is refused, naming the argument."""
-    if name not in TRUNCATION_DIRECTIONS:
-        raise ValueError(f"truncation_direction: {name!r} is not right or left")
+    """``right`` or ``left``, in any case (TEI writes ``Left``), as the proto's enum name; any other is
+    refused, naming the argument."""
+    if not isinstance(name, str) or name.lower() not in TRUNCATION_DIRECTIONS:
+        raise ValueError(f"truncation_direction: {name!r} is not right or left (in any case)")
     return f"TRUNCATION_DIRECTION_{name.upper()}"
 
 

@@ -98,6 +98,9 @@ class ServerInfo:
     max_chunks_per_input: int  # with chunk, an input is embedded as at most this many chunks
     chunk_long_inputs: bool  # the server's default for a call that sets neither chunk nor truncate
     forward: str  # what computes now: eager, compiled or graphs (a CPU's compile ends while serving)
+    admission_budget_tokens: int = 0  # padded tokens admitted at once now, on an otherwise idle server
+    max_connection_age_ms: int = 0  # then GOAWAY; a call still open after the grace is cut
+    max_connection_age_grace_ms: int = 0
 
 
 @dataclass(frozen=True, slots=True)

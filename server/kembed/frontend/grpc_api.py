@@ -20,6 +20,9 @@ answer is paced (:mod:`kembed.frontend.pushback`) has let go of its slot and its
 waits, and gRPC's cap is raised by the paced answers a front end may hold. So a unary Embed is
 handled as a client-streaming call of one message: its handler takes a slot before the message is
 read, and drops the message with the slot.
+
+With ``KEMBED_API_KEY_FILE`` the server's one interceptor, :class:`~kembed.frontend.auth.KeyCheck`,
+answers UNAUTHENTICATED to a call of the Embedder service without a key, before any of the above.
 """
 
 from __future__ import annotations
@@ -37,11 +40,12 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1.health import aio as health_aio  # type: ignore[attr-defined]  # no stub
 from grpc_reflection.v1alpha import reflection
 
-from kembed import listen, tls
+from kembed import api_keys, listen, tls
 from kembed.config import Settings
 from kembed.contract import GRPC_PREVIOUS_ATTEMPTS_KEY, GRPC_SERVICE, RETRY_ATTEMPT_KEY, RETRY_PUSHBACK_KEY
 from kembed.demand import retry_attempt
 from kembed.errors import EmbedError, Failure, Field, InvalidInput
+from kembed.frontend.auth import KeyCheck
 from kembed.frontend.budget import RETRY_AFTER_MS, MemoryBudget, grpc_calls
 from kembed.frontend.call import EmbedCall, EmbedResult, Limits, ServerInfo
 from kembed.frontend.pushback import MAX_PACED
@@ -73,7 +77,7 @@ _INFO_FIELDS = sorted({f.name for f in fields(ServingInfo)} & set(pb.InfoRespons
 # bytes (the requests' and their answers'), at most one of the largest messages. Past either, the
 # stream stops reading.
 MAX_STREAM_REQUESTS = 256
-MAX_ANSWER_BYTES = 16 * 1024 * 1024  # the client's receive limit: 1,024 rows of 4,096 float32
+MAX_ANSWER_BYTES = 32 * 1024 * 1024  # 2,048 rows (a request's most) of 4,096 float32
 # A message up to this size is parsed without a scan: at most a few thousand fields, well under a millisecond.
 WHOLE_MESSAGE_BYTES = 8192
 # EmbedRequest's fields besides texts: a message with more fields than texts may hold and these is refused.
@@ -253,7 +257,9 @@ class GrpcEdge:
         slots = CallSlots(self.max_calls)
         self._servicer = EmbedderServicer(metrics, gate, self._limits, service, settings.max_message_bytes, slots)
         self._health = health_aio.HealthServicer()
+        keys = api_keys.read(settings)
         self._server = grpc.aio.server(
+            interceptors=[KeyCheck(keys, metrics)] if keys else None,
             # A bound on everything besides: the calls counted, the paced answers, and a few more
             # for health checks, Info and the calls being refused for want of a slot.
             maximum_concurrent_rpcs=self.max_calls + MAX_PACED + 64,
@@ -264,7 +270,7 @@ class GrpcEdge:
                 # GOAWAY past the age (gRPC's core jitters it by 10%): a client connects again through
                 # the Service, to any ready pod; its calls in flight get the grace to finish.
                 ("grpc.max_connection_age_ms", settings.max_connection_age_ms),
-                ("grpc.max_connection_age_grace_ms", int(settings.drain_timeout_s * 1000)),
+                ("grpc.max_connection_age_grace_ms", settings.connection_age_grace_ms),
             ],
         )
 
@@ -526,7 +532,9 @@ def to_call(
 ) -> EmbedCall:
     """The request as the domain's call, checked against ``limits`` as it is read."""
     has_texts, has_tokens = len(request.texts) > 0, request.HasField("tokens")
-    if has_texts == has_tokens:
+    if not has_texts and not has_tokens:  # proto3 cannot tell an empty list from none
+        raise _invalid("texts: empty, and no tokens: nothing to embed")
+    if has_texts and has_tokens:
         raise _invalid("texts, tokens: exactly one of the two must be set")
     if not 0 <= request.priority < len(BY_VALUE):  # a proto3 enum field takes any int32
         raise _invalid(f"priority: {request.priority} is not a priority class")
@@ -629,4 +637,7 @@ def info_response(info: ServerInfo) -> pb.InfoResponse:
         max_chunks_per_input=info.max_chunks_per_input,
         chunk_long_inputs=info.chunk_long_inputs,
         forward=info.forward,
+        admission_budget_tokens=info.admission_budget_tokens,
+        max_connection_age_ms=info.max_connection_age_ms,
+        max_connection_age_grace_ms=info.max_connection_age_grace_ms,
     )

@@ -3,6 +3,10 @@
 OpenAI's JSON, and every failure in OpenAI's error shape (``{"error": {"message", "type", "param",
 "code"}}``) with the HTTP status peers use.
 
+The body's fields are declared once (:data:`BODY`, and :func:`input_schema` for ``input`` under a
+server's limits): the parser takes its field names and values from them, and ``/openapi.json``
+(:mod:`kembed.frontend.openapi`) describes them, so the two cannot disagree.
+
 No HTTP here (``rest.py`` serves it), so every mapping is tested without a server. Every body is
 read by :class:`Body`, whole or as its bytes arrive, chunk by chunk: yajl (ijson's C backend) turns
 each chunk into events, and the walk over them is the one place REST input meets the limits and the
@@ -38,26 +42,111 @@ from kembed.frontend.call import EmbedCall, EmbedResult, Limits, Texts, cut_char
 from kembed.frontend.chunks import Chunks
 from kembed.inputs import Sequences
 from kembed.priority import Priority
-from kembed.prompts import ModelPrompts, PromptChoice
+from kembed.prompts import INPUT_TYPES, MAX_PROMPT_CHARS, NAME_PATTERN, ModelPrompts, PromptChoice
 from kembed.quantize import Encoding
 
-# OpenAI's two, then the quantized ones (kembed/quantize.py), each vector an array of small integers.
-ENCODINGS = {
-    "float": Encoding.FLOAT32,
-    "base64": Encoding.FLOAT32,
-    **{e.value: e for e in Encoding if e is not Encoding.FLOAT32},
-}
-PRIORITIES = {"interactive": Priority.INTERACTIVE, "batch": Priority.BATCH}
 MAX_TOKEN_ID = 2**31 - 1  # ids are int32 on the way to the model
 INPUT_SHAPES = "a string, an array of strings, an array of token ids, or an array of arrays of token ids"
-# The body's fields: OpenAI's (what its SDK and LangChain's OpenAIEmbeddings send), then kembed's
-# extensions. Any other is refused, as OpenAI refuses it: ignored, a misspelt option would be lost.
-OPENAI_FIELDS = ("input", "model", "encoding_format", "dimensions", "user")
-EXTENSIONS = ("truncate", "truncation_direction", "chunk", "priority", "prompt_name", "prompt", "input_type")
-# TEI's truncation_direction, as TEI spells it or in lower case: whether truncate keeps an input's end.
-DIRECTIONS = {"right": False, "left": True, "Right": False, "Left": True}
-FIELDS = frozenset(OPENAI_FIELDS + EXTENSIONS)
+ITEM_SHAPES = "a string, a token id or an array of token ids"
+# TEI's truncation_direction, in any case (TEI writes "Left", kembed's client "left"): whether
+# truncate keeps an input's end.
+DIRECTIONS = {"right": False, "left": True}
 MAX_FIELD_CHARS = 1024  # a field other than input: a model name, an encoding, a user id
+# ijson's events for a JSON value, as a message names it.
+_VALUES = {"null": "null", "boolean": "true or false", "number": "a number", "string": "a string"}
+_VALUES |= {"start_map": "an object", "start_array": "an array"}
+
+
+def _any_case(words: Iterable[str]) -> str:
+    """A JSON Schema pattern that matches these words in any case (ECMA-262 has no case flag)."""
+    alternatives = ("".join(f"[{c.upper()}{c.lower()}]" if c.isalpha() else re.escape(c) for c in w) for w in words)
+    return f"^(?:{'|'.join(alternatives)})$"
+
+
+@dataclass(frozen=True)
+class BodyField:
+    """A field of the body besides ``input``: its name, its value's JSON Schema (null is always
+    taken too, as the field's absence), what it means, and whether it is kembed's extension."""
+
+    name: str
+    schema: dict[str, Any]
+    description: str
+    extension: bool = False
+    default: Any = None
+
+
+_TEXT = {"type": "string", "maxLength": MAX_FIELD_CHARS}
+# The body's fields besides input: OpenAI's (what its SDK and LangChain's OpenAIEmbeddings send), then
+# kembed's extensions. Any other is refused, as OpenAI refuses it: ignored, a misspelt option would be lost.
+BODY = (
+    BodyField("model", _TEXT, "The model served, by its id or KEMBED_SERVED_MODEL_NAME; absent: the first served"),
+    BodyField(
+        "encoding_format",
+        {"type": "string", "enum": ["float", "base64", *(e.value for e in Encoding if e is not Encoding.FLOAT32)]},
+        "float or base64 (float32's bytes); kembed's quantized kinds: each vector an array of integers",
+        default="float",
+    ),
+    BodyField("dimensions", {"type": "integer", "minimum": 1}, "Matryoshka truncation to the first N, renormalised"),
+    BodyField("user", _TEXT, "Taken and ignored"),
+    BodyField("truncate", {"type": "boolean"}, "Cut an input over the model's limit instead of a 400", True, False),
+    BodyField(
+        "truncation_direction",
+        {"type": "string", "pattern": _any_case(DIRECTIONS)},
+        "Which end truncate cuts: right (its start is kept) or left (its end), in any case (TEI's Right, Left)",
+        True,
+        "right",
+    ),
+    BodyField("chunk", {"type": "boolean"}, "Embed an input over the model's limit as chunks, averaged", True),
+    BodyField(
+        "priority",
+        {"type": "string", "enum": ["interactive", "batch"]},
+        "interactive (a caller waits) or batch (an ingest, which queries go ahead of)",
+        True,
+        "interactive",
+    ),
+    BodyField(
+        "prompt_name",
+        {"type": "string", "pattern": f"^$|{NAME_PATTERN}"},
+        "One of the model's prompts (GET /v1/models lists them); empty: none",
+        True,
+    ),
+    BodyField("prompt", {"type": "string", "maxLength": MAX_PROMPT_CHARS}, "A prompt's text; empty: none", True),
+    BodyField(
+        "input_type",
+        {"type": "string", "enum": ["", *INPUT_TYPES]},
+        "The model's prompt for that side (query, or passage and document alike); empty: none",
+        True,
+    ),
+)
+OPENAI_FIELDS = ("input", *(f.name for f in BODY if not f.extension))
+EXTENSIONS = tuple(f.name for f in BODY if f.extension)
+FIELDS = frozenset(OPENAI_FIELDS + EXTENSIONS)
+_ENUMS = {f.name: f.schema["enum"] for f in BODY if "enum" in f.schema}
+# The encodings by the name a body gives: OpenAI's two, then the quantized ones (kembed/quantize.py).
+ENCODINGS = {
+    name: Encoding.FLOAT32 if name in ("float", "base64") else Encoding(name) for name in _ENUMS["encoding_format"]
+}
+PRIORITIES = {name: Priority.INTERACTIVE if name == "interactive" else Priority.BATCH for name in _ENUMS["priority"]}
+
+
+def input_schema(limits: Limits) -> dict[str, Any]:
+    """``input``'s JSON Schema under ``limits``: what :class:`Body` takes. A text's characters are
+    not bounded here: over the limit, truncate cuts it, and without truncate it is a 400 naming it."""
+    text = {"type": "string", "minLength": 1}
+    ids = {
+        "type": "array",
+        "items": {"type": "integer", "minimum": 0, "maximum": MAX_TOKEN_ID},
+        "minItems": 1,
+        "maxItems": limits.max_text_chars,
+    }
+    many = {"minItems": 1, "maxItems": limits.max_items}
+    return {
+        "description": f"{INPUT_SHAPES} (the model's token ids, special tokens included); at most "
+        f"{limits.max_text_chars} characters a text, else a 400 naming it, or with truncate cut to them",
+        "oneOf": [text, {"type": "array", "items": text, **many}, ids, {"type": "array", "items": ids, **many}],
+    }
+
+
 _YAJL = ijson.get_backend("yajl2_c")  # C: a Python backend would cost ten times as much per event
 # A high surrogate's escape (\uD800-\uDBFF) that no low one follows: yajl reads it as "?" or as a
 # wrong character (a lone low one it turns into bytes that are not UTF-8, which ijson refuses). An
@@ -318,7 +407,7 @@ class Body:
                 self._length = 0
                 self._depth = 2
             else:
-                raise _bad_ids()
+                raise self._bad_id(event, value)
             return
         if event == "end_array":
             self._depth = 1
@@ -333,13 +422,31 @@ class Body:
             self._text(value)
         elif self._kind is _Kind.IDS:
             if event != "number":
-                raise _bad_ids()
+                raise self._bad_id(event, value)
             self._id(value, 0)
         elif self._kind is _Kind.NESTED and event == "start_array":
             self._limits.check_item(len(self._lengths))
             self._depth = 3
         else:
-            raise invalid(f"input: must be {INPUT_SHAPES}", "input")
+            raise self._bad_item(event)
+
+    def _bad_item(self, event: str) -> ApiError:
+        """An item unlike the items before it (or, first, unlike any item), named by its index."""
+        index, what = len(self._texts) + len(self._lengths), _VALUES.get(event, event)
+        expected = {
+            None: ITEM_SHAPES,
+            _Kind.TEXTS: "a string, as the items before it are",
+            _Kind.NESTED: "an array of token ids, as the items before it are",
+        }[self._kind]
+        return invalid(f"input[{index}]: {what} is not {expected}", f"input[{index}]")
+
+    def _bad_id(self, event: str, value: Any) -> ApiError:
+        """A token id that is not one, named by its place: ``input[i][j]``, or ``input[j]`` in a lone
+        array of ids."""
+        what = _VALUES.get(event, event) if event != "number" else str(value)[:32]
+        i, j = len(self._lengths), self._length
+        place = f"input[{i}][{j}]" if self._kind is _Kind.NESTED else f"input[{j}]"
+        return invalid(f"{place}: {what} is not a token id, a whole number from 0 to {MAX_TOKEN_ID}", place)
 
     def _text(self, text: str) -> None:
         index = len(self._texts)
@@ -355,7 +462,7 @@ class Body:
 
     def _id(self, value: Any, index: int) -> None:
         if type(value) is not int or not 0 <= value <= MAX_TOKEN_ID:  # a non-integer is a Decimal here
-            raise _bad_ids()
+            raise self._bad_id("number", value)
         if self._length == self._limits.max_text_chars:  # a sequence is bounded as a text is
             raise InvalidInput(Field.INPUT, f"more than {self._length} token ids", index)
         self._ids.append(value)
@@ -425,10 +532,6 @@ def _too_many_digits(error: SystemError | ValueError) -> bool:
     the cause of a SystemError)."""
     cause = error if isinstance(error, ValueError) else error.__cause__
     return isinstance(cause, ValueError) and "integer string conversion" in str(cause)
-
-
-def _bad_ids() -> ApiError:
-    return invalid(f"input: token ids must be whole numbers from 0 to {MAX_TOKEN_ID}", "input")
 
 
 def answer(request: Embeddings, result: EmbedResult) -> bytes:
@@ -530,10 +633,10 @@ def _priority(data: dict[str, Any]) -> Priority:
 
 def _prompt(data: dict[str, Any]) -> PromptChoice:
     """kembed's extensions ``prompt_name``, ``prompt`` and ``input_type``: strings."""
-    name, text, input_type = (data.get(field) for field in ("prompt_name", "prompt", "input_type"))
-    for field, value in (("prompt_name", name), ("prompt", text), ("input_type", input_type)):
+    name, text, input_type = (data.get(key) for key in ("prompt_name", "prompt", "input_type"))
+    for key, value in (("prompt_name", name), ("prompt", text), ("input_type", input_type)):
         if value is not None and not isinstance(value, str):
-            raise invalid(f"{field}: must be a string", field)
+            raise invalid(f"{key}: must be a string", key)
     return PromptChoice(name or "", text, input_type or "")
 
 
@@ -550,9 +653,9 @@ def _left(fields: dict[str, Any]) -> bool:
     value = fields.get("truncation_direction")
     if value is None:
         return False
-    if not isinstance(value, str) or value not in DIRECTIONS:
-        raise invalid(f"truncation_direction: {value!r} is not right or left", "truncation_direction")
-    return DIRECTIONS[value]
+    if not isinstance(value, str) or value.lower() not in DIRECTIONS:
+        raise invalid(f"truncation_direction: {value!r} is not right or left (in any case)", "truncation_direction")
+    return DIRECTIONS[value.lower()]
 
 
 def _is_int(value: Any) -> bool:

@@ -1,6 +1,9 @@
 """The REST edge of a front end: the OpenAI embeddings API (``POST /v1/embeddings``, ``GET
-/v1/models``) on aiohttp's low-level server, on the front end's event loop beside ``grpc.aio``, on a
-port every front end shares through SO_REUSEPORT, as they share the gRPC port.
+/v1/models``, ``POST /tokenize``) and its description (``GET /openapi.json``, ``GET /docs``: the
+routes of :data:`kembed.frontend.openapi.ROUTES`) on aiohttp's low-level server, on the front end's
+event loop beside ``grpc.aio``, on a port every front end shares through SO_REUSEPORT, as they share
+the gRPC port. With ``KEMBED_API_KEY_FILE`` every route but the description needs a key, checked
+from the request's head before anything else (:mod:`kembed.frontend.auth`).
 
 A REST call takes the same path as a gRPC call (the same service: validation, pushback, admission,
 the same batches, the same metrics), its JSON mapped to the domain's call by
@@ -47,12 +50,12 @@ from typing import Any
 
 from aiohttp import web
 
-from kembed import listen, tls
+from kembed import api_keys, listen, tls
 from kembed.config import Settings
 from kembed.contract import OPENAI_RETRY_COUNT_HEADER, RETRY_ATTEMPT_KEY
 from kembed.demand import retry_attempt
 from kembed.errors import EmbedError, Failure
-from kembed.frontend import openai_api
+from kembed.frontend import auth, openai_api, openapi
 from kembed.frontend.budget import BODY_WEIGHT, MemoryBudget, Reservation
 from kembed.frontend.call import EmbedCall, Limits
 from kembed.frontend.connections import Connections
@@ -66,10 +69,9 @@ from kembed.protocol import ServingInfo
 log = logging.getLogger(__name__)
 
 JSON = "application/json"
-EMBEDDINGS_PATH = "/v1/embeddings"
-MODELS_PATH = "/v1/models"
-TOKENIZE_PATH = "/tokenize"  # where TEI and vLLM answer it
-METHODS = {EMBEDDINGS_PATH: "POST", TOKENIZE_PATH: "POST", MODELS_PATH: "GET"}
+EMBEDDINGS_PATH, MODELS_PATH, TOKENIZE_PATH = openapi.EMBEDDINGS_PATH, openapi.MODELS_PATH, openapi.TOKENIZE_PATH
+METHODS = {route.path: route.method for route in openapi.ROUTES}
+PUBLIC = frozenset(route.path for route in openapi.ROUTES if route.public)  # served without an API key
 IDLE_S = 60.0  # a connection with no request, or whose request's head is still arriving, is closed after this
 LINGER_S = 2.0  # a body refused part-read is read and dropped this long, so that its client can read the answer
 STOP_S = 1.0  # stopping: the drain has waited for every call; answers still being written get this long
@@ -110,6 +112,9 @@ class RestEdge:
         self._dimensions = 0  # the model's, once warm
         self._prompts = ModelPrompts({})  # the model's, once warm
         self._created = int(time.time())
+        self._keys = api_keys.read(settings)
+        described, page = openapi.serialized(settings, self._keys is not None)
+        self._pages = {openapi.OPENAPI_PATH: (described, JSON), openapi.DOCS_PATH: (page, openapi.HTML)}
         self._draining = False
         self._reading: set[asyncio.Timeout] = set()  # the deadlines of bodies still arriving
         self._tls = tls.ServerContext(files) if (files := tls.TlsFiles.of(settings)) else None
@@ -172,6 +177,8 @@ class RestEdge:
         path, method = request.path, request.method
         self._server.reading(request.protocol)
         try:
+            if (refused := self._unauthorized(request)) is not None:
+                return self._refuse(refused, close=not request.content.is_eof())
             if path == EMBEDDINGS_PATH and method == "POST":
                 return await self._call(request, self._embed)
             if path == TOKENIZE_PATH and method == "POST":
@@ -179,6 +186,8 @@ class RestEdge:
             if path == MODELS_PATH and method == "GET":
                 self._server.working(request.protocol)
                 return self._reply(200, openai_api.models(self._served, self._created, self._prompts))
+            if method == "GET" and (described := self._pages.get(path)) is not None:
+                return self._reply(200, *described)
             if allowed := METHODS.get(path):
                 error = ApiError.invalid(405, f"{method} {path}: only {allowed}", "method_not_allowed")
                 error.headers["Allow"] = allowed
@@ -195,6 +204,12 @@ class RestEdge:
             return self._refuse(ApiError.internal())
         finally:
             self._server.done(request.protocol)
+
+    def _unauthorized(self, request: web.BaseRequest) -> ApiError | None:
+        """The 401 of a call without a key where one is required: from its head, before anything is read."""
+        if self._keys is None or request.path in PUBLIC:
+            return None
+        return auth.refusal(self._keys, request.headers.get("Authorization"))
 
     async def _call(self, request: web.BaseRequest, respond: Respond) -> web.StreamResponse:
         """A call's body read and parsed, then answered by ``respond``, its answer's bytes weighed."""
@@ -319,14 +334,18 @@ class RestEdge:
         return self._refuse(ApiError.invalid(status, f"malformed request: {reason}"), close=True)
 
     def _refuse(self, error: ApiError, close: bool = False) -> web.Response:
-        response = self._reply(error.status, error.body(), error.headers)
+        response = self._reply(error.status, error.body(), headers=error.headers)
         if close:  # the rest of its body is not read: the connection cannot carry another request
             response.force_close()
         return response
 
-    def _reply(self, status: int, body: bytes, headers: dict[str, str] | None = None) -> web.Response:
+    def _reply(
+        self, status: int, body: bytes, content_type: str = JSON, headers: dict[str, str] | None = None
+    ) -> web.Response:
         self._metrics.answered("rest", str(status))
-        return web.Response(status=status, body=body, content_type=JSON, headers=headers)
+        response = web.Response(status=status, body=body, headers=headers)
+        response.headers["Content-Type"] = content_type
+        return response
 
 
 def fd_budget() -> tuple[int, int]:

@@ -87,6 +87,10 @@ class Screen:
         share of the interactive budget goes as batch work)."""
         return self._admission.class_of(padded_tokens, priority)
 
+    def budget_tokens(self) -> int:
+        """What the engine admits at once now, on an otherwise idle server (what gRPC ``Info`` tells)."""
+        return self._admission.budget_tokens()
+
     def before_tokenizing(
         self, least_padded_tokens: int, priority: Priority, attempt: int = 0, seconds_left: float | None = None
     ) -> Rejection | None:

@@ -439,6 +439,9 @@ class EmbedService:
             settings.max_chunks_per_input,
             settings.chunk_long_inputs,
             read_serving(self._runtime).get("forward", ""),
+            self._screen.budget_tokens(),
+            settings.max_connection_age_ms,
+            settings.connection_age_grace_ms,
         )
 
 

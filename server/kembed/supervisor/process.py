@@ -31,6 +31,7 @@ from kembed.metrics import drain_seconds, interactive_drain_seconds, supervisor_
 from kembed.priority import Priority
 from kembed.runtime import BOARD_FILE, METRICS_DIR, RuntimeDir, read_serving
 from kembed.supervisor.http import HealthServer
+from kembed.supervisor.refusals import SAMPLE_S, WINDOW_S, RecentRefusals, counted
 
 log = logging.getLogger(__name__)
 
@@ -62,6 +63,7 @@ class Supervisor:
             self._registry = supervisor_registry(
                 self._runtime / METRICS_DIR, self.board, self.ready, settings.demand_window_s
             )
+            self._refusals = RecentRefusals(lambda: counted(self._registry))
             self.http = held.enter_context(
                 HealthServer(
                     listen.bind(settings.http_host, settings.http_port, "HTTP", "http_port"),
@@ -106,8 +108,10 @@ class Supervisor:
         exits = {asyncio.create_task(child.wait()): child for child in self._children}
         stop = asyncio.create_task(self._stop.wait())
         announce = asyncio.create_task(self._announce_ready())
+        sampling = asyncio.create_task(self._sample_refusals())
         done, _ = await asyncio.wait({*exits, stop}, return_when=asyncio.FIRST_COMPLETED)
         announce.cancel()
+        sampling.cancel()
         if stop in done:
             log.info("signal received: draining")
             return await self._drain(engine, frontends)
@@ -169,6 +173,11 @@ class Supervisor:
                 flush=True,
             )
 
+    async def _sample_refusals(self) -> None:
+        while True:
+            self._refusals.sample()
+            await asyncio.sleep(SAMPLE_S)
+
     def _rest_url(self) -> str:
         scheme = "https" if self.settings.tls else "http"
         return f"{scheme}://{listen.host_port(self.settings.grpc_host, self.rest_port)}"
@@ -194,9 +203,12 @@ class Supervisor:
         board = self.board
         drain = drain_seconds(board)
         p95 = board.of_class(Priority.INTERACTIVE, ClassCell.P95_SECONDS)
+        recent = self._refusals.recent()
         return {
-            "status": self._status(drain, p95),
+            "status": self._status(drain, p95, recent.refused > 0),
             "accepting_requests": self.ready(),
+            "saturated": recent.refused > 0,
+            "refusals": {"window_s": WINDOW_S, "refused": int(recent.refused), "answered": int(recent.answered)},
             "queued_tokens": int(board[Cell.BACKLOG_TOKENS]),
             "service_rate_tokens_per_sec": round(board[Cell.TOKENS_PER_SECOND], 1),
             "estimated_drain_time_ms": round(drain * 1000, 1),
@@ -216,10 +228,11 @@ class Supervisor:
             "uptime_seconds": round(time.monotonic() - self.started, 1),
         }
 
-    def _status(self, drain: float, p95: float) -> str:
+    def _status(self, drain: float, p95: float, refusing: bool) -> str:
         """``overloaded`` when queries meet more than the drain budget of their own class's work or
         served queries' P95 is over the hard limit; ``degraded`` when some work is refused (shedding,
-        or batch work over the budget); refusals themselves never count."""
+        or batch work over the budget); ``saturated`` when neither holds but calls were refused in
+        the last ``WINDOW_S`` (a burst refused whole leaves no backlog); else ``healthy``."""
         board = self.board
         if board[Cell.DRAINING]:
             return "draining"
@@ -228,4 +241,6 @@ class Supervisor:
         budget_s = self.settings.max_drain_ms / 1000
         if interactive_drain_seconds(board) > budget_s or p95 * 1000 > self.settings.p95_hard_ms:
             return "overloaded"
-        return "degraded" if board[Cell.SHED_FRACTION] > 0 or drain > budget_s else "healthy"
+        if board[Cell.SHED_FRACTION] > 0 or drain > budget_s:
+            return "degraded"
+        return "saturated" if refusing else "healthy"

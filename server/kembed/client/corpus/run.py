@@ -27,9 +27,19 @@ from kembed.client.connection import Connection
 from kembed.client.corpus import CorpusError, FinalError, file_error
 from kembed.client.corpus.parts import complete, growing_path, part_path, write_manifest
 from kembed.client.corpus.reader import CorpusReader, Limits, Shard, Span, ThreadedSpans
-from kembed.client.corpus.stream import RECONNECT, Counts, Pacing, Progress, Request, Sink, StreamDriver
+from kembed.client.corpus.stream import (
+    RECONNECT,
+    Counts,
+    Pacing,
+    Progress,
+    Request,
+    Sink,
+    StreamDriver,
+    stream_seconds,
+)
 from kembed.client.corpus.writers import Writer, format_of, held_rows, open_writer
 from kembed.client.requests import message_bytes
+from kembed.client.window import Budget
 from kembed.v1 import embedder_pb2 as pb
 from kembed.v1 import embedder_pb2_grpc as pb_grpc
 
@@ -124,7 +134,8 @@ async def _embed(run: CorpusRun, summary: Summary) -> None:
             summary.rows = summary.skipped = writer.rows
             summary.dimensions = dimensions
             try:
-                await _embed_the_rest(Streams(stub, run, dimensions, pacing, summary.counts), reader, writer, summary)
+                streams = Streams(stub, run, dimensions, pacing, summary.counts, info)
+                await _embed_the_rest(streams, reader, writer, summary)
                 writer.finish()
             finally:
                 _commit_and_close(writer, summary)
@@ -163,11 +174,23 @@ class Streams:
     dimensions: int
     pacing: Pacing
     counts: Counts
+    info: pb.InfoResponse  # the server's, as the run began
 
     def driver(self, sink: Sink, progress: Progress, texts: int, in_flight: int) -> StreamDriver:
-        run = self.run
+        run, info = self.run, self.info
+        budget = Budget(info, self.stub)
         return StreamDriver(
-            self.stub, sink, run.request, self.dimensions, texts, in_flight, self.pacing, progress, self.counts
+            self.stub,
+            sink,
+            run.request,
+            self.dimensions,
+            texts,
+            in_flight,
+            self.pacing,
+            progress,
+            budget,
+            stream_seconds(info),
+            self.counts,
         )
 
 

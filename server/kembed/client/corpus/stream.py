@@ -4,7 +4,11 @@ At most ``in_flight`` spans' worth of texts are taken from the input and not yet
 waiting for a retry, or answered and waiting for an earlier span), so memory is bounded whatever
 the order of the answers.
 
-Pacing follows the server's pushback. The requests on the stream are a window (:class:`Window`),
+The requests out at once keep their padded tokens within half of what the server admits
+(:class:`~kembed.client.window.Budget`, as the library's ``embed`` does; the budget read again
+every second), so a lone run on an idle server is never refused; a request is cut to a quarter of
+it. Beside other clients the server may still refuse: then pacing follows its pushback. The
+requests on the stream are a window (:class:`Window`),
 paced as TCP paces its segments (:mod:`kembed.client.window`, as the library's ``embed`` paces its
 parts): it starts at one request and grows by one with each success up to a threshold, then by
 one per window's worth of successes, up to ``in_flight``. A refusal
@@ -15,15 +19,19 @@ if the server could now take it, would get all but one of them refused again. A 
 while alone on the stream also halves the texts a request carries
 (:class:`RequestSize`): what the server cannot take at once is then its size, not their number.
 UNAVAILABLE and DEADLINE_EXCEEDED (a server warming up, draining, or busier than a request's
-deadline) back off exponentially. A stream that breaks (a replica going away, the server's
-connection-age limit) is opened again after the same backoff, and the spans it carried are
-resent. The run gives up when no row has been written for ``give_up_s``; the rows written so far
-stay committed.
+deadline) back off exponentially. A stream that breaks (a replica going away) is opened again
+after the same backoff, and the spans it carried are resent. The server cuts a call still open a
+grace after its connection's age (``Info.max_connection_age_grace_ms``): so a stream stops taking
+requests after half that grace, its answers are read to its end, and the next stream goes on
+(:func:`stream_seconds`), on a new connection once the server has asked for one. Nothing is cut,
+sent twice or reported. The run gives up when no row has been written for ``give_up_s``; the rows
+written so far stay committed.
 """
 
 from __future__ import annotations
 
 import asyncio
+import math
 import random
 import re
 import sys
@@ -38,7 +46,7 @@ import numpy as np
 from kembed.client.corpus import CorpusError, FinalError
 from kembed.client.corpus.reader import Span, ThreadedSpans
 from kembed.client.requests import NO_PROMPT, Prompt, decode, direction_of, priority
-from kembed.client.window import RequestSize, Window
+from kembed.client.window import Budget, RequestSize, Window
 from kembed.v1 import embedder_pb2 as pb
 from kembed.v1 import embedder_pb2_grpc as pb_grpc
 
@@ -57,6 +65,15 @@ RECONNECT = (
     grpc.StatusCode.CANCELLED,  # by the server (a drain's end); the driver's own cancels never get here
 )
 STATUS_BY_NUMBER = {code.value[0]: code for code in grpc.StatusCode}
+MIN_STREAM_S = 1.0  # the shortest life of a stream, whatever the server's grace
+
+
+def stream_seconds(info: pb.InfoResponse) -> float | None:
+    """How long a stream takes requests: half the grace the server gives a call after its
+    connection's age (None: the server does not say). A GOAWAY may come just after a stream opens,
+    so only a stream younger than the grace is never cut; the other half is for its answers."""
+    grace_ms = info.max_connection_age_grace_ms
+    return max(MIN_STREAM_S, grace_ms / 2000) if grace_ms else None
 
 
 @dataclass(frozen=True)
@@ -72,7 +89,7 @@ class Request:
 
     @property
     def truncate_left(self) -> bool:
-        return self.truncate and self.truncation_direction == "left"
+        return self.truncate and self.truncation_direction.lower() == "left"
 
 
 def embed_request(span: Span, request: Request) -> pb.EmbedRequest:
@@ -185,6 +202,7 @@ class Flight:
     span: Span
     epoch: int = -1  # the window's, when written (-1: not yet)
     alone: bool = False  # written while nothing else was on the stream
+    cost: int = 0  # its padded tokens in the budget, once written
 
 
 class OnWire:
@@ -194,11 +212,16 @@ class OnWire:
         self._flights: dict[str, Flight] = {}
         self.written = 0
         self.answered = asyncio.Event()  # set at each answer: the window may have room
+        self.closed = False  # its writing is done: it ends once every request on it is answered
 
     def hold(self, span: Span) -> Flight:
         flight = Flight(span)
         self._flights[str(span.first)] = flight  # from here a broken stream hands it back
         return flight
+
+    def release(self, flight: Flight) -> None:
+        """A flight held, not written: it goes on the next stream."""
+        del self._flights[str(flight.span.first)]
 
     def wrote(self, flight: Flight, epoch: int) -> None:
         flight.epoch, flight.alone = epoch, self.written == 0
@@ -211,8 +234,8 @@ class OnWire:
             self.answered.set()
         return flight
 
-    def spans(self) -> list[Span]:
-        return [flight.span for flight in self._flights.values()]
+    def flights(self) -> list[Flight]:
+        return list(self._flights.values())
 
     def __len__(self) -> int:
         return len(self._flights)
@@ -229,8 +252,12 @@ class StreamDriver:
         in_flight: int,
         pacing: Pacing,
         progress: Progress,
+        budget: Budget,
+        stream_s: float | None = None,
         counts: Counts | None = None,
     ) -> None:
+        """``budget``: the server's, kept by this run's requests out at once; ``stream_s``: how long
+        a stream takes requests (None: for ever)."""
         self._stub = stub
         self._writer = writer
         self._request = request
@@ -240,6 +267,8 @@ class StreamDriver:
         self._in_order = InOrder(writer.rows)
         self._size = RequestSize(batch_texts)
         self._window = Window(in_flight)
+        self._budget = budget
+        self._stream_s = stream_s
         self._most_open = batch_texts * in_flight
         self._open = 0  # texts taken from the input and not yet written
         self._room = asyncio.Event()  # set when texts are written: the input may give more
@@ -267,6 +296,7 @@ class StreamDriver:
                     await asyncio.sleep(self._pacing.wait_s())
         finally:
             reader.cancel()
+            self._budget.close()
         if self._input_error is not None:
             raise self._input_error
         return self.counts
@@ -307,39 +337,67 @@ class StreamDriver:
             sender.cancel()
             receiver.cancel()
             call.cancel()
-            for span in on_wire.spans():  # unanswered: sent again on the next stream
-                self._to_send.put_nowait((span.first, span))
+            for flight in on_wire.flights():  # unanswered: sent again on the next stream
+                self._budget.settled(flight.cost)
+                self._to_send.put_nowait((flight.span.first, flight.span))
 
     async def _send(self, call: grpc.aio.StreamStreamCall, on_wire: OnWire) -> None:
-        while True:
-            _, span = await self._to_send.get()
-            if span is None:
-                await call.done_writing()
-                return
+        """Write the spans as the pacing, the window and the budget allow, until the input is done
+        or the stream's time is up; then the stream's writing is done."""
+        loop = asyncio.get_running_loop()
+        ends = loop.time() + self._stream_s if self._stream_s else math.inf
+        while (span := await self._next(ends)) is not None:
             if not span.sent:  # blank lines only: their rows need no server
                 self._write(span, np.zeros((len(span.texts), self._dimensions), dtype=np.float32))
                 continue
             flight = on_wire.hold(span)
-            await self._wait_for_room(on_wire)
-            if len(span.texts) > self._size.texts:  # cut to the current size; the rest goes next
-                flight.span, rest = span.split(self._size.texts)
-                self._to_send.put_nowait((rest.first, rest))
+            await self._wait_for_room(on_wire, flight)
+            if loop.time() >= ends:  # it goes on the next stream
+                on_wire.release(flight)
+                self._to_send.put_nowait((flight.span.first, flight.span))
+                break
             on_wire.wrote(flight, self._window.epoch)
+            self._budget.sent(flight.cost)
             try:
                 await call.write(embed_request(flight.span, self._request))
             except asyncio.InvalidStateError:
                 raise StreamBroke("the server closed the stream") from None
+        on_wire.closed = True
+        await call.done_writing()
 
-    async def _wait_for_room(self, on_wire: OnWire) -> None:
-        """Until the pushback has passed and the window has room: a refusal meanwhile pauses again."""
+    async def _next(self, ends: float) -> Span | None:
+        """The next span to send, or None: the input is done, or the stream's time is up."""
+        try:
+            async with asyncio.timeout_at(ends if math.isfinite(ends) else None):
+                _, span = await self._to_send.get()
+        except TimeoutError:
+            return None
+        return span
+
+    async def _wait_for_room(self, on_wire: OnWire, flight: Flight) -> None:
+        """Until the pushback has passed, the window has room and the budget has room for the
+        flight, cut to the size the server takes and to its share of the budget (the rest goes
+        next): a refusal meanwhile pauses again."""
         while True:
+            self._budget.read_if_due()
             if (wait := self._pacing.wait_s()) > 0:
                 await asyncio.sleep(wait)
-            elif self._window.admits(on_wire.written):
-                return
-            else:
-                on_wire.answered.clear()
-                await on_wire.answered.wait()
+                continue
+            if self._window.admits(on_wire.written):
+                flight.cost = self._cut(flight)
+                if self._budget.admits(flight.cost):
+                    return
+            on_wire.answered.clear()
+            await on_wire.answered.wait()
+
+    def _cut(self, flight: Flight) -> int:
+        """The flight's span cut to what one request carries now (the rest goes next); its cost."""
+        span = flight.span
+        texts = min(self._size.texts, self._budget.fitting(span.texts))
+        if len(span.texts) > texts:
+            flight.span, rest = span.split(texts)
+            self._to_send.put_nowait((rest.first, rest))
+        return self._budget.cost(flight.span.texts)
 
     async def _receive(self, call: grpc.aio.StreamStreamCall, on_wire: OnWire) -> None:
         while (response := await call.read()) is not grpc.aio.EOF:  # type: ignore[attr-defined]
@@ -347,8 +405,9 @@ class StreamDriver:
             flight = on_wire.pop(response.request_id)
             if flight is None:
                 raise CorpusError(f"the server answered request_id {response.request_id!r}, which is not on the stream")
+            self._budget.settled(flight.cost)
             self._answered(flight, response)
-        if not self._all_written.is_set():
+        if len(on_wire) or not on_wire.closed:
             raise StreamBroke(f"the server ended the stream with {len(on_wire)} requests unanswered")
 
     def _answered(self, flight: Flight, response: pb.EmbedResponse) -> None:
@@ -359,6 +418,7 @@ class StreamDriver:
         if vectors.shape != (len(span.sent), self._dimensions):
             raise CorpusError(f"{span.lines}: the server answered {vectors.shape[0]} x {vectors.shape[1]} rows")
         self._pacing.progressed()
+        self._budget.answered(span.sent, response.token_counts)
         self._window.succeeded()
         self._size.succeeded(len(span.texts))
         self._write(span, span.rows(vectors))
