@@ -100,6 +100,8 @@ def test_the_library_sends_the_key_and_is_refused_without_it(guarded: tuple[str,
     target, _ = guarded
     with EmbedClient(Connection(target, api_key=KEY)) as client:
         assert client.embed(["hello", "world"]).shape == (2, DIMENSIONS)
+    with EmbedClient(target, api_key=KEY) as client:  # the keyword builds the same connection
+        assert client.embed(["hello"]).shape == (1, DIMENSIONS)
     with EmbedClient(target) as client, pytest.raises(EmbedError) as refused:
         client.info()
     assert refused.value.code() is grpc.StatusCode.UNAUTHENTICATED

@@ -81,7 +81,7 @@ Waiting = list[tuple[int, int, int, Part]]
 class AsyncEmbedClient:
     """``async with AsyncEmbedClient("host:50051") as client: await client.embed([...])``, or
     ``AsyncEmbedClient(Connection(...))``; the keyword arguments ``ca_file``, ``cert_file``,
-    ``key_file``, ``round_robin`` and ``max_message_bytes`` build the :class:`Connection` for a target
+    ``key_file``, ``api_key``, ``round_robin`` and ``max_message_bytes`` build the :class:`Connection` for a target
     given as a string. ``timeout_s`` is each call's deadline, its retries and waits included (None:
     none; an attempt then gets at most 300 s); ``in_flight`` the most parts out at once. Use it from
     one event loop. Failures are :class:`~kembed.client.EmbedError`."""
@@ -99,10 +99,11 @@ class AsyncEmbedClient:
         ca_file: str | None = None,
         cert_file: str | None = None,
         key_file: str | None = None,
+        api_key: str | None = None,
         retry_budget: RetryBudget | None = None,
     ) -> None:
         if isinstance(target, str):
-            target = Connection(target, ca_file, cert_file, key_file, max_message_bytes, round_robin)
+            target = Connection(target, ca_file, cert_file, key_file, max_message_bytes, round_robin, api_key=api_key)
         self.connection = target
         self._channel = target.aio_channel()
         self._stub = pb_grpc.EmbedderStub(self._channel)
