@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import Executor
 from pathlib import Path
 from typing import NamedTuple, Protocol
@@ -39,6 +39,7 @@ from kembed.prompts import ModelPrompts
 from kembed.quantize import encode
 from kembed.runtime import read_serving
 from kembed.shapes import padded_tokens
+from kembed.texts import NO_CONTENT, has_content
 
 MAX_REQUEST_ID_CHARS = 256
 DRAINING_PUSHBACK_MS = 100  # a draining pod's refusal: come back at once, on a new connection
@@ -299,6 +300,7 @@ class EmbedService:
         limit = self._limit(chunking)
         inputs = call.inputs
         if isinstance(inputs, Texts):
+            _check_content(inputs.items)
             # As sentence-transformers does: the prompt and the text tokenized as one, so it counts
             # in the tokens, and truncation cuts the text's end, never the prompt.
             texts = [prompt.text + text for text in inputs.items] if prompt.text else inputs.items
@@ -440,6 +442,15 @@ class EmbedService:
             settings.chunk_long_inputs,
             read_serving(self._runtime).get("forward", ""),
         )
+
+
+def _check_content(texts: Sequence[str]) -> None:
+    """Refuse the first text without content (``kembed/texts.py``): embedded, it would be its
+    special tokens alone. Here, where a large call is tokenized off the event loop, since a text
+    without content is read to its end."""
+    for index, content in enumerate(map(has_content, texts)):
+        if not content:
+            raise InvalidInput(Field.INPUT, NO_CONTENT, index)
 
 
 def postprocess(rows: np.ndarray, dimensions: int, normalize: bool) -> np.ndarray:
