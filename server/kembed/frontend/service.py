@@ -232,7 +232,7 @@ class EmbedService:
         priority = self._screen.class_of(cost, priority)
         if priority is not call.priority:
             self._metrics.demoted.inc()
-        waits = self._admit(cost, priority, call.attempt)
+        waits = self._admit(cost, priority, call.attempt, None if stated is None else stated - tokenized)
         deadline = stated if stated is not None else arrival + self._default_budget(waits)
         tag, pending = self._link.submit(seqs, cost, arrival, deadline, priority)
         await self._wait(tag, pending, deadline, waits.expected)
@@ -369,13 +369,13 @@ class EmbedService:
         """What items of these lengths cost once each is padded to its bucket."""
         return padded_tokens(lengths, self._bucket_lengths)
 
-    def _admit(self, cost: int, priority: Priority, attempt: int) -> Waits:
+    def _admit(self, cost: int, priority: Priority, attempt: int, seconds_left: float | None) -> Waits:
         """Admit the call at its exact cost, or raise; what it waits, admitted."""
         limit = self._settings.max_queued_tokens
         if cost > limit:
             reason = f"the request needs {cost} padded tokens, more than the server queues at once ({limit}): split it"
             raise InvalidInput(Field.INPUT, reason)
-        decided = self._screen.after_tokenizing(cost, priority, attempt)
+        decided = self._screen.after_tokenizing(cost, priority, attempt, seconds_left)
         if isinstance(decided, Rejection):
             raise self._refused(decided, priority)
         return decided
