@@ -203,16 +203,17 @@ class CallSlots:
 class Failed:
     """A unary call's failure, as it is answered: all that is kept of the call while a refusal's
     answer is paced (not the error, whose traceback holds the request). ``paced``: a refusal of
-    the service's, whose answer is paced on its client."""
+    the service's, whose answer is paced on its client, weighing its message's ``nbytes``."""
 
     failure: Failure
     message: str
     retry_after_ms: int
     paced: bool = False
+    nbytes: int = 0
 
     @classmethod
-    def of(cls, error: EmbedError, message: str, paced: bool = False) -> Failed:
-        return cls(error.failure, message, error.retry_after_ms, paced)
+    def of(cls, error: EmbedError, message: str, paced: bool = False, nbytes: int = 0) -> Failed:
+        return cls(error.failure, message, error.retry_after_ms, paced, nbytes)
 
 
 @dataclass(frozen=True, slots=True)
@@ -402,7 +403,7 @@ class EmbedderServicer(pb_grpc.EmbedderServicer):
         try:
             outcome = await self._unary(context)
             if isinstance(outcome, Failed) and outcome.paced:
-                await self._service().pace(context.peer())
+                await self._service().pace(context.peer(), outcome.nbytes)
         except asyncio.CancelledError:  # gRPC's core ended the call: its deadline passed, or its client left
             self._metrics.calls_gone.labels(api="grpc").inc()
             raise
@@ -443,7 +444,9 @@ class EmbedderServicer(pb_grpc.EmbedderServicer):
             try:
                 return await self._embed(request, context)
             except EmbedError as error:
-                return Failed.of(error, message(error, request), paced=error.failure is Failure.REJECTED)
+                if error.failure is not Failure.REJECTED:
+                    return Failed.of(error, message(error, request))
+                return Failed.of(error, message(error, request), paced=True, nbytes=_size(request))
         finally:
             self._slots.give_back(slot)
 
@@ -551,7 +554,7 @@ class EmbedderServicer(pb_grpc.EmbedderServicer):
             result = await self._embed(request, context)
         except EmbedError as error:
             if error.failure is Failure.REJECTED:  # paced within the stream, which holds its own window meanwhile
-                await self._service().pace(context.peer())
+                await self._service().pace(context.peer(), _size(request))
             status = self._count_failure(error)
             return pb.EmbedResponse(
                 request_id=request_id,
@@ -598,6 +601,11 @@ class EmbedderServicer(pb_grpc.EmbedderServicer):
 
     def _count(self, code: grpc.StatusCode) -> None:
         self._metrics.answered("grpc", code.name)
+
+
+def _size(request: pb.EmbedRequest | Refused) -> int:
+    """A request's bytes, as a paced refusal weighs them."""
+    return 0 if isinstance(request, Refused) else request.ByteSize()
 
 
 def _past_deadline(context: grpc.aio.ServicerContext) -> bool:

@@ -43,7 +43,7 @@ import logging
 import resource
 import time
 from collections.abc import Awaitable, Callable
-from typing import Any
+from typing import Any, TypeVar
 
 from aiohttp import web
 
@@ -86,6 +86,7 @@ FD_RESERVE = 64
 ANSWER_BYTES_PER_VALUE = {"float": 14, "base64": 6, "int8": 5, "uint8": 4, "binary": 1, "ubinary": 1}
 ANSWER_ENVELOPE = 256
 TOKEN_ANSWER_BYTES = 8  # a token id as JSON text and its comma, in a vocabulary under ten million
+T = TypeVar("T")
 Respond = Callable[[web.BaseRequest, Embeddings, Reservation], Awaitable[bytes]]
 
 
@@ -278,24 +279,32 @@ class RestEdge:
         return reader.finish(self._served, peer)
 
     async def _embed(self, request: web.BaseRequest, parsed: Embeddings, reservation: Reservation) -> bytes:
-        """The call's answer. A refusal's answer is paced holding nothing another client needs: its
-        answer's bytes are let go, and its connection counts as idle (the first closed for room)."""
+        """The call's answer (a refusal's paced: :meth:`_paced`)."""
         dimensions = min(parsed.call.dimensions or self._dimensions, self._dimensions)
         reservation.grow(parsed.call.count * dimensions * ANSWER_BYTES_PER_VALUE[parsed.encoding] + ANSWER_ENVELOPE)
+        embedding = self._service().embed(_with_attempt(parsed.call, request))
+        result = await self._paced(request, parsed, reservation, embedding)
+        return openai_api.answer(parsed, result)
+
+    async def _tokenize(self, request: web.BaseRequest, parsed: Embeddings, reservation: Reservation) -> bytes:
+        chunks = await self._paced(request, parsed, reservation, self._service().tokenize(parsed.call))
+        reservation.grow(int(chunks.seqs.ids.size) * TOKEN_ANSWER_BYTES + ANSWER_ENVELOPE)  # before it is written
+        return openai_api.tokens(parsed, chunks)
+
+    async def _paced(
+        self, request: web.BaseRequest, parsed: Embeddings, reservation: Reservation, work: Awaitable[T]
+    ) -> T:
+        """``work``'s result. A refusal's answer is paced, weighing the body's bytes, holding nothing
+        another client needs: its answer's bytes are let go, and its connection counts as idle (the
+        first closed for room)."""
         try:
-            result = await self._service().embed(_with_attempt(parsed.call, request))
+            return await work
         except EmbedError as error:
             if error.failure is Failure.REJECTED:
                 reservation.release()
                 self._server.done(request.protocol)
-                await self._service().pace(parsed.call.peer)
+                await self._service().pace(parsed.call.peer, request.content.total_bytes)
             raise
-        return openai_api.answer(parsed, result)
-
-    async def _tokenize(self, request: web.BaseRequest, parsed: Embeddings, reservation: Reservation) -> bytes:
-        chunks = await self._service().tokenize(parsed.call)
-        reservation.grow(int(chunks.seqs.ids.size) * TOKEN_ANSWER_BYTES + ANSWER_ENVELOPE)  # before it is written
-        return openai_api.tokens(parsed, chunks)
 
     async def _write(self, request: web.BaseRequest, status: int, body: bytes) -> web.StreamResponse:
         """The answer, written here while its bytes are still weighed, within the request's timeout.

@@ -92,16 +92,22 @@ class Screen:
         return self._admission.class_of(padded_tokens, priority)
 
     def before_tokenizing(
-        self, least_padded_tokens: int, priority: Priority, attempt: int = 0, seconds_left: float | None = None
+        self,
+        least_padded_tokens: int,
+        priority: Priority,
+        attempt: int = 0,
+        seconds_left: float | None = None,
+        offered: bool = True,
     ) -> Rejection | None:
         """The latency draw and the capacity checks on a lower bound of the request's cost, and, for
         a call with ``seconds_left`` of its deadline, whether it could be served before it ends
-        (counted as offered when refused). One read of the backlog for both."""
+        (counted as offered when refused, unless not ``offered``: a call that asks for no
+        compute). One read of the backlog for both."""
         backlog = self._backlog()
         rejection = self._admission.prescreen(least_padded_tokens, backlog, priority)
         if rejection is None and seconds_left is not None:
             rejection = self._admission.in_time(least_padded_tokens, backlog, priority, seconds_left)
-        if rejection is not None and self._could_serve(least_padded_tokens, seconds_left):
+        if rejection is not None and offered and self._could_serve(least_padded_tokens, seconds_left):
             self.offer(least_padded_tokens, attempt)
         return rejection
 

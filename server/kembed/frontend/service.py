@@ -30,7 +30,7 @@ from kembed.frontend.call import EmbedCall, EmbedResult, ServerInfo, Texts, Timi
 from kembed.frontend.chunks import Chunking, Chunks
 from kembed.frontend.inbox import Pending
 from kembed.frontend.link import EngineLink
-from kembed.frontend.pushback import PacedAnswers, RefusalPacer
+from kembed.frontend.pushback import PacedAnswers, RefusalPacer, refusal_weight
 from kembed.frontend.screen import Screen, Waits
 from kembed.inputs import Sequences, Tokenizer, TokenLimit
 from kembed.metrics import FrontendMetrics
@@ -107,9 +107,10 @@ class Service(Protocol):
 
     async def tokenize(self, call: EmbedCall) -> Chunks: ...
 
-    async def pace(self, client: str) -> None:
-        """A call of ``client`` was refused (REJECTED): return when its answer may be sent. The edge
-        calls it once it holds nothing of the call's but what answering it needs."""
+    async def pace(self, client: str, nbytes: int = 0) -> None:
+        """A call of ``client``, of ``nbytes`` as received, was refused (REJECTED): return when its
+        answer may be sent. The edge calls it once it holds nothing of the call's but what answering
+        it needs."""
 
     def info(self) -> ServerInfo: ...
 
@@ -133,7 +134,7 @@ class WarmingUp:
     async def tokenize(self, call: EmbedCall) -> Chunks:
         raise warming_up()
 
-    async def pace(self, client: str) -> None:
+    async def pace(self, client: str, nbytes: int = 0) -> None:
         return None
 
     def info(self) -> ServerInfo:
@@ -199,8 +200,8 @@ class EmbedService:
         finally:
             self._gate.leave()
 
-    async def pace(self, client: str) -> None:
-        await self._paced.refused(client)
+    async def pace(self, client: str, nbytes: int = 0) -> None:
+        await self._paced.refused(client, refusal_weight(nbytes))
 
     def _screened_cost(self, least: int, client: str) -> int:
         """The cost the pre-screen weighs: the lower bound, or, for a client whose refusals are being
@@ -243,13 +244,22 @@ class EmbedService:
 
     async def tokenize(self, call: EmbedCall) -> Chunks:
         """The call's inputs as :meth:`embed` would hand them to the engine (prompt, truncation,
-        chunks, the same checks and limits), and no further: nothing is admitted or computed."""
+        chunks, the same checks and limits), and no further: nothing is computed. It is admitted as
+        an embedding call of its cost is before tokenizing (its tokenizing takes the cores the
+        compute does), weighed as work while it is tokenized, and not counted as demand."""
         self._gate.enter()
         try:
             self._validate(call)
             prompt = self._prompt(call)
             chunking = self._chunking.with_prompt(prompt.tokens) if self._chunked(call) else None
-            with self._memory.reserve(call_weight(call.nbytes(prompt.text), self._most_items(call), 0)):
+            least_cost = self._screened_cost(self._least_cost(call, chunking, prompt), call.peer)
+            priority = self._screen.class_of(least_cost, call.priority)
+            rejection = self._screen.before_tokenizing(least_cost, priority, offered=False)
+            self._raise_if_rejected(rejection, priority)
+            with (
+                self._memory.reserve(call_weight(call.nbytes(prompt.text), self._most_items(call), 0)),
+                self._screen.tokenizing(least_cost, priority),
+            ):
                 return await self._tokenized(call, chunking, prompt)
         finally:
             self._gate.leave()
