@@ -44,7 +44,7 @@ from kembed.demand import retry_attempt
 from kembed.errors import EmbedError, Failure, Field, InvalidInput
 from kembed.frontend.budget import RETRY_AFTER_MS, MemoryBudget, grpc_calls
 from kembed.frontend.call import EmbedCall, EmbedResult, Limits, ServerInfo
-from kembed.frontend.pushback import MAX_PACED
+from kembed.frontend.pushback import MAX_PACED, refusal_weight
 from kembed.frontend.service import Gate, Service
 from kembed.inputs import Sequences
 from kembed.metrics import FrontendMetrics
@@ -80,6 +80,11 @@ WHOLE_MESSAGE_BYTES = 8192
 OTHER_FIELDS = 16
 TEXTS_FIELD, TOKENS_FIELD, LENGTHS_FIELD = 1, 2, 2  # EmbedRequest.texts, .tokens; TokenIds.lengths
 _LOW_BYTES = bytes(range(128))  # a varint's last byte: one per varint in a packed field
+# A call whose slot is taken back (it sent no message while others waited) weighs as this many
+# refusals against its connection's pacing (at the defaults: ten at once, then five a second), so
+# a client that reopens each call as it is cut cannot churn the slots at the front end's speed
+# (the bystander kept 0.57 of its calls/s beside such churn unpaced).
+TAKEN_BACK_WEIGHT = 100.0
 
 
 class StreamWindow:
@@ -203,17 +208,18 @@ class CallSlots:
 class Failed:
     """A unary call's failure, as it is answered: all that is kept of the call while a refusal's
     answer is paced (not the error, whose traceback holds the request). ``paced``: a refusal of
-    the service's, whose answer is paced on its client, weighing its message's ``nbytes``."""
+    the service's, or a call's slot taken back: its answer is paced on its client, weighing ``weight``
+    refusals."""
 
     failure: Failure
     message: str
     retry_after_ms: int
     paced: bool = False
-    nbytes: int = 0
+    weight: float = 1.0
 
     @classmethod
-    def of(cls, error: EmbedError, message: str, paced: bool = False, nbytes: int = 0) -> Failed:
-        return cls(error.failure, message, error.retry_after_ms, paced, nbytes)
+    def of(cls, error: EmbedError, message: str, paced: bool = False, weight: float = 1.0) -> Failed:
+        return cls(error.failure, message, error.retry_after_ms, paced, weight)
 
 
 @dataclass(frozen=True, slots=True)
@@ -403,7 +409,7 @@ class EmbedderServicer(pb_grpc.EmbedderServicer):
         try:
             outcome = await self._unary(context)
             if isinstance(outcome, Failed) and outcome.paced:
-                await self._service().pace(context.peer(), outcome.nbytes)
+                await self._service().pace(context.peer(), outcome.weight)
         except asyncio.CancelledError:  # gRPC's core ended the call: its deadline passed, or its client left
             self._metrics.calls_gone.labels(api="grpc").inc()
             raise
@@ -437,7 +443,7 @@ class EmbedderServicer(pb_grpc.EmbedderServicer):
                     raise
                 task.uncancel()  # its slot was taken back: refused, not gone
                 error = self._slots.taken_back()
-                return Failed.of(error, error.message)
+                return Failed.of(error, error.message, paced=True, weight=TAKEN_BACK_WEIGHT)
             self._slots.read(slot)
             if request is grpc.aio.EOF:  # type: ignore[attr-defined]  # no stub; the client half-closed without a message
                 request = Refused(EmbedError(Failure.INVALID_ARGUMENT, "no EmbedRequest was sent"))
@@ -446,7 +452,7 @@ class EmbedderServicer(pb_grpc.EmbedderServicer):
             except EmbedError as error:
                 if error.failure is not Failure.REJECTED:
                     return Failed.of(error, message(error, request))
-                return Failed.of(error, message(error, request), paced=True, nbytes=_size(request))
+                return Failed.of(error, message(error, request), paced=True, weight=_weight(request))
         finally:
             self._slots.give_back(slot)
 
@@ -483,6 +489,7 @@ class EmbedderServicer(pb_grpc.EmbedderServicer):
             task = asyncio.current_task()
             if task is not None:
                 task.uncancel()  # its slot was taken back while it sent nothing: refused, not gone
+            await self._service().pace(context.peer(), TAKEN_BACK_WEIGHT)
             await self._refuse_stream(context, self._slots.taken_back())
         finally:
             self._slots.give_back(slot)
@@ -554,7 +561,7 @@ class EmbedderServicer(pb_grpc.EmbedderServicer):
             result = await self._embed(request, context)
         except EmbedError as error:
             if error.failure is Failure.REJECTED:  # paced within the stream, which holds its own window meanwhile
-                await self._service().pace(context.peer(), _size(request))
+                await self._service().pace(context.peer(), _weight(request))
             status = self._count_failure(error)
             return pb.EmbedResponse(
                 request_id=request_id,
@@ -603,9 +610,9 @@ class EmbedderServicer(pb_grpc.EmbedderServicer):
         self._metrics.answered("grpc", code.name)
 
 
-def _size(request: pb.EmbedRequest | Refused) -> int:
-    """A request's bytes, as a paced refusal weighs them."""
-    return 0 if isinstance(request, Refused) else request.ByteSize()
+def _weight(request: pb.EmbedRequest | Refused) -> float:
+    """What a request's refusal weighs against its client's (its bytes: :func:`refusal_weight`)."""
+    return refusal_weight(0 if isinstance(request, Refused) else request.ByteSize())
 
 
 def _past_deadline(context: grpc.aio.ServicerContext) -> bool:

@@ -57,7 +57,7 @@ from kembed.frontend.budget import BODY_SHARE, BODY_WEIGHT, ClientShares, Memory
 from kembed.frontend.call import EmbedCall, Limits
 from kembed.frontend.connections import Connections
 from kembed.frontend.openai_api import ApiError, Body, Embeddings
-from kembed.frontend.pushback import rest_client
+from kembed.frontend.pushback import refusal_weight, rest_client
 from kembed.frontend.service import Gate, Service, draining, warming_up
 from kembed.metrics import FrontendMetrics
 from kembed.prompts import ModelPrompts
@@ -303,7 +303,7 @@ class RestEdge:
             if error.failure is Failure.REJECTED:
                 reservation.release()
                 self._server.done(request.protocol)
-                await self._service().pace(parsed.call.peer, request.content.total_bytes)
+                await self._service().pace(parsed.call.peer, refusal_weight(request.content.total_bytes))
             raise
 
     async def _write(self, request: web.BaseRequest, status: int, body: bytes) -> web.StreamResponse:

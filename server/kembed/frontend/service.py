@@ -30,7 +30,7 @@ from kembed.frontend.call import EmbedCall, EmbedResult, ServerInfo, Texts, Timi
 from kembed.frontend.chunks import Chunking, Chunks
 from kembed.frontend.inbox import Pending
 from kembed.frontend.link import EngineLink
-from kembed.frontend.pushback import PacedAnswers, RefusalPacer, refusal_weight
+from kembed.frontend.pushback import PacedAnswers, RefusalPacer
 from kembed.frontend.screen import Screen, Waits
 from kembed.inputs import Sequences, Tokenizer, TokenLimit
 from kembed.metrics import FrontendMetrics
@@ -107,10 +107,10 @@ class Service(Protocol):
 
     async def tokenize(self, call: EmbedCall) -> Chunks: ...
 
-    async def pace(self, client: str, nbytes: int = 0) -> None:
-        """A call of ``client``, of ``nbytes`` as received, was refused (REJECTED): return when its
-        answer may be sent. The edge calls it once it holds nothing of the call's but what answering
-        it needs."""
+    async def pace(self, client: str, weight: float = 1.0) -> None:
+        """A call of ``client`` was refused (REJECTED), weighing ``weight`` refusals (its bytes:
+        :func:`~kembed.frontend.pushback.refusal_weight`): return when its answer may be sent. The
+        edge calls it once it holds nothing of the call's but what answering it needs."""
 
     def info(self) -> ServerInfo: ...
 
@@ -134,7 +134,7 @@ class WarmingUp:
     async def tokenize(self, call: EmbedCall) -> Chunks:
         raise warming_up()
 
-    async def pace(self, client: str, nbytes: int = 0) -> None:
+    async def pace(self, client: str, weight: float = 1.0) -> None:
         return None
 
     def info(self) -> ServerInfo:
@@ -200,8 +200,8 @@ class EmbedService:
         finally:
             self._gate.leave()
 
-    async def pace(self, client: str, nbytes: int = 0) -> None:
-        await self._paced.refused(client, refusal_weight(nbytes))
+    async def pace(self, client: str, weight: float = 1.0) -> None:
+        await self._paced.refused(client, weight)
 
     def _screened_cost(self, least: int, client: str) -> int:
         """The cost the pre-screen weighs: the lower bound, or, for a client whose refusals are being
