@@ -122,6 +122,7 @@ class ClientShares:
     def __init__(self, share: int) -> None:
         self.share = share
         self._budgets: dict[str, MemoryBudget] = {}  # of the clients with a body being read
+        self._readers: dict[str, int] = {}  # their bodies being read
 
     @contextlib.contextmanager
     def holding(self, client: str) -> Iterator[Reservation]:
@@ -129,12 +130,14 @@ class ClientShares:
         budget = self._budgets.get(client)
         if budget is None:
             budget = self._budgets[client] = MemoryBudget(self.share, CLIENT_HOLDS)
+        self._readers[client] = self._readers.get(client, 0) + 1
         try:
             with budget.reserve(0) as reservation:
                 yield reservation
         finally:
-            if not budget.held:
-                del self._budgets[client]
+            self._readers[client] -= 1
+            if not self._readers[client]:
+                del self._budgets[client], self._readers[client]
 
 
 class Reservation:
