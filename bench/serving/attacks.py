@@ -19,7 +19,8 @@ of its own:
    ``kembed-retry-attempt: 1``. For these two the demand gauge is judged: ``kembed_demand_ratio``
    at the phase's end against the served load weighted the same way (the padded tokens computed,
    ``kembed_tokens_total``, sampled each second into an EWMA of the demand's time constant, over
-   the capacity): within 25%;
+   the capacity), in the gauge's unit (the two differ by the padding the engine's packed batches
+   save: the ratio of the two while the bystander alone is served, all of it admitted): within 25%;
 4. ``bodies_tokenize`` and ``bodies_embeddings``: 4 connections sending a 925 KB body of 1,024
    texts back to back; ``ingest`` (not an attack, for comparison) sends the same texts as a
    well-behaved client does: kembed's client, a call at a time, its pushback honoured;
@@ -396,8 +397,9 @@ def _judged(before: dict[str, Any], during: dict[str, Any], attack: str) -> dict
         kept = now["ok_per_s"] / was["ok_per_s"] if was["ok_per_s"] else 0.0
         verdict[kind] = {"ok_share": now["ok_share"], "kept_calls_per_s": round(kept, 2)}
         verdict[kind]["met"] = now["ok_share"] >= 0.9 and kept >= 0.5
-    if attack in JUDGED_GAUGE:
-        served = during["served_ratio"]
+    if attack in JUDGED_GAUGE:  # against the served load, in the gauge's unit as the bystander alone reads it
+        unit = before["demand_ratio"] / before["served_ratio"] if before["served_ratio"] else math.nan
+        served = during["served_ratio"] * unit
         off = abs(during["demand_ratio"] / served - 1) if served else math.inf
         verdict["gauge"] = {"off_by": round(off, 3), "met": off <= 0.25}
     return verdict

@@ -24,7 +24,8 @@ def test_the_verdicts() -> None:
     assert kept["grpc"] == {"ok_share": 0.95, "kept_calls_per_s": 0.51, "met": True}
     assert not attacks._judged(phase(80.0), phase(39.0), "heads")["rest"]["met"]  # under half its calls/s
     assert not attacks._judged(phase(80.0), phase(80.0, ok_share=0.89), "heads")["rest"]["met"]
-    gauge = attacks._judged(phase(80.0), phase(80.0, demand=1.2, served=1.0), "inflate")["gauge"]
-    assert gauge == {"off_by": 0.2, "met": True}
+    # The gauge's unit: the bystander alone reads 1.8 times its served load.
+    gauge = attacks._judged(phase(80.0, demand=0.9, served=0.5), phase(80.0, demand=2.16, served=1.0), "inflate")
+    assert gauge["gauge"] == {"off_by": 0.2, "met": True}
     deflated = attacks._judged(phase(80.0), phase(10.0, demand=0.05, served=0.9), "deflate")
     assert set(deflated) == {"gauge"} and not deflated["gauge"]["met"]  # a saturating client: the gauge alone

@@ -47,11 +47,12 @@ MAX_CLIENTS = 4096  # buckets kept at most: about 150 bytes each
 # request, of the order of 10 KiB (estimated), so about 10 MiB at most. gRPC's cap on calls is
 # raised by this many.
 MAX_PACED = 1024
-# A refused call's bytes weigh as refusals: reading and parsing this many costs a front end about
-# what a refusal does (yajl walks 834 KB of 1,024 texts in 1.3 ms on the loaded 2-core EPYC; a
-# refusal is 0.4 ms), so a client refused for large bodies is paced on what they cost, not on
-# their count (1,192 bodies of 925 KB refused at 79.5 a second were never paced).
-PACE_BYTES = 128 * 1024
+# A refused call's bytes weigh as refusals: reading, word-counting and parsing this many costs a
+# front end about what a refusal does (a 925 KB body of 1,024 texts: 1.3 ms of yajl, about 3 ms of
+# word counts and 1 ms of reading, on the loaded 2-core EPYC; a refusal is 0.4 ms), so a client
+# refused for large bodies is paced on what they cost, not on their count (1,192 bodies of 925 KB
+# refused at 79.5 a second were never paced).
+PACE_BYTES = 64 * 1024
 SHARED = object()  # the key of the bucket clients share once there is no room for one of their own
 
 

@@ -203,13 +203,20 @@ class EmbedService:
     async def pace(self, client: str, weight: float = 1.0) -> None:
         await self._paced.refused(client, weight)
 
-    def _screened_cost(self, least: int, client: str) -> int:
+    def _screened_cost(self, least: int, paced: bool) -> int:
         """The cost the pre-screen weighs: the lower bound, or, for a client whose refusals are being
-        paced (it ignores its pushback), the bound scaled to what this front end's calls have cost,
-        so that its calls at the margin are refused before a tokenization, not after one."""
-        if self._pacer.in_debt(client):
+        ``paced`` (it ignores its pushback), the bound scaled to what this front end's calls have
+        cost, so that its calls at the margin are refused before a tokenization, not after one."""
+        if paced:
             return max(least, int(least * self._cost_over_least))
         return least
+
+    def _attempt(self, call: EmbedCall, paced: bool) -> int:
+        """The call's earlier attempts as demand counts them: as its marker says, or, for a client
+        whose refusals are being paced, at least one: it calls again faster than its pushback
+        allows, a retry in all but its marker (925 KB bodies re-sent at once read 133 times the
+        pod's capacity). Its burst is counted; what the pod admits of it is, as any call's."""
+        return call.attempt or int(paced)
 
     def drain(self) -> None:
         """Answer every paced refusal now, and pace none from here on: a drain waits for no timer."""
@@ -218,12 +225,11 @@ class EmbedService:
     async def _serve(self, call: EmbedCall, prompt: Prompt, arrival: float) -> EmbedResult:
         chunking = self._chunking.with_prompt(prompt.tokens) if self._chunked(call) else None
         least = self._least_cost(call, chunking, prompt)
-        least_cost = self._screened_cost(least, call.peer)
+        paced = self._pacer.in_debt(call.peer)
+        least_cost, attempt = self._screened_cost(least, paced), self._attempt(call, paced)
         priority = self._screen.class_of(least_cost, call.priority)
         stated = None if call.timeout_s is None else arrival + call.timeout_s  # the client's own deadline
-        self._raise_if_rejected(
-            self._screen.before_tokenizing(least_cost, priority, call.attempt, call.timeout_s), priority
-        )
+        self._raise_if_rejected(self._screen.before_tokenizing(least_cost, priority, attempt, call.timeout_s), priority)
         with self._screen.tokenizing(least_cost, priority):
             chunks = await self._tokenized(call, chunking, prompt)
         tokenized = self._clock()
@@ -233,7 +239,7 @@ class EmbedService:
         priority = self._screen.class_of(cost, priority)
         if priority is not call.priority:
             self._metrics.demoted.inc()
-        waits = self._admit(cost, priority, call.attempt, None if stated is None else stated - tokenized)
+        waits = self._admit(cost, priority, attempt, None if stated is None else stated - tokenized)
         deadline = stated if stated is not None else arrival + self._default_budget(waits)
         tag, pending = self._link.submit(seqs, cost, arrival, deadline, priority)
         await self._wait(tag, pending, deadline, waits.expected)
@@ -252,7 +258,7 @@ class EmbedService:
             self._validate(call)
             prompt = self._prompt(call)
             chunking = self._chunking.with_prompt(prompt.tokens) if self._chunked(call) else None
-            least_cost = self._screened_cost(self._least_cost(call, chunking, prompt), call.peer)
+            least_cost = self._screened_cost(self._least_cost(call, chunking, prompt), self._pacer.in_debt(call.peer))
             priority = self._screen.class_of(least_cost, call.priority)
             rejection = self._screen.before_tokenizing(least_cost, priority, offered=False)
             self._raise_if_rejected(rejection, priority)
