@@ -1,9 +1,10 @@
 """Issue 57's reproductions, as an attacker runs them: ``python -m bench.serving.attacks``.
 
-One server (the real model) per setting: ``default`` (the server's defaults) and ``small``
-(``KEMBED_MEMORY_LIMIT_BYTES=2147483648``: 85 gRPC call slots at one front end, and
-``KEMBED_MAX_REST_CONNECTIONS=16``), both with ``KEMBED_COMPILE=off`` (the attacks do not depend on
-the forward; a compile would take a minute of the shared cores). For each attack, two phases of
+One server (the real model) per setting: ``default`` (the server's defaults), ``small``
+(``KEMBED_MEMORY_LIMIT_BYTES=2147483648``: 85 gRPC call slots and a 512 MiB budget at one front
+end) and ``capped`` (the same and ``KEMBED_MAX_REST_CONNECTIONS=16``), all with
+``KEMBED_COMPILE=off`` (the attacks do not depend on the forward; a compile would take a minute of
+the shared cores). For each attack, two phases of
 ``--phase-s``: the bystander alone (*before*), then beside the attacker (*during*). The bystander
 is 4 gRPC callers of one short text on a channel of their own, and a REST caller opening a new
 connection for each call from another address (127.0.0.2), each call with a 10 s deadline: per
@@ -24,11 +25,12 @@ of its own:
 4. ``bodies_tokenize`` and ``bodies_embeddings``: 4 connections sending a 925 KB body of 1,024
    texts back to back; ``ingest`` (not an attack, for comparison) sends the same texts as a
    well-behaved client does: kembed's client, a call at a time, its pushback honoured;
-5. ``idle_addresses`` (small only): one idle connection from each of 16 addresses, reopened when
-   closed.
+5. ``idle_addresses`` (``capped`` alone): one idle connection from each of 16 addresses, reopened
+   when closed.
 
 Target: during each attack the bystander keeps >= 90% of its calls OK and >= 0.5 of its calls/s
-before it. Writes ``bench/results/attacks.json`` with the machine (CPU, load average).
+before it. Writes ``bench/results/attacks.json`` with the machine (CPU, load average), keeping the
+settings and attacks of earlier runs it does not repeat.
 """
 
 from __future__ import annotations
@@ -63,8 +65,10 @@ from kembed.v1 import embedder_pb2_grpc as pb_grpc
 
 SETTINGS = {
     "default": {"compile": "off"},
-    "small": {"compile": "off", "memory_limit_bytes": "2147483648", "max_rest_connections": "16"},
+    "small": {"compile": "off", "memory_limit_bytes": "2147483648"},
+    "capped": {"compile": "off", "memory_limit_bytes": "2147483648", "max_rest_connections": "16"},
 }
+CAPPED = ("idle_addresses",)  # the attacks run at the capped setting alone
 ATTACKS = (
     "silent",
     "heads",
@@ -411,8 +415,8 @@ def run_setting(name: str, attacks: Sequence[str], phase_s: float) -> dict[str, 
     with running(SETTINGS[name], log) as server:
         gauges = Gauges(server)
         for attack in attacks:
-            if attack == "idle_addresses" and name != "small":
-                continue  # 1,024 addresses at the default cap
+            if (attack in CAPPED) != (name == "capped"):
+                continue  # 1,024 addresses at the default cap; the others want the default cap
             before = _phase(server, log, gauges, None, phase_s)
             during = _phase(server, log, gauges, attack, phase_s)
             results[attack] = {"before": before, "during": during, "judged": _judged(before, during, attack)}
@@ -423,16 +427,16 @@ def run_setting(name: str, attacks: Sequence[str], phase_s: float) -> dict[str, 
 
 def main(argv: Sequence[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("--settings", default="small,default", help="of: " + ", ".join(SETTINGS))
+    parser.add_argument("--settings", default="small,capped,default", help="of: " + ", ".join(SETTINGS))
     parser.add_argument("--attacks", default=",".join(ATTACKS), help="of: " + ", ".join(ATTACKS))
     parser.add_argument("--phase-s", type=float, default=20.0, help="seconds of each phase")
     args = parser.parse_args(argv)
     attacks = [a for a in args.attacks.split(",") if a]
-    result = {
-        "phase_s": args.phase_s,
-        "settings": {name: run_setting(name, attacks, args.phase_s) for name in args.settings.split(",") if name},
-    }
-    machine.write_result("attacks", result)
+    earlier = machine.read_result("attacks") or {}
+    settings: dict[str, Any] = earlier.get("settings", {})
+    for name in filter(None, args.settings.split(",")):
+        settings[name] = {**settings.get(name, {}), **run_setting(name, attacks, args.phase_s)}
+    machine.write_result("attacks", {"phase_s": args.phase_s, "settings": settings})
 
 
 if __name__ == "__main__":
