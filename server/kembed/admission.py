@@ -376,6 +376,17 @@ class AdmissionController:
         )
         return Rejection("deadline", self.pushback(tokens), message)
 
+    def beyond_deadline(self, request_tokens: int, seconds_left: float) -> Rejection | None:
+        """The refusal of a call whose own work takes longer than its deadline, even alone (a
+        throughput rule, as :meth:`in_time` is)."""
+        if Admission.THROUGHPUT not in self._strategies:
+            return None
+        message = (
+            f"the request's {request_tokens} padded tokens take longer than its "
+            f"{seconds_left * 1000:.0f} ms deadline at this server's best rate: allow more time, or split it"
+        )
+        return Rejection("deadline", self.pushback(request_tokens), message)
+
     def displaced(self, request_tokens: int, backlog: Backlog) -> Rejection:
         """The refusal of batch work displaced from the queue: as if it arrived now, behind everything."""
         ahead = backlog.total + request_tokens

@@ -403,8 +403,8 @@ class Settings(BaseModel):
         10,
         ge=0,
         le=19,
-        description="CPU inference: niceness added to the compute threads, so serving (refusing, admitting, "
-        "answering calls) preempts them",
+        description="Niceness added to the compute threads (CPU inference) and to each front end's tokenizing "
+        "threads, so serving (refusing, admitting, answering calls) preempts them",
         json_schema_extra=TUNING,
     )
     compute_lanes: int = Field(

@@ -12,7 +12,10 @@ whose one-text batches do less per token, and under overload, whose refusals tak
 the worker, so dividing by it read 0.69x at half load and 3.0x at twice the load (docs/operator.md).
 
 A retry counts once: a call that says it is a retry (:func:`retry_attempt`) is not counted again,
-wherever it lands. A client that retries without saying so is counted at every attempt.
+wherever it lands. A client that retries without saying so is counted at every attempt. A marker
+hides no work the pod does: a front end's demand is never below the work it admitted, retries
+included. Nor is a call counted whose own work takes longer than its deadline at the capacity: no
+pod could serve it.
 
 Pure: the clock is passed in.
 """
@@ -46,8 +49,12 @@ class OfferedRate:
         self.at = at
 
     def add(self, cost: float, now: float) -> None:
-        self.rate = decayed(self.rate, self.at, now, self.tau_s) + cost / self.tau_s
+        self.rate = self.at_time(now) + cost / self.tau_s
         self.at = now
+
+    def at_time(self, now: float) -> float:
+        """The rate as it stands at ``now``."""
+        return decayed(self.rate, self.at, now, self.tau_s)
 
 
 class Capacity:

@@ -140,6 +140,17 @@ def test_blank_lines_are_rows_of_zeros_counted_and_kept_on_resume(server: Server
     assert np.array_equal(np.load(output), rows)
 
 
+def test_lines_without_content_are_blank_lines(server: ServerProcess, tmp_path: Path):
+    """Whitespace or invisible characters alone are no text to the server (``kembed/texts.py``): such
+    a line is a blank line, its row zeros, never sent."""
+    source = write_lines(tmp_path / "corpus.txt", ["alpha", " ", "\t\u200b", "\ufeff", "beta", "\x00"])
+    output = tmp_path / "vectors.npy"
+    result = run_embed(server, "--input", str(source), "--output", str(output), "--no-progress")
+    assert result.returncode == 0, result.stderr
+    assert [bool(row.any()) for row in np.load(output)] == [True, False, False, False, True, False]
+    assert summary_count(result.stdout, "blank lines as rows of zeros") == 4
+
+
 def test_jsonl_from_stdin_to_jsonl_with_fewer_dimensions(server: ServerProcess, reference: np.ndarray, tmp_path: Path):
     source = tmp_path / "corpus.jsonl"
     source.write_text("".join(json.dumps({"id": i, "body": text}) + "\n" for i, text in enumerate(TEXTS)))

@@ -132,7 +132,7 @@ def test_each_call_counts_once_at_the_step_that_decides_it(tmp_path: Path) -> No
         assert screen.before_tokenizing(COST, Priority.BATCH, attempt=1) is not None  # its retry
         assert isinstance(screen.after_tokenizing(COST, Priority.BATCH, attempt=2), Rejection)
         assert demand_ratio(board, clock.now, TAU_S) == pytest.approx(2 * unit)  # counted at its first attempt only
-        assert screen.before_tokenizing(COST, Priority.BATCH, seconds_left=0.001) is not None  # or in its deadline
+        assert screen.before_tokenizing(COST, Priority.BATCH, seconds_left=1.0) is not None  # or in its deadline
         assert demand_ratio(board, clock.now, TAU_S) == pytest.approx(3 * unit)
         board[Cell.IN_FLIGHT_TOKENS] = 0
         assert screen.before_tokenizing(COST, Priority.BATCH) is None  # passed: counted once it is costed
@@ -149,3 +149,47 @@ def test_a_pods_front_ends_add_up_and_a_restarted_one_carries_on(tmp_path: Path)
         settings = Settings.from_env({}, admission="throughput")
         Screen(settings, board, 1, InTransit(lambda: 0), lambda *_: None, clock)  # front end 1 restarted
         assert demand_ratio(board, clock.now, TAU_S) == pytest.approx(expected)
+
+
+def test_a_call_no_pod_could_serve_in_its_deadline_counts_nothing(tmp_path: Path) -> None:
+    """1,024 one-letter texts after a 250-token prompt, a 3.6 KB message, with a 1 s deadline: 262,144
+    padded tokens no pod could compute in a second. Each counted its whole bound, and 20 a second
+    moved the gauge from 0 to 784. Refused before tokenizing or after, it counts nothing; a call
+    refused for the work ahead of it, which another pod could have served, counts."""
+    with screens(tmp_path) as (screen, _, board, clock):
+        bound = 1024 * 256
+        for _ in range(400):  # 20 a second for 20 s
+            clock.now += 0.05
+            assert screen.before_tokenizing(bound, Priority.BATCH, seconds_left=1.0) is not None
+        rejection = screen.after_tokenizing(bound, Priority.BATCH, seconds_left=1.0)
+        assert isinstance(rejection, Rejection) and rejection.reason == "deadline"
+        assert demand_ratio(board, clock.now, TAU_S) == 0.0
+        board[Cell.IN_FLIGHT_TOKENS] = 4000  # four seconds of work ahead
+        assert screen.before_tokenizing(COST, Priority.BATCH, seconds_left=1.0) is not None
+        assert demand_ratio(board, clock.now, TAU_S) == pytest.approx(COST / TAU_S / RATE)
+
+
+def test_calls_marked_as_retries_read_as_the_work_they_are_admitted_to(tmp_path: Path) -> None:
+    """A client marking every call a retry read 0.03-0.06 while the engine kept computing: a marker
+    spares a refused retry, never the work the pod is given."""
+    with screens(tmp_path) as (screen, _, board, clock):
+        for _ in range(10 * int(TAU_S) * 8):  # the pod's rate in admitted calls, for eight time constants
+            clock.now += COST / RATE
+            assert isinstance(screen.after_tokenizing(COST, Priority.INTERACTIVE, attempt=1), Waits)
+        assert demand_ratio(board, clock.now, TAU_S) == pytest.approx(1.0, rel=0.01)
+        board[Cell.IN_FLIGHT_TOKENS] = 4000
+        for _ in range(1000):  # marked refusals count nothing more
+            assert screen.before_tokenizing(COST, Priority.BATCH, attempt=1) is not None
+        assert demand_ratio(board, clock.now, TAU_S) == pytest.approx(1.0, rel=0.01)
+
+
+def test_offered_work_over_the_admitted_reads_as_offered(tmp_path: Path) -> None:
+    """The larger of the two: three times the pod's rate offered, a third of it admitted, reads 3."""
+    with screens(tmp_path) as (screen, _, board, clock):
+        for call in range(3 * 10 * int(TAU_S) * 8):
+            clock.now += COST / RATE / 3
+            if call % 3:
+                screen.offer(COST, 0)  # refused
+            else:
+                assert isinstance(screen.after_tokenizing(COST, Priority.INTERACTIVE), Waits)
+        assert demand_ratio(board, clock.now, TAU_S) == pytest.approx(3.0, rel=0.01)

@@ -191,6 +191,28 @@ def test_past_the_connection_cap_the_client_holding_the_most_makes_room(server: 
             sock.close()
 
 
+def test_past_the_connection_cap_a_newcomer_tied_with_idle_clients_is_served(server: ServerProcess):
+    """Sixteen clients (addresses) hold one idle connection each: every newcomer ties with them at
+    one, and the tie closes an idle one, never the newcomer's own (which was closed, 5 of 5, when a
+    tie made room from the newcomer's client)."""
+    idle = [
+        socket.create_connection(("127.0.0.1", server.rest_port), 120, source_address=(f"127.0.0.{10 + i}", 0))
+        for i in range(16)
+    ]
+    newcomers: list[socket.socket] = []
+    try:
+        time.sleep(IDLE_GRACE_S + 0.5)  # idle long enough to be closed for room
+        for i in range(5):  # each kept open: room is made for each
+            address = (f"127.0.0.{2 + i}", 0)
+            newcomers.append(socket.create_connection(("127.0.0.1", server.rest_port), 120, source_address=address))
+            newcomers[-1].sendall(head(len(b'{"input": "x"}')) + b'{"input": "x"}')
+            assert answer(newcomers[-1])[0] == 200
+        assert sum(not still_open(sock) for sock in idle) == 5
+    finally:
+        for sock in idle + newcomers:
+            sock.close()
+
+
 def still_open(sock: socket.socket) -> bool:
     """Not closed by the server: nothing to read on it, not even its end."""
     readable, _, _ = select.select([sock], [], [], 0)

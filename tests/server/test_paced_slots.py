@@ -10,12 +10,14 @@ from __future__ import annotations
 import http.client
 import threading
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 
 import grpc
 import orjson
 import pytest
 
-from kembed.contract import RETRY_PUSHBACK_KEY
+from kembed.config import Settings
+from kembed.contract import RETRY_PUSHBACK_KEY, Metric
 from kembed.frontend.connections import IDLE_GRACE_S
 from kembed.v1 import embedder_pb2 as pb
 from kembed.v1 import embedder_pb2_grpc as pb_grpc
@@ -33,6 +35,10 @@ INGEST_BODY = orjson.dumps({"input": [SENTENCE] * 8, "priority": "batch"})
 PACED = "kembed_refusals_paced_total"
 OWN_CONNECTION = [("grpc.use_local_subchannel_pool", 1)]  # channels otherwise share one connection
 NEIGHBOUR_ADDRESS = "127.0.0.2"  # loopback too, but another REST client than 127.0.0.1
+TOKENIZER_ADDRESS = "127.0.0.3"  # a client with a burst of its own
+STORM_ADDRESS = "127.0.0.4"  # another
+QUEUE_FULL = 'kembed_rejected_total{priority="batch",reason="queue_full"}'
+INGEST_COST = 8 * 16  # padded tokens: its lower bound (12 words and 2 special tokens a text, in the 16 bucket)
 
 
 @pytest.fixture(scope="module")
@@ -108,6 +114,44 @@ def test_paced_rest_refusals_leave_the_connections_to_another_client(server: Ser
         thread.join()
 
 
+def test_tokenize_is_admitted_and_paced_as_an_embedding_call_of_its_cost(server: ServerProcess) -> None:
+    """``/tokenize`` was never admitted or paced: a client tokenizing large bodies back to back took
+    the cores from everyone. While the queue is full it is refused as an embedding call of its cost
+    is, past its client's burst paced; a small one is admitted."""
+    with grpc.insecure_channel(server.target, OWN_CONNECTION) as channel:
+        with server.engine:
+            backlog = pb_grpc.EmbedderStub(channel).Embed.future(INGEST, timeout=120)
+            server.wait_open_requests(1)
+            paced = server.metric(PACED)
+            answers = [_post(server, TOKENIZER_ADDRESS, "/tokenize") for _ in range(BURST + 1)]
+            assert {status for status, _ in answers} == {429}, answers
+            assert server.metric(PACED) == paced + 1  # the one past the burst
+            assert _post(server, TOKENIZER_ADDRESS, "/tokenize", orjson.dumps({"input": "a query"}))[0] == 200
+        assert backlog.result().count == 8
+
+
+def test_a_client_paced_for_ignoring_its_pushback_has_its_refusals_past_its_burst_uncounted(
+    server: ServerProcess,
+) -> None:
+    """Refused calls sent again at once, with no retry marker: past its burst a client's refusals
+    are retries in all but the marker, and the demand counts them no more (925 KB bodies re-sent
+    back to back read 133 times the pod's capacity). Its burst, and the call at its edge, count."""
+    extra = 10
+    with grpc.insecure_channel(server.target, OWN_CONNECTION) as channel:
+        with server.engine:
+            backlog = pb_grpc.EmbedderStub(channel).Embed.future(INGEST, timeout=120)
+            server.wait_open_requests(1)
+            refused, before = server.metric(QUEUE_FULL), server.metric(Metric.DEMAND_RATIO)
+            with ThreadPoolExecutor(CONNECTIONS - 4) as pool:  # within the connection cap
+                answers = pool.map(lambda _: _post(server, STORM_ADDRESS), range(BURST + extra))
+                wait_until(lambda: server.metric(QUEUE_FULL) >= refused + BURST + extra, 120, "every call decided")
+                added = server.metric(Metric.DEMAND_RATIO) - before
+                assert {status for status, _ in answers} == {429}
+        assert backlog.result().count == 8
+    one = INGEST_COST / Settings().demand_window_s / server.metric(Metric.CAPACITY)
+    assert 0 < added <= (BURST + 1) * one * 1.001  # only decay lowers it between the reads
+
+
 def _call_until(server: ServerProcess, stop: threading.Event) -> None:
     """A client that calls again as soon as it hears its answer, reconnecting when its connection
     is closed for room."""
@@ -123,11 +167,13 @@ def _call_until(server: ServerProcess, stop: threading.Event) -> None:
             connection.close()
 
 
-def _post(server: ServerProcess, source: str) -> tuple[int, dict[str, str]]:
+def _post(
+    server: ServerProcess, source: str, path: str = "/v1/embeddings", body: bytes = INGEST_BODY
+) -> tuple[int, dict[str, str]]:
     """An ingest posted from ``source`` on a new connection: its status and headers."""
     connection = http.client.HTTPConnection("127.0.0.1", server.rest_port, timeout=120, source_address=(source, 0))
     try:
-        connection.request("POST", "/v1/embeddings", INGEST_BODY, {"Content-Type": "application/json"})
+        connection.request("POST", path, body, {"Content-Type": "application/json"})
         response = connection.getresponse()
         response.read()
         return response.status, dict(response.getheaders())

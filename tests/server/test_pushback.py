@@ -8,7 +8,7 @@ import asyncio
 
 import pytest
 
-from kembed.frontend.pushback import MAX_PACE_S, PacedAnswers, RefusalPacer, rest_client
+from kembed.frontend.pushback import MAX_PACE_S, PACE_BYTES, PacedAnswers, RefusalPacer, refusal_weight, rest_client
 
 RATE, BURST = 100.0, 50
 
@@ -40,6 +40,17 @@ def test_past_its_burst_a_client_is_answered_at_its_rate() -> None:
     assert [paced.refused("a") for _ in range(3)] == pytest.approx([1 / RATE, 2 / RATE, 3 / RATE])
     clock.now += 3 / RATE  # the debt is paid as time passes
     assert paced.refused("a") == pytest.approx(1 / RATE)
+
+
+def test_a_refusal_weighs_its_bytes_and_large_bodies_are_paced_on_them() -> None:
+    """Bodies of 925 KB refused at 79.5 a second were never paced (their count is under the rate):
+    each weighs its bytes, so their client is paced on what reading them costs."""
+    _, paced, _ = pacer()
+    body = 8 * PACE_BYTES  # eight refusals a body
+    assert refusal_weight(body) == 8.0 and refusal_weight(0) == refusal_weight(PACE_BYTES // 2) == 1.0
+    assert [paced.refused("large", refusal_weight(body)) for _ in range(BURST // 8)] == [0.0] * (BURST // 8)
+    assert paced.refused("large", refusal_weight(body)) == pytest.approx((8 - BURST % 8) / RATE)
+    assert paced.refused("small") == 0.0  # its neighbour is not
 
 
 def test_the_delay_is_bounded_however_fast_a_client_calls() -> None:

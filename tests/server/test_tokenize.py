@@ -7,6 +7,7 @@ import json
 from collections.abc import Iterator
 from typing import Any
 
+import grpc
 import numpy as np
 import pytest
 
@@ -117,3 +118,19 @@ def test_left_truncation_of_ids_keeps_the_first_and_the_last(stub: pb_grpc.Embed
     answer = stub.Embed(request, timeout=120)
     assert list(answer.token_counts) == [256]
     np.testing.assert_allclose(decode(answer), decode(stub.Embed(expected, timeout=120)), atol=2e-6)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("text", [" ", "\u200b", "\t\n", "\x00", "\ufeff"])
+def test_a_text_without_content_is_refused_on_every_edge_naming_it(
+    server: ServerProcess, stub: pb_grpc.EmbedderStub, text: str
+) -> None:
+    """As the empty text is: embedded, it would be [CLS] [SEP] alone (``kembed/texts.py``)."""
+    for call in (post, tokenize):
+        status, body, _ = call(server, {"input": ["hello", text]})
+        assert (status, body["error"]["param"]) == (400, "input[1]"), body
+        assert "only whitespace or invisible characters" in body["error"]["message"]
+    with pytest.raises(grpc.RpcError) as caught:
+        stub.Embed(pb.EmbedRequest(texts=["hello", text]), timeout=120)
+    assert caught.value.code() is grpc.StatusCode.INVALID_ARGUMENT
+    assert str(caught.value.details()).startswith("texts[1]: no letter")

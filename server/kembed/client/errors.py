@@ -14,6 +14,7 @@ from typing import cast
 import grpc
 
 from kembed.contract import RETRY_PUSHBACK_KEY
+from kembed.texts import why_not
 
 _TEXT_INDEX = re.compile(r"^texts\[(\d+)\]")
 
@@ -90,5 +91,5 @@ def check_texts(texts: Sequence[str]) -> None:
     for index, text in enumerate(texts):
         if not isinstance(text, str):
             raise InvalidInput(f"texts[{index}]: {text!r:.40} is not a str")
-        if not text:
-            raise InvalidInput(f"texts[{index}]: an empty string")
+        if (why := why_not(text)) is not None:
+            raise InvalidInput(f"texts[{index}]: {why}")

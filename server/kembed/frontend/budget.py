@@ -2,11 +2,11 @@
 pod's memory, so that no client can make a front end grow past it.
 
 Each part of a call's path weighs what it holds, from when it starts holding it until it lets go:
-the REST edge a body being read (by its Content-Length before a byte is read, or chunk by chunk when
-it is sent chunked) and an answer until it is written; the gRPC edge a request message and its
-answer, and a stream the requests it reads ahead; the service a call from its arrival until it is
-answered (screened, tokenized, queued, computed). What does not fit is refused at once:
-RESOURCE_EXHAUSTED or 429, with a pushback.
+the REST edge a body being read (chunk by chunk as it arrives: a head holds nothing, and a client's
+bodies being read at most ``1 / BODY_SHARE`` of the budget) and an answer until it is written; the
+gRPC edge a request message and its answer, and a stream the requests it reads ahead; the service
+a call from its arrival until it is answered (screened, tokenized, queued, computed). What does not
+fit is refused at once: RESOURCE_EXHAUSTED or 429, with a pushback.
 
 The budget (``docs/operations.md``, "Memory"): a quarter of the pod's memory, shared by its front
 ends. gRPC reads a whole message before any handler sees it, so what it may hold unweighed
@@ -16,7 +16,9 @@ ends. gRPC reads a whole message before any handler sees it, so what it may hold
 
 from __future__ import annotations
 
+import contextlib
 import os
+from collections.abc import Iterator
 from pathlib import Path
 from types import TracebackType
 
@@ -26,6 +28,7 @@ SHARE = 4  # the front ends' calls may hold a quarter of the pod's memory; the r
 MIN_BUDGET_MESSAGES = 8  # a budget holds at least this many of the largest requests, whatever the pod's size
 MESSAGE_COPIES = 3  # a gRPC message as it is read: gRPC's buffer, Python's bytes, the parsed message
 BODY_WEIGHT = 2  # a REST body as it is read: its bytes in flight, and what they are parsed into
+BODY_SHARE = 4  # a REST client's bodies being read hold at most this share of the budget (1 / it)
 RETRY_AFTER_MS = 1000  # what held calls take to be answered, about: the drain budget's half
 # A call's weight per byte of its inputs (a character of text, or a token id's four bytes): the
 # inputs themselves, and their token ids once tokenized (four bytes a token, at most a token a
@@ -36,6 +39,9 @@ ITEM_BYTES = 64  # a Python object per item: a str, a length
 # The tokenizer's passing peak per character of a call it tokenizes (its encodings, before they are
 # read into ids): 120 MB for 4 MiB of English prose, measured.
 TOKENIZING_BYTES_PER_CHAR = 32
+# What a refusal for want of memory says holds it.
+SERVER_HOLDS = "this server holds {held} bytes of requests and answers"
+CLIENT_HOLDS = "this client is sending {held} bytes of bodies at once (weighed)"
 CGROUP_MEMORY_MAX = Path("/sys/fs/cgroup/memory.max")
 
 
@@ -80,11 +86,10 @@ def call_weight(nbytes: int, count: int, dimensions: int) -> int:
     return INPUT_WEIGHT * nbytes + count * (ROW_BYTES_PER_DIMENSION * dimensions + ITEM_BYTES)
 
 
-def over_budget(nbytes: int, held: int, capacity: int) -> EmbedError:
+def over_budget(nbytes: int, held: int, capacity: int, what: str = SERVER_HOLDS) -> EmbedError:
     return EmbedError(
         Failure.REJECTED,
-        f"this server holds {held} bytes of requests and answers, and {nbytes} more would pass its "
-        f"{capacity}: retry shortly",
+        f"{what.format(held=held)}, and {nbytes} more would pass its {capacity}: retry shortly",
         RETRY_AFTER_MS,
     )
 
@@ -92,9 +97,10 @@ def over_budget(nbytes: int, held: int, capacity: int) -> EmbedError:
 class MemoryBudget:
     """The bytes a front end's calls hold, against its capacity; single-threaded (the event loop's)."""
 
-    def __init__(self, capacity: int) -> None:
+    def __init__(self, capacity: int, what: str = SERVER_HOLDS) -> None:
         self.capacity = capacity
         self.held = 0
+        self._what = what  # who holds them, as a refusal says
 
     def reserve(self, nbytes: int) -> Reservation:
         """Hold ``nbytes``, or raise REJECTED if they do not fit."""
@@ -104,8 +110,34 @@ class MemoryBudget:
 
     def _take(self, nbytes: int) -> None:
         if self.held + nbytes > self.capacity:
-            raise over_budget(nbytes, self.held, self.capacity)
+            raise over_budget(nbytes, self.held, self.capacity, self._what)
         self.held += nbytes
+
+
+class ClientShares:
+    """Per client, the bytes of its bodies being read, each client within ``share`` of them: a
+    client that sends bodies slowly on many connections holds at most that much, whatever the
+    budget has left; single-threaded (the event loop's)."""
+
+    def __init__(self, share: int) -> None:
+        self.share = share
+        self._budgets: dict[str, MemoryBudget] = {}  # of the clients with a body being read
+        self._readers: dict[str, int] = {}  # their bodies being read
+
+    @contextlib.contextmanager
+    def holding(self, client: str) -> Iterator[Reservation]:
+        """A reservation of the client's share, released on leaving."""
+        budget = self._budgets.get(client)
+        if budget is None:
+            budget = self._budgets[client] = MemoryBudget(self.share, CLIENT_HOLDS)
+        self._readers[client] = self._readers.get(client, 0) + 1
+        try:
+            with budget.reserve(0) as reservation:
+                yield reservation
+        finally:
+            self._readers[client] -= 1
+            if not self._readers[client]:
+                del self._budgets[client], self._readers[client]
 
 
 class Reservation:

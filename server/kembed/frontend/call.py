@@ -22,8 +22,8 @@ from kembed.priority import Priority
 from kembed.prompts import NO_CHOICE, PromptChoice
 from kembed.protocol import ServingInfo
 from kembed.quantize import Encoding
+from kembed.texts import EMPTY as EMPTY_TEXT
 
-EMPTY_TEXT = "an empty string"
 EMPTY_IDS = "an empty array of token ids"
 
 

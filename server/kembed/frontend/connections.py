@@ -1,12 +1,15 @@
 """The REST edge's connections: at most a cap of them, and which one is closed to make room.
 
 Past the cap, room is made by the client (an address, as :func:`~kembed.frontend.pushback.rest_client`
-keys it) holding the most connections, the newcomer's client winning ties: a client that opens
-connections as fast as they are closed then churns its own, never a neighbour's with one connection
-(``docs/decisions/hostile-clients.md``). Of that client's connections the one closed is the one
-idle the longest if idle ``IDLE_GRACE_S`` (a new connection gets that long to send its request),
-else the one sending its request the longest, else its newest: the newcomer itself when its own
-client holds the most. A connection working on an accepted call is never closed for room.
+keys it) holding the most connections: a client that opens connections as fast as they are closed
+then churns its own, never a neighbour's with one connection (``docs/decisions/hostile-clients.md``).
+Among clients tied at the most, the one whose idle connection has been idle the longest gives it up,
+the newcomer's client last: a newcomer is never closed for room while a client tied with it holds an
+idle connection (sixteen addresses with an idle connection each otherwise closed every newcomer).
+Of that client's connections the one closed is the one idle the longest if idle ``IDLE_GRACE_S`` (a
+new connection gets that long to send its request), else the one sending its request the longest,
+else its newest: the newcomer itself when its own client gives one up. A connection working on an
+accepted call is never closed for room.
 """
 
 from __future__ import annotations
@@ -41,6 +44,10 @@ class _Client:
 
     def closable(self) -> bool:
         return bool(self.idle or self.reading)
+
+    def idle_since(self) -> float:
+        """When its connection idle the longest became idle (infinity: none is idle)."""
+        return next(iter(self.idle.values()), math.inf)
 
     def victim(self, now: float) -> RequestHandler:
         """The connection of this client's to close for room (it has one that is not working)."""
@@ -132,10 +139,11 @@ class Connections(web.Server):
             del self._clients[client.key]
 
     def _close_one(self, newcomers: _Client, now: float) -> None:
-        """Close a connection of the client holding the most (the newcomer's is closable)."""
+        """Close a connection of the client holding the most; of those tied, of the one idle the
+        longest, the newcomer's last (the newcomer's is closable)."""
         holder = max(
             (c for c in self._clients.values() if c.closable()),
-            key=lambda c: (c.held(), c is newcomers),
+            key=lambda c: (c.held(), c is not newcomers, -c.idle_since()),
         )
         victim = holder.victim(now)
         self._forget(victim)

@@ -48,7 +48,7 @@ from kembed.errors import EmbedError, Failure, Field, InvalidInput
 from kembed.frontend.auth import KeyCheck
 from kembed.frontend.budget import RETRY_AFTER_MS, MemoryBudget, grpc_calls
 from kembed.frontend.call import EmbedCall, EmbedResult, Limits, ServerInfo
-from kembed.frontend.pushback import MAX_PACED
+from kembed.frontend.pushback import MAX_PACED, refusal_weight
 from kembed.frontend.service import Gate, Service
 from kembed.inputs import Sequences
 from kembed.metrics import FrontendMetrics
@@ -84,6 +84,11 @@ WHOLE_MESSAGE_BYTES = 8192
 OTHER_FIELDS = 16
 TEXTS_FIELD, TOKENS_FIELD, LENGTHS_FIELD = 1, 2, 2  # EmbedRequest.texts, .tokens; TokenIds.lengths
 _LOW_BYTES = bytes(range(128))  # a varint's last byte: one per varint in a packed field
+# A call whose slot is taken back (it sent no message while others waited) weighs as this many
+# refusals against its connection's pacing (at the defaults: ten at once, then five a second), so
+# a client that reopens each call as it is cut cannot churn the slots at the front end's speed
+# (the bystander kept 0.57 of its calls/s beside such churn unpaced).
+TAKEN_BACK_WEIGHT = 100.0
 
 
 class StreamWindow:
@@ -113,28 +118,93 @@ class StreamWindow:
         self._bytes -= nbytes
         self._room.set()
 
+    def empty(self) -> bool:
+        return not self._requests
+
+
+@dataclass(eq=False, slots=True)
+class Slot:
+    """One call's slot. ``task`` is cancelled if the slot is taken back while its call waits for a
+    message (``evicted``)."""
+
+    connection: str
+    task: asyncio.Task[object] | None
+    evicted: bool = False
+
 
 class CallSlots:
     """The Embed calls (unary or stream) a front end handles at once, from before a request is read
-    until it is answered, or refused and its answer paced; single-threaded (the event loop's)."""
+    until it is answered, or refused and its answer paced; single-threaded (the event loop's).
+
+    A call holds its slot before its message is read (gRPC holds the message as it arrives), so a
+    client could hold every slot by sending a call's head and never its message. A slot is held
+    unconditionally only once a message has arrived: while every slot is taken, a new call takes
+    the slot of the call that has waited longest for its message on the connection with the most
+    such calls, if that connection has more of them than the new call's own. That call is refused
+    (RESOURCE_EXHAUSTED, with a pushback). A stream waits for a message whenever none of its
+    requests is in flight. A connection's own calls never take each other's slots: a burst still
+    hears "busy" past the slots, as before."""
 
     def __init__(self, most: int) -> None:
         self.most = most
         self.taken = 0
+        # Per connection, the slots whose calls wait for a message, oldest first; a connection is
+        # here only while it has one, in the order it came to have one.
+        self._waiting: dict[str, dict[Slot, None]] = {}
 
-    def take(self) -> bool:
-        """Hold a slot, if one is free."""
-        if self.taken >= self.most:
-            return False
+    def take(self, connection: str, task: asyncio.Task[object] | None) -> Slot | None:
+        """Hold a slot for a call of ``connection`` that waits for its message in ``task``, if one
+        is free or can be taken back from a call that has sent nothing."""
+        if self.taken >= self.most and not self._take_back(connection):
+            return None
         self.taken += 1
-        return True
+        slot = Slot(connection, task)
+        self.wait(slot)
+        return slot
 
-    def give_back(self) -> None:
-        self.taken -= 1
+    def wait(self, slot: Slot, task: asyncio.Task[object] | None = None) -> None:
+        """The slot's call waits for a message (in ``task``, if it is another than before)."""
+        if task is not None:
+            slot.task = task
+        self._waiting.setdefault(slot.connection, {})[slot] = None
+
+    def read(self, slot: Slot) -> None:
+        """A message of the slot's call arrived: its slot is held until it is answered."""
+        waiting = self._waiting.get(slot.connection)
+        if waiting is not None and waiting.pop(slot, False) is None and not waiting:
+            del self._waiting[slot.connection]
+
+    def give_back(self, slot: Slot) -> None:
+        if not slot.evicted:  # an evicted slot was given back when it was taken back
+            self.read(slot)
+            self.taken -= 1
+
+    def _take_back(self, connection: str) -> bool:
+        """Free the slot of the call that has waited longest for its message on the connection
+        with the most such calls, if it has more than ``connection``; whether one was freed."""
+        waiting = self._waiting
+        if not waiting:
+            return False
+        holder = max(waiting, key=lambda key: len(waiting[key]))  # ties: the one waiting longest
+        if len(waiting[holder]) <= len(waiting.get(connection, ())):
+            return False
+        slot = next(iter(waiting[holder]))
+        self.give_back(slot)
+        slot.evicted = True
+        if slot.task is not None:
+            slot.task.cancel()
+        return True
 
     def busy(self) -> EmbedError:
         return EmbedError(
             Failure.REJECTED, f"this server handles {self.most} calls at once: retry shortly", RETRY_AFTER_MS
+        )
+
+    def taken_back(self) -> EmbedError:
+        return EmbedError(
+            Failure.REJECTED,
+            "no message arrived while calls on other connections waited for a slot: send it with the call",
+            RETRY_AFTER_MS,
         )
 
 
@@ -142,16 +212,18 @@ class CallSlots:
 class Failed:
     """A unary call's failure, as it is answered: all that is kept of the call while a refusal's
     answer is paced (not the error, whose traceback holds the request). ``paced``: a refusal of
-    the service's, whose answer is paced on its client."""
+    the service's, or a call's slot taken back: its answer is paced on its client, weighing ``weight``
+    refusals."""
 
     failure: Failure
     message: str
     retry_after_ms: int
     paced: bool = False
+    weight: float = 1.0
 
     @classmethod
-    def of(cls, error: EmbedError, message: str, paced: bool = False) -> Failed:
-        return cls(error.failure, message, error.retry_after_ms, paced)
+    def of(cls, error: EmbedError, message: str, paced: bool = False, weight: float = 1.0) -> Failed:
+        return cls(error.failure, message, error.retry_after_ms, paced, weight)
 
 
 @dataclass(frozen=True, slots=True)
@@ -343,7 +415,7 @@ class EmbedderServicer(pb_grpc.EmbedderServicer):
         try:
             outcome = await self._unary(context)
             if isinstance(outcome, Failed) and outcome.paced:
-                await self._service().pace(context.peer())
+                await self._service().pace(context.peer(), outcome.weight)
         except asyncio.CancelledError:  # gRPC's core ended the call: its deadline passed, or its client left
             self._metrics.calls_gone.labels(api="grpc").inc()
             raise
@@ -362,21 +434,33 @@ class EmbedderServicer(pb_grpc.EmbedderServicer):
     async def _unary(self, context: grpc.aio.ServicerContext) -> EmbedResult | Failed:
         """A unary call's result, or its failure: its request read and served holding a slot,
         neither kept once it is decided."""
-        if not self._slots.take():
+        task = asyncio.current_task()
+        slot = self._slots.take(context.peer(), task)
+        if slot is None:
             error = self._slots.busy()
             return Failed.of(error, error.message)
         try:
-            # Read off the context, not the iterator: grpc's iterator is an async generator left
-            # unfinished here, whose finalizer costs the loop a wake-up and a task per call.
-            request = await context.read()
+            try:
+                # Read off the context, not the iterator: grpc's iterator is an async generator left
+                # unfinished here, whose finalizer costs the loop a wake-up and a task per call.
+                request = await context.read()
+            except asyncio.CancelledError:
+                if not slot.evicted or task is None:
+                    raise
+                task.uncancel()  # its slot was taken back: refused, not gone
+                error = self._slots.taken_back()
+                return Failed.of(error, error.message, paced=True, weight=TAKEN_BACK_WEIGHT)
+            self._slots.read(slot)
             if request is grpc.aio.EOF:  # type: ignore[attr-defined]  # no stub; the client half-closed without a message
                 request = Refused(EmbedError(Failure.INVALID_ARGUMENT, "no EmbedRequest was sent"))
             try:
                 return await self._embed(request, context)
             except EmbedError as error:
-                return Failed.of(error, message(error, request), paced=error.failure is Failure.REJECTED)
+                if error.failure is not Failure.REJECTED:
+                    return Failed.of(error, message(error, request))
+                return Failed.of(error, message(error, request), paced=True, weight=_weight(request))
         finally:
-            self._slots.give_back()
+            self._slots.give_back(slot)
 
     async def _abort(self, context: grpc.aio.ServicerContext, status: grpc.StatusCode, details: str) -> NoReturn:
         """End the call with ``status``, counted by it. A call that ended first (its deadline passed
@@ -399,18 +483,32 @@ class EmbedderServicer(pb_grpc.EmbedderServicer):
     async def EmbedStream(
         self, request_iterator: AsyncIterator[pb.EmbedRequest | Refused], context: grpc.aio.ServicerContext
     ) -> AsyncIterator[pb.EmbedResponse]:
-        if not self._slots.take():  # a stream holds its slot for its life
-            busy = self._slots.busy()
-            context.set_trailing_metadata(((RETRY_PUSHBACK_KEY, str(busy.retry_after_ms)),))
-            await self._abort(context, STATUS[busy.failure], busy.message)
+        slot = self._slots.take(context.peer(), None)  # a stream holds its slot for its life
+        if slot is None:
+            await self._refuse_stream(context, self._slots.busy())
         try:
-            async for answer in self._stream(request_iterator, context):
+            async for answer in self._stream(request_iterator, context, slot):
                 yield answer
+        except asyncio.CancelledError:
+            if not slot.evicted:
+                raise
+            task = asyncio.current_task()
+            if task is not None:
+                task.uncancel()  # its slot was taken back while it sent nothing: refused, not gone
+            await self._service().pace(context.peer(), TAKEN_BACK_WEIGHT)
+            await self._refuse_stream(context, self._slots.taken_back())
         finally:
-            self._slots.give_back()
+            self._slots.give_back(slot)
+
+    async def _refuse_stream(self, context: grpc.aio.ServicerContext, error: EmbedError) -> NoReturn:
+        context.set_trailing_metadata(((RETRY_PUSHBACK_KEY, str(error.retry_after_ms)),))
+        await self._abort(context, STATUS[error.failure], error.message)
 
     async def _stream(
-        self, request_iterator: AsyncIterator[pb.EmbedRequest | Refused], context: grpc.aio.ServicerContext
+        self,
+        request_iterator: AsyncIterator[pb.EmbedRequest | Refused],
+        context: grpc.aio.ServicerContext,
+        slot: Slot,
     ) -> AsyncIterator[pb.EmbedResponse]:
         window = StreamWindow(self._stream_window_bytes)
         answers: asyncio.Queue[tuple[pb.EmbedResponse, int] | None] = asyncio.Queue()
@@ -428,6 +526,7 @@ class EmbedderServicer(pb_grpc.EmbedderServicer):
         async def read() -> None:
             try:
                 async for request in request_iterator:
+                    self._slots.read(slot)
                     nbytes = self._weight(request)
                     await window.take(nbytes)
                     task = asyncio.create_task(answer(request, nbytes))
@@ -438,11 +537,14 @@ class EmbedderServicer(pb_grpc.EmbedderServicer):
                 answers.put_nowait(None)  # the writer below stops waiting, whatever ended the reading
 
         reader = asyncio.create_task(read())
+        self._slots.wait(slot, reader)  # until its first request
         try:
             while (done := await answers.get()) is not None:
                 response, nbytes = done
                 yield response  # returns once gRPC has taken the answer, within the client's window
                 window.give_back(nbytes)
+                if window.empty():  # nothing of its in flight: it waits for a request
+                    self._slots.wait(slot)
                 if not response.HasField("error"):
                     unwritten -= 1
                     self._gate.leave()
@@ -465,7 +567,7 @@ class EmbedderServicer(pb_grpc.EmbedderServicer):
             result = await self._embed(request, context)
         except EmbedError as error:
             if error.failure is Failure.REJECTED:  # paced within the stream, which holds its own window meanwhile
-                await self._service().pace(context.peer())
+                await self._service().pace(context.peer(), _weight(request))
             status = self._count_failure(error)
             return pb.EmbedResponse(
                 request_id=request_id,
@@ -512,6 +614,11 @@ class EmbedderServicer(pb_grpc.EmbedderServicer):
 
     def _count(self, code: grpc.StatusCode) -> None:
         self._metrics.answered("grpc", code.name)
+
+
+def _weight(request: pb.EmbedRequest | Refused) -> float:
+    """What a request's refusal weighs against its client's (its bytes: :func:`refusal_weight`)."""
+    return refusal_weight(0 if isinstance(request, Refused) else request.ByteSize())
 
 
 def _past_deadline(context: grpc.aio.ServicerContext) -> bool:

@@ -10,7 +10,10 @@ the protocol, it exits EXIT_FATAL.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
+import os
+import threading
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
@@ -32,6 +35,18 @@ log = logging.getLogger(__name__)
 
 TICK_S = 1.0
 TOKENIZER_THREADS = 2
+MAX_NICE = 19
+
+
+def below_serving(nice: int) -> None:
+    """Run this thread (a tokenizing one) ``nice`` levels below the event loop, as the engine's
+    compute threads run (``docs/decisions/compute-nice.md``): a large call's tokenizing is compute,
+    and at the event loop's priority a client's large bodies took the cores from the compute
+    (niced) and from everyone's calls (a bystander's calls/s fell 10 times)."""
+    main = threading.main_thread().native_id or os.getpid()
+    target = min(MAX_NICE, os.getpriority(os.PRIO_PROCESS, main) + nice)
+    with contextlib.suppress(OSError):  # a container that forbids it: serving goes on at its priority
+        os.setpriority(os.PRIO_PROCESS, threading.get_native_id(), target)
 
 
 class FrontendProcess:
@@ -54,7 +69,12 @@ class FrontendProcess:
             if settings.rest_port
             else None
         )
-        self._executor = ThreadPoolExecutor(TOKENIZER_THREADS, thread_name_prefix="kembed-tokenize")
+        self._executor = ThreadPoolExecutor(
+            TOKENIZER_THREADS,
+            thread_name_prefix="kembed-tokenize",
+            initializer=below_serving,
+            initargs=(settings.compute_nice,),
+        )
         self._child = Child()
 
     async def run(self) -> int:

@@ -15,9 +15,9 @@ What one client can hold here is bounded (``docs/decisions/hostile-clients.md``)
 
 - a body only as ``application/json`` (415 otherwise: a browser's cross-site "simple" POST is
   ``text/plain``), uncompressed, of at most ``KEMBED_MAX_MESSAGE_BYTES``, weighed against the front
-  end's memory budget before a byte of it is read (429 when it does not fit), then parsed as it
-  arrives, chunk by chunk, each chunk's work bounded, and refused at the first item that breaks a
-  limit;
+  end's memory budget as it arrives (429 at the chunk that does not fit), a client's bodies being
+  read at most a share of it, and parsed as it arrives, chunk by chunk, each chunk's work bounded,
+  and refused at the first item that breaks a limit;
 - time: a request's head must arrive within the idle timeout; from its head on, its body must
   arrive within ``KEMBED_DEFAULT_TIMEOUT_MS`` (else 408); its call then has the server's default
   deadline for its size (else 504: ``docs/admission.md``), and an answer larger than the
@@ -46,7 +46,7 @@ import logging
 import resource
 import time
 from collections.abc import Awaitable, Callable
-from typing import Any
+from typing import Any, TypeVar
 
 from aiohttp import web
 
@@ -56,11 +56,11 @@ from kembed.contract import OPENAI_RETRY_COUNT_HEADER, RETRY_ATTEMPT_KEY
 from kembed.demand import retry_attempt
 from kembed.errors import EmbedError, Failure
 from kembed.frontend import auth, openai_api, openapi
-from kembed.frontend.budget import BODY_WEIGHT, MemoryBudget, Reservation
+from kembed.frontend.budget import BODY_SHARE, BODY_WEIGHT, ClientShares, MemoryBudget, Reservation
 from kembed.frontend.call import EmbedCall, Limits
 from kembed.frontend.connections import Connections
 from kembed.frontend.openai_api import ApiError, Body, Embeddings
-from kembed.frontend.pushback import rest_client
+from kembed.frontend.pushback import refusal_weight, rest_client
 from kembed.frontend.service import Gate, Service, draining, warming_up
 from kembed.metrics import FrontendMetrics
 from kembed.prompts import ModelPrompts
@@ -88,6 +88,7 @@ FD_RESERVE = 64
 ANSWER_BYTES_PER_VALUE = {"float": 14, "base64": 6, "int8": 5, "uint8": 4, "binary": 1, "ubinary": 1}
 ANSWER_ENVELOPE = 256
 TOKEN_ANSWER_BYTES = 8  # a token id as JSON text and its comma, in a vocabulary under ten million
+T = TypeVar("T")
 Respond = Callable[[web.BaseRequest, Embeddings, Reservation], Awaitable[bytes]]
 
 
@@ -105,6 +106,7 @@ class RestEdge:
         self._metrics = metrics
         self._gate = gate
         self._budget = budget
+        self._shares = ClientShares(budget.capacity // BODY_SHARE)  # of bodies being read, per client
         self._service = service
         self._limits = Limits.of(settings)
         self._timeout_s = settings.default_timeout_ms / 1000  # a request's, from its head
@@ -218,8 +220,9 @@ class RestEdge:
         reservation: Reservation | None = None
         try:
             self._check_head(request)
-            # The body's bytes are held from now until it is parsed, then its answer's until written.
-            reservation = self._budget.reserve(BODY_WEIGHT * (request.content_length or 0))
+            # The body's bytes are held as they arrive until it is parsed, then its answer's until
+            # written: a head alone holds nothing (heads declaring 2 MiB once held a budget full).
+            reservation = self._budget.reserve(0)
             if request.headers.get("Expect", "").lower() == "100-continue":
                 await request.writer.write(b"HTTP/1.1 100 Continue\r\n\r\n")  # its body is welcome
                 request.writer.output_size = 0
@@ -268,44 +271,55 @@ class RestEdge:
         and the same answer either way. The call states no deadline (OpenAI's API has none): it gets
         the server's default for its size. Its peer is the client's address, so a new connection per
         call does not evade its pushback."""
-        content, peer = request.content, f"rest:{rest_client(request.remote or '')}"
+        client = rest_client(request.remote or "")
+        content, peer = request.content, f"rest:{client}"
         if content.is_eof() and content.total_bytes <= READ_CHUNK:
+            reservation.grow(BODY_WEIGHT * content.total_bytes)
             return openai_api.parse(content.read_nowait(), self._served, self._limits, peer)
-        reader, limit, chunked = Body(self._limits), self._settings.max_message_bytes, request.content_length is None
-        async with asyncio.timeout_at(deadline) as timeout:
-            self._reading.add(timeout)
-            try:
-                while chunk := await content.read(READ_CHUNK):
-                    if content.total_bytes > limit:  # a fault within the limit comes first
-                        reader.feed(chunk[: len(chunk) - (content.total_bytes - limit)])
-                        raise self._too_large()
-                    if chunked:
+        reader, limit = Body(self._limits), self._settings.max_message_bytes
+        with self._shares.holding(client) as share:
+            async with asyncio.timeout_at(deadline) as timeout:
+                self._reading.add(timeout)
+                try:
+                    while chunk := await content.read(READ_CHUNK):
+                        if content.total_bytes > limit:  # a fault within the limit comes first
+                            reader.feed(chunk[: len(chunk) - (content.total_bytes - limit)])
+                            raise self._too_large()
+                        share.grow(BODY_WEIGHT * len(chunk))  # the client's share first: its own refusal
                         reservation.grow(BODY_WEIGHT * len(chunk))
-                    reader.feed(chunk)
-                    await asyncio.sleep(0)  # others' turn, even when the rest of the body is here already
-            finally:
-                self._reading.discard(timeout)
+                        reader.feed(chunk)
+                        await asyncio.sleep(0)  # others' turn, even when the rest of the body is here already
+                finally:
+                    self._reading.discard(timeout)
         return reader.finish(self._served, peer)
 
     async def _embed(self, request: web.BaseRequest, parsed: Embeddings, reservation: Reservation) -> bytes:
-        """The call's answer. A refusal's answer is paced holding nothing another client needs: its
-        answer's bytes are let go, and its connection counts as idle (the first closed for room)."""
+        """The call's answer (a refusal's paced: :meth:`_paced`)."""
         dimensions = min(parsed.call.dimensions or self._dimensions, self._dimensions)
         reservation.grow(parsed.call.count * dimensions * ANSWER_BYTES_PER_VALUE[parsed.encoding] + ANSWER_ENVELOPE)
+        embedding = self._service().embed(_with_attempt(parsed.call, request))
+        result = await self._paced(request, parsed, reservation, embedding)
+        return openai_api.answer(parsed, result)
+
+    async def _tokenize(self, request: web.BaseRequest, parsed: Embeddings, reservation: Reservation) -> bytes:
+        chunks = await self._paced(request, parsed, reservation, self._service().tokenize(parsed.call))
+        reservation.grow(int(chunks.seqs.ids.size) * TOKEN_ANSWER_BYTES + ANSWER_ENVELOPE)  # before it is written
+        return openai_api.tokens(parsed, chunks)
+
+    async def _paced(
+        self, request: web.BaseRequest, parsed: Embeddings, reservation: Reservation, work: Awaitable[T]
+    ) -> T:
+        """``work``'s result. A refusal's answer is paced, weighing the body's bytes, holding nothing
+        another client needs: its answer's bytes are let go, and its connection counts as idle (the
+        first closed for room)."""
         try:
-            result = await self._service().embed(_with_attempt(parsed.call, request))
+            return await work
         except EmbedError as error:
             if error.failure is Failure.REJECTED:
                 reservation.release()
                 self._server.done(request.protocol)
-                await self._service().pace(parsed.call.peer)
+                await self._service().pace(parsed.call.peer, refusal_weight(request.content.total_bytes))
             raise
-        return openai_api.answer(parsed, result)
-
-    async def _tokenize(self, request: web.BaseRequest, parsed: Embeddings, reservation: Reservation) -> bytes:
-        chunks = await self._service().tokenize(parsed.call)
-        reservation.grow(int(chunks.seqs.ids.size) * TOKEN_ANSWER_BYTES + ANSWER_ENVELOPE)  # before it is written
-        return openai_api.tokens(parsed, chunks)
 
     async def _write(self, request: web.BaseRequest, status: int, body: bytes) -> web.StreamResponse:
         """The answer, written here while its bytes are still weighed, within the request's timeout.

@@ -8,7 +8,10 @@ The screen also counts the work offered (:mod:`kembed.demand`), once per call at
 decides it: a call refused before tokenizing at the lower bound of its cost the pre-screen weighed,
 any other at its exact padded cost, admitted or refused. A retry (``attempt`` over 0) is not
 counted again. Calls refused before the screen (bad input, warming up, draining, the front end's
-memory budget) are not work the pod could have done, and are not counted.
+memory budget) are not work the pod could have done, and are not counted; nor is a call whose own
+work takes longer than its deadline at the pod's capacity: no pod could do it in time (a client
+once moved the gauge from 0 to 784 with such calls). A retry marker cannot hide work the pod does:
+the demand published is never below the work admitted, retries included, over the same window.
 """
 
 from __future__ import annotations
@@ -76,11 +79,12 @@ class Screen:
         self._admission = AdmissionController(settings, PublishedLoad(board, refusals))
         self._clock = clock
         # Carried on from the board: a front end restarted in a running pod keeps its predecessor's rate.
-        self._offered = OfferedRate(
-            settings.demand_window_s,
+        rate, at = (
             board.frontend(frontend, FrontendCell.OFFERED_RATE),
             board.frontend(frontend, FrontendCell.OFFERED_AT),
         )
+        self._offered = OfferedRate(settings.demand_window_s, rate, at)
+        self._admitted = OfferedRate(settings.demand_window_s, rate, at)  # what admission let through
 
     def class_of(self, padded_tokens: int, priority: Priority) -> Priority:
         """The class a request of this cost is served in (an interactive one too large for its
@@ -92,16 +96,24 @@ class Screen:
         return self._admission.budget_tokens()
 
     def before_tokenizing(
-        self, least_padded_tokens: int, priority: Priority, attempt: int = 0, seconds_left: float | None = None
+        self,
+        least_padded_tokens: int,
+        priority: Priority,
+        attempt: int = 0,
+        seconds_left: float | None = None,
+        offered: bool = True,
     ) -> Rejection | None:
         """The latency draw and the capacity checks on a lower bound of the request's cost, and, for
         a call with ``seconds_left`` of its deadline, whether it could be served before it ends
-        (counted as offered when refused). One read of the backlog for both."""
+        (counted as offered when refused, unless not ``offered``: a call that asks for no
+        compute). One read of the backlog for both."""
         backlog = self._backlog()
         rejection = self._admission.prescreen(least_padded_tokens, backlog, priority)
         if rejection is None and seconds_left is not None:
             rejection = self._admission.in_time(least_padded_tokens, backlog, priority, seconds_left)
-        return self._offer_refused(rejection, least_padded_tokens, attempt)
+        if rejection is not None and offered and self._could_serve(least_padded_tokens, seconds_left):
+            self.offer(least_padded_tokens, attempt)
+        return rejection
 
     @contextlib.contextmanager
     def tokenizing(self, least_padded_tokens: int, priority: Priority) -> Iterator[None]:
@@ -113,14 +125,23 @@ class Screen:
         finally:
             self._tokenizing[priority] -= least_padded_tokens
 
-    def after_tokenizing(self, padded_tokens: int, priority: Priority, attempt: int = 0) -> Rejection | Waits:
+    def after_tokenizing(
+        self, padded_tokens: int, priority: Priority, attempt: int = 0, seconds_left: float | None = None
+    ) -> Rejection | Waits:
         """The capacity checks with the request's exact padded cost, counted as offered: its
-        refusal, or the waits it was admitted to (one read of the backlog for both)."""
+        refusal, or the waits it was admitted to (one read of the backlog for both). A call with
+        ``seconds_left`` of its deadline whose own work takes longer at the pod's capacity is
+        refused, and not counted: no pod could serve it in time."""
+        if not self._could_serve(padded_tokens, seconds_left):
+            late = self._admission.beyond_deadline(padded_tokens, seconds_left or 0.0)
+            if late is not None:
+                return late
         self.offer(padded_tokens, attempt)
         backlog = self._backlog()
         rejection = self._admission.admit(padded_tokens, backlog, priority)
         if rejection is not None:
             return rejection
+        self._admit(padded_tokens)
         ahead = backlog.ahead(priority) + padded_tokens
         return Waits(self._admission.drain_seconds(ahead), self._admission.longest_wait(ahead))
 
@@ -128,15 +149,28 @@ class Screen:
         """Count a call's work as offered, unless it is a retry (counted at its first attempt)."""
         if attempt:
             return
-        offered = self._offered
-        offered.add(padded_tokens, self._clock())
-        self._board.set_frontend(self._frontend, FrontendCell.OFFERED_RATE, offered.rate)
-        self._board.set_frontend(self._frontend, FrontendCell.OFFERED_AT, offered.at)
+        now = self._clock()
+        self._offered.add(padded_tokens, now)
+        self._publish(now)
 
-    def _offer_refused(self, rejection: Rejection | None, padded_tokens: int, attempt: int) -> Rejection | None:
-        if rejection is not None:
-            self.offer(padded_tokens, attempt)
-        return rejection
+    def _admit(self, padded_tokens: int) -> None:
+        """Count an admitted call's work, a retry's too: the demand is never below it."""
+        now = self._clock()
+        self._admitted.add(padded_tokens, now)
+        self._publish(now)
+
+    def _publish(self, now: float) -> None:
+        """The demand: the work offered, or the work admitted if more (retries marked as such that
+        the pod serves). Both decay alike, so their larger one decays as one rate."""
+        rate = max(self._offered.at_time(now), self._admitted.at_time(now))
+        self._board.set_frontend(self._frontend, FrontendCell.OFFERED_RATE, rate)
+        self._board.set_frontend(self._frontend, FrontendCell.OFFERED_AT, now)
+
+    def _could_serve(self, padded_tokens: int, seconds_left: float | None) -> bool:
+        """Whether a pod could serve a call of this cost within ``seconds_left`` (None: no deadline)
+        at the best rate this one has shown (its capacity; any, while it has none)."""
+        capacity = self._board[Cell.CAPACITY]
+        return seconds_left is None or capacity <= 0 or padded_tokens <= capacity * seconds_left
 
     def _backlog(self) -> Backlog:
         """The engine's published backlog, plus this front end's work the engine has not taken yet:

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from concurrent.futures import Executor
 from pathlib import Path
 from typing import NamedTuple, Protocol
@@ -39,6 +39,7 @@ from kembed.prompts import ModelPrompts
 from kembed.quantize import encode
 from kembed.runtime import read_serving
 from kembed.shapes import padded_tokens
+from kembed.texts import NO_CONTENT, has_content
 
 MAX_REQUEST_ID_CHARS = 256
 DRAINING_PUSHBACK_MS = 100  # a draining pod's refusal: come back at once, on a new connection
@@ -106,9 +107,10 @@ class Service(Protocol):
 
     async def tokenize(self, call: EmbedCall) -> Chunks: ...
 
-    async def pace(self, client: str) -> None:
-        """A call of ``client`` was refused (REJECTED): return when its answer may be sent. The edge
-        calls it once it holds nothing of the call's but what answering it needs."""
+    async def pace(self, client: str, weight: float = 1.0) -> None:
+        """A call of ``client`` was refused (REJECTED), weighing ``weight`` refusals (its bytes:
+        :func:`~kembed.frontend.pushback.refusal_weight`): return when its answer may be sent. The
+        edge calls it once it holds nothing of the call's but what answering it needs."""
 
     def info(self) -> ServerInfo: ...
 
@@ -132,7 +134,7 @@ class WarmingUp:
     async def tokenize(self, call: EmbedCall) -> Chunks:
         raise warming_up()
 
-    async def pace(self, client: str) -> None:
+    async def pace(self, client: str, weight: float = 1.0) -> None:
         return None
 
     def info(self) -> ServerInfo:
@@ -198,16 +200,23 @@ class EmbedService:
         finally:
             self._gate.leave()
 
-    async def pace(self, client: str) -> None:
-        await self._paced.refused(client)
+    async def pace(self, client: str, weight: float = 1.0) -> None:
+        await self._paced.refused(client, weight)
 
-    def _screened_cost(self, least: int, client: str) -> int:
+    def _screened_cost(self, least: int, paced: bool) -> int:
         """The cost the pre-screen weighs: the lower bound, or, for a client whose refusals are being
-        paced (it ignores its pushback), the bound scaled to what this front end's calls have cost,
-        so that its calls at the margin are refused before a tokenization, not after one."""
-        if self._pacer.in_debt(client):
+        ``paced`` (it ignores its pushback), the bound scaled to what this front end's calls have
+        cost, so that its calls at the margin are refused before a tokenization, not after one."""
+        if paced:
             return max(least, int(least * self._cost_over_least))
         return least
+
+    def _attempt(self, call: EmbedCall, paced: bool) -> int:
+        """The call's earlier attempts as demand counts them: as its marker says, or, for a client
+        whose refusals are being paced, at least one: it calls again faster than its pushback
+        allows, a retry in all but its marker (925 KB bodies re-sent at once read 133 times the
+        pod's capacity). Its burst is counted; what the pod admits of it is, as any call's."""
+        return call.attempt or int(paced)
 
     def drain(self) -> None:
         """Answer every paced refusal now, and pace none from here on: a drain waits for no timer."""
@@ -216,12 +225,11 @@ class EmbedService:
     async def _serve(self, call: EmbedCall, prompt: Prompt, arrival: float) -> EmbedResult:
         chunking = self._chunking.with_prompt(prompt.tokens) if self._chunked(call) else None
         least = self._least_cost(call, chunking, prompt)
-        least_cost = self._screened_cost(least, call.peer)
+        paced = self._pacer.in_debt(call.peer)
+        least_cost, attempt = self._screened_cost(least, paced), self._attempt(call, paced)
         priority = self._screen.class_of(least_cost, call.priority)
         stated = None if call.timeout_s is None else arrival + call.timeout_s  # the client's own deadline
-        self._raise_if_rejected(
-            self._screen.before_tokenizing(least_cost, priority, call.attempt, call.timeout_s), priority
-        )
+        self._raise_if_rejected(self._screen.before_tokenizing(least_cost, priority, attempt, call.timeout_s), priority)
         with self._screen.tokenizing(least_cost, priority):
             chunks = await self._tokenized(call, chunking, prompt)
         tokenized = self._clock()
@@ -231,7 +239,7 @@ class EmbedService:
         priority = self._screen.class_of(cost, priority)
         if priority is not call.priority:
             self._metrics.demoted.inc()
-        waits = self._admit(cost, priority, call.attempt)
+        waits = self._admit(cost, priority, attempt, None if stated is None else stated - tokenized)
         deadline = stated if stated is not None else arrival + self._default_budget(waits)
         tag, pending = self._link.submit(seqs, cost, arrival, deadline, priority)
         await self._wait(tag, pending, deadline, waits.expected)
@@ -242,13 +250,22 @@ class EmbedService:
 
     async def tokenize(self, call: EmbedCall) -> Chunks:
         """The call's inputs as :meth:`embed` would hand them to the engine (prompt, truncation,
-        chunks, the same checks and limits), and no further: nothing is admitted or computed."""
+        chunks, the same checks and limits), and no further: nothing is computed. It is admitted as
+        an embedding call of its cost is before tokenizing (its tokenizing takes the cores the
+        compute does), weighed as work while it is tokenized, and not counted as demand."""
         self._gate.enter()
         try:
             self._validate(call)
             prompt = self._prompt(call)
             chunking = self._chunking.with_prompt(prompt.tokens) if self._chunked(call) else None
-            with self._memory.reserve(call_weight(call.nbytes(prompt.text), self._most_items(call), 0)):
+            least_cost = self._screened_cost(self._least_cost(call, chunking, prompt), self._pacer.in_debt(call.peer))
+            priority = self._screen.class_of(least_cost, call.priority)
+            rejection = self._screen.before_tokenizing(least_cost, priority, offered=False)
+            self._raise_if_rejected(rejection, priority)
+            with (
+                self._memory.reserve(call_weight(call.nbytes(prompt.text), self._most_items(call), 0)),
+                self._screen.tokenizing(least_cost, priority),
+            ):
                 return await self._tokenized(call, chunking, prompt)
         finally:
             self._gate.leave()
@@ -299,6 +316,7 @@ class EmbedService:
         limit = self._limit(chunking)
         inputs = call.inputs
         if isinstance(inputs, Texts):
+            _check_content(inputs.items)
             # As sentence-transformers does: the prompt and the text tokenized as one, so it counts
             # in the tokens, and truncation cuts the text's end, never the prompt.
             texts = [prompt.text + text for text in inputs.items] if prompt.text else inputs.items
@@ -367,13 +385,13 @@ class EmbedService:
         """What items of these lengths cost once each is padded to its bucket."""
         return padded_tokens(lengths, self._bucket_lengths)
 
-    def _admit(self, cost: int, priority: Priority, attempt: int) -> Waits:
+    def _admit(self, cost: int, priority: Priority, attempt: int, seconds_left: float | None) -> Waits:
         """Admit the call at its exact cost, or raise; what it waits, admitted."""
         limit = self._settings.max_queued_tokens
         if cost > limit:
             reason = f"the request needs {cost} padded tokens, more than the server queues at once ({limit}): split it"
             raise InvalidInput(Field.INPUT, reason)
-        decided = self._screen.after_tokenizing(cost, priority, attempt)
+        decided = self._screen.after_tokenizing(cost, priority, attempt, seconds_left)
         if isinstance(decided, Rejection):
             raise self._refused(decided, priority)
         return decided
@@ -443,6 +461,15 @@ class EmbedService:
             settings.max_connection_age_ms,
             settings.connection_age_grace_ms,
         )
+
+
+def _check_content(texts: Sequence[str]) -> None:
+    """Refuse the first text without content (``kembed/texts.py``): embedded, it would be its
+    special tokens alone. Here, where a large call is tokenized off the event loop, since a text
+    without content is read to its end."""
+    for index, content in enumerate(map(has_content, texts)):
+        if not content:
+            raise InvalidInput(Field.INPUT, NO_CONTENT, index)
 
 
 def postprocess(rows: np.ndarray, dimensions: int, normalize: bool) -> np.ndarray:

@@ -3,7 +3,8 @@ cut into spans of consecutive texts that each fit in one request.
 
 Line ``n`` (1-based) of the input, or of a shard, is row ``n - 1`` of the output, or of the part.
 Lines end at ``\\n`` (a ``\\r`` before it is dropped, so CRLF files read as expected); an empty
-line is an empty text, whose row is zeros (:attr:`Span.sent`: the server refuses an empty text).
+line, or one without content (only whitespace or invisible characters: ``kembed/texts.py``, the
+server's rule), is not sent, and its row is zeros (:attr:`Span.sent`: the server refuses such a text).
 Input is UTF-8, strictly: a bad byte or a JSON line without the field is an error naming the line.
 So is a ``\\r`` anywhere else in a line: a file with CR-only line ends
 (old Mac) would otherwise be one text, and splitting there instead would make the rows disagree
@@ -38,6 +39,7 @@ import numpy as np
 
 from kembed.client.corpus import FinalError, file_error
 from kembed.client.requests import REQUEST_ENVELOPE_BYTES, TEXT_ENVELOPE_BYTES, cut_chars, split_texts
+from kembed.texts import has_content
 
 STDIN = "-"
 # A JSONL line may hold this many times what its text may (escapes, other fields); past that it
@@ -118,9 +120,9 @@ class Span:
 
     @property
     def sent(self) -> list[str]:
-        """The texts a request carries: all but the blank ones, whose rows are zeros (the server
-        refuses an empty text)."""
-        return [text for text in self.texts if text]
+        """The texts a request carries: all but the blank ones (empty, or without content), whose
+        rows are zeros (the server refuses them)."""
+        return [text for text in self.texts if has_content(text)]
 
     @property
     def blank(self) -> int:
@@ -131,12 +133,12 @@ class Span:
         if len(vectors) == len(self.texts):
             return vectors
         rows = np.zeros((len(self.texts), vectors.shape[1]), dtype=vectors.dtype)
-        rows[np.fromiter(map(bool, self.texts), dtype=bool, count=len(self.texts))] = vectors
+        rows[np.fromiter(map(has_content, self.texts), dtype=bool, count=len(self.texts))] = vectors
         return rows
 
     def texts_index(self, sent_index: int) -> int:
         """The index in ``texts`` of ``sent[sent_index]``."""
-        return [i for i, text in enumerate(self.texts) if text][sent_index]
+        return [i for i, text in enumerate(self.texts) if has_content(text)][sent_index]
 
     def line(self, index: int) -> str:
         """The input line of ``texts[index]``, for messages."""
