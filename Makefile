@@ -1,4 +1,5 @@
-# Two commands matter: `make serve` and `make test`. Both create .venv and install what they need.
+# Two commands matter: `make serve` and `make test` (`make unit` for the pure tests alone). Each
+# creates .venv and installs what it needs.
 PYTHON ?= python3
 VENV   := .venv
 BIN    := $(VENV)/bin
@@ -37,10 +38,14 @@ lint: $(VENV)/.test
 typecheck: $(VENV)/.test $(PROTO_OUT)
 	$(BIN)/mypy
 
+# The pure tests, in minutes: every test but those marked `process` (a server, `kopf run`, a
+# subprocess), and no process started (tests/lanes.py refuses one).
 unit: $(VENV)/.test $(PROTO_OUT)
-	$(BIN)/python -m pytest $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -m "not process and not image" $(PYTEST_ARGS)
 
-test: lint typecheck unit
+# Every test (what .ci/run calls); the 30 slowest steps listed at the end.
+test: lint typecheck
+	$(BIN)/python -m pytest --durations=30 $(PYTEST_ARGS)
 
 bench: $(VENV)/.test $(PROTO_OUT)
 	$(BIN)/python -m bench.run_all

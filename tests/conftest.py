@@ -17,6 +17,9 @@ import pytest
 
 from kembed.contract import GRPC_PORT, HTTP_PORT, REST_PORT
 
+# tests/lanes.py: the `process` mark and its guard; pytester: the guard's own tests run pytest in pytest.
+pytest_plugins = ("tests.lanes", "pytester")
+
 DEFAULT_PORTS = (GRPC_PORT, REST_PORT, HTTP_PORT)
 
 

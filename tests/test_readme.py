@@ -71,6 +71,7 @@ def test_the_front_page_has_only_blocks_this_test_runs() -> None:
     assert {lang for lang, _ in BLOCK.findall(FRONT_PAGE)} == {"sh", "python"}
 
 
+@pytest.mark.process
 def test_the_python_examples_run_in_order(server: ServerProcess, tmp_path: Path) -> None:
     """As a reader runs them: one session, each block after the ones above it."""
     code = localized("\n".join(blocks("python")), server)
@@ -78,6 +79,7 @@ def test_the_python_examples_run_in_order(server: ServerProcess, tmp_path: Path)
     assert result.returncode == 0, f"{code}\n{result.stderr}"
 
 
+@pytest.mark.process
 def test_the_shell_examples_run(server: ServerProcess, tmp_path: Path) -> None:
     (tmp_path / "corpus.txt").write_text("hello world\nembeddings on kubernetes\n")
     ran = []

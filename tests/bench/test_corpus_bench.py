@@ -186,7 +186,7 @@ def test_the_corpus_table_has_every_load_and_the_output() -> None:
     assert lines[-1].startswith("Output: 1000 rows in 4 parts (250, 250, 250, 250) for 1000 corpus lines")
 
 
-@pytest.mark.slow
+@pytest.mark.process
 def test_a_tiny_run_judges_every_target(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     """The whole benchmark against a real server, with loads too short to mean anything: every
     figure is there and the output check holds (the throughput targets are not judged here)."""

@@ -33,7 +33,7 @@ from tests.operator.conftest import PROMETHEUS_URL, wait_for
 from tests.operator.emulator import EmulatorThread
 from tests.operator.test_slo_status import CONDITION_TYPES
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(120)]
+pytestmark = [pytest.mark.process, pytest.mark.timeout(120)]
 
 
 @pytest.fixture(scope="module")

@@ -25,7 +25,7 @@ from tests.operator.conftest import PROMETHEUS_URL, RESOURCES, start_operator, s
 from tests.operator.emulator import EmulatorThread
 from tests.operator.faults import Faults, FaultyEmulator
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
+pytestmark = [pytest.mark.process, pytest.mark.timeout(300)]
 CHILD_PLURALS = (DEPLOYMENTS, SERVICES, PDBS, HPAS, SCALED_OBJECTS)
 BAD_DAY = Faults(write_share=0.3, lost_answer_share=0.1, delay_s=0.02, watch_lifetime_s=4.0, gone_share=0.3)
 # Watches cut every 2-4 s and half of them expired (kopf watches from the resourceVersion of its

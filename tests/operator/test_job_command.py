@@ -222,7 +222,7 @@ def assert_same_vectors(rows: np.ndarray, reference: np.ndarray) -> None:
     assert cosines.min() >= 0.9999, (cosines.argmin(), cosines.min())
 
 
-@pytest.mark.slow
+@pytest.mark.process
 @pytest.mark.timeout(1200)
 def test_every_index_runs_and_the_parts_are_one_unsharded_run(server: ServerProcess, tmp_path: Path) -> None:
     claims = tmp_path / "claims"
@@ -289,7 +289,7 @@ FOR_GOOD = {
 }
 
 
-@pytest.mark.slow
+@pytest.mark.process
 @pytest.mark.parametrize("case", FOR_GOOD)
 def test_a_shard_no_retry_can_fix_fails_at_once_and_the_status_says_which_and_why(
     server: ServerProcess, tmp_path: Path, case: str

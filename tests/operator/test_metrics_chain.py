@@ -29,7 +29,7 @@ from kembed_operator.spec import parse_spec
 from tests.operator.conftest import CHART, wait_for
 from tests.server.serving import ServerProcess
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
+pytestmark = [pytest.mark.process, pytest.mark.timeout(300)]
 OWNER = render.Owner(name="emb", namespace="search", uid="u")
 POD = "emb-7d4b9c8f6d-x2x9z"  # what a Deployment's pod is called
 HPA_METRICS = (Metric.DEMAND_RATIO, Metric.QUEUE_DRAIN_SECONDS, Metric.LATENCY_P95_SECONDS)

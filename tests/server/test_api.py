@@ -20,6 +20,8 @@ from kembed.v1 import embedder_pb2 as pb
 from kembed.v1 import embedder_pb2_grpc as pb_grpc
 from tests.server.serving import ServerProcess, channel_per_frontend
 
+pytestmark = pytest.mark.process
+
 MAX_ITEMS = 64
 MAX_MESSAGE = 1024 * 1024
 

@@ -30,7 +30,7 @@ from kembed.v1 import embedder_pb2_grpc as pb_grpc
 from tests.server.folders import small_folder, unwritable_folder
 from tests.server.serving import ServerProcess, all_decided, wait_until
 
-pytestmark = pytest.mark.slow
+pytestmark = pytest.mark.process
 
 DIMS = 384
 HEADER = 128  # bytes before the rows in the .npy files the command writes

@@ -23,6 +23,8 @@ from kembed.v1 import embedder_pb2 as pb
 from kembed.v1 import embedder_pb2_grpc as pb_grpc
 from tests.server.serving import ServerProcess
 
+pytestmark = pytest.mark.process
+
 LIMIT = 256  # the bundled model's max input tokens
 MAX_CHUNKS = 4
 MAX_ITEMS = 8

@@ -24,7 +24,7 @@ from kembed.v1 import embedder_pb2 as pb
 from kembed.v1 import embedder_pb2_grpc as pb_grpc
 from tests.server.serving import ServerProcess
 
-pytestmark = pytest.mark.slow
+pytestmark = pytest.mark.process
 
 FOLDER = "minilm-folder"  # the model's folder: what it is called unless told otherwise
 MAX_TEXT_CHARS = 2000

@@ -111,7 +111,7 @@ def tight_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerPro
     running.stop()
 
 
-@pytest.mark.slow
+@pytest.mark.process
 @pytest.mark.timeout(1200)  # a server's start and 5,000 texts at a 1 s budget: minutes on two busy cores
 def test_embed_paces_thousands_of_texts_through_a_small_budget(tight_server: ServerProcess):
     with EmbedClient(tight_server.target) as client:
@@ -121,7 +121,7 @@ def test_embed_paces_thousands_of_texts_through_a_small_budget(tight_server: Ser
     np.testing.assert_allclose(vectors[SAMPLED], alone, atol=1e-5)  # row for row, in input order
 
 
-@pytest.mark.slow
+@pytest.mark.process
 @pytest.mark.timeout(1200)
 def test_the_async_client_paces_alike(tight_server: ServerProcess):
     async def embed() -> tuple[np.ndarray, np.ndarray]:

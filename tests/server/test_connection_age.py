@@ -27,7 +27,7 @@ ALIAS = "minilm"
 GRPC_OK = 'kembed_requests_total{api="grpc",code="OK"}'
 REST_OK = 'kembed_requests_total{api="rest",code="200"}'
 
-pytestmark = pytest.mark.slow
+pytestmark = pytest.mark.process
 
 
 class Service:

@@ -52,6 +52,7 @@ print(json.dumps(result))
 """
 
 
+@pytest.mark.process
 def test_compute_threads_yield_to_the_main_thread() -> None:
     base = os.getpriority(os.PRIO_PROCESS, 0)
     done = subprocess.run([sys.executable, "-c", PROBE], capture_output=True, text=True, timeout=120, check=True)
@@ -60,6 +61,7 @@ def test_compute_threads_yield_to_the_main_thread() -> None:
     assert result == {"nice": expected, "child": expected, "main": base, "others": [expected]}
 
 
+@pytest.mark.process
 def test_the_compile_thread_and_what_it_starts_run_only_on_idle_cpu() -> None:
     """The compile beside serving must not take the cores from admitted work: its thread, the
     threads it starts and the compiler processes it runs are SCHED_IDLE; the rest keep theirs."""
@@ -109,7 +111,7 @@ def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
     running.stop()
 
 
-@pytest.mark.slow
+@pytest.mark.process
 def test_on_cpu_only_the_engine_compute_threads_run_below_serving(server: ServerProcess) -> None:
     base = os.getpriority(os.PRIO_PROCESS, server.process.pid)
     children = server.children()
@@ -121,7 +123,7 @@ def test_on_cpu_only_the_engine_compute_threads_run_below_serving(server: Server
     assert "compute threads at niceness" in server.output()
 
 
-@pytest.mark.slow
+@pytest.mark.process
 def test_the_dtype_auto_serves_and_why_are_in_health_info_and_metrics(server: ServerProcess) -> None:
     health = server.health()
     dtype, why = health["dtype"], health["dtype_reason"]

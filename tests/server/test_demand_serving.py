@@ -19,7 +19,7 @@ from kembed.v1 import embedder_pb2 as pb
 from kembed.v1 import embedder_pb2_grpc as pb_grpc
 from tests.server.serving import ServerProcess
 
-pytestmark = pytest.mark.slow
+pytestmark = pytest.mark.process
 IDS = [101] + [2023] * 198 + [102]  # 200 ids: one item in the 256-token bucket
 COST = 256
 QUEUE_CAP = 260  # one such item fits; two do not, even with the interactive reserve

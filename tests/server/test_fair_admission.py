@@ -26,7 +26,7 @@ from kembed.v1 import embedder_pb2 as pb
 from kembed.v1 import embedder_pb2_grpc as pb_grpc
 from tests.server.serving import ServerProcess, wait_until
 
-pytestmark = pytest.mark.slow
+pytestmark = pytest.mark.process
 
 OK, EXHAUSTED, INVALID = grpc.StatusCode.OK, grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.INVALID_ARGUMENT
 PASSAGE = "word " * 200  # 202 tokens: the 256 bucket

@@ -28,7 +28,7 @@ from kembed.v1 import embedder_pb2_grpc as pb_grpc
 from tests.server.bodies import ONE_ANSWER
 from tests.server.serving import ServerProcess, peer_ports, reset_peak_rss, rss_bytes, wait_until
 
-pytestmark = pytest.mark.slow
+pytestmark = pytest.mark.process
 
 MAX_ITEMS = 64
 BIG_MESSAGE = 16 * 1024 * 1024

@@ -177,6 +177,7 @@ def test_the_client_reaches_only_its_own_modules_and_the_shared_ones() -> None:
     assert set().union(*packages.values()) == CLIENT_PACKAGES  # the check sees them all
 
 
+@pytest.mark.process
 def test_loading_the_client_loads_nothing_of_the_servers() -> None:
     script = (
         "import sys, kembed.client, kembed.client.__main__, kembed.client.corpus.command\n"
@@ -186,7 +187,7 @@ def test_loading_the_client_loads_nothing_of_the_servers() -> None:
     assert result.stdout.strip() == "[]"
 
 
-@pytest.mark.slow
+@pytest.mark.process
 def test_the_client_extra_installs_and_runs_without_torch(tmp_path: Path) -> None:
     """A fresh venv, ``pip install '.[client]'`` (from the configured index, offline-capable), then
     the CLI's help and the library's import, with no torch anywhere."""

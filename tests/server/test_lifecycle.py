@@ -30,7 +30,7 @@ from tests.server.serving import ServerProcess, channel_per_frontend, wait_until
 JSON = "application/json"
 PARAGRAPH = "Readiness goes false at once, and everything accepted is finished and answered. " * 5
 
-pytestmark = pytest.mark.slow
+pytestmark = pytest.mark.process
 
 
 def process_gone(pid: int) -> bool:

@@ -21,7 +21,7 @@ from kembed.v1 import embedder_pb2 as pb
 from kembed.v1 import embedder_pb2_grpc as pb_grpc
 from tests.server.serving import ServerProcess, wait_until
 
-pytestmark = pytest.mark.slow
+pytestmark = pytest.mark.process
 
 CALL_SLOTS, CONNECTIONS, BURST = 32, 16, 16
 # Past its burst a client's refusals are answered 5 s, then 10 s late (the longest): a storm holds

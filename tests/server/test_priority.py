@@ -25,7 +25,7 @@ MAX_QUEUED = 8 * 256  # the cap, not the drain budget, bounds the queue here
 OK, EXHAUSTED = grpc.StatusCode.OK, grpc.StatusCode.RESOURCE_EXHAUSTED
 Call = Any  # a call's future: code(), details(), trailing_metadata() (the stubs type it as Any)
 
-pytestmark = pytest.mark.slow
+pytestmark = pytest.mark.process
 
 
 @pytest.fixture(scope="module")

@@ -94,7 +94,7 @@ CHOICES: dict[str, tuple[dict[str, Any], dict[str, Any]]] = {
 }
 
 
-@pytest.mark.slow
+@pytest.mark.process
 @pytest.mark.parametrize("case", CHOICES)
 def test_vectors_and_counts_are_sentence_transformers_with_the_prompt(
     stub: pb_grpc.EmbedderStub, rest: openai.OpenAI, st: Any, case: str
@@ -111,7 +111,7 @@ def test_vectors_and_counts_are_sentence_transformers_with_the_prompt(
     assert usage == sum(counts)
 
 
-@pytest.mark.slow
+@pytest.mark.process
 def test_the_prompt_changes_the_vector(stub: pb_grpc.EmbedderStub) -> None:
     """The query prompt (the default), the passage prompt, a literal one and none: four vectors, so
     none of the choices is ignored."""
@@ -121,7 +121,7 @@ def test_the_prompt_changes_the_vector(stub: pb_grpc.EmbedderStub) -> None:
     assert closest < 0.999, closest
 
 
-@pytest.mark.slow
+@pytest.mark.process
 def test_truncation_cuts_the_text_never_the_prompt(stub: pb_grpc.EmbedderStub, st: Any) -> None:
     long = "word " * 200
     answer = stub.Embed(pb.EmbedRequest(texts=[long], truncate=True, prompt_name="passage"))
@@ -132,7 +132,7 @@ def test_truncation_cuts_the_text_never_the_prompt(stub: pb_grpc.EmbedderStub, s
     assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "texts[0]" in str(refused.value.details())
 
 
-@pytest.mark.slow
+@pytest.mark.process
 def test_info_and_models_list_the_prompts(stub: pb_grpc.EmbedderStub, server: ServerProcess) -> None:
     info = stub.Info(pb.InfoRequest())
     assert (dict(info.prompts), info.default_prompt_name) == (PROMPTS, "query")
@@ -152,7 +152,7 @@ BAD: dict[str, tuple[dict[str, Any], str, str]] = {
 }
 
 
-@pytest.mark.slow
+@pytest.mark.process
 @pytest.mark.parametrize("case", BAD)
 def test_bad_prompt_fields_are_refused_naming_them(
     stub: pb_grpc.EmbedderStub, server: ServerProcess, case: str
@@ -170,7 +170,7 @@ def test_bad_prompt_fields_are_refused_naming_them(
     assert (status, body["error"]["param"]) == (400, field) and body["error"]["message"].startswith(f"{field}: ")
 
 
-@pytest.mark.slow
+@pytest.mark.process
 @pytest.mark.parametrize("fields", [{"prompt_name": "query"}, {"prompt": ""}, {"input_type": "query"}])
 def test_pretokenized_input_takes_no_prompt(stub: pb_grpc.EmbedderStub, fields: dict[str, Any]) -> None:
     tokens = pb.TokenIds(ids=np.asarray([101, 7592, 102], "<i4").tobytes(), lengths=[3])
@@ -216,7 +216,7 @@ def test_a_default_that_is_not_a_prompt_stops_the_load(bundled_path: Path, tmp_p
 # --- the client -----------------------------------------------------------------------------------
 
 
-@pytest.mark.slow
+@pytest.mark.process
 def test_the_clients_take_the_prompt(server: ServerProcess, st: Any) -> None:
     with EmbedClient(server.target) as client:
         np.testing.assert_allclose(
@@ -232,7 +232,7 @@ def test_the_clients_take_the_prompt(server: ServerProcess, st: Any) -> None:
     np.testing.assert_allclose(asyncio.run(literal()), reference(st, TEXTS, prompt="Represent this: "), atol=2e-6)
 
 
-@pytest.mark.slow
+@pytest.mark.process
 def test_the_command_takes_the_prompt_flags(server: ServerProcess, st: Any, capsys: pytest.CaptureFixture[str]) -> None:
     expected = reference(st, TEXTS[:1], prompt_name="passage")[0]
     assert main(["--target", server.target, "--prompt-name", "passage", TEXTS[0]]) == 0
@@ -243,7 +243,7 @@ def test_the_command_takes_the_prompt_flags(server: ServerProcess, st: Any, caps
     assert exited.value.code == 2 and "not allowed with argument" in capsys.readouterr().err
 
 
-@pytest.mark.slow
+@pytest.mark.process
 def test_the_corpus_command_takes_the_prompt(server: ServerProcess, st: Any, tmp_path: Path) -> None:
     corpus = tmp_path / "corpus.txt"
     corpus.write_text("".join(f"{text}\n" for text in TEXTS), encoding="utf-8")

@@ -19,6 +19,8 @@ from kembed.v1 import embedder_pb2_grpc as pb_grpc
 from tests.server.serving import ServerProcess
 from tests.server.test_rest import post
 
+pytestmark = pytest.mark.process
+
 TEXTS = ["hello world", "kubernetes scales embedding servers", "a queue of tokens", "naïve café 東京"]
 WIRE_DTYPES = {Encoding.INT8: np.int8, Encoding.UINT8: np.uint8, Encoding.BINARY: np.int8, Encoding.UBINARY: np.uint8}
 

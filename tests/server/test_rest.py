@@ -29,7 +29,7 @@ MAX_ITEMS = 64
 MAX_MESSAGE = 1024 * 1024
 TEXTS = ["hello world", "Kubernetes schedules pods onto nodes.", "naïve café, 東京, emoji 🚀", "A short one."]
 
-pytestmark = pytest.mark.slow
+pytestmark = pytest.mark.process
 
 
 @pytest.fixture(scope="module")

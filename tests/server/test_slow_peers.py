@@ -25,7 +25,7 @@ from kembed.v1 import embedder_pb2_grpc as pb_grpc
 from tests.server.queueing import work
 from tests.server.serving import FAST, ServerProcess, rss_bytes, wait_until
 
-pytestmark = pytest.mark.slow
+pytestmark = pytest.mark.process
 
 MAX_ITEMS = 64
 OK_ANSWERS = f'{Metric.REQUESTS}_total{{api="grpc",code="OK"}}'

@@ -29,7 +29,7 @@ from kembed.v1 import embedder_pb2_grpc as pb_grpc
 from tests.server.certs import Authority, Issued, write_atomically
 from tests.server.serving import ServerProcess
 
-pytestmark = pytest.mark.slow
+pytestmark = pytest.mark.process
 
 TEXTS = ["Rotation must not cut a call that is already being answered."] * 8
 

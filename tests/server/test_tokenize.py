@@ -16,6 +16,8 @@ from kembed.v1 import embedder_pb2_grpc as pb_grpc
 from tests.server.serving import ServerProcess
 from tests.server.test_rest import post, post_to
 
+pytestmark = pytest.mark.process
+
 PROMPTS = {"query": "query: "}
 LONG = "kubernetes scales embedding servers on their own metrics " * 60  # about 600 tokens: past 256
 TEXTS = ["hello world", "naïve café 東京", LONG]
