@@ -13,12 +13,11 @@ import re
 import shlex
 import subprocess
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
-from tests.server.serving import ServerProcess
+from tests.server.serving import PLAIN, ServerProcess, the_plain_server
 
 ROOT = Path(__file__).resolve().parents[1]
 FRONT_PAGE = (ROOT / "README.md").read_text()
@@ -37,12 +36,7 @@ def readme_prompts() -> str:
     return value
 
 
-@pytest.fixture(scope="module")
-def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
-    log = tmp_path_factory.mktemp("readme") / "server.log"
-    running = ServerProcess(log, prompts=readme_prompts())
-    yield running.wait_ready()
-    running.stop()
+server = the_plain_server()  # it serves the README's prompts: see the first test
 
 
 def localized(code: str, server: ServerProcess) -> str:
@@ -65,6 +59,10 @@ def program(line: str) -> str:
     """What a command line runs, past its variable assignments."""
     words = shlex.split(line, comments=True)
     return next(word for word in words if not re.match(r"[A-Za-z_][A-Za-z0-9_]*=", word))
+
+
+def test_the_plain_server_serves_the_front_pages_prompts() -> None:
+    assert json.loads(readme_prompts()) == json.loads(PLAIN["prompts"])
 
 
 def test_the_front_page_has_only_blocks_this_test_runs() -> None:

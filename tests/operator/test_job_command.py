@@ -36,7 +36,7 @@ from kembed_operator.config import OperatorConfig
 from kembed_operator.job_spec import parse_job_spec
 from kembed_operator.spec import parse_spec
 from tests.server.folders import unwritable_folder
-from tests.server.serving import ServerProcess, wait_until
+from tests.server.serving import ServerProcess, serving, wait_until
 
 SHARDS = 3
 DIMS = 384
@@ -183,10 +183,9 @@ def test_what_the_author_wrote_reaches_the_command_as_written() -> None:
 @pytest.fixture(scope="module")
 def server(shards_supported: None, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
     # No admission, no deadline: every request is answered, however busy the machine.
-    log = tmp_path_factory.mktemp("job-command") / "server.log"
-    running = ServerProcess(log, held=True, admission="", default_timeout_ms=NO_DEADLINE_MS)
-    yield running.wait_ready()
-    running.stop()
+    folder = tmp_path_factory.mktemp("job-command")
+    with serving(folder, held=True, admission="", default_timeout_ms=NO_DEADLINE_MS) as server:
+        yield server
 
 
 def part(claims: Path, index: int) -> Path:

@@ -18,7 +18,7 @@ from kembed.client import AsyncEmbedClient, EmbedClient, Refused, Unavailable
 from kembed.contract import RETRY_PUSHBACK_KEY
 from kembed.v1 import embedder_pb2 as pb
 from kembed.v1 import embedder_pb2_grpc as pb_grpc
-from tests.server.serving import ServerProcess
+from tests.server.serving import ServerProcess, server_fixture
 
 TOPICS = ["pods", "nodes", "vectors", "queues", "tokens", "shards", "replicas", "graphs"]
 MANY = [f"note {i} on {TOPICS[i % 8]} and {TOPICS[i * 7 % 8]}" for i in range(5_000)]
@@ -100,15 +100,10 @@ def test_a_pushback_past_the_deadline_ends_the_call_with_the_refusal(long_pushba
 # --- a server that admits little at once ----------------------------------------------------------
 
 
-@pytest.fixture(scope="module")
-def tight_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
-    """A drain budget of 1 s: a request of 1,024 texts (the most a request may carry; some 15,000
-    padded tokens, 10 s and more on two busy cores) is far over it, so parts cut to that limit alone
-    are refused whenever another is queued."""
-    log = tmp_path_factory.mktemp("tight") / "server.log"
-    running = ServerProcess(log, admission="throughput", max_drain_ms=1000)
-    yield running.wait_ready()
-    running.stop()
+# A drain budget of 1 s: a request of 1,024 texts (the most a request may carry; some 15,000
+# padded tokens, 10 s and more on two busy cores) is far over it, so parts cut to that limit alone
+# are refused whenever another is queued.
+tight_server = server_fixture(admission="throughput", max_drain_ms=1000)
 
 
 @pytest.mark.process

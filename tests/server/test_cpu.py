@@ -10,7 +10,6 @@ import re
 import subprocess
 import sys
 import threading
-from collections.abc import Iterator
 from pathlib import Path
 
 import grpc
@@ -19,7 +18,7 @@ import pytest
 from kembed.engine import cpu, precision
 from kembed.v1 import embedder_pb2 as pb
 from kembed.v1 import embedder_pb2_grpc as pb_grpc
-from tests.server.serving import ServerProcess
+from tests.server.serving import ServerProcess, server_fixture
 
 PROBE = """
 import json, os, threading
@@ -103,12 +102,7 @@ def thread_niceness(pid: int) -> dict[bool, set[int]]:
     return found
 
 
-@pytest.fixture(scope="module")
-def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
-    log = tmp_path_factory.mktemp("cpu") / "server.log"
-    running = ServerProcess(log, frontends=1, compute_nice=6, dtype="auto")  # the default the harness pins
-    yield running.wait_ready()
-    running.stop()
+server = server_fixture(frontends=1, compute_nice=6, dtype="auto")  # dtype: the default the harness pins
 
 
 @pytest.mark.process

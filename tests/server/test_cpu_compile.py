@@ -29,7 +29,7 @@ from kembed.inputs import Sequences
 from kembed.shapes import Queueing
 from kembed.v1 import embedder_pb2 as pb
 from kembed.v1 import embedder_pb2_grpc as pb_grpc
-from tests.server.serving import ServerProcess, wait_until
+from tests.server.serving import ServerProcess, serving, wait_until
 
 SHAPES = [(64, 8), (16, 32)]  # (seq_len, rows)
 # Few, small shapes: the compile is paid once per server, and its shapes are dynamic anyway.
@@ -207,17 +207,16 @@ def compiled_forward(server: ServerProcess, timeout: float = 900) -> tuple[str, 
 @pytest.fixture(scope="module")
 def compiled(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
     folder = tmp_path_factory.mktemp("compiled")
-    running = ServerProcess(
-        folder / "server.log",
+    with serving(
+        folder,
         admission="",  # these tests are about the answers, not the busy machine's service rate
         compile="on",
         dtype="bfloat16",  # what auto serves on a CPU with bf16 units, and where compiling pays most
         compute_lanes=2,
         compile_cache_dir=str(folder / "cache"),
         **SMALL,
-    )
-    yield running.wait_ready(timeout=300)  # ready on eager: the compile comes once it serves
-    running.stop()
+    ) as server:
+        yield server  # ready on eager: the compile comes once it serves
 
 
 @pytest.mark.process

@@ -27,7 +27,7 @@ from kembed.errors import Field, InvalidInput
 from kembed.prompts import MAX_PROMPT_CHARS, ModelPrompts, PromptChoice, name_problem
 from kembed.v1 import embedder_pb2 as pb
 from kembed.v1 import embedder_pb2_grpc as pb_grpc
-from tests.server.serving import ServerProcess
+from tests.server.serving import ServerProcess, serving
 from tests.server.test_bulk_serving import embed_command
 from tests.server.test_model import model_copy, write_json
 from tests.server.test_rest import post
@@ -61,12 +61,14 @@ def st(folder: Path) -> Any:
 
 @pytest.fixture(scope="module")
 def server(folder: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
-    log = tmp_path_factory.mktemp("prompts") / "server.log"
-    running = ServerProcess(
-        log, model=str(folder), admission="", max_input_tokens=MAX_INPUT_TOKENS, served_model_name=REST_MODEL
-    )
-    yield running.wait_ready()
-    running.stop()
+    with serving(
+        tmp_path_factory.mktemp("prompts"),
+        model=str(folder),
+        admission="",
+        max_input_tokens=MAX_INPUT_TOKENS,
+        served_model_name=REST_MODEL,
+    ) as server:
+        yield server
 
 
 @pytest.fixture(scope="module")

@@ -18,33 +18,22 @@ import openai
 import pytest
 
 from kembed.client import decode
+from kembed.config import Settings
 from kembed.v1 import embedder_pb2 as pb
 from kembed.v1 import embedder_pb2_grpc as pb_grpc
 from tests.server.held import EngineHold
-from tests.server.serving import ServerProcess, wait_until
+from tests.server.serving import PLAIN, ServerProcess, the_plain_server, wait_until
 
-ALIAS = "minilm"
+ALIAS = PLAIN["served_model_name"]
 MODEL_ID = "sentence-transformers/all-MiniLM-L6-v2"
-MAX_ITEMS = 64
-MAX_MESSAGE = 1024 * 1024
+MAX_ITEMS = PLAIN["max_items_per_request"]
+MAX_MESSAGE = Settings.model_fields["max_message_bytes"].default
 TEXTS = ["hello world", "Kubernetes schedules pods onto nodes.", "naïve café, 東京, emoji 🚀", "A short one."]
 
 pytestmark = pytest.mark.process
 
 
-@pytest.fixture(scope="module")
-def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
-    log = tmp_path_factory.mktemp("rest") / "server.log"
-    running = ServerProcess(
-        log,
-        frontends=2,
-        admission="",
-        max_items_per_request=MAX_ITEMS,
-        max_message_bytes=MAX_MESSAGE,
-        served_model_name=ALIAS,
-    )
-    yield running.wait_ready()
-    running.stop()
+server = the_plain_server()
 
 
 @pytest.fixture(scope="module")
@@ -211,24 +200,21 @@ def test_over_long_input_is_truncated_when_asked(server: ServerProcess):
     assert status == 200 and body["usage"]["prompt_tokens"] == 256
 
 
-def test_rest_and_grpc_share_a_batch(tmp_path):
+def test_rest_and_grpc_share_a_batch(held_server: ServerProcess):
     # One lane: while the first request's batch is in its hands, the next two queue together.
-    server = ServerProcess(tmp_path / "server.log", held=True, frontends=1, admission="", compute_lanes=1).wait_ready()
-    try:
-        batches = "kembed_batch_size_count"
-        with grpc.insecure_channel(server.target) as channel, ThreadPoolExecutor(2) as pool:
-            stub = pb_grpc.EmbedderStub(channel)
-            before = server.metric(batches)
-            with server.engine:  # the first request's batch waits in the model: the next two queue behind it
-                first = stub.Embed.future(pb.EmbedRequest(texts=["the first, alone in its batch"]), timeout=120)
-                server.wait_open_requests(1)
-                by_grpc = stub.Embed.future(pb.EmbedRequest(texts=["from gRPC"]), timeout=120)
-                by_rest = pool.submit(post, server, {"input": ["from REST"]})
-                server.wait_open_requests(3)
-            assert first.result().count == 1 and by_grpc.result().count == 1 and by_rest.result()[0] == 200
-        assert server.metric(batches) - before == 2  # the gRPC and the REST call went in one batch
-    finally:
-        server.stop()
+    server = held_server
+    batches = "kembed_batch_size_count"
+    with grpc.insecure_channel(server.target) as channel, ThreadPoolExecutor(2) as pool:
+        stub = pb_grpc.EmbedderStub(channel)
+        before = server.metric(batches)
+        with server.engine:  # the first request's batch waits in the model: the next two queue behind it
+            first = stub.Embed.future(pb.EmbedRequest(texts=["the first, alone in its batch"]), timeout=120)
+            server.wait_open_requests(1)
+            by_grpc = stub.Embed.future(pb.EmbedRequest(texts=["from gRPC"]), timeout=120)
+            by_rest = pool.submit(post, server, {"input": ["from REST"]})
+            server.wait_open_requests(3)
+        assert first.result().count == 1 and by_grpc.result().count == 1 and by_rest.result()[0] == 200
+    assert server.metric(batches) - before == 2  # the gRPC and the REST call went in one batch
 
 
 def test_overload_is_429_with_a_retry_after_the_client_honours(tmp_path):

@@ -4,7 +4,6 @@ applied as that call applies them, its usage included."""
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
 from typing import Any
 
 import numpy as np
@@ -13,12 +12,12 @@ import pytest
 from kembed.client import EmbedClient, decode
 from kembed.v1 import embedder_pb2 as pb
 from kembed.v1 import embedder_pb2_grpc as pb_grpc
-from tests.server.serving import ServerProcess
+from tests.server.serving import PLAIN, ServerProcess, the_plain_server
 from tests.server.test_rest import post, post_to
 
 pytestmark = pytest.mark.process
 
-PROMPTS = {"query": "query: "}
+PROMPTS = json.loads(PLAIN["prompts"])
 LONG = "kubernetes scales embedding servers on their own metrics " * 60  # about 600 tokens: past 256
 TEXTS = ["hello world", "naïve café 東京", LONG]
 
@@ -27,12 +26,7 @@ def tokenize(server: ServerProcess, body: dict[str, Any]) -> tuple[int, Any, Any
     return post_to(server.rest_url.removesuffix("/v1") + "/tokenize", body)
 
 
-@pytest.fixture(scope="module")
-def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
-    log = tmp_path_factory.mktemp("tokenize") / "server.log"
-    running = ServerProcess(log, admission="", prompts=json.dumps(PROMPTS))
-    yield running.wait_ready()
-    running.stop()
+server = the_plain_server()
 
 
 CALLS: dict[str, dict[str, Any]] = {
