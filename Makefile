@@ -63,7 +63,8 @@ crds: $(VENV)/.test
 image:
 	$(PYTHON) -m images.build
 
-# Starts what `make image` built, with podman: never part of `make test`.
+# Starts what `make image` built, with podman, and installs the client's extra in a fresh venv:
+# never part of `make test`.
 image-test: image $(VENV)/.test $(PROTO_OUT)
 	$(BIN)/python -m pytest -m image tests/image $(PYTEST_ARGS)
 
