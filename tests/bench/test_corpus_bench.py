@@ -193,6 +193,9 @@ def test_a_tiny_run_judges_every_target(tmp_path: Path, monkeypatch: pytest.Monk
     monkeypatch.setattr(corpus, "RESULTS_DIR", tmp_path)
     monkeypatch.setattr(corpus.machine, "RESULTS_DIR", tmp_path)
     flags = ["--duration", "4", "--warmup", "1", "--windows", "1", "--concurrency", "4", "--texts", "4"]
+    # No compile beside the loads, no dtype measured at the start (the server's defaults on a CPU):
+    # minutes of a busy machine's CPU that no figure checked here depends on (test_cpu_compile's).
+    flags += ["--env", "compile=off", "--env", "dtype=float32"]
     result = corpus.main([*flags, "--lines", "300", "--name", "tiny"])
     written = json.loads((tmp_path / "tiny.json").read_text())
     assert written["machine"]["cpu_bf16_flags"] is not None and written["ratios"]
