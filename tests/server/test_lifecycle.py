@@ -11,6 +11,7 @@ import socket
 import subprocess
 import sys
 import urllib.request
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -26,6 +27,7 @@ from kembed.v1 import embedder_pb2 as pb
 from kembed.v1 import embedder_pb2_grpc as pb_grpc
 from tests.server.held import EngineHold
 from tests.server.serving import ServerProcess, channel_per_frontend, wait_until
+from tests.server.test_rest import post
 
 JSON = "application/json"
 PARAGRAPH = "Readiness goes false at once, and everything accepted is finished and answered. " * 5
@@ -40,10 +42,16 @@ def process_gone(pid: int) -> bool:
         return True
 
 
-def test_unavailable_while_warming_up_then_serving(tmp_path: Path):
+def test_a_life_on_both_edges_warming_up_serving_then_draining(tmp_path: Path):
+    """Warming up, gRPC answers UNAVAILABLE and REST 503, /readyz 503 and /livez 200; warm, both
+    serve; on SIGTERM readiness drops, a new call is refused on both edges with the pushback gRPC's
+    retry policy and the openai SDK retry after (on another replica), every call accepted in every
+    front end, gRPC's and REST's, is answered, and the server exits 0. One server's life: three
+    tests each started a server for a stage of it (merged from test_lifecycle's warming-up and
+    SIGTERM tests and test_rest's warming-up-and-draining test)."""
     warming = EngineHold(tmp_path / "server.hold")
     warming.hold()  # the engine's warmup waits until released, however fast this machine is
-    server = ServerProcess(tmp_path / "server.log", held=True, frontends=2)
+    server = ServerProcess(tmp_path / "server.log", held=True, admission="", frontends=2)
     try:
         with grpc.insecure_channel(server.target) as channel:
             health = health_pb2_grpc.HealthStub(channel)
@@ -53,14 +61,48 @@ def test_unavailable_while_warming_up_then_serving(tmp_path: Path):
                 pb_grpc.EmbedderStub(channel).Embed(pb.EmbedRequest(texts=["too early"]), timeout=5)
             assert caught.value.code() is grpc.StatusCode.UNAVAILABLE
             assert "warming up" in str(caught.value.details())
+            wait_until(lambda: post(server, {"input": "early"})[0] == 503, 120, "the REST port answering 503")
             assert server.http("/readyz")[0] == 503
             assert server.http("/livez")[0] == 200
             warming.release()
             server.wait_ready()
             assert _health_status(health) == health_pb2.HealthCheckResponse.SERVING
             assert pb_grpc.EmbedderStub(channel).Embed(pb.EmbedRequest(texts=["now"])).count == 1
+        _drains_on_both_edges(server)
     finally:
         server.stop()
+    assert server.output().count("draining:") == 2
+
+
+def _drains_on_both_edges(server: ServerProcess) -> None:
+    channels = channel_per_frontend(server, 2)
+    with ThreadPoolExecutor(6) as pool, server.engine:  # nothing is computed until the drain has been checked
+        accepted = []
+        for channel in channels.values():
+            stub = pb_grpc.EmbedderStub(channel)
+            accepted += [stub.Embed.future(pb.EmbedRequest(texts=[PARAGRAPH] * 8), timeout=120) for _ in range(10)]
+        by_rest = [pool.submit(post, server, {"input": [f"accepted {i}"] * 4}) for i in range(6)]
+        server.wait_open_requests(26)  # every request is past the gate, in the engine
+        server.process.send_signal(signal.SIGTERM)
+        wait_until(lambda: server.http("/readyz")[0] != 200, 60, "readiness to drop")
+        for channel in channels.values():
+            with pytest.raises(grpc.RpcError) as caught:
+                pb_grpc.EmbedderStub(channel).Embed(pb.EmbedRequest(texts=["after SIGTERM"]), timeout=30)
+            assert caught.value.code() is grpc.StatusCode.UNAVAILABLE
+            # a pushback, so gRPC's retry policy sends it again (on another replica)
+            trailing: Any = caught.value.trailing_metadata()  # the stubs type it as a tuple of Never
+            assert dict(trailing)[RETRY_PUSHBACK_KEY] == "100"
+        status, body, headers = post(server, {"input": "after SIGTERM"})
+        assert status == 503 and body["error"]["code"] == "unavailable"
+        assert headers["retry-after-ms"] == "100"  # the openai SDK retries a 503 after it
+        assert not any(future.done() for future in [*accepted, *by_rest])  # every one still in flight
+    assert [future.result().count for future in accepted] == [8] * 20
+    assert [(status, len(body["data"])) for status, body, _ in (f.result(timeout=120) for f in by_rest)] == [
+        (200, 4)
+    ] * 6
+    assert server.process.wait(timeout=60) == 0
+    for channel in channels.values():
+        channel.close()
 
 
 def _health_status(health: health_pb2_grpc.HealthStub) -> int | None:
@@ -164,35 +206,6 @@ def _ready(server: ServerProcess, host: str) -> bool:
             return bool(response.status == 200)
     except OSError:
         return False
-
-
-def test_sigterm_answers_everything_accepted_in_every_front_end(tmp_path: Path):
-    server = ServerProcess(tmp_path / "server.log", held=True, admission="", frontends=2).wait_ready()
-    try:
-        channels = channel_per_frontend(server, 2)
-        with server.engine:  # nothing is computed until the drain has been checked
-            accepted = []
-            for channel in channels.values():
-                stub = pb_grpc.EmbedderStub(channel)
-                accepted += [stub.Embed.future(pb.EmbedRequest(texts=[PARAGRAPH] * 8), timeout=120) for _ in range(10)]
-            server.wait_open_requests(20)  # every request is past the gate, in the engine
-            server.process.send_signal(signal.SIGTERM)
-            wait_until(lambda: server.http("/readyz")[0] != 200, 60, "readiness to drop")
-            for channel in channels.values():
-                with pytest.raises(grpc.RpcError) as caught:
-                    pb_grpc.EmbedderStub(channel).Embed(pb.EmbedRequest(texts=["after SIGTERM"]), timeout=30)
-                assert caught.value.code() is grpc.StatusCode.UNAVAILABLE
-                # a pushback, so gRPC's retry policy sends it again (on another replica)
-                trailing: Any = caught.value.trailing_metadata()  # the stubs type it as a tuple of Never
-                assert dict(trailing)[RETRY_PUSHBACK_KEY] == "100"
-            assert not any(future.done() for future in accepted)  # every one of them is still in flight
-        assert [future.result().count for future in accepted] == [8] * 20
-        assert server.process.wait(timeout=60) == 0
-        for channel in channels.values():
-            channel.close()
-    finally:
-        server.stop()
-    assert server.output().count("draining:") == 2
 
 
 @pytest.mark.parametrize("victim", ["engine", "frontend-1"])

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import base64
 import json
-import signal
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
@@ -21,7 +20,6 @@ from kembed.client import decode
 from kembed.config import Settings
 from kembed.v1 import embedder_pb2 as pb
 from kembed.v1 import embedder_pb2_grpc as pb_grpc
-from tests.server.held import EngineHold
 from tests.server.serving import PLAIN, ServerProcess, the_plain_server, wait_until
 
 ALIAS = PLAIN["served_model_name"]
@@ -240,30 +238,5 @@ def test_overload_is_429_with_a_retry_after_the_client_honours(tmp_path):
                 assert not patient.done()
             assert vectors(patient.result(timeout=300)).shape == (8, 384)  # retried after the pushback
             assert {f.result()[0] for f in backlog} <= {200, 429}
-    finally:
-        server.stop()
-
-
-def test_warming_up_and_draining_are_503_and_sigterm_answers_every_accepted_call(tmp_path):
-    warming = EngineHold(tmp_path / "server.hold")
-    warming.hold()  # the engine's warmup waits until released: the REST port answers while it is cold
-    server = ServerProcess(tmp_path / "server.log", held=True, frontends=1, admission="")
-    try:
-        wait_until(lambda: post(server, {"input": "early"})[0] == 503, 120, "the REST port answering 503")
-        warming.release()
-        server.wait_ready()
-        with ThreadPoolExecutor(8) as pool:
-            server.engine.hold()
-            accepted = [pool.submit(post, server, {"input": [f"accepted {i}"] * 4}) for i in range(6)]
-            server.wait_open_requests(6)
-            server.process.send_signal(signal.SIGTERM)
-            wait_until(lambda: server.http("/readyz")[0] != 200, 60, "readiness to drop")
-            status, body, headers = post(server, {"input": "after SIGTERM"})
-            assert status == 503 and body["error"]["code"] == "unavailable"
-            assert headers["retry-after-ms"] == "100"  # the openai SDK retries a 503 after it
-            server.engine.release()
-            answers = [future.result(timeout=120) for future in accepted]
-        assert [(status, len(body["data"])) for status, body, _ in answers] == [(200, 4)] * 6
-        assert server.process.wait(timeout=120) == 0
     finally:
         server.stop()
