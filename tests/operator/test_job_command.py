@@ -20,7 +20,6 @@ import re
 import signal
 import subprocess
 import sys
-from collections.abc import Iterator
 from functools import cache
 from pathlib import Path
 from typing import Any
@@ -36,11 +35,10 @@ from kembed_operator.config import OperatorConfig
 from kembed_operator.job_spec import parse_job_spec
 from kembed_operator.spec import parse_spec
 from tests.server.folders import unwritable_folder
-from tests.server.serving import ServerProcess, serving, wait_until
+from tests.server.serving import ServerProcess, wait_until
 
 SHARDS = 3
 DIMS = 384
-NO_DEADLINE_MS = 600_000
 OWNER = render.Owner("wiki", "search", "uid", kinds.EMBEDDING_JOB)
 SPEC = {
     "service": "bge",
@@ -180,12 +178,11 @@ def test_what_the_author_wrote_reaches_the_command_as_written() -> None:
     assert option(argv, "--shard") == "1/3"  # the operator's own reference still expands
 
 
-@pytest.fixture(scope="module")
-def server(shards_supported: None, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
-    # No admission, no deadline: every request is answered, however busy the machine.
-    folder = tmp_path_factory.mktemp("job-command")
-    with serving(folder, held=True, admission="", default_timeout_ms=NO_DEADLINE_MS) as server:
-        yield server
+@pytest.fixture
+def server(shards_supported: None, held_server: ServerProcess) -> ServerProcess:
+    """The session's held server: no admission, no deadline (HELD), so every request is answered
+    however busy the machine; released after each test."""
+    return held_server
 
 
 def part(claims: Path, index: int) -> Path:
