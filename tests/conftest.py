@@ -24,8 +24,8 @@ pytest_plugins = ("tests.lanes", "pytester")
 
 DEFAULT_PORTS = (GRPC_PORT, REST_PORT, HTTP_PORT)
 
-# One server for the session, shared by the modules whose tests differ only in per-call options
-# (tests/server/serving.py's the_plain_server()).
+# Servers for the session (tests/server/serving.py): the plain one, shared by the modules whose
+# tests differ only in per-call options (the_plain_server()), and the held one (held_server).
 plain_server = server_fixture(scope="session", **PLAIN)
 session_held_server = server_fixture(held=True, scope="session", **HELD)
 
