@@ -19,6 +19,8 @@ each way Python starts a process (``subprocess``, ``multiprocessing``, ``os.fork
   library's ``fork`` goes around the wrappers; its process does not go unseen while it lives).
 
 Collecting is a phase without a test: a process started then (an import that runs one) is refused.
+A process started once and cached for the session belongs in a session fixture, which every test
+that relies on it asks for: then it is the fixture's, whichever of them ran first.
 """
 
 from __future__ import annotations

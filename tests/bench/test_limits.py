@@ -196,6 +196,7 @@ def test_the_start_up_bench_reads_the_engines_own_log_lines() -> None:
 
 
 @pytest.mark.process
+@pytest.mark.usefixtures("workload_corpus")
 def test_the_limits_of_a_few_texts_compile_and_match_sentence_transformers(tmp_path: Any) -> None:
     """The real path, too short to time anything: the server's compile in its lanes, every batch
     computed, every contender's vectors within the target of sentence-transformers fp32."""
