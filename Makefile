@@ -1,7 +1,7 @@
-# Two commands matter: `make serve` and `make test`. Both create .venv and install what they need.
-# Each role has its own install into the same .venv, none but the server's with torch: `make client`
-# (the client and what the README's examples import), `make operator-dev` (the operator and its
-# offline preview).
+# Two commands matter: `make serve` and `make test` (`make unit` for the pure tests alone). Each
+# creates .venv and installs what it needs. Each role has its own install into the same .venv, none
+# but the server's with torch: `make client` (the client and what the README's examples import),
+# `make operator-dev` (the operator and its offline preview).
 PYTHON ?= python3
 VENV   := .venv
 BIN    := $(VENV)/bin
@@ -63,10 +63,14 @@ lint: $(VENV)/.test
 typecheck: $(VENV)/.test $(PROTO_OUT)
 	$(BIN)/mypy
 
+# The pure tests, in minutes: every test but those marked `process` (a server, `kopf run`, a
+# subprocess), and no process started (tests/lanes.py refuses one).
 unit: $(VENV)/.test $(PROTO_OUT)
-	$(BIN)/python -m pytest $(PYTEST_ARGS)
+	$(BIN)/python -m pytest -m "not process and not image" $(PYTEST_ARGS)
 
-test: lint typecheck unit
+# Every test (what .ci/run calls); the 30 slowest steps listed at the end.
+test: lint typecheck
+	$(BIN)/python -m pytest --durations=30 $(PYTEST_ARGS)
 
 bench: $(VENV)/.test $(PROTO_OUT)
 	$(BIN)/python -m bench.run_all
@@ -89,7 +93,8 @@ monitoring: $(VENV)/.test
 image:
 	$(PYTHON) -m images.build
 
-# Starts what `make image` built, with podman: never part of `make test`.
+# Starts what `make image` built, with podman, and installs the client's extra in a fresh venv:
+# never part of `make test`.
 image-test: image $(VENV)/.test $(PROTO_OUT)
 	$(BIN)/python -m pytest -m image tests/image $(PYTEST_ARGS)
 

@@ -14,13 +14,12 @@ import re
 import shlex
 import subprocess
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
 from tests.installs import run_with_only, target_extras
-from tests.server.serving import ServerProcess
+from tests.server.serving import PLAIN, ServerProcess, the_plain_server
 
 ROOT = Path(__file__).resolve().parents[1]
 FRONT_PAGE = (ROOT / "README.md").read_text()
@@ -39,12 +38,7 @@ def readme_prompts() -> str:
     return value
 
 
-@pytest.fixture(scope="module")
-def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
-    log = tmp_path_factory.mktemp("readme") / "server.log"
-    running = ServerProcess(log, prompts=readme_prompts())
-    yield running.wait_ready()
-    running.stop()
+server = the_plain_server()  # it serves the README's prompts: see the first test
 
 
 def localized(code: str, server: ServerProcess) -> str:
@@ -69,10 +63,15 @@ def program(line: str) -> str:
     return next(word for word in words if not re.match(r"[A-Za-z_][A-Za-z0-9_]*=", word))
 
 
+def test_the_plain_server_serves_the_front_pages_prompts() -> None:
+    assert json.loads(readme_prompts()) == json.loads(PLAIN["prompts"])
+
+
 def test_the_front_page_has_only_blocks_this_test_runs() -> None:
     assert {lang for lang, _ in BLOCK.findall(FRONT_PAGE)} == {"sh", "python"}
 
 
+@pytest.mark.process
 def test_the_python_examples_run_in_order_with_what_make_client_installs(server: ServerProcess, tmp_path: Path) -> None:
     """As a reader runs them: one session, each block after the ones above it, in the .venv that the
     command their section names (`make client`) installs: other modules of the test venv are absent."""
@@ -84,6 +83,7 @@ def test_the_python_examples_run_in_order_with_what_make_client_installs(server:
     assert result.returncode == 0, f"{code}\n{result.stderr}"
 
 
+@pytest.mark.process
 def test_the_shell_examples_run(server: ServerProcess, tmp_path: Path) -> None:
     (tmp_path / "corpus.txt").write_text("hello world\nembeddings on kubernetes\n")
     ran = []

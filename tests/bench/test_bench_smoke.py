@@ -38,6 +38,8 @@ def count_tokens() -> workload.TokenCounter:
     return workload.tokenizer_counter()
 
 
+@pytest.mark.process
+@pytest.mark.usefixtures("workload_corpus")
 def test_workload_is_deterministic_and_covers_every_bucket(count_tokens: workload.TokenCounter) -> None:
     first = workload.build(count_tokens, size=64)
     again = workload.build(count_tokens, size=64)

@@ -15,6 +15,7 @@ from kembed.config import Graphs
 CUDA = torch.cuda.is_available()
 
 
+@pytest.mark.process
 @pytest.mark.skipif(CUDA, reason="checks the path taken without CUDA")
 def test_without_cuda_it_records_that_it_was_not_run(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setattr(machine, "RESULTS_DIR", tmp_path)

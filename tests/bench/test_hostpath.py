@@ -45,6 +45,7 @@ def _kwargs(target: str, **extra: Any) -> list[dict[str, Any]]:
     return [{"target": target, "deadline": 10, "channels": 2, **extra}] * 2
 
 
+@pytest.mark.process
 async def test_two_echo_processes_answer_the_multiprocess_load_and_bursts(tmp_path: Path) -> None:
     with echo_running(2, tmp_path / "echo.log") as server:
         assert len(process_tree(server.pid)) >= 3  # the parent and both echo processes
@@ -308,6 +309,7 @@ def test_make_bench_runs_the_rest_part_and_its_flags_parse() -> None:
     assert quick.peer_duration > quick.warmup
 
 
+@pytest.mark.process
 def test_spinners_stay_on_their_cpu_and_end_with_the_block() -> None:
     """What part ``engine_bound`` starves the engine's loop with."""
     cpu = max(os.sched_getaffinity(0))

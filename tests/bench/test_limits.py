@@ -177,6 +177,7 @@ def test_the_headline_block_names_the_cpu_and_its_flags() -> None:
     assert headline.limits_table({}) == ""
 
 
+@pytest.mark.process
 def test_every_result_names_the_cpus_math_flags() -> None:
     described = machine.describe()
     assert set(described["cpu_flags"]) <= set(machine.MATH_FLAGS)
@@ -194,7 +195,8 @@ def test_the_start_up_bench_reads_the_engines_own_log_lines() -> None:
     assert table.splitlines()[2].startswith("| 1 | cold | 38.0 | — | — | — | compiled (auto: 1.2x)")
 
 
-@pytest.mark.slow
+@pytest.mark.process
+@pytest.mark.usefixtures("workload_corpus")
 def test_the_limits_of_a_few_texts_compile_and_match_sentence_transformers(tmp_path: Any) -> None:
     """The real path, too short to time anything: the server's compile in its lanes, every batch
     computed, every contender's vectors within the target of sentence-transformers fp32."""

@@ -24,6 +24,8 @@ def run(policy: BatchPolicy, texts: int) -> dict[str, float]:
     return packing.simulate(policy, clip_buckets(packing.DEFAULT_BUCKETS, 256), lengths, COST, opts)
 
 
+@pytest.mark.process
+@pytest.mark.usefixtures("workload_corpus")
 @pytest.mark.parametrize("texts", [1, 16])
 def test_packed_batches_pad_less_and_serve_more_than_batches_confined_to_a_bucket(texts: int) -> None:
     packed = run(BatchPolicy(SHAPES, max_wait=0.02, packed=True, overhead_tokens=80), texts)
@@ -31,6 +33,8 @@ def test_packed_batches_pad_less_and_serve_more_than_batches_confined_to_a_bucke
     assert packed["padding_ratio"] < bucket["padding_ratio"] and packed["emb_per_s"] > bucket["emb_per_s"]
 
 
+@pytest.mark.process
+@pytest.mark.usefixtures("workload_corpus")
 def test_simulated_runs_are_deterministic_and_the_ceiling_is_above_them() -> None:
     policy = BatchPolicy(SHAPES, max_wait=0.02, packed=True, overhead_tokens=80)
     first, again = run(policy, 1), run(policy, 1)

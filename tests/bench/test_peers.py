@@ -33,6 +33,7 @@ def _venv_reporting(venv: Path, versions: str) -> Path:
     return venv
 
 
+@pytest.mark.process
 def test_setup_keeps_a_cpu_torch_and_refuses_a_cuda_one(tmp_path: Path) -> None:
     cpu = _venv_reporting(tmp_path / "cpu", "2.13.0+cpu None 0.0.78")
     assert peers.setup(cpu) == cpu / "bin" / "infinity_emb"

@@ -31,6 +31,7 @@ def test_requests_carry_their_class_and_texts_in_turn() -> None:
     assert not query.HasField("normalize") and query.priority == embedder_pb2.PRIORITY_INTERACTIVE
 
 
+@pytest.mark.process
 def test_two_loads_run_together_in_one_client_process(tmp_path: Path) -> None:
     request = embedder_pb2.EmbedRequest(texts=["x"]).SerializeToString()
     with echo_running(1, tmp_path / "echo.log") as server:

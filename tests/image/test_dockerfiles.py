@@ -217,6 +217,7 @@ def test_both_variants_bring_the_compiler_and_headers_torch_compile_needs() -> N
     assert [run for run in compiler.args("RUN") if "probe.c" in run]
 
 
+@pytest.mark.process
 def test_the_images_compiler_probe_is_a_working_command(tmp_path: Path) -> None:
     """The probe the GPU build runs, run here with this interpreter standing in for the image's."""
     if shutil.which("gcc") is None:

@@ -20,7 +20,7 @@ from tests.operator.emulator import EmulatorThread
 from tests.operator.test_e2e import env_of
 from tests.operator.test_render import K8S_VERSION
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(120)]
+pytestmark = [pytest.mark.process, pytest.mark.timeout(120)]
 POLICIES = "networking.k8s.io/v1/networkpolicies"
 SERVER_ONLY = {"creationTimestamp", "generation", "managedFields", "resourceVersion", "uid"}
 

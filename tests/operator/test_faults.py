@@ -25,7 +25,7 @@ from tests.operator.conftest import PROMETHEUS_URL, RESOURCES, start_operator, s
 from tests.operator.emulator import EmulatorThread
 from tests.operator.faults import Faults, FaultyEmulator
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
+pytestmark = pytest.mark.timeout(300)
 CHILD_PLURALS = (DEPLOYMENTS, SERVICES, PDBS, HPAS, SCALED_OBJECTS)
 BAD_DAY = Faults(write_share=0.3, lost_answer_share=0.1, delay_s=0.02, watch_lifetime_s=4.0, gone_share=0.3)
 # Watches cut every 2-4 s and half of them expired (kopf watches from the resourceVersion of its
@@ -129,6 +129,7 @@ WITH_HPA = {DEPLOYMENTS, SERVICES, PDBS, HPAS}
 FIXED = {DEPLOYMENTS, SERVICES, PDBS}
 
 
+@pytest.mark.process
 def test_converges_through_write_errors_and_dropped_watches(
     kube: Kube, emulator: EmulatorThread, faulty: FaultyEmulator, operators: StartOperator
 ) -> None:
@@ -182,6 +183,7 @@ def one_converged(kube: Kube, operators: StartOperator, name: str) -> None:
     wait_for(f"{name} converged", lambda: converged(kube, name, FIXED))
 
 
+@pytest.mark.process
 def test_a_failed_repair_is_retried_without_another_event(
     kube: Kube, faulty: FaultyEmulator, operators: StartOperator
 ) -> None:
@@ -262,6 +264,7 @@ def audits(emulator: EmulatorThread, plural: str = "") -> int:
     )
 
 
+@pytest.mark.process
 def test_a_child_deleted_in_a_watch_gap_comes_back_and_then_all_stays_quiet(
     kube: Kube, emulator: EmulatorThread, faulty: FaultyEmulator, operators: StartOperator
 ) -> None:
@@ -279,6 +282,7 @@ def test_a_child_deleted_in_a_watch_gap_comes_back_and_then_all_stays_quiet(
     assert converged(kube, "gapped", FIXED) and converged(kube, "witness", FIXED)
 
 
+@pytest.mark.process
 def test_a_child_deleted_in_a_watch_gap_comes_back_after_an_empty_re_list(
     kube: Kube, emulator: EmulatorThread, faulty: FaultyEmulator, operators: StartOperator
 ) -> None:
@@ -294,6 +298,7 @@ def test_a_child_deleted_in_a_watch_gap_comes_back_after_an_empty_re_list(
     made_again(kube, SCALED_OBJECTS, "lone", delete_in_a_watch_gap(kube, faulty, SCALED_OBJECTS, "lone", Faults()))
 
 
+@pytest.mark.process
 def test_what_the_operator_deleted_in_a_watch_gap_is_not_deleted_again(
     kube: Kube, emulator: EmulatorThread, faulty: FaultyEmulator, operators: StartOperator
 ) -> None:
@@ -312,6 +317,7 @@ def test_what_the_operator_deleted_in_a_watch_gap_is_not_deleted_again(
     assert_quiet_while_relisting(emulator, faulty)
 
 
+@pytest.mark.process
 def test_status_says_degraded_while_children_cannot_be_written(
     kube: Kube, faulty: FaultyEmulator, operators: StartOperator
 ) -> None:
@@ -328,6 +334,7 @@ def test_status_says_degraded_while_children_cannot_be_written(
     assert template["spec"]["nodeSelector"]["team"] == "search"
 
 
+@pytest.mark.process
 def test_sigkill_mid_reconcile_then_restart(kube: Kube, faulty: FaultyEmulator, operators: StartOperator) -> None:
     faulty.faults = Faults(delay_s=0.4)  # slow answers: the kill lands between two child writes
     first = operators("first")
@@ -363,6 +370,7 @@ def _acted_on(log: Path, name: str) -> bool:
     return f"[default/{name}] Daemon 'reconcile_loop' is invoked" in text
 
 
+@pytest.mark.process
 def test_two_replicas_one_leads_the_other_takes_over(kube: Kube, operators: StartOperator) -> None:
     first, second = operators("replica-a"), operators("replica-b")
     logs = {first: first.log, second: second.log}  # type: ignore[attr-defined]

@@ -20,7 +20,6 @@ import re
 import signal
 import subprocess
 import sys
-from collections.abc import Iterator
 from functools import cache
 from pathlib import Path
 from typing import Any
@@ -40,7 +39,6 @@ from tests.server.serving import ServerProcess, wait_until
 
 SHARDS = 3
 DIMS = 384
-NO_DEADLINE_MS = 600_000
 OWNER = render.Owner("wiki", "search", "uid", kinds.EMBEDDING_JOB)
 SPEC = {
     "service": "bge",
@@ -180,13 +178,11 @@ def test_what_the_author_wrote_reaches_the_command_as_written() -> None:
     assert option(argv, "--shard") == "1/3"  # the operator's own reference still expands
 
 
-@pytest.fixture(scope="module")
-def server(shards_supported: None, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
-    # No admission, no deadline: every request is answered, however busy the machine.
-    log = tmp_path_factory.mktemp("job-command") / "server.log"
-    running = ServerProcess(log, held=True, admission="", default_timeout_ms=NO_DEADLINE_MS)
-    yield running.wait_ready()
-    running.stop()
+@pytest.fixture
+def server(shards_supported: None, held_server: ServerProcess) -> ServerProcess:
+    """The session's held server: no admission, no deadline (HELD), so every request is answered
+    however busy the machine; released after each test."""
+    return held_server
 
 
 def part(claims: Path, index: int) -> Path:
@@ -222,7 +218,7 @@ def assert_same_vectors(rows: np.ndarray, reference: np.ndarray) -> None:
     assert cosines.min() >= 0.9999, (cosines.argmin(), cosines.min())
 
 
-@pytest.mark.slow
+@pytest.mark.process
 @pytest.mark.timeout(1200)
 def test_every_index_runs_and_the_parts_are_one_unsharded_run(server: ServerProcess, tmp_path: Path) -> None:
     claims = tmp_path / "claims"
@@ -289,7 +285,7 @@ FOR_GOOD = {
 }
 
 
-@pytest.mark.slow
+@pytest.mark.process
 @pytest.mark.parametrize("case", FOR_GOOD)
 def test_a_shard_no_retry_can_fix_fails_at_once_and_the_status_says_which_and_why(
     server: ServerProcess, tmp_path: Path, case: str

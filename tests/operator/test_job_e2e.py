@@ -22,7 +22,7 @@ from tests.operator.cluster import DEPLOYMENTS, JOBS, PODS, Kube, condition, ope
 from tests.operator.conftest import wait_for
 from tests.operator.emulator import EmulatorThread
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(120)]
+pytestmark = [pytest.mark.process, pytest.mark.timeout(120)]
 T0, T1 = "2026-01-01T00:00:00Z", "2026-01-01T00:07:00Z"
 
 

@@ -29,9 +29,9 @@ from kembed_operator import kinds, monitoring, render
 from kembed_operator.config import OperatorConfig
 from kembed_operator.spec import parse_spec
 from tests.operator.conftest import CHART, wait_for
-from tests.server.serving import ServerProcess
+from tests.server.serving import serving
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(300)]
+pytestmark = pytest.mark.timeout(300)
 OWNER = render.Owner(name="emb", namespace="search", uid="u")
 POD = "emb-7d4b9c8f6d-x2x9z"  # what a Deployment's pod is called
 HPA_METRICS = (Metric.DEMAND_RATIO, Metric.QUEUE_DRAIN_SECONDS, Metric.LATENCY_P95_SECONDS)
@@ -53,15 +53,11 @@ def http_get(url: str) -> tuple[int, str]:
 @pytest.fixture(scope="module")
 def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[str]:
     """A real kembed server; yields its HTTP base URL."""
-    log = tmp_path_factory.mktemp("kembed") / "server.log"
     # latency_window_s: keeps the P95 still while the test compares it
-    process = ServerProcess(log, buckets="16,32", max_batch_size=8, latency_window_s=600)
-    try:
-        process.wait_ready()
+    folder = tmp_path_factory.mktemp("kembed")
+    with serving(folder, buckets="16,32", max_batch_size=8, latency_window_s=600) as process:
         _load(process.target)
         yield f"http://127.0.0.1:{process.http_port}"
-    finally:
-        process.stop()
 
 
 def _load(target: str) -> None:
@@ -122,6 +118,7 @@ def test_adapter_rules_cover_exactly_the_hpa_metrics() -> None:
 
 
 @needs_prometheus
+@pytest.mark.process
 @pytest.mark.parametrize("rule", adapter_rules(), ids=lambda rule: rule["seriesQuery"].split("{")[0])
 def test_adapter_query_returns_what_the_server_exposes(rule: dict[str, Any], server: str, prometheus: str) -> None:
     metric = rule["seriesQuery"].split("{")[0]
@@ -133,6 +130,7 @@ def test_adapter_query_returns_what_the_server_exposes(rule: dict[str, Any], ser
 
 
 @needs_prometheus
+@pytest.mark.process
 def test_keda_queries_return_what_the_server_exposes(server: str, prometheus: str) -> None:
     spec = parse_spec({"maxReplicas": 2, "autoscaling": {"provider": "keda"}})
     config = OperatorConfig(keda_server_address=prometheus)

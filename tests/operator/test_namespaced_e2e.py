@@ -21,7 +21,7 @@ from tests.operator.cluster import DEPLOYMENTS, Kube, condition, operator_calls,
 from tests.operator.conftest import render_chart, start_operator, stop, wait_for
 from tests.operator.emulator import EmulatorThread
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(120)]
+pytestmark = [pytest.mark.process, pytest.mark.timeout(120)]
 SERVED = ["team-a", "team-b"]
 ALLOWED = "registry.example/kembed/*"
 PROMETHEUS = {"namespaceSelector": {"matchLabels": {"kubernetes.io/metadata.name": "monitoring"}}}

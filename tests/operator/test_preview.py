@@ -12,11 +12,14 @@ import subprocess
 from pathlib import Path
 from typing import Any
 
+import pytest
 import yaml
 
 from kembed_operator.config import UNPUBLISHED_IMAGE
 from tests.installs import run_with_only, target_extras
 from tests.operator.test_chart import documented_installs
+
+pytestmark = pytest.mark.process
 
 ROOT = Path(__file__).resolve().parents[2]
 GUIDE = ROOT / "docs" / "operator.md"

@@ -23,7 +23,7 @@ from tests.operator.cluster import DEPLOYMENTS, HPAS, PDBS, SERVICES, Kube, cond
 from tests.operator.conftest import wait_for
 from tests.operator.emulator import EmulatorThread
 
-pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
+pytestmark = [pytest.mark.process, pytest.mark.timeout(900)]
 N = int(os.environ.get("KEMBED_SCALE_N", "20"))
 CONVERGE_TIMEOUT_S = 300.0 + 3.0 * N  # a hang, not a speed: converging takes about 10 s for 200 here
 QUIET_S = float(os.environ.get("KEMBED_SCALE_QUIET_S", "10"))  # the window with nothing changing

@@ -265,6 +265,7 @@ def test_a_bad_operator_setting_names_its_variable(variable: str, text: str) -> 
         OperatorConfig.from_env({PREFIX + variable: text})
 
 
+@pytest.mark.process
 def test_a_bad_operator_setting_stops_kopf_run_naming_it() -> None:
     """Read in kopf's start-up handler: a bad value fails it for good, and `kopf run` exits."""
     env = {**os.environ, PREFIX + "MAX_REPLICAS": "0", "KUBECONFIG": "/nonexistent"}

@@ -1,9 +1,20 @@
 """A real kembed server for tests: ``python -m kembed`` (the supervisor, its engine and its front
 ends) on loopback ports the kernel picks (port 0, read off the server's first line: a port found
-free first is a race another process may win), with small buckets so warmup takes seconds."""
+free first is a race another process may win), with small buckets so warmup takes seconds.
+
+A module's server is one line, ``server = server_fixture(frontends=1, admission="")``: a fixture
+started once for the module (or the session, ``scope="session"``) and stopped after it, whatever
+its tests did. A test that starts and stops its own uses ``with serving(tmp_path, ...) as server``.
+A module whose tests differ from a plain server's only in per-call options shares the session's
+instead of starting its own, ``server = the_plain_server()`` (its settings: ``PLAIN``); a test
+that needs the engine held asks for ``held_server`` (``HELD``): a start costs 7 s on an idle
+2-core machine and more beside load. A test on a shared server leaves it as it found it (nothing
+held, nothing queued) and reads its metrics and its log as differences. A test that uses
+a server is marked ``process`` (tests/lanes.py)."""
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import re
@@ -13,11 +24,12 @@ import sys
 import time
 import urllib.error
 import urllib.request
-from collections.abc import Mapping
+from collections.abc import Callable, Iterator, Mapping
 from pathlib import Path
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Literal
 
 import grpc
+import pytest
 
 from kembed import listen
 from kembed.contract import env_name
@@ -39,6 +51,23 @@ FAST = {
     # long as the test holds it; tests/server/test_connection_age.py sets the age it tests.
     "max_connection_age_ms": 3_600_000,
 }
+
+
+# The session's plain server (``plain_server``, tests/conftest.py), for the modules whose tests differ
+# only in per-call options: what each of them needs of the server, and the defaults otherwise.
+PLAIN: dict[str, Any] = {
+    "frontends": 2,  # test_api calls each front end
+    "admission": "",  # these tests are about answers, not this machine's service rate
+    "max_items_per_request": 64,  # a request one item over it stays small
+    "served_model_name": "minilm",  # REST's alias (test_rest); the model id is accepted too
+    "prompts": json.dumps({"query": "query: ", "passage": "passage: "}),  # the README's (test_readme)
+    "default_timeout_ms": 600_000,  # a busy machine never turns the corpus command's calls into retries
+}
+# The session's held server (``held_server``, tests/conftest.py): its engine computes a batch once
+# the test releases it (tests/server/held.py); one front end and one compute lane, so the order
+# work is computed in is the order it was queued in; no admission and a long default deadline, so
+# every request is answered however busy the machine.
+HELD: dict[str, Any] = {"frontends": 1, "admission": "", "compute_lanes": 1, "default_timeout_ms": 600_000}
 
 
 def wait_until(condition: Any, timeout: float, what: str) -> None:
@@ -185,6 +214,42 @@ class ServerProcess:
                 self.process.kill()
                 self.process.wait()
         self._out.close()
+
+
+@contextlib.contextmanager
+def serving(folder: Path, held: bool = False, **settings: Any) -> Iterator[ServerProcess]:
+    """A server started in ``folder`` (its log, its hold file) and ready; stopped at the end, also
+    when it never got ready."""
+    server = ServerProcess(folder / "server.log", held=held, **settings)
+    try:
+        yield server.wait_ready()
+    finally:
+        server.stop()
+
+
+def server_fixture(
+    held: bool = False, scope: Literal["module", "session"] = "module", **settings: Any
+) -> Callable[..., Iterator[ServerProcess]]:
+    """A fixture of one server with ``settings`` (``ServerProcess``'s), set up once for the module
+    that assigns it (``server = server_fixture(admission="")``: the fixture takes the name it is
+    assigned to) or, with ``scope="session"``, for the session."""
+
+    @pytest.fixture(scope=scope)
+    def fixture(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
+        with serving(tmp_path_factory.mktemp(request.fixturename or "server"), held, **settings) as server:
+            yield server
+
+    return fixture
+
+
+def the_plain_server() -> Callable[..., ServerProcess]:
+    """The session's plain server as a module's fixture, named as assigned: ``server = the_plain_server()``."""
+
+    @pytest.fixture(scope="module")
+    def fixture(plain_server: ServerProcess) -> ServerProcess:
+        return plain_server
+
+    return fixture
 
 
 def rss_bytes(pid: int, field: str = "VmRSS") -> int:

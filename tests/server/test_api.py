@@ -18,10 +18,12 @@ from kembed.contract import GRPC_SERVICE, Metric
 from kembed.engine.model import resolve_model_path
 from kembed.v1 import embedder_pb2 as pb
 from kembed.v1 import embedder_pb2_grpc as pb_grpc
-from tests.server.serving import ServerProcess, channel_per_frontend
+from tests.server.serving import PLAIN, ServerProcess, channel_per_frontend, the_plain_server
 
-MAX_ITEMS = 64
-MAX_MESSAGE = 1024 * 1024
+pytestmark = pytest.mark.process
+
+MAX_ITEMS = PLAIN["max_items_per_request"]
+MAX_MESSAGE = Settings.model_fields["max_message_bytes"].default
 
 TEXTS = [
     "hello world",
@@ -37,16 +39,9 @@ TEXTS = [
 FRONTENDS = ("frontend-0", "frontend-1")
 
 
-@pytest.fixture(scope="module")
-def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
-    log = tmp_path_factory.mktemp("api") / "server.log"
-    # No admission strategies: these tests are about the API, and a busy machine's service rate
-    # would otherwise refuse some of their bursts (test_overload covers admission end to end).
-    running = ServerProcess(
-        log, frontends=2, admission="", max_items_per_request=MAX_ITEMS, max_message_bytes=MAX_MESSAGE
-    )
-    yield running.wait_ready()
-    running.stop()
+# No admission strategies: these tests are about the API, and a busy machine's service rate
+# would otherwise refuse some of their bursts (test_overload covers admission end to end).
+server = the_plain_server()
 
 
 @pytest.fixture(scope="module")

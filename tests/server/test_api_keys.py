@@ -96,7 +96,7 @@ def bearer(key: str) -> tuple[tuple[str, str]]:
     return (("authorization", f"Bearer {key}"),)
 
 
-@pytest.mark.slow
+@pytest.mark.process
 @pytest.mark.parametrize("key", [OLD, NEW])
 def test_the_openai_sdk_is_served_with_a_key(server: ServerProcess, key: str):
     client = openai.OpenAI(base_url=server.rest_url, api_key=key, max_retries=0)
@@ -104,7 +104,7 @@ def test_the_openai_sdk_is_served_with_a_key(server: ServerProcess, key: str):
     assert len(answer.data) == 2 and len(answer.data[0].embedding) == 384
 
 
-@pytest.mark.slow
+@pytest.mark.process
 def test_the_openai_sdk_is_refused_without_a_key(server: ServerProcess):
     client = openai.OpenAI(base_url=server.rest_url, api_key="unused", max_retries=0)
     with pytest.raises(openai.AuthenticationError) as refused:
@@ -120,7 +120,7 @@ def test_the_openai_sdk_is_refused_without_a_key(server: ServerProcess):
         client.models.list()
 
 
-@pytest.mark.slow
+@pytest.mark.process
 def test_langchain_is_served_with_a_key_and_refused_without(server: ServerProcess):
     def embeddings(key: str) -> OpenAIEmbeddings:
         return OpenAIEmbeddings(  # the README's arguments (base_url, api_key), by the names mypy knows
@@ -137,7 +137,7 @@ def test_langchain_is_served_with_a_key_and_refused_without(server: ServerProces
         embeddings("unused").embed_query("hello world")
 
 
-@pytest.mark.slow
+@pytest.mark.process
 def test_a_call_without_a_key_is_refused_from_its_head_before_its_body_is_read(server: ServerProcess):
     """A head that announces a 1 MB body, and no body: the 401 comes at once, and the connection closes."""
     with socket.create_connection(("127.0.0.1", server.rest_port), timeout=30) as sock:
@@ -153,7 +153,7 @@ def test_a_call_without_a_key_is_refused_from_its_head_before_its_body_is_read(s
     assert orjson.loads(body)["error"]["message"] == "no API key: send one as Authorization: Bearer KEY"
 
 
-@pytest.mark.slow
+@pytest.mark.process
 def test_the_description_of_the_api_needs_no_key(server: ServerProcess):
     base = f"http://127.0.0.1:{server.rest_port}"
     with urllib.request.urlopen(f"{base}/openapi.json", timeout=30) as answer:
@@ -163,7 +163,7 @@ def test_the_description_of_the_api_needs_no_key(server: ServerProcess):
         assert answer.headers["Content-Type"].startswith("text/html") and b"/v1/embeddings" in answer.read()
 
 
-@pytest.mark.slow
+@pytest.mark.process
 def test_grpc_calls_need_the_key_in_their_metadata(server: ServerProcess):
     with grpc.insecure_channel(server.target) as channel:
         stub = pb_grpc.EmbedderStub(channel)

@@ -831,3 +831,18 @@ def test_the_bar_is_optional(monkeypatch: pytest.MonkeyPatch, capsys: pytest.Cap
     bar.note("stream broke")
     bar.close()
     assert capsys.readouterr().err == "stream broke\n"
+
+
+def test_the_command_refuses_an_empty_text_in_one_line(capsys: pytest.CaptureFixture[str]):
+    assert main(["--target", "127.0.0.1:1", "hello", ""]) == 1
+    assert capsys.readouterr().err == "kembed.client: INVALID_ARGUMENT: texts[1]: an empty string\n"
+
+
+def test_the_commands_help_lists_its_subcommands(capsys: pytest.CaptureFixture[str]):
+    with pytest.raises(SystemExit) as done:
+        main(["--help"])
+    assert done.value.code == 0
+    said = capsys.readouterr().out
+    assert "python -m kembed.client embed --help" in said
+    for flag in ("--truncate", "--truncation-direction", "--dimensions", "--priority"):
+        assert flag in said

@@ -14,7 +14,6 @@ import re
 import signal
 import subprocess
 import sys
-from collections.abc import Iterator
 from pathlib import Path
 
 import grpc
@@ -28,9 +27,9 @@ from kembed.contract import EXIT_EMBED_FAILED, EXIT_EMBED_FINAL
 from kembed.v1 import embedder_pb2 as pb
 from kembed.v1 import embedder_pb2_grpc as pb_grpc
 from tests.server.folders import small_folder, unwritable_folder
-from tests.server.serving import ServerProcess, all_decided, wait_until
+from tests.server.serving import ServerProcess, all_decided, server_fixture, the_plain_server, wait_until
 
-pytestmark = pytest.mark.slow
+pytestmark = pytest.mark.process
 
 DIMS = 384
 HEADER = 128  # bytes before the rows in the .npy files the command writes
@@ -89,13 +88,8 @@ def read_jsonl(path: Path) -> np.ndarray:
     return np.asarray([record["embedding"] for record in records], dtype=np.float32)
 
 
-@pytest.fixture(scope="module")
-def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
-    # No admission: request counts must be exact (the refusing server is below).
-    log = tmp_path_factory.mktemp("bulk") / "server.log"
-    running = ServerProcess(log, admission="", default_timeout_ms=NO_DEADLINE_MS)
-    yield running.wait_ready()
-    running.stop()
+# No admission: request counts must be exact (the refusing server is below); no deadline (PLAIN's).
+server = the_plain_server()
 
 
 @pytest.fixture(scope="module")
@@ -546,15 +540,10 @@ def test_a_shard_killed_midway_goes_on_from_its_part_with_nothing_lost_or_repeat
 REQUEST = pb.EmbedRequest(texts=["Admission control rejects early instead of queueing into timeouts."] * 8)
 
 
-@pytest.fixture(scope="module")
-def refusing_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
-    """Admission on, with a small drain budget (test_overload's), and an engine the test can hold."""
-    log = tmp_path_factory.mktemp("bulk-refusing") / "server.log"
-    running = ServerProcess(
-        log, held=True, max_drain_ms=1000, max_queued_tokens=16_384, default_timeout_ms=NO_DEADLINE_MS
-    )
-    yield running.wait_ready()
-    running.stop()
+# Admission on, with a small drain budget (test_overload's), and an engine the test can hold.
+refusing_server = server_fixture(
+    held=True, max_drain_ms=1000, max_queued_tokens=16_384, default_timeout_ms=NO_DEADLINE_MS
+)
 
 
 def test_refused_requests_are_retried_after_their_pushback_and_every_row_lands_in_order(
@@ -584,22 +573,16 @@ def test_refused_requests_are_retried_after_their_pushback_and_every_row_lands_i
     assert_same_vectors(read_jsonl(output), reference[:100])
 
 
-@pytest.fixture(scope="module")
-def aging_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
-    """Connections closed 5 s after their age of 10 s: a stream held that long breaks. Once the engine
-    is released, a stream's 15 s are far more than its two batches take on a machine busy with other
-    work, where compute runs below everything else (2 s were not: every stream broke again)."""
-    log = tmp_path_factory.mktemp("bulk-aging") / "server.log"
-    running = ServerProcess(
-        log,
-        held=True,
-        admission="",
-        max_connection_age_ms=10_000,
-        drain_timeout_s=5,  # the connection's grace after its age
-        default_timeout_ms=NO_DEADLINE_MS,
-    )
-    yield running.wait_ready()
-    running.stop()
+# Connections closed 5 s after their age of 10 s: a stream held that long breaks. Once the engine
+# is released, a stream's 15 s are far more than its two batches take on a machine busy with other
+# work, where compute runs below everything else (2 s were not: every stream broke again).
+aging_server = server_fixture(
+    held=True,
+    admission="",
+    max_connection_age_ms=10_000,
+    drain_timeout_s=5,  # the connection's grace after its age
+    default_timeout_ms=NO_DEADLINE_MS,
+)
 
 
 def test_a_broken_stream_is_opened_again_and_its_requests_resent(
@@ -623,13 +606,8 @@ def test_a_broken_stream_is_opened_again_and_its_requests_resent(
 # --- a slow server: pace by its pushback ----------------------------------------------------------
 
 
-@pytest.fixture(scope="module")
-def slow_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
-    """A drain budget of 300 ms: about one request of 32 short texts at a time on this CPU."""
-    log = tmp_path_factory.mktemp("bulk-slow") / "server.log"
-    running = ServerProcess(log, max_drain_ms=300, default_timeout_ms=NO_DEADLINE_MS)
-    yield running.wait_ready()
-    running.stop()
+# A drain budget of 300 ms: about one request of 32 short texts at a time on this CPU.
+slow_server = server_fixture(max_drain_ms=300, default_timeout_ms=NO_DEADLINE_MS)
 
 
 def test_under_a_low_service_rate_the_command_paces_by_the_pushback(slow_server: ServerProcess, tmp_path: Path):

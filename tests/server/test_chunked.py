@@ -8,7 +8,6 @@ import asyncio
 import json
 import urllib.error
 import urllib.request
-from collections.abc import Iterator
 from typing import Any
 
 import grpc
@@ -18,10 +17,11 @@ from transformers import PreTrainedTokenizerBase
 
 from kembed.client import AsyncEmbedClient, EmbedClient, decode
 from kembed.client.__main__ import main
-from kembed.client.requests import Limits, Options, plan
 from kembed.v1 import embedder_pb2 as pb
 from kembed.v1 import embedder_pb2_grpc as pb_grpc
-from tests.server.serving import ServerProcess
+from tests.server.serving import ServerProcess, server_fixture
+
+pytestmark = pytest.mark.process
 
 LIMIT = 256  # the bundled model's max input tokens
 MAX_CHUNKS = 4
@@ -38,15 +38,10 @@ LONG_PROMPT = "a " * 200
 PROMPTED_MOST = 2 + 200 + MAX_CHUNKS * 54
 
 
-@pytest.fixture(scope="module")
-def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
-    limits: dict[str, Any] = {"max_chunks_per_input": MAX_CHUNKS, "max_items_per_request": MAX_ITEMS}
-    # No admission: these tests are about the answers, not the machine's service rate.
-    running = ServerProcess(
-        tmp_path_factory.mktemp("chunked") / "server.log", admission="", chunk_long_inputs=True, **limits
-    )
-    yield running.wait_ready()
-    running.stop()
+# No admission: these tests are about the answers, not the machine's service rate.
+server = server_fixture(
+    admission="", chunk_long_inputs=True, max_chunks_per_input=MAX_CHUNKS, max_items_per_request=MAX_ITEMS
+)
 
 
 def chunks_by_hand(ids: list[int]) -> list[list[int]]:
@@ -276,14 +271,3 @@ def test_the_command_takes_chunk(server: ServerProcess, capsys: pytest.CaptureFi
     assert "INVALID_ARGUMENT: texts[0]: over the model's" in capsys.readouterr().err
     assert main(["--target", server.target, "--chunk", LONG]) == 0
     assert ": 1 x 384 in " in capsys.readouterr().out
-
-
-def test_a_chunked_list_is_split_so_every_request_holds_its_chunks() -> None:
-    limits = Limits(items=MAX_ITEMS, request_bytes=1 << 20, text_chars=0, chunks=MAX_CHUNKS)
-    assert [len(part.request.texts) for part in plan(["a"] * 5, Options(chunk=True), limits)] == [2, 2, 1]
-    assert [part.request.chunk for part in plan(["a"] * 5, Options(chunk=True), limits)] == [True] * 3
-    assert len(plan(["a"] * 5, Options(), limits)) == 1  # the server does not chunk by default
-    by_default = Limits(items=MAX_ITEMS, request_bytes=1 << 20, text_chars=0, chunks=MAX_CHUNKS, chunk_by_default=True)
-    assert len(plan(["a"] * 5, Options(), by_default)) == 3
-    assert len(plan(["a"] * 5, Options(truncate=True), by_default)) == 1
-    assert not plan(["a"], Options(), limits)[0].request.HasField("chunk")

@@ -1,5 +1,5 @@
 """Long inputs as chunks (kembed.frontend.chunks): the split against a per-input reference written
-plainly, and the token-weighted combination."""
+plainly, and the token-weighted combination; and the client's plan of a chunked list."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ from itertools import chain
 import numpy as np
 import pytest
 
+from kembed.client.requests import Limits, Options, plan
 from kembed.errors import Field, InvalidInput
 from kembed.frontend.chunks import Chunking
 from kembed.inputs import Sequences
@@ -106,3 +107,15 @@ def test_combine_weights_each_chunk_by_its_tokens() -> None:
     np.testing.assert_array_equal(combined[[0, 2]], rows[[0, 4]])
     assert combined.dtype == np.float32
     assert chunks.token_counts().tolist() == [3, 19, 5]
+
+
+def test_a_chunked_list_is_split_so_every_request_holds_its_chunks() -> None:
+    """The client's plan: each input may take the server's most chunks, so a request of 8 items holds 2."""
+    limits = Limits(items=8, request_bytes=1 << 20, text_chars=0, chunks=4)
+    assert [len(part.request.texts) for part in plan(["a"] * 5, Options(chunk=True), limits)] == [2, 2, 1]
+    assert [part.request.chunk for part in plan(["a"] * 5, Options(chunk=True), limits)] == [True] * 3
+    assert len(plan(["a"] * 5, Options(), limits)) == 1  # the server does not chunk by default
+    by_default = Limits(items=8, request_bytes=1 << 20, text_chars=0, chunks=4, chunk_by_default=True)
+    assert len(plan(["a"] * 5, Options(), by_default)) == 3
+    assert len(plan(["a"] * 5, Options(truncate=True), by_default)) == 1
+    assert not plan(["a"], Options(), limits)[0].request.HasField("chunk")

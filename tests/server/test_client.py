@@ -22,9 +22,9 @@ from kembed.client.requests import Limits, Options, plan
 from kembed.engine.model import BUNDLED_MODEL_ID
 from kembed.v1 import embedder_pb2 as pb
 from kembed.v1 import embedder_pb2_grpc as pb_grpc
-from tests.server.serving import ServerProcess
+from tests.server.serving import ServerProcess, serving
 
-pytestmark = pytest.mark.slow
+pytestmark = pytest.mark.process
 
 FOLDER = "minilm-folder"  # the model's folder: what it is called unless told otherwise
 MAX_TEXT_CHARS = 2000
@@ -43,16 +43,15 @@ def server(tmp_path_factory: pytest.TempPathFactory, bundled_path: Path) -> Iter
     folder.mkdir()
     for file in bundled_path.iterdir():  # the bundled model's files, in a folder of another name
         (folder / file.name).symlink_to(file)
-    running = ServerProcess(
-        root / "server.log",
+    with serving(
+        root,
         admission="",  # these tests are about the client, not the machine's service rate
         model=str(folder),
         served_model_name=BUNDLED_MODEL_ID,  # the README's model=
         max_text_chars=MAX_TEXT_CHARS,
         max_message_bytes=MAX_MESSAGE,
-    )
-    yield running.wait_ready()
-    running.stop()
+    ) as server:
+        yield server
 
 
 @pytest.fixture(scope="module")
@@ -191,11 +190,6 @@ def test_the_async_client_names_the_text_at_fault(server: ServerProcess):
 # --- the one-shot command -----------------------------------------------------------------------
 
 
-def test_the_command_refuses_an_empty_text_in_one_line(capsys: pytest.CaptureFixture[str]):
-    assert main(["--target", "127.0.0.1:1", "hello", ""]) == 1
-    assert capsys.readouterr().err == "kembed.client: INVALID_ARGUMENT: texts[1]: an empty string\n"
-
-
 def test_the_command_answers_an_over_long_text_in_one_line(server: ServerProcess, capsys: pytest.CaptureFixture[str]):
     long = "x" * (MAX_TEXT_CHARS + 1)
     assert main(["--target", server.target, "hello", long]) == 1
@@ -247,16 +241,6 @@ def test_the_commands_truncation_direction_changes_nothing_without_truncate(
         np.testing.assert_allclose(printed, client.embed(["hello world"])[0, :6], atol=1e-4)
     assert main([*flags, "x" * (MAX_TEXT_CHARS + 1)]) == 1
     assert f"INVALID_ARGUMENT: texts[0]: {MAX_TEXT_CHARS + 1} characters" in capsys.readouterr().err
-
-
-def test_the_commands_help_lists_its_subcommands(capsys: pytest.CaptureFixture[str]):
-    with pytest.raises(SystemExit) as done:
-        main(["--help"])
-    assert done.value.code == 0
-    said = capsys.readouterr().out
-    assert "python -m kembed.client embed --help" in said
-    for flag in ("--truncate", "--truncation-direction", "--dimensions", "--priority"):
-        assert flag in said
 
 
 # --- the served name ----------------------------------------------------------------------------

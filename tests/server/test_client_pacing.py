@@ -6,6 +6,7 @@ pushbacks included, against a gRPC server over loopback that refuses as told."""
 from __future__ import annotations
 
 import asyncio
+import re
 import time
 from collections.abc import Iterator
 from concurrent import futures
@@ -18,12 +19,14 @@ from kembed.client import AsyncEmbedClient, EmbedClient, Refused, Unavailable
 from kembed.contract import RETRY_PUSHBACK_KEY
 from kembed.v1 import embedder_pb2 as pb
 from kembed.v1 import embedder_pb2_grpc as pb_grpc
-from tests.server.serving import ServerProcess
+from tests.server.serving import ServerProcess, server_fixture
 
 TOPICS = ["pods", "nodes", "vectors", "queues", "tokens", "shards", "replicas", "graphs"]
-MANY = [f"note {i} on {TOPICS[i % 8]} and {TOPICS[i * 7 % 8]}" for i in range(5_000)]
-SAMPLED = [0, 1, 1_023, 3_007, 4_999]  # rows compared with the text embedded alone
-REJECTED = "kembed_rejected_total"
+# Three requests' worth (1,024 texts a request): the client sends one, then two at once (its window's
+# slow start), and the second of those is refused while the first is queued; more add nothing.
+MANY = [f"note {i} on {TOPICS[i % 8]} and {TOPICS[i * 7 % 8]}" for i in range(2_100)]
+SAMPLED = [0, 1, 1_023, 1_024, 2_099]  # rows compared with the text embedded alone
+REFUSALS = re.compile(r"^kembed_rejected_total\{.*\} (\S+)$", re.M)
 
 
 class Refusing(pb_grpc.EmbedderServicer):
@@ -100,38 +103,43 @@ def test_a_pushback_past_the_deadline_ends_the_call_with_the_refusal(long_pushba
 # --- a server that admits little at once ----------------------------------------------------------
 
 
-@pytest.fixture(scope="module")
-def tight_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
-    """A drain budget of 1 s: a request of 1,024 texts (the most a request may carry; some 15,000
-    padded tokens, 10 s and more on two busy cores) is far over it, so parts cut to that limit alone
-    are refused whenever another is queued."""
-    log = tmp_path_factory.mktemp("tight") / "server.log"
-    running = ServerProcess(log, admission="throughput", max_drain_ms=1000)
-    yield running.wait_ready()
-    running.stop()
+# A drain budget of 1 s: a request of 1,024 texts (the most a request may carry; some 15,000
+# padded tokens, 10 s and more on two busy cores) is far over it, so parts cut to that limit alone
+# are refused whenever another is queued.
+tight_server = server_fixture(admission="throughput", max_drain_ms=1000)
 
 
-@pytest.mark.slow
-@pytest.mark.timeout(1200)  # a server's start and 5,000 texts at a 1 s budget: minutes on two busy cores
+def refusals(server: ServerProcess) -> float:
+    """Every refusal the server counted, whatever its reason and class."""
+    status, body = server.http("/metrics")
+    assert status == 200, f"/metrics answered {status}"
+    return sum(float(value) for value in REFUSALS.findall(body))
+
+
+@pytest.mark.process
+@pytest.mark.timeout(1200)  # a server's start and 2,100 texts at a 1 s budget: minutes on two busy cores
 def test_embed_paces_thousands_of_texts_through_a_small_budget(tight_server: ServerProcess):
+    before = refusals(tight_server)
     with EmbedClient(tight_server.target) as client:
         vectors = client.embed(MANY)
+        assert refusals(tight_server) > before  # paced through refusals, not around them
+        assert client.retries == 0  # a refusal of its own part beside others spends no retry budget
         alone = np.concatenate([client.embed([MANY[i]]) for i in SAMPLED])
     assert vectors.shape == (len(MANY), 384)
     np.testing.assert_allclose(vectors[SAMPLED], alone, atol=1e-5)  # row for row, in input order
 
 
-@pytest.mark.slow
+@pytest.mark.process
 @pytest.mark.timeout(1200)
 def test_the_async_client_paces_alike(tight_server: ServerProcess):
     async def embed() -> tuple[np.ndarray, np.ndarray]:
         async with AsyncEmbedClient(tight_server.target) as client:
-            both = await asyncio.gather(client.embed(MANY[:2000]), client.embed(MANY[2000:2500], dimensions=64))
+            both = await asyncio.gather(client.embed(MANY[:1500]), client.embed(MANY[1500:], dimensions=64))
             return both[0], both[1]
 
     first, second = asyncio.run(embed())
     with EmbedClient(tight_server.target) as client:
-        alone = client.embed([MANY[1999], MANY[2499]], dimensions=64)
-    assert first.shape == (2000, 384) and second.shape == (500, 64)
-    np.testing.assert_allclose(first[1999, :64] / np.linalg.norm(first[1999, :64]), alone[0], atol=1e-5)
-    np.testing.assert_allclose(second[499], alone[1], atol=1e-5)
+        alone = client.embed([MANY[1499], MANY[-1]], dimensions=64)
+    assert first.shape == (1500, 384) and second.shape == (600, 64)
+    np.testing.assert_allclose(first[1499, :64] / np.linalg.norm(first[1499, :64]), alone[0], atol=1e-5)
+    np.testing.assert_allclose(second[599], alone[1], atol=1e-5)

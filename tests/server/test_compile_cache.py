@@ -258,7 +258,7 @@ def race(root: Path, plans: list[tuple[list[Identity], list[tuple[int, int]]]], 
     return [chosen.get(timeout=BARRIER_S) for _ in range(sum(len(idents) for idents, _ in plans))]
 
 
-@pytest.mark.slow
+@pytest.mark.process
 def test_two_replicas_creating_the_same_folder_at_once_share_it(tmp_path: Path, model_dir: Path) -> None:
     root = tmp_path / "cache"
     idents = [ident(model_dir, torch=f"round-{n}") for n in range(ROUNDS)]  # a new folder every round
@@ -272,7 +272,7 @@ def test_two_replicas_creating_the_same_folder_at_once_share_it(tmp_path: Path, 
     assert len([entry for entry in root.iterdir() if (entry / MANIFEST).exists()]) <= 3  # keep 2, plus one in use
 
 
-@pytest.mark.slow
+@pytest.mark.process
 def test_two_replicas_of_different_identities_never_delete_each_others_folder(tmp_path: Path, model_dir: Path) -> None:
     root = tmp_path / "cache"
     mine, theirs = ident(model_dir, torch="A"), ident(model_dir, torch="B")

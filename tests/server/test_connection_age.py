@@ -22,12 +22,12 @@ from kembed.client import EmbedClient
 from tests.server.serving import ServerProcess, wait_until
 
 AGE_MS = 3000  # each connection closes within 2.7 to 3.3 s: a first answer comes well within it
-PAST_AGE_S = 4.0  # slept so that a connection is past its age, whatever its jitter drew
+OLDEST_S = AGE_MS * 1.1 / 1000 + 0.3  # the latest an age can end, whatever its jitter drew, and a timer's slack
 ALIAS = "minilm"
 GRPC_OK = 'kembed_requests_total{api="grpc",code="OK"}'
 REST_OK = 'kembed_requests_total{api="rest",code="200"}'
 
-pytestmark = pytest.mark.slow
+pytestmark = pytest.mark.process
 
 
 class Service:
@@ -89,20 +89,28 @@ def servers(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[ServerPr
 
 
 def _calls_reach_the_added_replica(call: Callable[[], object], service: Service, added: ServerProcess, ok: str) -> None:
-    """Calls on one client, every one answered, until the replica added to the Service answers some."""
-    for _ in range(3):  # across two ages, on the first replica alone: REST closes at the answer after one
-        call()
-        time.sleep(PAST_AGE_S)
-    assert service.accepted >= 2  # the client connected again, by itself
+    """Calls on one client, every one answered, until its connection has aged and it connected again
+    by itself (on the first replica alone: REST closes at the first answer past the age), then until
+    the replica added to the Service answers some."""
+
+    def answered_until(done: Callable[[], bool]) -> Callable[[], bool]:
+        def step() -> bool:
+            call()
+            time.sleep(0.1)
+            return done()
+
+        return step
+
+    wait_until(answered_until(lambda: service.accepted >= 2), 120, "the client connecting again")
     before = added.metric(ok)
     service.backends.append(added.rest_port if ok == REST_OK else added.grpc_port)
+    wait_until(answered_until(lambda: added.metric(ok) > before), 120, "a call answered by the replica added")
 
-    def reached() -> bool:
-        call()
-        time.sleep(0.1)
-        return added.metric(ok) > before
 
-    wait_until(reached, 120, "a call answered by the replica added")
+def _past_age(connected: float) -> None:
+    """Until a connection made at ``connected`` (monotonic) is past its age: the state waited for is
+    the connection's age, which only time brings."""
+    time.sleep(max(0.0, connected + OLDEST_S - time.monotonic()))
 
 
 def test_a_grpc_client_reaches_a_replica_added_once_its_connection_ages(
@@ -141,9 +149,10 @@ def test_a_call_in_flight_on_an_aged_grpc_connection_is_answered(
     client = EmbedClient(first.target)
     try:
         with ThreadPoolExecutor(1) as pool, first.engine:
+            connected = time.monotonic()  # at the latest: the call below connects
             held = pool.submit(client.embed, ["hello world"])
             first.wait_open_requests(1)
-            time.sleep(PAST_AGE_S)  # GOAWAY sent; the call has the drain timeout's grace
+            _past_age(connected)  # GOAWAY sent; the call has the drain timeout's grace
             first.engine.release()
             assert len(held.result(timeout=120)) == 1
         assert len(client.embed(["on a new connection"])) == 1
@@ -158,6 +167,7 @@ def test_a_rest_answer_past_the_age_closes_its_connection(servers: tuple[ServerP
     body = b'{"model": "minilm", "input": ["hello world"]}'
     headers = {"Content-Type": "application/json"}
     try:
+        connected = time.monotonic()  # at the latest: the request below connects
         connection.request("POST", "/v1/embeddings", body, headers)
         young = connection.getresponse()
         young.read()
@@ -165,7 +175,7 @@ def test_a_rest_answer_past_the_age_closes_its_connection(servers: tuple[ServerP
         with first.engine:  # the request arrives young, and is answered past the age
             connection.request("POST", "/v1/embeddings", body, headers)
             first.wait_open_requests(1)
-            time.sleep(PAST_AGE_S)
+            _past_age(connected)
         aged = connection.getresponse()
         aged.read()
         assert aged.status == 200 and aged.getheader("Connection") == "close"

@@ -10,7 +10,6 @@ import re
 import subprocess
 import sys
 import threading
-from collections.abc import Iterator
 from pathlib import Path
 
 import grpc
@@ -19,7 +18,7 @@ import pytest
 from kembed.engine import cpu, precision
 from kembed.v1 import embedder_pb2 as pb
 from kembed.v1 import embedder_pb2_grpc as pb_grpc
-from tests.server.serving import ServerProcess
+from tests.server.serving import ServerProcess, server_fixture
 
 PROBE = """
 import json, os, threading
@@ -52,6 +51,7 @@ print(json.dumps(result))
 """
 
 
+@pytest.mark.process
 def test_compute_threads_yield_to_the_main_thread() -> None:
     base = os.getpriority(os.PRIO_PROCESS, 0)
     done = subprocess.run([sys.executable, "-c", PROBE], capture_output=True, text=True, timeout=120, check=True)
@@ -60,6 +60,7 @@ def test_compute_threads_yield_to_the_main_thread() -> None:
     assert result == {"nice": expected, "child": expected, "main": base, "others": [expected]}
 
 
+@pytest.mark.process
 def test_the_compile_thread_and_what_it_starts_run_only_on_idle_cpu() -> None:
     """The compile beside serving must not take the cores from admitted work: its thread, the
     threads it starts and the compiler processes it runs are SCHED_IDLE; the rest keep theirs."""
@@ -101,15 +102,10 @@ def thread_niceness(pid: int) -> dict[bool, set[int]]:
     return found
 
 
-@pytest.fixture(scope="module")
-def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
-    log = tmp_path_factory.mktemp("cpu") / "server.log"
-    running = ServerProcess(log, frontends=1, compute_nice=6, dtype="auto")  # the default the harness pins
-    yield running.wait_ready()
-    running.stop()
+server = server_fixture(frontends=1, compute_nice=6, dtype="auto")  # dtype: the default the harness pins
 
 
-@pytest.mark.slow
+@pytest.mark.process
 def test_on_cpu_the_compute_and_tokenizing_threads_run_below_serving(server: ServerProcess) -> None:
     """The engine's compute threads, and a front end's tokenizing threads (a large call is tokenized
     off the event loop, in one: at serving's priority a client's large bodies took the cores)."""
@@ -126,7 +122,7 @@ def test_on_cpu_the_compute_and_tokenizing_threads_run_below_serving(server: Ser
     assert "compute threads at niceness" in server.output()
 
 
-@pytest.mark.slow
+@pytest.mark.process
 def test_the_dtype_auto_serves_and_why_are_in_health_info_and_metrics(server: ServerProcess) -> None:
     health = server.health()
     dtype, why = health["dtype"], health["dtype_reason"]

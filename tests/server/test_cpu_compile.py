@@ -29,7 +29,7 @@ from kembed.inputs import Sequences
 from kembed.shapes import Queueing
 from kembed.v1 import embedder_pb2 as pb
 from kembed.v1 import embedder_pb2_grpc as pb_grpc
-from tests.server.serving import ServerProcess, wait_until
+from tests.server.serving import ServerProcess, serving, wait_until
 
 SHAPES = [(64, 8), (16, 32)]  # (seq_len, rows)
 # Few, small shapes: the compile is paid once per server, and its shapes are dynamic anyway.
@@ -123,7 +123,7 @@ def test_padding_a_one_token_batch_leaves_its_vectors_as_they_were(stock_model: 
     assert min_cosine(as_is, two) >= 0.99999
 
 
-@pytest.mark.slow
+@pytest.mark.process
 def test_warmup_compiles_at_a_lanes_threads_so_a_lane_runs_what_it_compiled(tmp_path, monkeypatch) -> None:
     """Dynamo guards on the thread count: a forward warmed at another count than a lane's would
     compile again at every lane's first batch, mid-traffic (on one core, the counts cannot differ)."""
@@ -207,20 +207,19 @@ def compiled_forward(server: ServerProcess, timeout: float = 900) -> tuple[str, 
 @pytest.fixture(scope="module")
 def compiled(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
     folder = tmp_path_factory.mktemp("compiled")
-    running = ServerProcess(
-        folder / "server.log",
+    with serving(
+        folder,
         admission="",  # these tests are about the answers, not the busy machine's service rate
         compile="on",
         dtype="bfloat16",  # what auto serves on a CPU with bf16 units, and where compiling pays most
         compute_lanes=2,
         compile_cache_dir=str(folder / "cache"),
         **SMALL,
-    )
-    yield running.wait_ready(timeout=300)  # ready on eager: the compile comes once it serves
-    running.stop()
+    ) as server:
+        yield server  # ready on eager: the compile comes once it serves
 
 
-@pytest.mark.slow
+@pytest.mark.process
 def test_a_cpu_server_is_ready_on_eager_and_compiles_while_it_serves(compiled: ServerProcess) -> None:
     """Readiness waits for no compile: a pod is ready in an eager warmup's time, and the compile
     (tens of seconds cold on two cores) runs on a thread beside the lanes."""
@@ -232,7 +231,7 @@ def test_a_cpu_server_is_ready_on_eager_and_compiles_while_it_serves(compiled: S
     assert compiled.metric(f'kembed_serving_forward{{forward="eager",reason="KEMBED_COMPILE=on: {COMPILING}"}}') == 0
 
 
-@pytest.mark.slow
+@pytest.mark.process
 def test_a_compiled_server_says_so_and_its_lanes_match_sentence_transformers(
     compiled: ServerProcess, st_model: Any
 ) -> None:
@@ -250,7 +249,7 @@ def test_a_compiled_server_says_so_and_its_lanes_match_sentence_transformers(
     assert "computing 2 batches at once" in compiled.output()
 
 
-@pytest.mark.slow
+@pytest.mark.process
 def test_a_missing_compiler_serves_eager_and_says_why(tmp_path) -> None:
     server = ServerProcess(
         tmp_path / "server.log",

@@ -17,9 +17,9 @@ from kembed.config import Settings
 from kembed.contract import OPENAI_RETRY_COUNT_HEADER, Metric
 from kembed.v1 import embedder_pb2 as pb
 from kembed.v1 import embedder_pb2_grpc as pb_grpc
-from tests.server.serving import ServerProcess
+from tests.server.serving import ServerProcess, serving
 
-pytestmark = pytest.mark.slow
+pytestmark = pytest.mark.process
 IDS = [101] + [2023] * 198 + [102]  # 200 ids: one item in the 256-token bucket
 COST = 256
 QUEUE_CAP = 260  # one such item fits; two do not, even with the interactive reserve
@@ -50,15 +50,16 @@ def request() -> pb.EmbedRequest:
 @pytest.fixture(scope="module")
 def full_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
     """One front end; its engine held with one call of COST queued, so every other call is refused."""
-    log = tmp_path_factory.mktemp("demand") / "server.log"
-    server = ServerProcess(log, held=True, frontends=1, max_queued_tokens=QUEUE_CAP).wait_ready()
-    with grpc.insecure_channel(server.target) as channel:
+    folder = tmp_path_factory.mktemp("demand")
+    with (
+        serving(folder, held=True, frontends=1, max_queued_tokens=QUEUE_CAP) as server,
+        grpc.insecure_channel(server.target) as channel,
+    ):
         with server.engine:
             queued = pb_grpc.EmbedderStub(channel).Embed.future(request(), timeout=600)
             server.wait_open_requests(1)
             yield server
-        queued.result()
-    server.stop()
+        queued.result()  # answered once released, before the server stops
 
 
 def demand(server: ServerProcess) -> float:

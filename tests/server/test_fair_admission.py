@@ -24,9 +24,9 @@ import pytest
 from kembed.config import Settings
 from kembed.v1 import embedder_pb2 as pb
 from kembed.v1 import embedder_pb2_grpc as pb_grpc
-from tests.server.serving import ServerProcess, wait_until
+from tests.server.serving import ServerProcess, server_fixture, wait_until
 
-pytestmark = pytest.mark.slow
+pytestmark = pytest.mark.process
 
 OK, EXHAUSTED, INVALID = grpc.StatusCode.OK, grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.INVALID_ARGUMENT
 PASSAGE = "word " * 200  # 202 tokens: the 256 bucket
@@ -38,24 +38,18 @@ T = TypeVar("T")
 Call = Any  # a call's future: code(), details() (the stubs type it as Any)
 
 
-@pytest.fixture(scope="module")
-def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
-    log = tmp_path_factory.mktemp("fair") / "server.log"
-    running = ServerProcess(
-        log,
-        held=True,
-        frontends=1,
-        max_batch_size=32,
-        max_tokens_per_batch=8192,
-        refusal_burst=REFUSAL_BURST,
-        refusal_rate=1,
-        # A request that sets no deadline gets at least this: what the tests hold here is the order
-        # of service, not the default deadline, which a CI machine's load can spend while the
-        # engine is held (the LangChain-like ingest was answered 504 there).
-        default_timeout_ms=600_000,
-    )
-    yield running.wait_ready()
-    running.stop()
+server = server_fixture(
+    held=True,
+    frontends=1,
+    max_batch_size=32,
+    max_tokens_per_batch=8192,
+    refusal_burst=REFUSAL_BURST,
+    refusal_rate=1,
+    # A request that sets no deadline gets at least this: what the tests hold here is the order
+    # of service, not the default deadline, which a CI machine's load can spend while the
+    # engine is held (the LangChain-like ingest was answered 504 there).
+    default_timeout_ms=600_000,
+)
 
 
 @pytest.fixture

@@ -127,6 +127,7 @@ def test_the_models_forward_is_one_graph_with_padding(stock_model: EmbeddingMode
     assert (explained.graph_count, explained.graph_break_count) == (1, 0), explained.break_reasons
 
 
+@pytest.mark.process
 def test_a_compiled_warmup_counts_what_each_shape_compiled(dynamo: None) -> None:
     """Inductor on CPU (static mode, a C++ compile per shape): one whole graph and its kernels per shape."""
     guard = graphs.compile_graphs(_masked_sum, Graphs.STATIC, 2, torch.device("cpu"))

@@ -10,7 +10,6 @@ import select
 import signal
 import socket
 import time
-from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
@@ -26,9 +25,9 @@ from kembed.frontend.process import TOKENIZER_THREADS
 from kembed.v1 import embedder_pb2 as pb
 from kembed.v1 import embedder_pb2_grpc as pb_grpc
 from tests.server.bodies import ONE_ANSWER
-from tests.server.serving import ServerProcess, peer_ports, reset_peak_rss, rss_bytes, wait_until
+from tests.server.serving import ServerProcess, peer_ports, reset_peak_rss, rss_bytes, server_fixture, wait_until
 
-pytestmark = pytest.mark.slow
+pytestmark = pytest.mark.process
 
 MAX_ITEMS = 64
 BIG_MESSAGE = 16 * 1024 * 1024
@@ -37,20 +36,14 @@ HUGE_SEQUENCES = orjson.dumps({"input": [[0]] * 4_000_000})  # 16 MiB
 HUGE_TEXTS = orjson.dumps({"input": ["a"] * 4_000_000})
 
 
-@pytest.fixture(scope="module")
-def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
-    log = tmp_path_factory.mktemp("hostile") / "server.log"
-    running = ServerProcess(
-        log,
-        frontends=1,
-        admission="",
-        max_items_per_request=MAX_ITEMS,
-        max_message_bytes=BIG_MESSAGE,
-        default_timeout_ms=TIMEOUT_MS,
-        max_rest_connections=16,
-    )
-    yield running.wait_ready()
-    running.stop()
+server = server_fixture(
+    frontends=1,
+    admission="",
+    max_items_per_request=MAX_ITEMS,
+    max_message_bytes=BIG_MESSAGE,
+    default_timeout_ms=TIMEOUT_MS,
+    max_rest_connections=16,
+)
 
 
 def frontend(server: ServerProcess) -> int:

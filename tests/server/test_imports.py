@@ -1,15 +1,13 @@
 """The import graph of ``server/kembed``, read from the source: no module takes part in an import
 cycle, and the client (``kembed.client``) reaches nothing of the server's, so that
 ``pip install 'kembed[client]'`` (numpy, grpcio, protobuf, tqdm: no torch) is all it needs.
-The last test installs it so in a fresh venv."""
+tests/image/test_client_install.py installs it so in a fresh venv (`make image-test`)."""
 
 from __future__ import annotations
 
 import ast
-import shutil
 import subprocess
 import sys
-import venv
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -177,6 +175,7 @@ def test_the_client_reaches_only_its_own_modules_and_the_shared_ones() -> None:
     assert set().union(*packages.values()) == CLIENT_PACKAGES  # the check sees them all
 
 
+@pytest.mark.process
 def test_loading_the_client_loads_nothing_of_the_servers() -> None:
     script = (
         "import sys, kembed.client, kembed.client.__main__, kembed.client.corpus.command\n"
@@ -184,31 +183,3 @@ def test_loading_the_client_loads_nothing_of_the_servers() -> None:
     )
     result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True)
     assert result.stdout.strip() == "[]"
-
-
-@pytest.mark.slow
-def test_the_client_extra_installs_and_runs_without_torch(tmp_path: Path) -> None:
-    """A fresh venv, ``pip install '.[client]'`` (from the configured index, offline-capable), then
-    the CLI's help and the library's import, with no torch anywhere."""
-    if not (SERVER / "kembed" / "v1" / "embedder_pb2.py").exists():
-        pytest.skip("make proto first: the generated code ships in the package")
-    project = tmp_path / "project"  # a clean copy: setuptools would pack whatever an old build/ holds
-    for folder in ("server", "operator"):
-        shutil.copytree(ROOT / folder, project / folder, ignore=shutil.ignore_patterns("__pycache__", "*.egg-info"))
-    for file in ("pyproject.toml", "README.md"):
-        shutil.copy(ROOT / file, project / file)
-    env = tmp_path / "venv"
-    venv.create(env, with_pip=True)
-    python = str(env / "bin" / "python")
-    install = subprocess.run(
-        [python, "-m", "pip", "install", "--quiet", f"{project}[client]"], capture_output=True, text=True, timeout=900
-    )
-    assert install.returncode == 0, install.stdout + install.stderr
-    check = "import importlib.util as u; from kembed.client import EmbedClient; assert u.find_spec('torch') is None"
-    subprocess.run([python, "-c", check], cwd=tmp_path, check=True, timeout=120)
-    for argv in (["--help"], ["embed", "--help"]):
-        shown = subprocess.run(
-            [python, "-m", "kembed.client", *argv], cwd=tmp_path, capture_output=True, text=True, timeout=120
-        )
-        assert shown.returncode == 0, shown.stderr
-        assert "--target" in shown.stdout

@@ -11,6 +11,7 @@ import socket
 import subprocess
 import sys
 import urllib.request
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
@@ -26,11 +27,12 @@ from kembed.v1 import embedder_pb2 as pb
 from kembed.v1 import embedder_pb2_grpc as pb_grpc
 from tests.server.held import EngineHold
 from tests.server.serving import ServerProcess, channel_per_frontend, wait_until
+from tests.server.test_rest import post
 
 JSON = "application/json"
 PARAGRAPH = "Readiness goes false at once, and everything accepted is finished and answered. " * 5
 
-pytestmark = pytest.mark.slow
+pytestmark = pytest.mark.process
 
 
 def process_gone(pid: int) -> bool:
@@ -40,10 +42,16 @@ def process_gone(pid: int) -> bool:
         return True
 
 
-def test_unavailable_while_warming_up_then_serving(tmp_path: Path):
+def test_a_life_on_both_edges_warming_up_serving_then_draining(tmp_path: Path):
+    """Warming up, gRPC answers UNAVAILABLE and REST 503, /readyz 503 and /livez 200; warm, both
+    serve; on SIGTERM readiness drops, a new call is refused on both edges with the pushback gRPC's
+    retry policy and the openai SDK retry after (on another replica), every call accepted in every
+    front end, gRPC's and REST's, is answered, and the server exits 0. One server's life: three
+    tests each started a server for a stage of it (merged from test_lifecycle's warming-up and
+    SIGTERM tests and test_rest's warming-up-and-draining test)."""
     warming = EngineHold(tmp_path / "server.hold")
     warming.hold()  # the engine's warmup waits until released, however fast this machine is
-    server = ServerProcess(tmp_path / "server.log", held=True, frontends=2)
+    server = ServerProcess(tmp_path / "server.log", held=True, admission="", frontends=2)
     try:
         with grpc.insecure_channel(server.target) as channel:
             health = health_pb2_grpc.HealthStub(channel)
@@ -53,14 +61,48 @@ def test_unavailable_while_warming_up_then_serving(tmp_path: Path):
                 pb_grpc.EmbedderStub(channel).Embed(pb.EmbedRequest(texts=["too early"]), timeout=5)
             assert caught.value.code() is grpc.StatusCode.UNAVAILABLE
             assert "warming up" in str(caught.value.details())
+            wait_until(lambda: post(server, {"input": "early"})[0] == 503, 120, "the REST port answering 503")
             assert server.http("/readyz")[0] == 503
             assert server.http("/livez")[0] == 200
             warming.release()
             server.wait_ready()
             assert _health_status(health) == health_pb2.HealthCheckResponse.SERVING
             assert pb_grpc.EmbedderStub(channel).Embed(pb.EmbedRequest(texts=["now"])).count == 1
+        _drains_on_both_edges(server)
     finally:
         server.stop()
+    assert server.output().count("draining:") == 2
+
+
+def _drains_on_both_edges(server: ServerProcess) -> None:
+    channels = channel_per_frontend(server, 2)
+    with ThreadPoolExecutor(6) as pool, server.engine:  # nothing is computed until the drain has been checked
+        accepted = []
+        for channel in channels.values():
+            stub = pb_grpc.EmbedderStub(channel)
+            accepted += [stub.Embed.future(pb.EmbedRequest(texts=[PARAGRAPH] * 8), timeout=120) for _ in range(10)]
+        by_rest = [pool.submit(post, server, {"input": [f"accepted {i}"] * 4}) for i in range(6)]
+        server.wait_open_requests(26)  # every request is past the gate, in the engine
+        server.process.send_signal(signal.SIGTERM)
+        wait_until(lambda: server.http("/readyz")[0] != 200, 60, "readiness to drop")
+        for channel in channels.values():
+            with pytest.raises(grpc.RpcError) as caught:
+                pb_grpc.EmbedderStub(channel).Embed(pb.EmbedRequest(texts=["after SIGTERM"]), timeout=30)
+            assert caught.value.code() is grpc.StatusCode.UNAVAILABLE
+            # a pushback, so gRPC's retry policy sends it again (on another replica)
+            trailing: Any = caught.value.trailing_metadata()  # the stubs type it as a tuple of Never
+            assert dict(trailing)[RETRY_PUSHBACK_KEY] == "100"
+        status, body, headers = post(server, {"input": "after SIGTERM"})
+        assert status == 503 and body["error"]["code"] == "unavailable"
+        assert headers["retry-after-ms"] == "100"  # the openai SDK retries a 503 after it
+        assert not any(future.done() for future in [*accepted, *by_rest])  # every one still in flight
+    assert [future.result().count for future in accepted] == [8] * 20
+    assert [(status, len(body["data"])) for status, body, _ in (f.result(timeout=120) for f in by_rest)] == [
+        (200, 4)
+    ] * 6
+    assert server.process.wait(timeout=60) == 0
+    for channel in channels.values():
+        channel.close()
 
 
 def _health_status(health: health_pb2_grpc.HealthStub) -> int | None:
@@ -70,53 +112,51 @@ def _health_status(health: health_pb2_grpc.HealthStub) -> int | None:
         return None
 
 
-def test_expired_work_is_dropped_before_compute(tmp_path: Path):
-    server = ServerProcess(tmp_path / "server.log", held=True, admission="").wait_ready()
-    try:
-        with grpc.insecure_channel(server.target) as channel:
-            stub = pb_grpc.EmbedderStub(channel)
-            with server.engine:  # the backlog's first batch waits: the late request waits behind it
-                backlog = stub.Embed.future(pb.EmbedRequest(texts=[PARAGRAPH] * 64), timeout=120)
-                server.wait_open_requests(1)
-                with pytest.raises(grpc.RpcError) as caught:
-                    stub.Embed(pb.EmbedRequest(texts=["late"] * 3), timeout=0.2)
-                assert caught.value.code() is grpc.StatusCode.DEADLINE_EXCEEDED
-                server.wait_open_requests(1)  # the engine dropped it
-            answered = backlog.result()
-        _, metrics = server.http("/metrics")
-        real = re.search(r'^kembed_tokens_total\{kind="real"\} (\S+)', metrics, re.M)
-        assert real is not None
-        assert float(real.group(1)) == sum(answered.token_counts)  # the expired request never reached the model
-    finally:
-        server.stop()
+def test_expired_work_is_dropped_before_compute(held_server: ServerProcess):
+    server = held_server
+    real = 'kembed_tokens_total{kind="real"}'
+    before = server.metric(real)
+    with grpc.insecure_channel(server.target) as channel:
+        stub = pb_grpc.EmbedderStub(channel)
+        with server.engine:  # the backlog's first batch waits: the late request waits behind it
+            backlog = stub.Embed.future(pb.EmbedRequest(texts=[PARAGRAPH] * 64), timeout=120)
+            server.wait_open_requests(1)
+            with pytest.raises(grpc.RpcError) as caught:
+                stub.Embed(pb.EmbedRequest(texts=["late"] * 3), timeout=0.2)
+            assert caught.value.code() is grpc.StatusCode.DEADLINE_EXCEEDED
+            server.wait_open_requests(1)  # the engine dropped it
+        answered = backlog.result()
+    # The expired request never reached the model: the tokens computed are the backlog's alone.
+    wait_until(lambda: server.metric(real) - before >= sum(answered.token_counts), 60, "the tokens counted")
+    assert server.metric(real) - before == sum(answered.token_counts)
 
 
-def test_calls_that_end_before_their_answer_are_counted_not_logged(tmp_path: Path):
+def test_calls_that_end_before_their_answer_are_counted_not_logged(held_server: ServerProcess):
     """Calls whose deadline passes while the engine holds them: at its deadline gRPC's core ends each
     call as the front end answers DEADLINE_EXCEEDED, and whichever comes first, each is answered
     (counted by its code) or gone (counted as such), never a failure with a traceback in the log (at
     8a781ed an answer the core refused logged ExecuteBatchError's traceback at ERROR). Calls their
     clients cancel are gone too."""
     late, cancelled = 300, 20
-    server = ServerProcess(tmp_path / "server.log", held=True, frontends=1, admission="").wait_ready()
+    server = held_server
     expired = 'kembed_requests_total{api="grpc",code="DEADLINE_EXCEEDED"}'
     gone = 'kembed_calls_gone_total{api="grpc"}'
-    try:
-        with grpc.insecure_channel(server.target) as channel, server.engine:
-            stub = pb_grpc.EmbedderStub(channel)
-            expiring = [stub.Embed.future(pb.EmbedRequest(texts=[f"late {i}"]), timeout=0.3) for i in range(late)]
-            for call in expiring:
-                assert call.exception(timeout=120).code() is grpc.StatusCode.DEADLINE_EXCEEDED
-            leaving = [stub.Embed.future(pb.EmbedRequest(texts=[f"left {i}"]), timeout=120) for i in range(cancelled)]
-            server.wait_open_requests(cancelled)
-            for call in leaving:
-                call.cancel()
-            counted = lambda: server.metric(expired) + server.metric(gone) == late + cancelled  # noqa: E731
-            wait_until(counted, 120, "every call counted once: answered DEADLINE_EXCEEDED, or gone")
-        assert server.metric(gone) >= cancelled
-        assert "Traceback" not in server.output() and " ERROR " not in server.output()
-    finally:
-        server.stop()
+    before = {name: server.metric(name) for name in (expired, gone)}
+    logged = len(server.output())
+    with grpc.insecure_channel(server.target) as channel, server.engine:
+        stub = pb_grpc.EmbedderStub(channel)
+        expiring = [stub.Embed.future(pb.EmbedRequest(texts=[f"late {i}"]), timeout=0.3) for i in range(late)]
+        for call in expiring:
+            assert call.exception(timeout=120).code() is grpc.StatusCode.DEADLINE_EXCEEDED
+        leaving = [stub.Embed.future(pb.EmbedRequest(texts=[f"left {i}"]), timeout=120) for i in range(cancelled)]
+        server.wait_open_requests(cancelled)
+        for call in leaving:
+            call.cancel()
+        counted = lambda: sum(server.metric(name) - before[name] for name in before) == late + cancelled  # noqa: E731
+        wait_until(counted, 120, "every call counted once: answered DEADLINE_EXCEEDED, or gone")
+    assert server.metric(gone) - before[gone] >= cancelled
+    said = server.output()[logged:]
+    assert "Traceback" not in said and " ERROR " not in said
 
 
 def _ipv6_loopback() -> bool:
@@ -166,35 +206,6 @@ def _ready(server: ServerProcess, host: str) -> bool:
             return bool(response.status == 200)
     except OSError:
         return False
-
-
-def test_sigterm_answers_everything_accepted_in_every_front_end(tmp_path: Path):
-    server = ServerProcess(tmp_path / "server.log", held=True, admission="", frontends=2).wait_ready()
-    try:
-        channels = channel_per_frontend(server, 2)
-        with server.engine:  # nothing is computed until the drain has been checked
-            accepted = []
-            for channel in channels.values():
-                stub = pb_grpc.EmbedderStub(channel)
-                accepted += [stub.Embed.future(pb.EmbedRequest(texts=[PARAGRAPH] * 8), timeout=120) for _ in range(10)]
-            server.wait_open_requests(20)  # every request is past the gate, in the engine
-            server.process.send_signal(signal.SIGTERM)
-            wait_until(lambda: server.http("/readyz")[0] != 200, 60, "readiness to drop")
-            for channel in channels.values():
-                with pytest.raises(grpc.RpcError) as caught:
-                    pb_grpc.EmbedderStub(channel).Embed(pb.EmbedRequest(texts=["after SIGTERM"]), timeout=30)
-                assert caught.value.code() is grpc.StatusCode.UNAVAILABLE
-                # a pushback, so gRPC's retry policy sends it again (on another replica)
-                trailing: Any = caught.value.trailing_metadata()  # the stubs type it as a tuple of Never
-                assert dict(trailing)[RETRY_PUSHBACK_KEY] == "100"
-            assert not any(future.done() for future in accepted)  # every one of them is still in flight
-        assert [future.result().count for future in accepted] == [8] * 20
-        assert server.process.wait(timeout=60) == 0
-        for channel in channels.values():
-            channel.close()
-    finally:
-        server.stop()
-    assert server.output().count("draining:") == 2
 
 
 @pytest.mark.parametrize("victim", ["engine", "frontend-1"])

@@ -49,7 +49,7 @@ def refusals(server: ServerProcess) -> dict[str, float]:
     return {sample: value for sample, value in found.items() if value}
 
 
-@pytest.mark.slow
+@pytest.mark.process
 @pytest.mark.timeout(1800)  # 20,000 texts on two busy cores: minutes
 def test_twenty_thousand_texts_from_one_client_draw_no_refusal(server: ServerProcess):
     with EmbedClient(server.target) as client:
@@ -62,7 +62,7 @@ def test_twenty_thousand_texts_from_one_client_draw_no_refusal(server: ServerPro
     np.testing.assert_allclose(vectors[SAMPLED], alone, atol=1e-5)  # row for row, in input order
 
 
-@pytest.mark.slow
+@pytest.mark.process
 @pytest.mark.timeout(1800)
 def test_the_corpus_command_takes_turns_of_streams_silently_and_draws_no_refusal(server: ServerProcess, tmp_path: Path):
     corpus, output, summary = tmp_path / "corpus.txt", tmp_path / "corpus.npy", tmp_path / "summary.json"

@@ -8,7 +8,6 @@ from __future__ import annotations
 
 import asyncio
 import threading
-from collections.abc import Iterator
 from typing import Any
 
 import grpc
@@ -20,7 +19,7 @@ from kembed.client.embed_client import RetryBudget
 from kembed.contract import RETRY_PUSHBACK_KEY
 from kembed.v1 import embedder_pb2 as pb
 from kembed.v1 import embedder_pb2_grpc as pb_grpc
-from tests.server.serving import ServerProcess, all_decided, wait_until
+from tests.server.serving import ServerProcess, all_decided, server_fixture, wait_until
 
 MAX_QUEUED = 16_384
 MAX_DRAIN_MS = 1000  # a few requests fit in the drain budget, whatever this machine's speed
@@ -36,24 +35,18 @@ OK, EXHAUSTED = grpc.StatusCode.OK, grpc.StatusCode.RESOURCE_EXHAUSTED
 PACED = "kembed_refusals_paced_total"
 OWN_CONNECTION = [("grpc.use_local_subchannel_pool", 1)]  # channels otherwise share one connection
 
-pytestmark = pytest.mark.slow
+pytestmark = pytest.mark.process
 
 
-@pytest.fixture(scope="module")
-def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
-    log = tmp_path_factory.mktemp("overload") / "server.log"
-    running = ServerProcess(
-        log,
-        held=True,
-        frontends=2,
-        max_drain_ms=MAX_DRAIN_MS,
-        max_queued_tokens=MAX_QUEUED,
-        p95_soft_ms=1500,
-        refusal_burst=REFUSAL_BURST,
-        refusal_rate=1,  # refusals a second past the burst: a test machine refuses faster
-    )
-    yield running.wait_ready()
-    running.stop()
+server = server_fixture(
+    held=True,
+    frontends=2,
+    max_drain_ms=MAX_DRAIN_MS,
+    max_queued_tokens=MAX_QUEUED,
+    p95_soft_ms=1500,
+    refusal_burst=REFUSAL_BURST,
+    refusal_rate=1,  # refusals a second past the burst: a test machine refuses faster
+)
 
 
 async def test_refusals_do_not_wait_for_the_engine_and_everything_accepted_is_answered(server: ServerProcess):

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import http.client
 import threading
-from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 
 import grpc
@@ -21,9 +20,9 @@ from kembed.contract import RETRY_PUSHBACK_KEY, Metric
 from kembed.frontend.connections import IDLE_GRACE_S
 from kembed.v1 import embedder_pb2 as pb
 from kembed.v1 import embedder_pb2_grpc as pb_grpc
-from tests.server.serving import ServerProcess, wait_until
+from tests.server.serving import ServerProcess, server_fixture, wait_until
 
-pytestmark = pytest.mark.slow
+pytestmark = pytest.mark.process
 
 CALL_SLOTS, CONNECTIONS, BURST = 32, 16, 16
 # Past its burst a client's refusals are answered 5 s, then 10 s late (the longest): a storm holds
@@ -41,24 +40,18 @@ QUEUE_FULL = 'kembed_rejected_total{priority="batch",reason="queue_full"}'
 INGEST_COST = 8 * 16  # padded tokens: its lower bound (12 words and 2 special tokens a text, in the 16 bucket)
 
 
-@pytest.fixture(scope="module")
-def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
-    log = tmp_path_factory.mktemp("paced") / "server.log"
-    running = ServerProcess(
-        log,
-        held=True,
-        frontends=1,
-        max_concurrent_rpcs=CALL_SLOTS,
-        max_rest_connections=CONNECTIONS,
-        refusal_burst=BURST,
-        refusal_rate=RATE,
-        max_queued_tokens=256,
-        max_drain_ms=600_000,  # only the queue's cap refuses
-        p95_soft_ms=600_000,
-        p95_hard_ms=600_000,
-    )
-    yield running.wait_ready()
-    running.stop()
+server = server_fixture(
+    held=True,
+    frontends=1,
+    max_concurrent_rpcs=CALL_SLOTS,
+    max_rest_connections=CONNECTIONS,
+    refusal_burst=BURST,
+    refusal_rate=RATE,
+    max_queued_tokens=256,
+    max_drain_ms=600_000,  # only the queue's cap refuses
+    p95_soft_ms=600_000,
+    p95_hard_ms=600_000,
+)
 
 
 def test_paced_grpc_refusals_leave_the_call_slots_to_another_client(server: ServerProcess) -> None:

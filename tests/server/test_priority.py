@@ -6,7 +6,6 @@ ahead of it; the metrics count each class."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from typing import Any, cast
 
 import grpc
@@ -15,7 +14,7 @@ import pytest
 from kembed.contract import RETRY_PUSHBACK_KEY
 from kembed.v1 import embedder_pb2 as pb
 from kembed.v1 import embedder_pb2_grpc as pb_grpc
-from tests.server.serving import ServerProcess, wait_until
+from tests.server.serving import ServerProcess, server_fixture, wait_until
 
 SENTENCE = "Admission control rejects early instead of queueing into timeouts and memory exhaustion."
 TEXTS = [SENTENCE] * 8  # 8 items in the 32 bucket: 256 padded tokens
@@ -25,19 +24,12 @@ MAX_QUEUED = 8 * 256  # the cap, not the drain budget, bounds the queue here
 OK, EXHAUSTED = grpc.StatusCode.OK, grpc.StatusCode.RESOURCE_EXHAUSTED
 Call = Any  # a call's future: code(), details(), trailing_metadata() (the stubs type it as Any)
 
-pytestmark = pytest.mark.slow
+pytestmark = pytest.mark.process
 
 
-@pytest.fixture(scope="module")
-def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
-    log = tmp_path_factory.mktemp("priority") / "server.log"
-    # One compute lane: the order calls finish in is the order their batches started. With two, a
-    # batch started beside the query can finish before it, and on a loaded machine a second one.
-    running = ServerProcess(
-        log, held=True, frontends=1, compute_lanes=1, max_drain_ms=600_000, max_queued_tokens=MAX_QUEUED
-    )
-    yield running.wait_ready()
-    running.stop()
+# One compute lane: the order calls finish in is the order their batches started. With two, a
+# batch started beside the query can finish before it, and on a loaded machine a second one.
+server = server_fixture(held=True, frontends=1, compute_lanes=1, max_drain_ms=600_000, max_queued_tokens=MAX_QUEUED)
 
 
 def fill_with_batch_work(server: ServerProcess, stub: pb_grpc.EmbedderStub) -> tuple[list[Call], Call]:

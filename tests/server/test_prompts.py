@@ -27,7 +27,7 @@ from kembed.errors import Field, InvalidInput
 from kembed.prompts import MAX_PROMPT_CHARS, ModelPrompts, PromptChoice, name_problem
 from kembed.v1 import embedder_pb2 as pb
 from kembed.v1 import embedder_pb2_grpc as pb_grpc
-from tests.server.serving import ServerProcess
+from tests.server.serving import ServerProcess, serving
 from tests.server.test_bulk_serving import embed_command
 from tests.server.test_model import model_copy, write_json
 from tests.server.test_rest import post
@@ -61,12 +61,14 @@ def st(folder: Path) -> Any:
 
 @pytest.fixture(scope="module")
 def server(folder: Path, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
-    log = tmp_path_factory.mktemp("prompts") / "server.log"
-    running = ServerProcess(
-        log, model=str(folder), admission="", max_input_tokens=MAX_INPUT_TOKENS, served_model_name=REST_MODEL
-    )
-    yield running.wait_ready()
-    running.stop()
+    with serving(
+        tmp_path_factory.mktemp("prompts"),
+        model=str(folder),
+        admission="",
+        max_input_tokens=MAX_INPUT_TOKENS,
+        served_model_name=REST_MODEL,
+    ) as server:
+        yield server
 
 
 @pytest.fixture(scope="module")
@@ -94,7 +96,7 @@ CHOICES: dict[str, tuple[dict[str, Any], dict[str, Any]]] = {
 }
 
 
-@pytest.mark.slow
+@pytest.mark.process
 @pytest.mark.parametrize("case", CHOICES)
 def test_vectors_and_counts_are_sentence_transformers_with_the_prompt(
     stub: pb_grpc.EmbedderStub, rest: openai.OpenAI, st: Any, case: str
@@ -111,7 +113,7 @@ def test_vectors_and_counts_are_sentence_transformers_with_the_prompt(
     assert usage == sum(counts)
 
 
-@pytest.mark.slow
+@pytest.mark.process
 def test_the_prompt_changes_the_vector(stub: pb_grpc.EmbedderStub) -> None:
     """The query prompt (the default), the passage prompt, a literal one and none: four vectors, so
     none of the choices is ignored."""
@@ -121,7 +123,7 @@ def test_the_prompt_changes_the_vector(stub: pb_grpc.EmbedderStub) -> None:
     assert closest < 0.999, closest
 
 
-@pytest.mark.slow
+@pytest.mark.process
 def test_truncation_cuts_the_text_never_the_prompt(stub: pb_grpc.EmbedderStub, st: Any) -> None:
     long = "word " * 200
     answer = stub.Embed(pb.EmbedRequest(texts=[long], truncate=True, prompt_name="passage"))
@@ -132,7 +134,7 @@ def test_truncation_cuts_the_text_never_the_prompt(stub: pb_grpc.EmbedderStub, s
     assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "texts[0]" in str(refused.value.details())
 
 
-@pytest.mark.slow
+@pytest.mark.process
 def test_info_and_models_list_the_prompts(stub: pb_grpc.EmbedderStub, server: ServerProcess) -> None:
     info = stub.Info(pb.InfoRequest())
     assert (dict(info.prompts), info.default_prompt_name) == (PROMPTS, "query")
@@ -152,7 +154,7 @@ BAD: dict[str, tuple[dict[str, Any], str, str]] = {
 }
 
 
-@pytest.mark.slow
+@pytest.mark.process
 @pytest.mark.parametrize("case", BAD)
 def test_bad_prompt_fields_are_refused_naming_them(
     stub: pb_grpc.EmbedderStub, server: ServerProcess, case: str
@@ -170,7 +172,7 @@ def test_bad_prompt_fields_are_refused_naming_them(
     assert (status, body["error"]["param"]) == (400, field) and body["error"]["message"].startswith(f"{field}: ")
 
 
-@pytest.mark.slow
+@pytest.mark.process
 @pytest.mark.parametrize("fields", [{"prompt_name": "query"}, {"prompt": ""}, {"input_type": "query"}])
 def test_pretokenized_input_takes_no_prompt(stub: pb_grpc.EmbedderStub, fields: dict[str, Any]) -> None:
     tokens = pb.TokenIds(ids=np.asarray([101, 7592, 102], "<i4").tobytes(), lengths=[3])
@@ -216,7 +218,7 @@ def test_a_default_that_is_not_a_prompt_stops_the_load(bundled_path: Path, tmp_p
 # --- the client -----------------------------------------------------------------------------------
 
 
-@pytest.mark.slow
+@pytest.mark.process
 def test_the_clients_take_the_prompt(server: ServerProcess, st: Any) -> None:
     with EmbedClient(server.target) as client:
         np.testing.assert_allclose(
@@ -232,7 +234,7 @@ def test_the_clients_take_the_prompt(server: ServerProcess, st: Any) -> None:
     np.testing.assert_allclose(asyncio.run(literal()), reference(st, TEXTS, prompt="Represent this: "), atol=2e-6)
 
 
-@pytest.mark.slow
+@pytest.mark.process
 def test_the_command_takes_the_prompt_flags(server: ServerProcess, st: Any, capsys: pytest.CaptureFixture[str]) -> None:
     expected = reference(st, TEXTS[:1], prompt_name="passage")[0]
     assert main(["--target", server.target, "--prompt-name", "passage", TEXTS[0]]) == 0
@@ -243,7 +245,7 @@ def test_the_command_takes_the_prompt_flags(server: ServerProcess, st: Any, caps
     assert exited.value.code == 2 and "not allowed with argument" in capsys.readouterr().err
 
 
-@pytest.mark.slow
+@pytest.mark.process
 def test_the_corpus_command_takes_the_prompt(server: ServerProcess, st: Any, tmp_path: Path) -> None:
     corpus = tmp_path / "corpus.txt"
     corpus.write_text("".join(f"{text}\n" for text in TEXTS), encoding="utf-8")

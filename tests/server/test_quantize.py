@@ -3,7 +3,6 @@ uint8 at their one fixed scale, on both edges of a real server."""
 
 from __future__ import annotations
 
-from collections.abc import Iterator
 from typing import Any
 
 import grpc
@@ -16,7 +15,7 @@ from kembed.frontend import openai_api, rest
 from kembed.quantize import INT8_SCALE, Encoding, encode
 from kembed.v1 import embedder_pb2 as pb
 from kembed.v1 import embedder_pb2_grpc as pb_grpc
-from tests.server.serving import ServerProcess
+from tests.server.serving import ServerProcess, the_plain_server
 from tests.server.test_rest import post
 
 TEXTS = ["hello world", "kubernetes scales embedding servers", "a queue of tokens", "naïve café 東京"]
@@ -48,11 +47,7 @@ def test_int8_is_one_fixed_scale_whatever_the_batch_holds() -> None:
     assert encode(np.eye(2, dtype=np.float32), Encoding.INT8).max() == 127  # a unit vector is never clipped
 
 
-@pytest.fixture(scope="module")
-def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
-    running = ServerProcess(tmp_path_factory.mktemp("quantize") / "server.log", admission="")
-    yield running.wait_ready()
-    running.stop()
+server = the_plain_server()
 
 
 def grpc_rows(stub: pb_grpc.EmbedderStub, encoding: Encoding, **fields: Any) -> np.ndarray:
@@ -62,6 +57,7 @@ def grpc_rows(stub: pb_grpc.EmbedderStub, encoding: Encoding, **fields: Any) -> 
     return np.frombuffer(answer.embeddings, dtype=dtype).reshape(answer.count, -1)
 
 
+@pytest.mark.process
 @pytest.mark.parametrize("kind", [e for e in Encoding if e is not Encoding.FLOAT32])
 def test_both_edges_answer_the_quantized_vectors_of_their_own_floats(
     stub: pb_grpc.EmbedderStub, server: ServerProcess, kind: Encoding
@@ -80,6 +76,7 @@ def test_both_edges_answer_the_quantized_vectors_of_their_own_floats(
     assert rest.shape == quantized.shape and np.abs(rest - quantized.astype(np.int64)).max() <= 1
 
 
+@pytest.mark.process
 def test_a_quantization_that_cannot_hold_is_refused_naming_the_field(
     stub: pb_grpc.EmbedderStub, server: ServerProcess
 ) -> None:
@@ -95,6 +92,7 @@ def test_a_quantization_that_cannot_hold_is_refused_naming_the_field(
     assert status == 400 and body["error"]["param"] == "encoding_format"
 
 
+@pytest.mark.process
 def test_the_client_asks_for_an_encoding_and_decodes_it(server: ServerProcess, stub: pb_grpc.EmbedderStub) -> None:
     with EmbedClient(server.target) as client:
         for kind in (Encoding.INT8, Encoding.UBINARY):

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import base64
 import json
-import signal
 import urllib.error
 import urllib.request
 from collections.abc import Iterator
@@ -18,33 +17,21 @@ import openai
 import pytest
 
 from kembed.client import decode
+from kembed.config import Settings
 from kembed.v1 import embedder_pb2 as pb
 from kembed.v1 import embedder_pb2_grpc as pb_grpc
-from tests.server.held import EngineHold
-from tests.server.serving import ServerProcess, wait_until
+from tests.server.serving import PLAIN, ServerProcess, the_plain_server, wait_until
 
-ALIAS = "minilm"
+ALIAS = PLAIN["served_model_name"]
 MODEL_ID = "sentence-transformers/all-MiniLM-L6-v2"
-MAX_ITEMS = 64
-MAX_MESSAGE = 1024 * 1024
+MAX_ITEMS = PLAIN["max_items_per_request"]
+MAX_MESSAGE = Settings.model_fields["max_message_bytes"].default
 TEXTS = ["hello world", "Kubernetes schedules pods onto nodes.", "naïve café, 東京, emoji 🚀", "A short one."]
 
-pytestmark = pytest.mark.slow
+pytestmark = pytest.mark.process
 
 
-@pytest.fixture(scope="module")
-def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
-    log = tmp_path_factory.mktemp("rest") / "server.log"
-    running = ServerProcess(
-        log,
-        frontends=2,
-        admission="",
-        max_items_per_request=MAX_ITEMS,
-        max_message_bytes=MAX_MESSAGE,
-        served_model_name=ALIAS,
-    )
-    yield running.wait_ready()
-    running.stop()
+server = the_plain_server()
 
 
 @pytest.fixture(scope="module")
@@ -254,24 +241,21 @@ def test_the_api_is_described_at_openapi_json_and_docs(server: ServerProcess):
     assert post_to(f"{root}/docs", {"input": "x"})[0] == 405
 
 
-def test_rest_and_grpc_share_a_batch(tmp_path):
+def test_rest_and_grpc_share_a_batch(held_server: ServerProcess):
     # One lane: while the first request's batch is in its hands, the next two queue together.
-    server = ServerProcess(tmp_path / "server.log", held=True, frontends=1, admission="", compute_lanes=1).wait_ready()
-    try:
-        batches = "kembed_batch_size_count"
-        with grpc.insecure_channel(server.target) as channel, ThreadPoolExecutor(2) as pool:
-            stub = pb_grpc.EmbedderStub(channel)
-            before = server.metric(batches)
-            with server.engine:  # the first request's batch waits in the model: the next two queue behind it
-                first = stub.Embed.future(pb.EmbedRequest(texts=["the first, alone in its batch"]), timeout=120)
-                server.wait_open_requests(1)
-                by_grpc = stub.Embed.future(pb.EmbedRequest(texts=["from gRPC"]), timeout=120)
-                by_rest = pool.submit(post, server, {"input": ["from REST"]})
-                server.wait_open_requests(3)
-            assert first.result().count == 1 and by_grpc.result().count == 1 and by_rest.result()[0] == 200
-        assert server.metric(batches) - before == 2  # the gRPC and the REST call went in one batch
-    finally:
-        server.stop()
+    server = held_server
+    batches = "kembed_batch_size_count"
+    with grpc.insecure_channel(server.target) as channel, ThreadPoolExecutor(2) as pool:
+        stub = pb_grpc.EmbedderStub(channel)
+        before = server.metric(batches)
+        with server.engine:  # the first request's batch waits in the model: the next two queue behind it
+            first = stub.Embed.future(pb.EmbedRequest(texts=["the first, alone in its batch"]), timeout=120)
+            server.wait_open_requests(1)
+            by_grpc = stub.Embed.future(pb.EmbedRequest(texts=["from gRPC"]), timeout=120)
+            by_rest = pool.submit(post, server, {"input": ["from REST"]})
+            server.wait_open_requests(3)
+        assert first.result().count == 1 and by_grpc.result().count == 1 and by_rest.result()[0] == 200
+    assert server.metric(batches) - before == 2  # the gRPC and the REST call went in one batch
 
 
 def test_overload_is_429_with_a_retry_after_the_client_honours(tmp_path):
@@ -297,30 +281,5 @@ def test_overload_is_429_with_a_retry_after_the_client_honours(tmp_path):
                 assert not patient.done()
             assert vectors(patient.result(timeout=300)).shape == (8, 384)  # retried after the pushback
             assert {f.result()[0] for f in backlog} <= {200, 429}
-    finally:
-        server.stop()
-
-
-def test_warming_up_and_draining_are_503_and_sigterm_answers_every_accepted_call(tmp_path):
-    warming = EngineHold(tmp_path / "server.hold")
-    warming.hold()  # the engine's warmup waits until released: the REST port answers while it is cold
-    server = ServerProcess(tmp_path / "server.log", held=True, frontends=1, admission="")
-    try:
-        wait_until(lambda: post(server, {"input": "early"})[0] == 503, 120, "the REST port answering 503")
-        warming.release()
-        server.wait_ready()
-        with ThreadPoolExecutor(8) as pool:
-            server.engine.hold()
-            accepted = [pool.submit(post, server, {"input": [f"accepted {i}"] * 4}) for i in range(6)]
-            server.wait_open_requests(6)
-            server.process.send_signal(signal.SIGTERM)
-            wait_until(lambda: server.http("/readyz")[0] != 200, 60, "readiness to drop")
-            status, body, headers = post(server, {"input": "after SIGTERM"})
-            assert status == 503 and body["error"]["code"] == "unavailable"
-            assert headers["retry-after-ms"] == "100"  # the openai SDK retries a 503 after it
-            server.engine.release()
-            answers = [future.result(timeout=120) for future in accepted]
-        assert [(status, len(body["data"])) for status, body, _ in answers] == [(200, 4)] * 6
-        assert server.process.wait(timeout=120) == 0
     finally:
         server.stop()

@@ -44,6 +44,7 @@ def owners(tmp_path: Path) -> Iterator[list[Owner]]:
         owner.kill()
 
 
+@pytest.mark.process
 def test_only_folders_whose_owner_is_gone_are_removed(tmp_path: Path, owners: list[Owner]):
     owners += [Owner(tmp_path), Owner(tmp_path)]
     dead, alive = owners
@@ -56,6 +57,7 @@ def test_only_folders_whose_owner_is_gone_are_removed(tmp_path: Path, owners: li
     assert (alive.folder / LOCK_FILE).exists() and foreign.exists()
 
 
+@pytest.mark.process
 def test_a_new_folder_replaces_the_stale_ones_and_goes_with_its_owner(tmp_path: Path, owners: list[Owner]):
     owners.append(Owner(tmp_path))
     owners[0].kill()

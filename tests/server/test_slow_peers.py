@@ -8,7 +8,6 @@ import asyncio
 import itertools
 import socket
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import grpc
@@ -23,9 +22,9 @@ from kembed.supervisor.http import MAX_CONNECTIONS
 from kembed.v1 import embedder_pb2 as pb
 from kembed.v1 import embedder_pb2_grpc as pb_grpc
 from tests.server.queueing import work
-from tests.server.serving import FAST, ServerProcess, rss_bytes, wait_until
+from tests.server.serving import FAST, ServerProcess, rss_bytes, server_fixture, wait_until
 
-pytestmark = pytest.mark.slow
+pytestmark = pytest.mark.process
 
 MAX_ITEMS = 64
 OK_ANSWERS = f'{Metric.REQUESTS}_total{{api="grpc",code="OK"}}'
@@ -39,12 +38,7 @@ CLIENT_WINDOW_BYTES = 2 * 65535
 ENGINE_GROWTH_BOUND = 128 * 1024 * 1024
 
 
-@pytest.fixture(scope="module")
-def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
-    log = tmp_path_factory.mktemp("slow") / "server.log"
-    running = ServerProcess(log, frontends=1, admission="", max_items_per_request=MAX_ITEMS)
-    yield running.wait_ready()
-    running.stop()
+server = server_fixture(frontends=1, admission="", max_items_per_request=MAX_ITEMS)
 
 
 @pytest.mark.parametrize("texts", [1, MAX_ITEMS], ids=["requests bound", "bytes bound"])

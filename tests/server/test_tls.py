@@ -80,6 +80,7 @@ def test_bad_files_name_the_variable(
     ("breakage", "message"),
     [("missing key", "KEMBED_TLS_KEY_FILE: cannot read"), ("key of another cert", "KEMBED_TLS_KEY_FILE: /")],
 )
+@pytest.mark.process
 def test_start_up_fails_with_exit_2_naming_the_variable(
     files: tls.TlsFiles, ca: Authority, breakage: str, message: str
 ) -> None:

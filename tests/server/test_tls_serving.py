@@ -8,6 +8,7 @@ until the rotation has been checked, so the call is still in flight on any machi
 
 from __future__ import annotations
 
+import contextlib
 import socket
 import ssl
 import subprocess
@@ -27,9 +28,9 @@ from kembed.client.connection import channel_credentials
 from kembed.v1 import embedder_pb2 as pb
 from kembed.v1 import embedder_pb2_grpc as pb_grpc
 from tests.server.certs import Authority, Issued, write_atomically
-from tests.server.serving import ServerProcess
+from tests.server.serving import ServerProcess, serving
 
-pytestmark = pytest.mark.slow
+pytestmark = pytest.mark.process
 
 TEXTS = ["Rotation must not cut a call that is already being answered."] * 8
 
@@ -61,24 +62,24 @@ def pki(tmp_path_factory: pytest.TempPathFactory) -> Pki:
     return Pki(folder, ca, Authority.create("a stranger's CA"), ca.issue("client", client=True))
 
 
-def start(folder: Path, pki: Pki, **settings: str) -> ServerProcess:
+@contextlib.contextmanager
+def tls_serving(folder: Path, pki: Pki, **settings: str) -> Iterator[ServerProcess]:
     cert, key = pki.ca.issue("kembed server").write(folder, "tls")
     values = {"tls_cert_file": str(cert), "tls_key_file": str(key), **settings}
-    return ServerProcess(folder / "server.log", held=True, frontends=1, admission="", **values)
+    with serving(folder, held=True, frontends=1, admission="", **values) as server:
+        yield server
 
 
 @pytest.fixture(scope="module")
 def server(pki: Pki, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
-    running = start(tmp_path_factory.mktemp("tls"), pki)
-    yield running.wait_ready()
-    running.stop()
+    with tls_serving(tmp_path_factory.mktemp("tls"), pki) as server:
+        yield server
 
 
 @pytest.fixture(scope="module")
 def mtls_server(pki: Pki, tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
-    running = start(tmp_path_factory.mktemp("mtls"), pki, tls_client_ca_file=pki.ca_file)
-    yield running.wait_ready()
-    running.stop()
+    with tls_serving(tmp_path_factory.mktemp("mtls"), pki, tls_client_ca_file=pki.ca_file) as server:
+        yield server
 
 
 def info_code(target: str, credentials: grpc.ChannelCredentials | None) -> grpc.StatusCode:

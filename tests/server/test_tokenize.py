@@ -4,7 +4,6 @@ applied as that call applies them, its usage included."""
 from __future__ import annotations
 
 import json
-from collections.abc import Iterator
 from typing import Any
 
 import grpc
@@ -14,10 +13,12 @@ import pytest
 from kembed.client import EmbedClient, decode
 from kembed.v1 import embedder_pb2 as pb
 from kembed.v1 import embedder_pb2_grpc as pb_grpc
-from tests.server.serving import ServerProcess
+from tests.server.serving import PLAIN, ServerProcess, the_plain_server
 from tests.server.test_rest import post, post_to
 
-PROMPTS = {"query": "query: "}
+pytestmark = pytest.mark.process
+
+PROMPTS = json.loads(PLAIN["prompts"])
 LONG = "kubernetes scales embedding servers on their own metrics " * 60  # about 600 tokens: past 256
 TEXTS = ["hello world", "naïve café 東京", LONG]
 
@@ -26,12 +27,7 @@ def tokenize(server: ServerProcess, body: dict[str, Any]) -> tuple[int, Any, Any
     return post_to(server.rest_url.removesuffix("/v1") + "/tokenize", body)
 
 
-@pytest.fixture(scope="module")
-def server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ServerProcess]:
-    log = tmp_path_factory.mktemp("tokenize") / "server.log"
-    running = ServerProcess(log, admission="", prompts=json.dumps(PROMPTS))
-    yield running.wait_ready()
-    running.stop()
+server = the_plain_server()
 
 
 CALLS: dict[str, dict[str, Any]] = {
@@ -120,7 +116,7 @@ def test_left_truncation_of_ids_keeps_the_first_and_the_last(stub: pb_grpc.Embed
     np.testing.assert_allclose(decode(answer), decode(stub.Embed(expected, timeout=120)), atol=2e-6)
 
 
-@pytest.mark.slow
+@pytest.mark.process
 @pytest.mark.parametrize("text", [" ", "\u200b", "\t\n", "\x00", "\ufeff"])
 def test_a_text_without_content_is_refused_on_every_edge_naming_it(
     server: ServerProcess, stub: pb_grpc.EmbedderStub, text: str

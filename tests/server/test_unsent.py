@@ -20,7 +20,7 @@ from kembed.v1 import embedder_pb2_grpc as pb_grpc
 from tests.server.serving import ServerProcess, wait_until
 from tests.server.test_hostile_clients import CONTINUE, answer, head
 
-pytestmark = pytest.mark.slow
+pytestmark = pytest.mark.process
 
 SLOTS = 8
 MESSAGE = 1024 * 1024

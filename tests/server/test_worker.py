@@ -153,7 +153,7 @@ def test_warmup_runs_every_shape_largest_first_with_padding(engine: ModelRunner,
     assert all(real < total for _, real, total in seen)  # no warmup batch is all real tokens
 
 
-@pytest.mark.slow
+@pytest.mark.process
 def test_a_compiled_start_compiles_each_shape_whole_and_a_restart_loads_it_from_the_cache(
     tmp_path, monkeypatch: pytest.MonkeyPatch
 ):
