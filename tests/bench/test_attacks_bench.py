@@ -6,11 +6,11 @@ from __future__ import annotations
 import json
 from typing import Any
 
-from bench.serving import attacks
+from bench.serving import attackers, attacks
 
 
 def test_the_large_body_is_the_issues() -> None:
-    body = attacks.big_body()
+    body = attackers.big_body()
     assert 900_000 < len(body) < 950_000 and len(json.loads(body)["input"]) == 1024
 
 

@@ -167,6 +167,7 @@ def dashboard_query(expr: str) -> str:
 
 
 @needs_prometheus
+@pytest.mark.process
 @pytest.mark.parametrize("panel", monitoring.PANELS, ids=lambda panel: panel.title)
 def test_the_dashboards_queries_return_the_servers_series(
     panel: monitoring.Panel, server: str, prometheus: str
@@ -182,6 +183,7 @@ def test_the_dashboards_queries_return_the_servers_series(
 
 
 @needs_prometheus
+@pytest.mark.process
 def test_every_alert_expression_evaluates(server: str, prometheus: str) -> None:
     """On the server's own series: none fires here (one idle pod, ready, no refusals, no drops)."""
     for group in monitoring.alert_groups()["groups"]:

@@ -181,6 +181,7 @@ def test_values_schema_rejects_bad_monitoring_values(values: dict[str, Any]) -> 
         render_chart(values)
 
 
+@pytest.mark.process
 @needs_promtool
 def test_promtool_parses_every_rule_of_the_rendered_chart(tmp_path: Path) -> None:
     rules = tmp_path / "kembed-alerts.yaml"
@@ -210,6 +211,7 @@ def expected(alert: str, labels: dict[str, str], **values: str) -> dict[str, Any
     return {"exp_labels": {**rule["labels"], **labels}, "exp_annotations": annotations}
 
 
+@pytest.mark.process
 @needs_promtool
 def test_the_main_alerts_fire_when_they_should_and_not_before(tmp_path: Path) -> None:
     """promtool's rule unit tests: a service refusing 10% of its answers, another 1%; demand at 1.35

@@ -73,6 +73,7 @@ def test_a_file_without_good_keys_is_a_configuration_error(tmp_path: Path, text:
         keys_in(tmp_path, text)
 
 
+@pytest.mark.process
 def test_a_missing_file_stops_the_start_with_the_configuration_exit_code(tmp_path: Path):
     env = {"KEMBED_API_KEY_FILE": str(tmp_path / "nowhere"), "PATH": "/usr/bin:/bin"}
     done = subprocess.run([sys.executable, "-m", "kembed"], env=env, capture_output=True, text=True, timeout=120)

@@ -18,7 +18,14 @@ SERVER = ROOT / "server"
 # What the client may import besides the standard library: the `client` extra's packages (and
 # pyarrow, the `parquet` extra, for Parquet output), and the modules of kembed it shares.
 CLIENT_PACKAGES = {"grpc", "numpy", "google", "tqdm", "pyarrow"}
-CLIENT_SHARED = {"kembed", "kembed.contract", "kembed.v1", "kembed.v1.embedder_pb2", "kembed.v1.embedder_pb2_grpc"}
+CLIENT_SHARED = {
+    "kembed",
+    "kembed.contract",
+    "kembed.texts",
+    "kembed.v1",
+    "kembed.v1.embedder_pb2",
+    "kembed.v1.embedder_pb2_grpc",
+}
 # The server's, which a client must never load (checked in a process that imports the client).
 SERVER_ONLY = ["torch", "transformers", "tokenizers", "safetensors", "pydantic", "kembed.config", "kembed.frontend"]
 
