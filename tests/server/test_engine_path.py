@@ -17,9 +17,7 @@ from kembed.engine.buckets import BucketQueue
 from kembed.engine.intake import Intake
 from kembed.engine.jobs import Jobs
 from kembed.engine.responder import Responder
-from kembed.engine.runner import Outcome
-from kembed.engine.units import Batch, Chunk, Job
-from kembed.engine.worker import Computed
+from kembed.engine.units import Batch, Chunk, Computed, Job, Outcome
 from kembed.errors import EmbedError, Failure
 from kembed.metrics import EngineMetrics
 from kembed.priority import Priority

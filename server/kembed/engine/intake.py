@@ -20,8 +20,7 @@ from kembed.admission import AdmissionController, Backlog, MeasuredLoad, lapsing
 from kembed.engine.batcher import Batcher
 from kembed.engine.buckets import route
 from kembed.engine.jobs import Jobs
-from kembed.engine.responder import Replies
-from kembed.engine.units import Chunk, Job
+from kembed.engine.units import Chunk, Job, Replies
 from kembed.errors import EmbedError, Failure
 from kembed.inputs import Sequences
 from kembed.metrics import EngineMetrics

@@ -30,9 +30,9 @@ from kembed.engine.intake import Intake
 from kembed.engine.jobs import Jobs
 from kembed.engine.model import ModelInfo
 from kembed.engine.responder import Responder
-from kembed.engine.runner import LoadModel, ModelRunner, Outcome
-from kembed.engine.units import Batch
-from kembed.engine.worker import Computed, Worker
+from kembed.engine.runner import LoadModel, ModelRunner
+from kembed.engine.units import Batch, Computed, Outcome
+from kembed.engine.worker import Worker
 from kembed.errors import EmbedError
 from kembed.metrics import EngineMetrics
 from kembed.priority import Priority

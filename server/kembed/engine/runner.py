@@ -20,7 +20,7 @@ from kembed.engine.cpu_compile import Served
 from kembed.engine.graphs import ShapeGuard, UnplannedShapeError
 from kembed.engine.model import EmbeddingModel
 from kembed.engine.precision import Precision
-from kembed.engine.units import Batch, Chunk
+from kembed.engine.units import Batch, Chunk, Outcome
 from kembed.inputs import Sequences
 from kembed.shapes import BatchShapes, Queueing, batch_tokens
 
@@ -44,17 +44,6 @@ class Plan:
         if self.compiled or self.warmup is Warmup.GRID:
             return warmup_order(self.shapes.grid(self.bucket_lengths))
         return warmup_order([(length, self.shapes.max_rows(length)) for length in self.bucket_lengths])
-
-
-@dataclass
-class Outcome:
-    """A run of chunks computed together: their rows, or the error that only they share."""
-
-    chunks: list[Chunk]
-    embeddings: np.ndarray | None  # float32 [items, dimensions], in the chunks' order
-    error: BaseException | None
-    padded_tokens: int
-    real_tokens: int
 
 
 LoadModel = Callable[[Settings], EmbeddingModel]
