@@ -33,7 +33,7 @@ from typing import Any
 import numpy as np
 
 from bench.tools.machine import write_result
-from kembed.protocol import LinkClosed, Result, Work, receive, send
+from kembed.ipc.protocol import LinkClosed, Result, Work, receive, send
 
 DIMENSIONS = 384
 TOKENS = 12

@@ -48,7 +48,7 @@ from bench.tools.report import latency_summary, metric_delta, metric_sum
 from bench.tools.server import Server, running
 from kembed.config import Settings
 from kembed.contract import HEALTH_PATH, Metric
-from kembed.priority import Priority
+from kembed.policy.priority import Priority
 from kembed.v1 import embedder_pb2
 
 PARTS = ("lockout", "poison")

@@ -43,7 +43,7 @@ from bench.tools.server import Server, running
 from bench.tools.standin import model_settings
 from kembed.config import Settings
 from kembed.contract import PRIORITY_LABEL, Metric
-from kembed.priority import Priority
+from kembed.policy.priority import Priority
 from kembed.v1 import embedder_pb2
 
 SHORT_TOKENS = 16  # a query: the workload's shortest class

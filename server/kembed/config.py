@@ -19,7 +19,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from pydantic.config import JsonDict
 
 from kembed.contract import ENV_PREFIX, GRPC_PORT, HTTP_PORT, OPERATOR_ENV_PREFIX, REST_ANY_PORT, REST_PORT, env_name
-from kembed.prompts import name_problem, problem
+from kembed.domain.prompts import name_problem, problem
 
 MAX_FRONTENDS = 64
 AUTO_MAX_FRONTENDS = 8

@@ -10,7 +10,7 @@ import pytest
 from bench import headline
 from bench.serving import abuse
 from kembed.config import Settings
-from kembed.errors import InvalidInput
+from kembed.domain.errors import InvalidInput
 from kembed.frontend.call import Limits
 from kembed.frontend.openai_api import Body
 from kembed.frontend.rest import READ_CHUNK

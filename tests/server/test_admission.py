@@ -5,7 +5,8 @@ import random
 import numpy as np
 import pytest
 
-from kembed.admission import (
+from kembed.config import Settings
+from kembed.policy.admission import (
     INTERACTIVE_RESERVE,
     MAX_LATENCY_SAMPLES,
     MIN_LATENCY_SAMPLES,
@@ -17,8 +18,7 @@ from kembed.admission import (
     Rejection,
     lapsing,
 )
-from kembed.config import Settings
-from kembed.priority import Priority
+from kembed.policy.priority import Priority
 
 INTERACTIVE, BATCH = Priority
 

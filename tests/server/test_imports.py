@@ -21,7 +21,8 @@ CLIENT_PACKAGES = {"grpc", "numpy", "google", "tqdm", "pyarrow"}
 CLIENT_SHARED = {
     "kembed",
     "kembed.contract",
-    "kembed.texts",
+    "kembed.domain",
+    "kembed.domain.texts",
     "kembed.v1",
     "kembed.v1.embedder_pb2",
     "kembed.v1.embedder_pb2_grpc",

@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import numpy as np
 
+from kembed.domain.inputs import Sequences
 from kembed.frontend.outbox import InTransit, NextFrame
-from kembed.inputs import Sequences
-from kembed.priority import Priority
-from kembed.protocol import Work
+from kembed.ipc.protocol import Work
+from kembed.policy.priority import Priority
 
 INTERACTIVE, BATCH = Priority
 

@@ -11,9 +11,8 @@ from collections.abc import AsyncIterator, Callable
 import numpy as np
 import pytest
 
-from kembed.errors import EmbedError, Failure
-from kembed.priority import Priority
-from kembed.protocol import (
+from kembed.domain.errors import EmbedError, Failure
+from kembed.ipc.protocol import (
     HEADER,
     MAGIC,
     PROTOCOL_VERSION,
@@ -31,6 +30,7 @@ from kembed.protocol import (
     receive,
     send,
 )
+from kembed.policy.priority import Priority
 from tests.server.queueing import work
 
 INFO = ServingInfo(

@@ -16,17 +16,17 @@ from collections.abc import Callable
 
 import numpy as np
 
-from kembed.admission import AdmissionController, Backlog, MeasuredLoad, lapsing
+from kembed.domain.errors import EmbedError, Failure
+from kembed.domain.inputs import Sequences
 from kembed.engine.batcher import Batcher
 from kembed.engine.buckets import route
 from kembed.engine.jobs import Jobs
 from kembed.engine.units import Chunk, Job, Replies
-from kembed.errors import EmbedError, Failure
-from kembed.inputs import Sequences
+from kembed.ipc.protocol import Work
 from kembed.metrics import EngineMetrics
-from kembed.priority import BY_VALUE, Priority
-from kembed.protocol import Work
-from kembed.shapes import bucket_of
+from kembed.policy.admission import AdmissionController, Backlog, MeasuredLoad, lapsing
+from kembed.policy.priority import BY_VALUE, Priority
+from kembed.policy.shapes import bucket_of
 
 ONE_SLOT = np.zeros(1, dtype=np.int64)  # the only item of a one-item request (never written to)
 

@@ -9,13 +9,13 @@ from collections.abc import Callable
 
 import numpy as np
 
-from kembed.admission import ServiceRate
+from kembed.domain.errors import EmbedError, Failure
 from kembed.engine.batcher import Batcher
 from kembed.engine.jobs import Jobs
 from kembed.engine.units import Batch, Chunk, Computed, Outcome, Replies
-from kembed.errors import EmbedError, Failure
+from kembed.ipc.protocol import Result
 from kembed.metrics import EngineMetrics
-from kembed.protocol import Result
+from kembed.policy.admission import ServiceRate
 
 
 class Responder:

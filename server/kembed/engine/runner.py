@@ -14,6 +14,7 @@ import numpy as np
 import torch
 
 from kembed.config import Settings, Warmup
+from kembed.domain.inputs import Sequences
 from kembed.engine import cpu_compile
 from kembed.engine.buckets import route
 from kembed.engine.cpu_compile import Served
@@ -21,8 +22,7 @@ from kembed.engine.graphs import ShapeGuard, UnplannedShapeError
 from kembed.engine.model import EmbeddingModel
 from kembed.engine.precision import Precision
 from kembed.engine.units import Batch, Chunk, Outcome
-from kembed.inputs import Sequences
-from kembed.shapes import BatchShapes, Queueing, batch_tokens
+from kembed.policy.shapes import BatchShapes, Queueing, batch_tokens
 
 log = logging.getLogger(__name__)
 

@@ -17,9 +17,9 @@ from typing import Protocol
 
 import numpy as np
 
-from kembed.errors import EmbedError
-from kembed.priority import Priority
-from kembed.protocol import Result
+from kembed.domain.errors import EmbedError
+from kembed.ipc.protocol import Result
+from kembed.policy.priority import Priority
 
 
 @dataclass(eq=False)

@@ -20,7 +20,7 @@ from kembed.engine.graphs import CompileCount, ShapeGuard
 from kembed.engine.model import EmbeddingModel, ModelInfo
 from kembed.engine.precision import PROBE_TEXTS
 from kembed.engine.runner import LoadModel, ModelRunner, Plan, make_plan
-from kembed.shapes import Queueing
+from kembed.policy.shapes import Queueing
 
 log = logging.getLogger(__name__)
 

@@ -40,22 +40,22 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_health.v1.health import aio as health_aio  # type: ignore[attr-defined]  # no stub
 from grpc_reflection.v1alpha import reflection
 
-from kembed import api_keys, listen, tls
 from kembed.config import Settings
 from kembed.contract import GRPC_PREVIOUS_ATTEMPTS_KEY, GRPC_SERVICE, RETRY_ATTEMPT_KEY, RETRY_PUSHBACK_KEY
-from kembed.demand import retry_attempt
-from kembed.errors import EmbedError, Failure, Field, InvalidInput
+from kembed.domain.errors import EmbedError, Failure, Field, InvalidInput
+from kembed.domain.inputs import Sequences
+from kembed.domain.prompts import PromptChoice
 from kembed.frontend.auth import KeyCheck
 from kembed.frontend.budget import RETRY_AFTER_MS, MemoryBudget, grpc_calls
 from kembed.frontend.call import EmbedCall, EmbedResult, Limits, ServerInfo
 from kembed.frontend.pushback import MAX_PACED, refusal_weight
+from kembed.frontend.quantize import Encoding
 from kembed.frontend.service import Gate, Service
-from kembed.inputs import Sequences
+from kembed.ipc.protocol import ServingInfo
 from kembed.metrics import FrontendMetrics
-from kembed.priority import BY_VALUE
-from kembed.prompts import PromptChoice
-from kembed.protocol import ServingInfo
-from kembed.quantize import Encoding
+from kembed.plumbing import api_keys, listen, tls
+from kembed.policy.demand import retry_attempt
+from kembed.policy.priority import BY_VALUE
 from kembed.v1 import embedder_pb2 as pb
 from kembed.v1 import embedder_pb2_grpc as pb_grpc
 

@@ -26,11 +26,10 @@ import logging
 from collections.abc import Callable
 from pathlib import Path
 
+from kembed.domain.inputs import Sequences
 from kembed.frontend.inbox import Pending, Waiting
 from kembed.frontend.outbox import InTransit, NextFrame
-from kembed.inputs import Sequences
-from kembed.priority import Priority
-from kembed.protocol import (
+from kembed.ipc.protocol import (
     PROTOCOL_VERSION,
     Errors,
     Hello,
@@ -43,7 +42,8 @@ from kembed.protocol import (
     receive,
     send,
 )
-from kembed.runtime import ENGINE_SOCKET
+from kembed.plumbing.runtime import ENGINE_SOCKET
+from kembed.policy.priority import Priority
 
 log = logging.getLogger(__name__)
 

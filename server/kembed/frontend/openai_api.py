@@ -37,13 +37,13 @@ import ijson
 import numpy as np
 import orjson
 
-from kembed.errors import EmbedError, Failure, Field, InvalidInput
+from kembed.domain.errors import EmbedError, Failure, Field, InvalidInput
+from kembed.domain.inputs import Sequences
+from kembed.domain.prompts import INPUT_TYPES, MAX_PROMPT_CHARS, NAME_PATTERN, ModelPrompts, PromptChoice
 from kembed.frontend.call import EmbedCall, EmbedResult, Limits, Texts, cut_chars
 from kembed.frontend.chunks import Chunks
-from kembed.inputs import Sequences
-from kembed.priority import Priority
-from kembed.prompts import INPUT_TYPES, MAX_PROMPT_CHARS, NAME_PATTERN, ModelPrompts, PromptChoice
-from kembed.quantize import Encoding
+from kembed.frontend.quantize import Encoding
+from kembed.policy.priority import Priority
 
 MAX_TOKEN_ID = 2**31 - 1  # ids are int32 on the way to the model
 INPUT_SHAPES = "a string, an array of strings, an array of token ids, or an array of arrays of token ids"
@@ -122,7 +122,7 @@ OPENAI_FIELDS = ("input", *(f.name for f in BODY if not f.extension))
 EXTENSIONS = tuple(f.name for f in BODY if f.extension)
 FIELDS = frozenset(OPENAI_FIELDS + EXTENSIONS)
 _ENUMS = {f.name: f.schema["enum"] for f in BODY if "enum" in f.schema}
-# The encodings by the name a body gives: OpenAI's two, then the quantized ones (kembed/quantize.py).
+# The encodings by the name a body gives: OpenAI's two, then the quantized ones (kembed/frontend/quantize.py).
 ENCODINGS = {
     name: Encoding.FLOAT32 if name in ("float", "base64") else Encoding(name) for name in _ENUMS["encoding_format"]
 }

@@ -9,9 +9,9 @@ from typing import NamedTuple
 
 import numpy as np
 
-from kembed.inputs import Sequences
-from kembed.priority import Priority
-from kembed.protocol import Work
+from kembed.domain.inputs import Sequences
+from kembed.ipc.protocol import Work
+from kembed.policy.priority import Priority
 
 
 class _Outgoing(NamedTuple):

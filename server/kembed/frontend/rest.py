@@ -50,11 +50,10 @@ from typing import Any, TypeVar
 
 from aiohttp import web
 
-from kembed import api_keys, listen, tls
 from kembed.config import Settings
 from kembed.contract import OPENAI_RETRY_COUNT_HEADER, RETRY_ATTEMPT_KEY
-from kembed.demand import retry_attempt
-from kembed.errors import EmbedError, Failure
+from kembed.domain.errors import EmbedError, Failure
+from kembed.domain.prompts import ModelPrompts
 from kembed.frontend import auth, openai_api, openapi
 from kembed.frontend.budget import BODY_SHARE, BODY_WEIGHT, ClientShares, MemoryBudget, Reservation
 from kembed.frontend.call import EmbedCall, Limits
@@ -62,9 +61,10 @@ from kembed.frontend.connections import Connections
 from kembed.frontend.openai_api import ApiError, Body, Embeddings
 from kembed.frontend.pushback import refusal_weight, rest_client
 from kembed.frontend.service import Gate, Service, draining, warming_up
+from kembed.ipc.protocol import ServingInfo
 from kembed.metrics import FrontendMetrics
-from kembed.prompts import ModelPrompts
-from kembed.protocol import ServingInfo
+from kembed.plumbing import api_keys, listen, tls
+from kembed.policy.demand import retry_attempt
 
 log = logging.getLogger(__name__)
 

@@ -3,7 +3,7 @@ tokenize → admit → engine → result; and when the answer to a refusal may b
 
 Every edge hands it an :class:`~kembed.frontend.call.EmbedCall` (its limits checked while the edge
 read it) and maps the :class:`~kembed.frontend.call.EmbedResult` back. Every failure is an
-:class:`~kembed.errors.EmbedError`: bad input is INVALID_ARGUMENT (an ``InvalidInput`` that locates
+:class:`~kembed.domain.errors.EmbedError`: bad input is INVALID_ARGUMENT (an ``InvalidInput`` that locates
 it) before it can reach a shared batch; admission refusals are REJECTED with a pushback; warming up
 or draining is UNAVAILABLE; work whose deadline passed is dropped before compute and answered
 DEADLINE. Each edge maps them to its transport's codes.
@@ -22,24 +22,24 @@ import numpy as np
 import tokenizers
 
 from kembed import __version__
-from kembed.admission import Rejection
 from kembed.config import Settings
-from kembed.errors import EmbedError, Failure, Field, InvalidInput
+from kembed.domain.errors import EmbedError, Failure, Field, InvalidInput
+from kembed.domain.inputs import Sequences, Tokenizer, TokenLimit
+from kembed.domain.prompts import ModelPrompts
+from kembed.domain.texts import NO_CONTENT, has_content
 from kembed.frontend.budget import MemoryBudget, call_weight
 from kembed.frontend.call import EmbedCall, EmbedResult, ServerInfo, Texts, Timings
 from kembed.frontend.chunks import Chunking, Chunks
 from kembed.frontend.inbox import Pending
 from kembed.frontend.link import EngineLink
 from kembed.frontend.pushback import PacedAnswers, RefusalPacer
+from kembed.frontend.quantize import encode
 from kembed.frontend.screen import Screen, Waits
-from kembed.inputs import Sequences, Tokenizer, TokenLimit
 from kembed.metrics import FrontendMetrics
-from kembed.priority import Priority
-from kembed.prompts import ModelPrompts
-from kembed.quantize import encode
-from kembed.runtime import read_serving
-from kembed.shapes import padded_tokens
-from kembed.texts import NO_CONTENT, has_content
+from kembed.plumbing.runtime import read_serving
+from kembed.policy.admission import Rejection
+from kembed.policy.priority import Priority
+from kembed.policy.shapes import padded_tokens
 
 MAX_REQUEST_ID_CHARS = 256
 DRAINING_PUSHBACK_MS = 100  # a draining pod's refusal: come back at once, on a new connection
@@ -464,7 +464,7 @@ class EmbedService:
 
 
 def _check_content(texts: Sequence[str]) -> None:
-    """Refuse the first text without content (``kembed/texts.py``): embedded, it would be its
+    """Refuse the first text without content (``kembed/domain/texts.py``): embedded, it would be its
     special tokens alone. Here, where a large call is tokenized off the event loop, since a text
     without content is read to its end."""
     for index, content in enumerate(map(has_content, texts)):

@@ -29,8 +29,8 @@ from typing import Any, ClassVar, NamedTuple
 
 import numpy as np
 
-from kembed.errors import EmbedError, Failure
-from kembed.priority import Priority
+from kembed.domain.errors import EmbedError, Failure
+from kembed.policy.priority import Priority
 
 PROTOCOL_VERSION = 4  # both ends come from one install; a difference is a broken image
 MAGIC = 0x6B65  # "ke": a stream read out of step fails here, not somewhere in the rows
@@ -143,7 +143,7 @@ class ServingInfo:
     bucket_lengths: list[int]
     batch_sizes: list[int]
     tokenizer_json: str  # the engine's tokenizer, so every process splits text the same way
-    prompts: dict[str, str] = field(default_factory=dict)  # the model's, by name (kembed.prompts)
+    prompts: dict[str, str] = field(default_factory=dict)  # the model's, by name (kembed.domain.prompts)
     default_prompt_name: str = ""  # the one a request that picks none gets; empty: none
 
 

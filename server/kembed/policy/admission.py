@@ -6,7 +6,7 @@ Two strategies, each optional, combined so that either one may reject:
   padded tokens, over the measured service rate) must fit ``max_drain_ms``. The rate is an
   exponentially weighted ratio of tokens to wall seconds, recorded when batches *complete*; before
   the first batch it is seeded from warmup timings. The longest wait is a multiple of the drain
-  time that depends on how queues drain (:attr:`kembed.shapes.Queueing.wait_spread`). A request
+  time that depends on how queues drain (:attr:`kembed.policy.shapes.Queueing.wait_spread`). A request
   whose own wait alone is over the budget could never fit it: it is admitted once nothing of its
   class blocks it (below), since refusing it would refuse it for ever.
 - latency: the P95 of interactive requests' server-side latency over a sliding window. Shedding
@@ -20,7 +20,7 @@ Two strategies, each optional, combined so that either one may reject:
   limit (1). Shedding is work-conserving: a request whose longest wait is under the recovery floor
   is never shed, since refusing it cannot bring the P95 down and would only leave the worker idle.
 
-Two classes (:class:`~kembed.priority.Priority`). Interactive work is batched first, so what a
+Two classes (:class:`~kembed.policy.priority.Priority`). Interactive work is batched first, so what a
 query waits behind is the interactive work queued and in the worker's hands: it is admitted
 against that alone (:meth:`Backlog.ahead`), and a batch of ingest in the worker, which cannot be
 preempted and which refusing the query would not shorten, never refuses it. Batch work is admitted
@@ -55,9 +55,9 @@ from typing import Protocol
 import numpy as np
 
 from kembed.config import Admission, Settings
-from kembed.demand import CAPACITY_HOLD_TAUS, Capacity
-from kembed.priority import Priority
-from kembed.shapes import Queueing
+from kembed.policy.demand import CAPACITY_HOLD_TAUS, Capacity
+from kembed.policy.priority import Priority
+from kembed.policy.shapes import Queueing
 
 RATE_DECAY = 0.9  # weight of the past per completed batch in the service-rate estimate
 RECOVER_FRACTION = 0.8  # shedding stops below this share of the soft P95 limit
@@ -269,7 +269,7 @@ class MeasuredLoad:
         return self.rate.tokens_per_second
 
     def capacity(self) -> float:
-        """What the pod can serve, for the demand: the best rate measured, held (kembed/demand.py)."""
+        """What the pod can serve, for the demand: the best rate measured, held (kembed/policy/demand.py)."""
         return self._capacity.update(self.rate.tokens_per_second, self._clock())
 
     def p95_seconds(self, priority: Priority = Priority.INTERACTIVE) -> float:
