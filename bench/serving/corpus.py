@@ -59,7 +59,7 @@ from bench.tools.server import Server, running
 from kembed.client import EmbedClient
 from kembed.client.corpus.parts import growing_path, manifest_path, part_path
 from kembed.client.corpus.reader import Shard
-from kembed.config import Settings
+from kembed.config.settings import Settings
 from kembed.contract import PRIORITY_LABEL, Metric
 from kembed.policy.priority import Priority
 

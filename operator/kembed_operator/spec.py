@@ -26,7 +26,7 @@ from pydantic import (
 )
 from pydantic.alias_generators import to_camel
 
-from kembed.config import Admission, Batching, Dtype, Pooling
+from kembed.config.values import Admission, Batching, Dtype, Pooling
 from kembed.domain.prompts import NAME_PATTERN as PROMPT_NAME_PATTERN
 
 

@@ -22,7 +22,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from kembed.config import Graphs, Settings
+from kembed.config.settings import Settings
+from kembed.config.values import Graphs
 from kembed.policy.shapes import BatchShapes, batch_tokens, compiles
 
 

@@ -16,7 +16,8 @@ import numpy as np
 import pytest
 import torch
 
-from kembed.config import Graphs, Settings, Toggle
+from kembed.config.settings import Settings
+from kembed.config.values import Graphs, Toggle
 from kembed.contract import COMPILING
 from kembed.domain.inputs import Sequences
 from kembed.engine import compile_cache, cpu, cpu_compile, verdicts

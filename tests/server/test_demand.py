@@ -11,13 +11,14 @@ from pathlib import Path
 
 import pytest
 
-from kembed.config import Settings
+from kembed.config.settings import Settings
 from kembed.frontend.outbox import InTransit
 from kembed.frontend.screen import Screen, Waits
 from kembed.ipc.board import Board, Cell
 from kembed.metrics import demand_ratio
-from kembed.policy.admission import MeasuredLoad, Rejection
+from kembed.policy.admission import Rejection
 from kembed.policy.demand import Capacity, OfferedRate, decayed, ratio, retry_attempt
+from kembed.policy.load import MeasuredLoad
 from kembed.policy.priority import Priority
 
 RATE = 1000.0  # padded tokens a second the modeled pod serves

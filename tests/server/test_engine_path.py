@@ -10,7 +10,7 @@ import random
 import numpy as np
 import pytest
 
-from kembed.config import Settings
+from kembed.config.settings import Settings
 from kembed.domain.errors import EmbedError, Failure
 from kembed.engine.batcher import Batcher, BatchPolicy, BatchShapes
 from kembed.engine.buckets import BucketQueue
@@ -20,7 +20,8 @@ from kembed.engine.responder import Responder
 from kembed.engine.units import Batch, Chunk, Computed, Job, Outcome
 from kembed.ipc.protocol import Result, Work
 from kembed.metrics import EngineMetrics
-from kembed.policy.admission import AdmissionController, Backlog, MeasuredLoad
+from kembed.policy.admission import AdmissionController, Backlog
+from kembed.policy.load import MeasuredLoad
 from kembed.policy.priority import Priority
 from tests.server.queueing import work
 

@@ -12,7 +12,7 @@ import pytest
 from kembed.domain.errors import EmbedError, Failure, Field, InvalidInput
 from kembed.domain.inputs import Sequences
 from kembed.frontend.call import EmbedResult, Limits, ServerInfo, Texts, Timings
-from kembed.frontend.grpc_api import info_response, message, response, to_call
+from kembed.frontend.grpc_messages import info_response, message, response, to_call
 from kembed.frontend.quantize import Encoding
 from kembed.ipc.protocol import ServingInfo
 from kembed.policy.priority import Priority

@@ -17,7 +17,8 @@ from kembed.domain.errors import EmbedError, Failure, Field, InvalidInput
 from kembed.domain.inputs import Sequences
 from kembed.frontend import openai_api
 from kembed.frontend.call import EmbedResult, Limits, Texts, Timings
-from kembed.frontend.openai_api import ApiError, Body, Embeddings, failed, parse
+from kembed.frontend.json_body import Body, parse
+from kembed.frontend.openai_api import ApiError, Embeddings, failed
 from kembed.frontend.quantize import Encoding
 from kembed.frontend.rest import READ_CHUNK
 from kembed.policy.priority import Priority

@@ -16,7 +16,7 @@ import pytest
 from kembed.client import EmbedClient
 from kembed.client.embed_client import RetryBudget
 from kembed.contract import RETRY_PUSHBACK_KEY
-from kembed.policy.admission import MIN_LATENCY_SAMPLES
+from kembed.policy.load import MIN_LATENCY_SAMPLES
 from kembed.v1 import embedder_pb2 as pb
 from kembed.v1 import embedder_pb2_grpc as pb_grpc
 from tests.server.serving import ServerProcess, all_decided, server_fixture, wait_until

@@ -20,7 +20,7 @@ import pytest
 
 from kembed.client import AsyncEmbedClient, EmbedClient, decode
 from kembed.client.__main__ import main
-from kembed.config import Settings
+from kembed.config.settings import Settings
 from kembed.contract import EXIT_EMBED_FINAL
 from kembed.domain.errors import Field, InvalidInput
 from kembed.domain.prompts import MAX_PROMPT_CHARS, ModelPrompts, PromptChoice, name_problem

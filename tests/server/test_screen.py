@@ -9,7 +9,7 @@ import contextlib
 from collections.abc import AsyncIterator
 from pathlib import Path
 
-from kembed.config import Settings
+from kembed.config.settings import Settings
 from kembed.frontend.link import EngineLink
 from kembed.frontend.screen import Screen, Waits
 from kembed.ipc.board import Board, Cell

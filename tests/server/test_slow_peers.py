@@ -13,9 +13,9 @@ from pathlib import Path
 import grpc
 import pytest
 
-from kembed.config import Settings
+from kembed.config.settings import Settings
 from kembed.contract import Metric
-from kembed.frontend.grpc_api import MAX_STREAM_REQUESTS
+from kembed.frontend.grpc_slots import MAX_STREAM_REQUESTS
 from kembed.ipc.protocol import PROTOCOL_VERSION, Hello, send
 from kembed.plumbing.runtime import ENGINE_SOCKET
 from kembed.supervisor.http import MAX_CONNECTIONS

@@ -9,7 +9,8 @@ from pathlib import Path
 
 import pytest
 
-from kembed.config import ConfigError, Settings
+from kembed.config.settings import Settings
+from kembed.config.values import ConfigError
 from kembed.plumbing import tls
 from tests.server.certs import Authority, write_atomically
 

@@ -15,7 +15,8 @@ import pytest
 import torch
 from torch._dynamo.utils import counters
 
-from kembed.config import Dtype, Settings, Warmup
+from kembed.config.settings import Settings
+from kembed.config.values import Dtype, Warmup
 from kembed.engine import compile_cache, cpu, precision
 from kembed.engine.graphs import ShapeGuard, UnplannedShapeError
 from kembed.engine.model import EmbeddingModel

@@ -24,7 +24,8 @@ from kembed.engine.jobs import Jobs
 from kembed.engine.units import Chunk, Job, Replies
 from kembed.ipc.protocol import Work
 from kembed.metrics import EngineMetrics
-from kembed.policy.admission import AdmissionController, Backlog, MeasuredLoad, lapsing
+from kembed.policy.admission import AdmissionController, Backlog, lapsing
+from kembed.policy.load import MeasuredLoad
 from kembed.policy.priority import BY_VALUE, Priority
 from kembed.policy.shapes import bucket_of
 

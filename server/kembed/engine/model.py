@@ -19,7 +19,8 @@ from typing import Any
 import torch
 from transformers import AutoModel, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
-from kembed.config import Dtype, Graphs, Pooling, Settings
+from kembed.config.settings import Settings
+from kembed.config.values import Dtype, Graphs, Pooling
 from kembed.contract import env_name
 from kembed.domain.inputs import Tokenizer, tokenizer_fingerprint
 from kembed.domain.prompts import ST_CONFIG, ModelPrompts

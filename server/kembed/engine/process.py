@@ -18,7 +18,7 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any, TypeVar
 
-from kembed.config import Settings
+from kembed.config.settings import Settings
 from kembed.contract import EXIT_FATAL, EXIT_STARTUP_FAILED
 from kembed.domain.errors import EmbedError
 from kembed.engine.batcher import Batcher, BatchPolicy
@@ -49,7 +49,8 @@ from kembed.ipc.protocol import (
 from kembed.metrics import EngineMetrics
 from kembed.plumbing.child import Child
 from kembed.plumbing.runtime import BOARD_FILE, ENGINE_SOCKET, write_serving
-from kembed.policy.admission import AdmissionController, MeasuredLoad
+from kembed.policy.admission import AdmissionController
+from kembed.policy.load import MeasuredLoad
 from kembed.policy.priority import Priority
 
 log = logging.getLogger(__name__)

@@ -15,7 +15,7 @@ from kembed.engine.jobs import Jobs
 from kembed.engine.units import Batch, Chunk, Computed, Outcome, Replies
 from kembed.ipc.protocol import Result
 from kembed.metrics import EngineMetrics
-from kembed.policy.admission import ServiceRate
+from kembed.policy.load import ServiceRate
 
 
 class Responder:

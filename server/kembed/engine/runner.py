@@ -13,7 +13,8 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from kembed.config import Settings, Warmup
+from kembed.config.settings import Settings
+from kembed.config.values import Warmup
 from kembed.domain.inputs import Sequences
 from kembed.engine import cpu_compile
 from kembed.engine.buckets import route

@@ -13,7 +13,8 @@ from collections.abc import Callable, Sequence
 import numpy as np
 import torch
 
-from kembed.config import Dtype, Settings, Toggle
+from kembed.config.settings import Settings
+from kembed.config.values import Dtype, Toggle
 from kembed.engine import compile_cache, cpu, cpu_compile, precision, verdicts
 from kembed.engine.cpu_compile import Served
 from kembed.engine.graphs import CompileCount, ShapeGuard

@@ -16,7 +16,7 @@ import threading
 import time
 from collections.abc import Callable
 
-from kembed.config import Settings
+from kembed.config.settings import Settings
 from kembed.engine import cpu, cpu_compile
 from kembed.engine.cpu_compile import Served
 from kembed.engine.model import EmbeddingModel

@@ -10,7 +10,8 @@ import os
 import sys
 from pathlib import Path
 
-from kembed.config import ConfigError, Settings
+from kembed.config.settings import Settings
+from kembed.config.values import ConfigError
 from kembed.contract import EXIT_CONFIG
 from kembed.frontend.process import FrontendProcess
 

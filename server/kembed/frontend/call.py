@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from kembed.config import Settings
+from kembed.config.settings import Settings
 from kembed.domain.errors import Field, InvalidInput
 from kembed.domain.inputs import Sequences
 from kembed.domain.prompts import NO_CHOICE, PromptChoice

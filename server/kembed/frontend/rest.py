@@ -50,17 +50,19 @@ from typing import Any, TypeVar
 
 from aiohttp import web
 
-from kembed.config import Settings
+from kembed.config.settings import Settings
 from kembed.contract import OPENAI_RETRY_COUNT_HEADER, RETRY_ATTEMPT_KEY
 from kembed.domain.errors import EmbedError, Failure
 from kembed.domain.prompts import ModelPrompts
-from kembed.frontend import auth, openai_api, openapi
+from kembed.frontend import auth, json_body, openai_api, openapi
 from kembed.frontend.budget import BODY_SHARE, BODY_WEIGHT, ClientShares, MemoryBudget, Reservation
 from kembed.frontend.call import EmbedCall, Limits
 from kembed.frontend.connections import Connections
-from kembed.frontend.openai_api import ApiError, Body, Embeddings
+from kembed.frontend.gate import Gate, draining, warming_up
+from kembed.frontend.json_body import Body
+from kembed.frontend.openai_api import ApiError, Embeddings
 from kembed.frontend.pushback import refusal_weight, rest_client
-from kembed.frontend.service import Gate, Service, draining, warming_up
+from kembed.frontend.service import Service
 from kembed.ipc.protocol import ServingInfo
 from kembed.metrics import FrontendMetrics
 from kembed.plumbing import api_keys, listen, tls
@@ -275,7 +277,7 @@ class RestEdge:
         content, peer = request.content, f"rest:{client}"
         if content.is_eof() and content.total_bytes <= READ_CHUNK:
             reservation.grow(BODY_WEIGHT * content.total_bytes)
-            return openai_api.parse(content.read_nowait(), self._served, self._limits, peer)
+            return json_body.parse(content.read_nowait(), self._served, self._limits, peer)
         reader, limit = Body(self._limits), self._settings.max_message_bytes
         with self._shares.holding(client) as share:
             async with asyncio.timeout_at(deadline) as timeout:

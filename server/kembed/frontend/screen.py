@@ -21,7 +21,7 @@ import time
 from collections.abc import Callable, Iterator
 from typing import NamedTuple
 
-from kembed.config import Settings
+from kembed.config.settings import Settings
 from kembed.frontend.outbox import InTransit
 from kembed.ipc.board import Board, Cell, ClassCell, FrontendCell
 from kembed.policy.admission import AdmissionController, Backlog, Rejection

@@ -22,7 +22,7 @@ import numpy as np
 import tokenizers
 
 from kembed import __version__
-from kembed.config import Settings
+from kembed.config.settings import Settings
 from kembed.domain.errors import EmbedError, Failure, Field, InvalidInput
 from kembed.domain.inputs import Sequences, Tokenizer, TokenLimit
 from kembed.domain.prompts import ModelPrompts
@@ -30,6 +30,7 @@ from kembed.domain.texts import NO_CONTENT, has_content
 from kembed.frontend.budget import MemoryBudget, call_weight
 from kembed.frontend.call import EmbedCall, EmbedResult, ServerInfo, Texts, Timings
 from kembed.frontend.chunks import Chunking, Chunks
+from kembed.frontend.gate import Gate, warming_up
 from kembed.frontend.inbox import Pending
 from kembed.frontend.link import EngineLink
 from kembed.frontend.pushback import PacedAnswers, RefusalPacer
@@ -42,7 +43,6 @@ from kembed.policy.priority import Priority
 from kembed.policy.shapes import padded_tokens
 
 MAX_REQUEST_ID_CHARS = 256
-DRAINING_PUSHBACK_MS = 100  # a draining pod's refusal: come back at once, on a new connection
 # Inputs up to this many characters or id bytes are tokenized on the event loop: a trip through the
 # executor (two thread switches and a loop wake-up) costs more than tokenizing a sentence. Larger
 # inputs go to the executor, where the Rust tokenizer runs without the GIL.
@@ -65,41 +65,6 @@ class Prompt(NamedTuple):
 NO_PROMPT = Prompt("", 0)
 
 
-class Gate:
-    """Whether requests are still taken, and how many are in progress, so a drain knows when
-    everything accepted has been answered. Closed when this front end drains, or as soon as the
-    supervisor marks the whole pod draining (a front end may see its SIGTERM a moment later)."""
-
-    def __init__(self, pod_draining: Callable[[], bool]) -> None:
-        self._pod_draining = pod_draining
-        self.draining = False
-        self.active = 0
-        self._idle = asyncio.Event()
-        self._idle.set()
-
-    def enter(self) -> None:
-        self.check_open()
-        self.hold()
-
-    def check_open(self) -> None:
-        if self.draining or self._pod_draining():
-            raise draining()
-
-    def hold(self) -> None:
-        """Count work in progress whether or not the gate is open: a computed answer still to write."""
-        self.active += 1
-        self._idle.clear()
-
-    def leave(self, count: int = 1) -> None:
-        self.active -= count
-        if self.active == 0:
-            self._idle.set()
-
-    async def wait_idle(self) -> None:
-        while self.active:  # again: a stream may hold an answer before this waiter runs
-            await self._idle.wait()
-
-
 class Service(Protocol):
     """What the edges call: the real path once the engine is warm, a refusal before."""
 
@@ -113,16 +78,6 @@ class Service(Protocol):
         edge calls it once it holds nothing of the call's but what answering it needs."""
 
     def info(self) -> ServerInfo: ...
-
-
-def warming_up() -> EmbedError:
-    return EmbedError(Failure.UNAVAILABLE, "server is warming up: retry shortly")
-
-
-def draining() -> EmbedError:
-    """With a pushback, so a client's retry policy (gRPC's, the openai SDK's) sends the call again on
-    another replica: the Service has taken this pod out of its endpoints before its SIGTERM."""
-    return EmbedError(Failure.UNAVAILABLE, "server is draining: retry on another replica", DRAINING_PUSHBACK_MS)
 
 
 class WarmingUp:

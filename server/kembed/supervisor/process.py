@@ -23,7 +23,7 @@ import time
 from asyncio.subprocess import Process
 from typing import Any
 
-from kembed.config import Settings
+from kembed.config.settings import Settings
 from kembed.contract import EXIT_FATAL, Metric
 from kembed.ipc.board import Board, Cell, ClassCell, FrontendCell
 from kembed.metrics import drain_seconds, interactive_drain_seconds, supervisor_registry
