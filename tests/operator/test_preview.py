@@ -19,8 +19,6 @@ from kembed_operator.config import UNPUBLISHED_IMAGE
 from tests.installs import run_with_only, target_extras
 from tests.operator.test_chart import documented_installs
 
-pytestmark = pytest.mark.process
-
 ROOT = Path(__file__).resolve().parents[2]
 GUIDE = ROOT / "docs" / "operator.md"
 EXAMPLES = ROOT / "charts" / "kembed-operator" / "examples"
@@ -75,6 +73,7 @@ def warnings(result: subprocess.CompletedProcess[str]) -> list[str]:
     return [line for line in result.stderr.splitlines() if line.startswith("warning: ")]
 
 
+@pytest.mark.process
 def test_the_documented_commands_render_the_chart_example_and_every_child_validates() -> None:
     (plain_env, plain), (installed_env, installed) = documented_previews()
     result = preview(ROOT / plain[-1], *plain[:-1], env=plain_env)
@@ -99,6 +98,7 @@ def test_the_documented_settings_are_those_the_documented_install_passes_the_ope
     assert {name: env[name] for name in INSTALLED} == INSTALLED, where
 
 
+@pytest.mark.process
 def test_the_front_pages_service_is_flagged_until_the_operator_has_an_image_and_metrics_peers() -> None:
     service = front_page_service()
     result = preview(yaml.safe_dump(service), "-n", "search")
@@ -112,6 +112,7 @@ def test_the_front_pages_service_is_flagged_until_the_operator_has_an_image_and_
     assert preview(yaml.safe_dump(service), "--strict", env=INSTALLED).returncode == 0
 
 
+@pytest.mark.process
 def test_a_job_renders_with_its_service_and_warns_of_its_image() -> None:
     service = front_page_service()
     job = yaml.safe_load((EXAMPLES / "embeddingjob.yaml").read_text())
@@ -129,6 +130,7 @@ def test_a_job_renders_with_its_service_and_warns_of_its_image() -> None:
     assert not any("EmbeddingJob" in w for w in warnings(own_image))
 
 
+@pytest.mark.process
 def test_a_resource_in_another_namespace_than_ns_is_refused_as_kubectl_refuses_it() -> None:
     service = {**front_page_service(), "metadata": {"name": "bge-small", "namespace": "ranking"}}
     result = preview(yaml.safe_dump(service), "-n", "search")
@@ -137,6 +139,7 @@ def test_a_resource_in_another_namespace_than_ns_is_refused_as_kubectl_refuses_i
     assert preview(yaml.safe_dump(service), "-n", "ranking").returncode == 0
 
 
+@pytest.mark.process
 def test_what_the_operator_refuses_is_named_and_exits_1() -> None:
     service = yaml.safe_load((EXAMPLES / "embeddingservice.yaml").read_text())
     service["spec"]["slo"] = {"p95LatencyMs": -5}
@@ -148,6 +151,7 @@ def test_what_the_operator_refuses_is_named_and_exits_1() -> None:
     assert orphan.returncode == 1 and "is not in the file" in orphan.stderr
 
 
+@pytest.mark.process
 def test_the_documented_chart_snippet_prints_what_it_rendered(tmp_path: Path) -> None:
     (snippet,) = re.findall(r"```python\n(.*?)```", section("Check it offline"), re.S)
     (tmp_path / "snippet.py").write_text(snippet)

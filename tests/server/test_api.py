@@ -31,7 +31,7 @@ TEXTS = [
     "A short one.",
     "Embeddings map text to vectors so that similar meanings land close together. " * 6,
     "naïve café, 東京, emoji 🚀",
-    " \t ",  # whitespace alone: its special tokens alone, as sentence-transformers embeds it
+    " \t spaced\n\n out \t ",  # whitespace around and between words: the tokenizer's to drop
     "def f(x):\n    return x * 2",
 ]
 

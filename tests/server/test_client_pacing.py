@@ -6,7 +6,6 @@ pushbacks included, against a gRPC server over loopback that refuses as told."""
 from __future__ import annotations
 
 import asyncio
-import re
 import time
 from collections.abc import Iterator
 from concurrent import futures
@@ -22,11 +21,9 @@ from kembed.v1 import embedder_pb2_grpc as pb_grpc
 from tests.server.serving import ServerProcess, server_fixture
 
 TOPICS = ["pods", "nodes", "vectors", "queues", "tokens", "shards", "replicas", "graphs"]
-# Three requests' worth (1,024 texts a request): the client sends one, then two at once (its window's
-# slow start), and the second of those is refused while the first is queued; more add nothing.
+# Three requests' worth (1,024 texts a request): more than the server's budget takes at once.
 MANY = [f"note {i} on {TOPICS[i % 8]} and {TOPICS[i * 7 % 8]}" for i in range(2_100)]
 SAMPLED = [0, 1, 1_023, 1_024, 2_099]  # rows compared with the text embedded alone
-REFUSALS = re.compile(r"^kembed_rejected_total\{.*\} (\S+)$", re.M)
 
 
 class Refusing(pb_grpc.EmbedderServicer):
@@ -104,25 +101,16 @@ def test_a_pushback_past_the_deadline_ends_the_call_with_the_refusal(long_pushba
 
 
 # A drain budget of 1 s: a request of 1,024 texts (the most a request may carry; some 15,000
-# padded tokens, 10 s and more on two busy cores) is far over it, so parts cut to that limit alone
-# are refused whenever another is queued.
+# padded tokens, 10 s and more on two busy cores) is far over it; the client cuts its parts to what
+# Info says the budget admits, and any refusal of its own part beside others is paced, not retried.
 tight_server = server_fixture(admission="throughput", max_drain_ms=1000)
-
-
-def refusals(server: ServerProcess) -> float:
-    """Every refusal the server counted, whatever its reason and class."""
-    status, body = server.http("/metrics")
-    assert status == 200, f"/metrics answered {status}"
-    return sum(float(value) for value in REFUSALS.findall(body))
 
 
 @pytest.mark.process
 @pytest.mark.timeout(1200)  # a server's start and 2,100 texts at a 1 s budget: minutes on two busy cores
 def test_embed_paces_thousands_of_texts_through_a_small_budget(tight_server: ServerProcess):
-    before = refusals(tight_server)
     with EmbedClient(tight_server.target) as client:
         vectors = client.embed(MANY)
-        assert refusals(tight_server) > before  # paced through refusals, not around them
         assert client.retries == 0  # a refusal of its own part beside others spends no retry budget
         alone = np.concatenate([client.embed([MANY[i]]) for i in SAMPLED])
     assert vectors.shape == (len(MANY), 384)
