@@ -49,6 +49,9 @@ RETRY_PUSHBACK_KEY: Final = "grpc-retry-pushback-ms"
 GRPC_PREVIOUS_ATTEMPTS_KEY: Final = "grpc-previous-rpc-attempts"
 OPENAI_RETRY_COUNT_HEADER: Final = "x-stainless-retry-count"
 RETRY_ATTEMPT_KEY: Final = "kembed-retry-attempt"
+# A call's id in the server's log lines: the caller's (a REST header, gRPC metadata), else one made;
+# answered under the same key (REST: a header; gRPC: trailing metadata).
+REQUEST_ID_KEY: Final = "x-request-id"
 
 
 def env_name(setting: str) -> str:
@@ -67,6 +70,7 @@ class Metric:
     QUEUE_DRAIN_SECONDS: Final = "kembed_queue_drain_seconds"  # the whole backlog, every class
     LATENCY_P95_SECONDS: Final = "kembed_request_latency_p95_seconds"  # interactive requests
     REQUEST_DURATION_SECONDS: Final = "kembed_request_duration_seconds"  # {priority}
+    REQUEST_STAGE_SECONDS: Final = "kembed_request_stage_seconds"  # {stage}: tokenize, queue, compute
     QUEUED_TOKENS: Final = "kembed_queued_tokens"  # queued or in flight, every class
     WAITING_TOKENS: Final = "kembed_waiting_tokens"  # {priority}: queued, not yet in a batch
     WAITING_REQUESTS: Final = "kembed_waiting_requests"  # {priority}: none of their items started

@@ -54,6 +54,14 @@ class FrontendMetrics:
         )
         # A labelled child is looked up under a lock: once per class here, not once per request.
         self.request_durations = {p: self.request_duration.labels(priority=p.label) for p in Priority}
+        stage = Histogram(
+            Metric.REQUEST_STAGE_SECONDS,
+            "Where answered requests spent their time: tokenizing, queued, computing (the total is the duration)",
+            ["stage"],
+            registry=r,
+            buckets=LATENCY_BUCKETS,
+        )
+        self._stages = tuple(stage.labels(stage=name) for name in ("tokenize", "queue", "compute"))
         self.requests = Counter(
             Metric.REQUESTS,
             "Answers by API (grpc, rest) and its status code (gRPC's name, HTTP's number)",
@@ -95,6 +103,11 @@ class FrontendMetrics:
         if child is None:
             child = self._answers[api, code] = self.requests.labels(api=api, code=code)
         child.inc()
+
+    def stages(self, tokenize_s: float, queue_s: float, compute_s: float) -> None:
+        """An answered request's time in each stage."""
+        for child, seconds in zip(self._stages, (tokenize_s, queue_s, compute_s), strict=True):
+            child.observe(seconds)
 
 
 def _choice(registry: CollectorRegistry, name: str, label: str, what: str) -> Gauge:

@@ -5,7 +5,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import logging
 import os
 import sys
 from pathlib import Path
@@ -14,6 +13,7 @@ from kembed.config.settings import Settings
 from kembed.config.values import ConfigError
 from kembed.contract import EXIT_CONFIG
 from kembed.frontend.process import FrontendProcess
+from kembed.plumbing import request_log
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -31,9 +31,7 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as error:
         print(f"kembed front end: configuration error: {error}", file=sys.stderr)
         return EXIT_CONFIG
-    logging.basicConfig(
-        level=settings.log_level, format=f"%(asctime)s %(levelname)s frontend-{args.index} %(name)s: %(message)s"
-    )
+    request_log.configure(settings.log_level, f"frontend-{args.index}")
     return asyncio.run(_serve(settings, args.runtime, args.index))
 
 

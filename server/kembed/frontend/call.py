@@ -83,6 +83,18 @@ class EmbedResult:
     encoding: Encoding  # the call's
     dimensions: int  # the vectors', whatever the encoding (a binary row holds ceil(dimensions / 8) bytes)
 
+    def timing_headers(self) -> list[tuple[str, str]]:
+        """TEI's timing headers, in whole milliseconds as TEI sends them, and the tokens computed:
+        REST answers them as headers, gRPC in its trailing metadata."""
+        timings = self.timings
+        return [
+            ("x-total-time", str(round(timings.total_s * 1000))),
+            ("x-tokenization-time", str(round(timings.tokenize_s * 1000))),
+            ("x-queue-time", str(round(timings.queue_s * 1000))),
+            ("x-inference-time", str(round(timings.inference_s * 1000))),
+            ("x-compute-tokens", str(int(self.token_counts.sum()))),
+        ]
+
 
 @dataclass(frozen=True, slots=True)
 class ServerInfo:

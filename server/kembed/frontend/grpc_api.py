@@ -36,7 +36,7 @@ from grpc_health.v1.health import aio as health_aio  # type: ignore[attr-defined
 from grpc_reflection.v1alpha import reflection
 
 from kembed.config.settings import Settings
-from kembed.contract import GRPC_SERVICE, RETRY_PUSHBACK_KEY
+from kembed.contract import GRPC_SERVICE, REQUEST_ID_KEY, RETRY_PUSHBACK_KEY
 from kembed.domain.errors import EmbedError, Failure
 from kembed.frontend.auth import KeyCheck
 from kembed.frontend.budget import MemoryBudget, grpc_calls
@@ -48,6 +48,7 @@ from kembed.frontend.grpc_messages import (
     attempt_of,
     info_response,
     message,
+    offered_request_id,
     read_request,
     response,
     to_call,
@@ -56,7 +57,7 @@ from kembed.frontend.grpc_slots import CallSlots, Slot, StreamWindow
 from kembed.frontend.pushback import MAX_PACED, refusal_weight
 from kembed.frontend.service import Service
 from kembed.metrics import FrontendMetrics
-from kembed.plumbing import api_keys, listen, tls
+from kembed.plumbing import api_keys, listen, request_log, tls
 from kembed.v1 import embedder_pb2 as pb
 from kembed.v1 import embedder_pb2_grpc as pb_grpc
 
@@ -189,8 +190,10 @@ class EmbedderServicer(pb_grpc.EmbedderServicer):
     async def Embed(
         self, requests: AsyncIterator[pb.EmbedRequest | Refused], context: grpc.aio.ServicerContext
     ) -> pb.EmbedResponse:
+        offered = offered_request_id(context)
+        request_log.request_id.set(request_log.adopt(offered))  # this call's task alone
         try:
-            outcome = await self._unary(context)
+            outcome = await self._unary(context, offered is None)
             if isinstance(outcome, Failed) and outcome.paced:
                 await self._service().pace(context.peer(), outcome.weight)
         except asyncio.CancelledError:  # gRPC's core ended the call: its deadline passed, or its client left
@@ -198,19 +201,23 @@ class EmbedderServicer(pb_grpc.EmbedderServicer):
             raise
         except Exception:  # a bug: logged, and answered INTERNAL like any failure, counted
             log.exception("Embed failed")
+            context.set_trailing_metadata(((REQUEST_ID_KEY, request_log.request_id.get()),))
             await self._abort(context, grpc.StatusCode.INTERNAL, "internal error")
+        named = (REQUEST_ID_KEY, request_log.request_id.get())
         if isinstance(outcome, Failed):
-            if outcome.retry_after_ms:
-                context.set_trailing_metadata(((RETRY_PUSHBACK_KEY, str(outcome.retry_after_ms)),))
+            pushback = [(RETRY_PUSHBACK_KEY, str(outcome.retry_after_ms))] if outcome.retry_after_ms else []
+            context.set_trailing_metadata((named, *pushback))
             await self._abort(context, STATUS[outcome.failure], outcome.message)
         if _past_deadline(context):  # computed too late: its client has stopped waiting
             raise self._gone()
+        context.set_trailing_metadata((named, *outcome.timing_headers()))
         self._count(grpc.StatusCode.OK)
         return response(outcome)
 
-    async def _unary(self, context: grpc.aio.ServicerContext) -> EmbedResult | Failed:
+    async def _unary(self, context: grpc.aio.ServicerContext, unnamed: bool) -> EmbedResult | Failed:
         """A unary call's result, or its failure: its request read and served holding a slot,
-        neither kept once it is decided."""
+        neither kept once it is decided. A call whose metadata is ``unnamed`` takes its message's
+        request_id as its id, if it has one."""
         task = asyncio.current_task()
         slot = self._slots.take(context.peer(), task)
         if slot is None:
@@ -230,6 +237,8 @@ class EmbedderServicer(pb_grpc.EmbedderServicer):
             self._slots.read(slot)
             if request is grpc.aio.EOF:  # type: ignore[attr-defined]  # no stub; the client half-closed without a message
                 request = Refused(EmbedError(Failure.INVALID_ARGUMENT, "no EmbedRequest was sent"))
+            elif unnamed and not isinstance(request, Refused) and request.request_id:
+                request_log.request_id.set(request_log.adopt(request.request_id))
             try:
                 return await self._embed(request, context)
             except EmbedError as error:
@@ -260,12 +269,14 @@ class EmbedderServicer(pb_grpc.EmbedderServicer):
     async def EmbedStream(
         self, request_iterator: AsyncIterator[pb.EmbedRequest | Refused], context: grpc.aio.ServicerContext
     ) -> AsyncIterator[pb.EmbedResponse]:
+        request_log.request_id.set(request_log.adopt(offered_request_id(context)))  # the stream's
         slot = self._slots.take(context.peer(), None)  # a stream holds its slot for its life
         if slot is None:
             await self._refuse_stream(context, self._slots.busy())
         try:
             async for answer in self._stream(request_iterator, context, slot):
                 yield answer
+            context.set_trailing_metadata(((REQUEST_ID_KEY, request_log.request_id.get()),))
         except asyncio.CancelledError:
             if not slot.evicted:
                 raise
@@ -278,7 +289,8 @@ class EmbedderServicer(pb_grpc.EmbedderServicer):
             self._slots.give_back(slot)
 
     async def _refuse_stream(self, context: grpc.aio.ServicerContext, error: EmbedError) -> NoReturn:
-        context.set_trailing_metadata(((RETRY_PUSHBACK_KEY, str(error.retry_after_ms)),))
+        pushback = (RETRY_PUSHBACK_KEY, str(error.retry_after_ms))
+        context.set_trailing_metadata(((REQUEST_ID_KEY, request_log.request_id.get()), pushback))
         await self._abort(context, STATUS[error.failure], error.message)
 
     async def _stream(
@@ -292,8 +304,12 @@ class EmbedderServicer(pb_grpc.EmbedderServicer):
         tasks: set[asyncio.Task[None]] = set()
         unwritten = 0  # computed answers not yet written: each holds the gate, so a drain waits for it
 
+        stream_id = request_log.request_id.get()
+
         async def answer(request: pb.EmbedRequest | Refused, nbytes: int) -> None:
             nonlocal unwritten
+            if not isinstance(request, Refused) and request.request_id:  # each request's task its own
+                request_log.request_id.set(request_log.adopt(f"{stream_id}:{request.request_id}"))
             response = await self._stream_one(request, context)
             if not response.HasField("error"):
                 unwritten += 1

@@ -13,7 +13,7 @@ import grpc
 import numpy as np
 from google.protobuf.message import DecodeError
 
-from kembed.contract import GRPC_PREVIOUS_ATTEMPTS_KEY, RETRY_ATTEMPT_KEY
+from kembed.contract import GRPC_PREVIOUS_ATTEMPTS_KEY, REQUEST_ID_KEY, RETRY_ATTEMPT_KEY
 from kembed.domain.errors import EmbedError, Failure, Field, InvalidInput
 from kembed.domain.inputs import Sequences
 from kembed.domain.prompts import PromptChoice
@@ -63,6 +63,14 @@ def attempt_of(context: grpc.aio.ServicerContext) -> int:
         if key in (GRPC_PREVIOUS_ATTEMPTS_KEY, RETRY_ATTEMPT_KEY):
             return retry_attempt(value)
     return 0
+
+
+def offered_request_id(context: grpc.aio.ServicerContext) -> str | None:
+    """The call's ``x-request-id`` metadata, if its caller sent one."""
+    for key, value in context.invocation_metadata() or ():
+        if key == REQUEST_ID_KEY:
+            return str(value)
+    return None
 
 
 def to_call(

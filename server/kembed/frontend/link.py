@@ -42,6 +42,7 @@ from kembed.ipc.protocol import (
     receive,
     send,
 )
+from kembed.plumbing import request_log
 from kembed.plumbing.runtime import ENGINE_SOCKET
 from kembed.policy.priority import Priority
 
@@ -110,7 +111,7 @@ class EngineLink:
         future = asyncio.get_running_loop().create_future()
         pending = Pending(future, arrival, seqs.count, self.info.dimensions, priority)
         self._waiting.add(tag, pending)
-        self._next.add(tag, seqs, cost, deadline, priority)
+        self._next.add(tag, seqs, cost, deadline, priority, request_log.request_id.get())  # for the engine's log
         self.in_transit.queued(cost, priority)
         self._schedule_flush()
         return tag, pending

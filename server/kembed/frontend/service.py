@@ -12,6 +12,7 @@ DEADLINE. Each edge maps them to its transport's codes.
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import Executor
@@ -41,6 +42,8 @@ from kembed.plumbing.runtime import read_serving
 from kembed.policy.admission import Rejection
 from kembed.policy.priority import Priority
 from kembed.policy.shapes import padded_tokens
+
+log = logging.getLogger(__name__)
 
 MAX_REQUEST_ID_CHARS = 256
 # Inputs up to this many characters or id bytes are tokenized on the event loop: a trip through the
@@ -358,6 +361,7 @@ class EmbedService:
     def _refused(self, rejection: Rejection, priority: Priority) -> EmbedError:
         """The refusal, counted."""
         self._metrics.rejected.labels(reason=rejection.reason, priority=priority.label).inc()
+        log.debug("refused (%s): %s", rejection.reason, rejection.message)
         return EmbedError(Failure.REJECTED, rejection.message, rejection.retry_after_ms)
 
     async def _wait(self, tag: int, pending: Pending, deadline: float, expected: float) -> None:
@@ -389,6 +393,11 @@ class EmbedService:
         self, call: EmbedCall, chunks: Chunks, pending: Pending, tokenize_s: float, arrival: float, done: float
     ) -> EmbedResult:
         queue_s = max(0.0, pending.last_start - arrival - tokenize_s)
+        self._metrics.stages(tokenize_s, queue_s, pending.inference_s)
+        log.debug(
+            "answered: %d items; tokenize %.1f ms, queue %.1f ms, compute %.1f ms, total %.1f ms",
+            *(call.count, 1000 * tokenize_s, 1000 * queue_s, 1000 * pending.inference_s, 1000 * (done - arrival)),
+        )
         vectors = postprocess(chunks.combine(pending.embeddings), call.dimensions, call.normalize)
         return EmbedResult(
             embeddings=encode(vectors, call.encoding),
