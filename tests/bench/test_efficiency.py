@@ -90,9 +90,20 @@ def test_the_efficiency_figures_are_judged_at_32_callers_of_one_text() -> None:
 def test_a_gpu_host_is_projected_from_the_host_costs_per_call() -> None:
     def load(name: str, frontend_ms: float, loop_ms: float) -> dict[str, object]:
         return {"load": name, "cpu_ms_per_call_by_process": {"engine": 5.0, "frontend-0": frontend_ms},
-                "cpu_ms_per_call_by_thread": {"engine: MainThread": loop_ms, "engine: kembed-worker": 4.0}}  # fmt: skip
+                "cpu_ms_per_call_by_thread": {"engine: MainThread": loop_ms, "engine: kembed-worker": 4.0,
+                                              "frontend-0: MainThread": frontend_ms}}  # fmt: skip
 
     one, many = gpu_projection({"loads": [load("1x32", 1.0, 0.2), load("16x16", 2.0, 0.1)]}, 7, 46_000)
     assert (one["calls_per_s"], one["emb_per_s"], one["bound_by"]) == (5000, 5000, "engine loop")
     assert (many["calls_per_s"], many["emb_per_s"], many["bound_by"]) == (2875, 46_000, "device")
     assert many["limits_calls_per_s"]["front ends"] == 3500
+
+
+def test_what_a_thread_spends_idle_is_not_charged_to_calls() -> None:
+    """An engine loop at 0.01 cores idle: 0.8 ms of its 1.6 a call at 12.5 calls/s is the idle's."""
+    load = {"load": "16x16", "calls_per_s": 12.5, "idle_cores_by_thread": {"engine: MainThread": 0.01},
+            "cpu_ms_per_call_by_process": {"frontend-0": 2.0},
+            "cpu_ms_per_call_by_thread": {"engine: MainThread": 1.6, "frontend-0: MainThread": 2.0}}  # fmt: skip
+    (row,) = gpu_projection({"loads": [load]}, 7, 46_000)
+    assert row["engine_loop_ms_per_call"] == pytest.approx(0.8)
+    assert row["frontend_ms_per_call"] == pytest.approx(2.0)
