@@ -31,6 +31,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from bench import RESULTS_DIR, headline
+from bench.serving import efficiency_plot
 from bench.tools import loadgen, machine, workload
 from bench.tools.cpu_account import Accounted, CpuSnapshot, Proc, account, sample_stages, server_processes
 from bench.tools.loadgen import OK, CallRecord
@@ -254,6 +255,7 @@ def main() -> None:
     models = [run_model(name, opts, wl.texts) for name in opts.models]
     result = {"options": {**opts.__dict__, "loads": [load.name for load in opts.loads]}, "models": models}
     machine.write_judged(opts.name, result, headline.efficiency_ratios(result), wl.describe())
+    efficiency_plot.plot(result, RESULTS_DIR / f"{opts.name}.png")
 
 
 if __name__ == "__main__":

@@ -12,6 +12,7 @@ from safetensors import safe_open
 
 from bench.headline import efficiency_ratios, gpu_projection
 from bench.serving.efficiency import Load
+from bench.serving.efficiency_plot import parts
 from bench.tools.cpu_account import CpuSnapshot, Proc, ProcCpu, ThreadSamples, account, stage_of
 from bench.tools.standin import model_settings, standin_model
 
@@ -107,3 +108,15 @@ def test_what_a_thread_spends_idle_is_not_charged_to_calls() -> None:
     (row,) = gpu_projection({"loads": [load]}, 7, 46_000)
     assert row["engine_loop_ms_per_call"] == pytest.approx(0.8)
     assert row["frontend_ms_per_call"] == pytest.approx(2.0)
+
+
+def test_the_plot_splits_a_served_embedding_into_parts_that_add_up() -> None:
+    """16-text calls, one refused of two: the parts are per embedding served, and add to its CPU."""
+    load = {"load": "16x2", "server_cpu_ms_per_emb": 12.0,
+            "cpu_ms_per_call_by_process": {"engine": 90.0, "frontend-0": 5.0, "frontend-1": 1.0},
+            "cpu_ms_per_call_by_stage": {"forward": 80.0, "pooling": 2.0, "worker hand-off": 4.0}}  # fmt: skip
+    split = parts(load)
+    assert sum(split.values()) == pytest.approx(12.0)
+    assert split["forward and pooling"] == pytest.approx(82 / 96 * 12)
+    assert split["engine loop"] == pytest.approx(4 / 96 * 12)
+    assert split["front end"] == pytest.approx(6 / 96 * 12)
