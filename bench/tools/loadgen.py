@@ -22,6 +22,7 @@ from collections.abc import AsyncIterator, Callable, Coroutine, Sequence
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import dataclass
 from multiprocessing.synchronize import Barrier
+from pathlib import Path
 from typing import Any, TypeVar, cast
 
 import grpc
@@ -225,6 +226,19 @@ def _join(barrier: Barrier, nice: int) -> None:
     global _barrier
     _barrier = barrier
     os.nice(nice)
+    if nice > 0:
+        _autogroup_below(nice)
+
+
+def _autogroup_below(nice: int) -> None:
+    """This process in a scheduling group of its own at ``nice``, where the kernel groups by session
+    (``/proc/sys/kernel/sched_autogroup_enabled``): there a niceness weighs only within a session,
+    and a busy load generator would take as much CPU as the server's session, niced or not."""
+    try:
+        os.setsid()
+        Path("/proc/self/autogroup").write_text(str(nice))
+    except OSError:  # no autogroups (the niceness alone counts), or a session leader already
+        pass
 
 
 async def all_processes_ready() -> None:

@@ -12,6 +12,7 @@ from safetensors import safe_open
 
 from bench.headline import efficiency_ratios, gpu_projection
 from bench.serving.efficiency import Load
+from bench.serving.efficiency_plot import parts
 from bench.tools.cpu_account import CpuSnapshot, Proc, ProcCpu, ThreadSamples, account, stage_of
 from bench.tools.standin import model_settings, standin_model
 
@@ -90,9 +91,32 @@ def test_the_efficiency_figures_are_judged_at_32_callers_of_one_text() -> None:
 def test_a_gpu_host_is_projected_from_the_host_costs_per_call() -> None:
     def load(name: str, frontend_ms: float, loop_ms: float) -> dict[str, object]:
         return {"load": name, "cpu_ms_per_call_by_process": {"engine": 5.0, "frontend-0": frontend_ms},
-                "cpu_ms_per_call_by_thread": {"engine: MainThread": loop_ms, "engine: kembed-worker": 4.0}}  # fmt: skip
+                "cpu_ms_per_call_by_thread": {"engine: MainThread": loop_ms, "engine: kembed-worker": 4.0,
+                                              "frontend-0: MainThread": frontend_ms}}  # fmt: skip
 
     one, many = gpu_projection({"loads": [load("1x32", 1.0, 0.2), load("16x16", 2.0, 0.1)]}, 7, 46_000)
     assert (one["calls_per_s"], one["emb_per_s"], one["bound_by"]) == (5000, 5000, "engine loop")
     assert (many["calls_per_s"], many["emb_per_s"], many["bound_by"]) == (2875, 46_000, "device")
     assert many["limits_calls_per_s"]["front ends"] == 3500
+
+
+def test_what_a_thread_spends_idle_is_not_charged_to_calls() -> None:
+    """An engine loop at 0.01 cores idle: 0.8 ms of its 1.6 a call at 12.5 calls/s is the idle's."""
+    load = {"load": "16x16", "calls_per_s": 12.5, "idle_cores_by_thread": {"engine: MainThread": 0.01},
+            "cpu_ms_per_call_by_process": {"frontend-0": 2.0},
+            "cpu_ms_per_call_by_thread": {"engine: MainThread": 1.6, "frontend-0: MainThread": 2.0}}  # fmt: skip
+    (row,) = gpu_projection({"loads": [load]}, 7, 46_000)
+    assert row["engine_loop_ms_per_call"] == pytest.approx(0.8)
+    assert row["frontend_ms_per_call"] == pytest.approx(2.0)
+
+
+def test_the_plot_splits_a_served_embedding_into_parts_that_add_up() -> None:
+    """16-text calls, one refused of two: the parts are per embedding served, and add to its CPU."""
+    load = {"load": "16x2", "server_cpu_ms_per_emb": 12.0,
+            "cpu_ms_per_call_by_process": {"engine": 90.0, "frontend-0": 5.0, "frontend-1": 1.0},
+            "cpu_ms_per_call_by_stage": {"forward": 80.0, "pooling": 2.0, "worker hand-off": 4.0}}  # fmt: skip
+    split = parts(load)
+    assert sum(split.values()) == pytest.approx(12.0)
+    assert split["forward and pooling"] == pytest.approx(82 / 96 * 12)
+    assert split["engine loop"] == pytest.approx(4 / 96 * 12)
+    assert split["front end"] == pytest.approx(6 / 96 * 12)
