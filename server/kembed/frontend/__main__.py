@@ -12,6 +12,7 @@ from pathlib import Path
 from kembed.config.settings import Settings
 from kembed.config.values import ConfigError
 from kembed.contract import EXIT_CONFIG
+from kembed.frontend import tracing
 from kembed.frontend.process import FrontendProcess
 from kembed.plumbing import request_log
 
@@ -32,6 +33,11 @@ def main(argv: list[str] | None = None) -> int:
         print(f"kembed front end: configuration error: {error}", file=sys.stderr)
         return EXIT_CONFIG
     request_log.configure(settings.log_level, f"frontend-{args.index}")
+    try:
+        tracing.start()
+    except tracing.TracingUnavailable as error:
+        print(f"kembed front end: configuration error: {error}", file=sys.stderr)
+        return EXIT_CONFIG
     return asyncio.run(_serve(settings, args.runtime, args.index))
 
 

@@ -38,6 +38,7 @@ from grpc_reflection.v1alpha import reflection
 from kembed.config.settings import Settings
 from kembed.contract import GRPC_SERVICE, REQUEST_ID_KEY, RETRY_PUSHBACK_KEY
 from kembed.domain.errors import EmbedError, Failure
+from kembed.frontend import tracing
 from kembed.frontend.auth import KeyCheck
 from kembed.frontend.budget import MemoryBudget, grpc_calls
 from kembed.frontend.call import EmbedResult, Limits
@@ -212,6 +213,7 @@ class EmbedderServicer(pb_grpc.EmbedderServicer):
             raise self._gone()
         context.set_trailing_metadata((named, *outcome.timing_headers()))
         self._count(grpc.StatusCode.OK)
+        tracing.record("Embed", lambda: dict(context.invocation_metadata() or ()), outcome)
         return response(outcome)
 
     async def _unary(self, context: grpc.aio.ServicerContext, unnamed: bool) -> EmbedResult | Failed:

@@ -54,7 +54,7 @@ from kembed.config.settings import Settings
 from kembed.contract import OPENAI_RETRY_COUNT_HEADER, REQUEST_ID_KEY, RETRY_ATTEMPT_KEY
 from kembed.domain.errors import EmbedError, Failure
 from kembed.domain.prompts import ModelPrompts
-from kembed.frontend import auth, json_body, openai_api, openapi
+from kembed.frontend import auth, json_body, openai_api, openapi, tracing
 from kembed.frontend.budget import BODY_SHARE, BODY_WEIGHT, ClientShares, MemoryBudget, Reservation
 from kembed.frontend.call import EmbedCall, Limits
 from kembed.frontend.connections import Connections
@@ -309,6 +309,7 @@ class RestEdge:
         reservation.grow(parsed.call.count * dimensions * ANSWER_BYTES_PER_VALUE[parsed.encoding] + ANSWER_ENVELOPE)
         embedding = self._service().embed(_with_attempt(parsed.call, request))
         result = await self._paced(request, parsed, reservation, embedding)
+        tracing.record("POST " + EMBEDDINGS_PATH, lambda: request.headers, result)
         return openai_api.answer(parsed, result), result.timing_headers()
 
     async def _tokenize(
