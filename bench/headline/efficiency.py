@@ -65,12 +65,11 @@ def gpu_projection(
     """Per load, the calls/s and emb/s a GPU host would serve from this run's host costs at this
     CPU's speed: each front end's CPU per call (all front ends' processes, one core each), the
     engine's event loop's (its main thread, one core), and the device's rate: the least of the three.
-    What a thread spends idle (``idle_cores_by_thread``: timers, heartbeats) does not grow with calls
-    and is taken off. The lanes' compute is the CPU's and is left out: on a GPU host the device computes."""
+    The lanes' compute is the CPU's and is left out: on a GPU host the device computes."""
     rows = []
     for load in model["loads"]:
         texts = int(load["load"].split("x")[0])
-        per_call = _above_idle(load)
+        per_call = load["cpu_ms_per_call_by_thread"]
         frontend_ms = sum(ms for thread, ms in per_call.items() if thread.startswith("frontend"))
         loop_ms = per_call.get("engine: MainThread", float("nan"))
         limits = {
@@ -84,13 +83,3 @@ def gpu_projection(
                      "calls_per_s": calls, "emb_per_s": calls * texts, "bound_by": bound,
                      "limits_calls_per_s": limits})  # fmt: skip
     return rows
-
-
-def _above_idle(load: dict[str, Any]) -> dict[str, float]:
-    """Each thread's CPU per call, less what it spends idle over the same time."""
-    idle = load.get("idle_cores_by_thread", {})
-    calls_per_s = load.get("calls_per_s", 0.0)
-    return {
-        thread: ms - (1000 * idle.get(thread, 0.0) / calls_per_s if calls_per_s else 0.0)
-        for thread, ms in load["cpu_ms_per_call_by_thread"].items()
-    }

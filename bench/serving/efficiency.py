@@ -46,9 +46,6 @@ DEADLINE_S = 30.0
 # Ready and its forward chosen for good: the compile beside serving waits up to 5 minutes for spare
 # CPU on a busy machine, then compiles.
 START_TIMEOUT_S = 900.0
-# The server idle this long before its loads: each thread's CPU that does not scale with calls
-# (timers, heartbeats, the board), taken off its per-call figure in the GPU projection.
-IDLE_S = 5.0
 
 
 @dataclass(frozen=True)
@@ -185,10 +182,8 @@ def run_model(name: str, opts: Options, texts: list[str]) -> dict[str, Any]:
     with running(settings, log, start_timeout=START_TIMEOUT_S) as server:
         served = server.served()
         procs = server_processes(server.pid)
-        idle = idle_cores(procs)
         for load in opts.loads:
             figures = measure_load(server, procs, load, texts, opts)
-            figures["idle_cores_by_thread"] = idle
             figures["cpu_over_own"] = figures["server_cpu_ms_per_emb"] / own["own"]["cpu_ms_per_emb"]
             figures["emb_per_s_over_st_encode"] = figures["emb_per_s"]["median"] / own["st_encode"]["emb_per_s"]
             print(f"  {load.name}: {figures['emb_per_s']['median']:.0f} emb/s, "
@@ -205,14 +200,6 @@ def run_model(name: str, opts: Options, texts: list[str]) -> dict[str, Any]:
     print(f"  refusals: {refusals['frontend_over_served_call']:.2f}x a served {loads[0]['load']} call's front-end CPU")
     return {"model": name, "own": own, "served": served, "settings": settings, "loads": loads, "refusals": refusals,
             "gpu_projection": projection}  # fmt: skip
-
-
-def idle_cores(procs: list[Proc]) -> dict[str, float]:
-    """Each server thread's cores while no call comes (``role: thread``, as ``_figures`` names them)."""
-    before = CpuSnapshot.take(procs)
-    time.sleep(IDLE_S)
-    accounted = account(procs, before, CpuSnapshot.take(procs), {})
-    return {f"{role}: {name}": s / IDLE_S for role, a in accounted.items() for name, s in a.threads.items()}
 
 
 def measure_refusals(settings: dict[str, str], name: str, opts: Options, texts: list[str]) -> dict[str, Any]:
@@ -255,7 +242,7 @@ def main() -> None:
     models = [run_model(name, opts, wl.texts) for name in opts.models]
     result = {"options": {**opts.__dict__, "loads": [load.name for load in opts.loads]}, "models": models}
     machine.write_judged(opts.name, result, headline.efficiency_ratios(result), wl.describe())
-    efficiency_plot.plot(result, RESULTS_DIR / f"{opts.name}.png")
+    efficiency_plot.plot({"machine": machine.describe(), **result}, RESULTS_DIR / f"{opts.name}.png")
 
 
 if __name__ == "__main__":

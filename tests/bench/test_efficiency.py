@@ -100,16 +100,6 @@ def test_a_gpu_host_is_projected_from_the_host_costs_per_call() -> None:
     assert many["limits_calls_per_s"]["front ends"] == 3500
 
 
-def test_what_a_thread_spends_idle_is_not_charged_to_calls() -> None:
-    """An engine loop at 0.01 cores idle: 0.8 ms of its 1.6 a call at 12.5 calls/s is the idle's."""
-    load = {"load": "16x16", "calls_per_s": 12.5, "idle_cores_by_thread": {"engine: MainThread": 0.01},
-            "cpu_ms_per_call_by_process": {"frontend-0": 2.0},
-            "cpu_ms_per_call_by_thread": {"engine: MainThread": 1.6, "frontend-0: MainThread": 2.0}}  # fmt: skip
-    (row,) = gpu_projection({"loads": [load]}, 7, 46_000)
-    assert row["engine_loop_ms_per_call"] == pytest.approx(0.8)
-    assert row["frontend_ms_per_call"] == pytest.approx(2.0)
-
-
 def test_the_plot_splits_a_served_embedding_into_parts_that_add_up() -> None:
     """16-text calls, one refused of two: the parts are per embedding served, and add to its CPU."""
     load = {"load": "16x2", "server_cpu_ms_per_emb": 12.0,
