@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from kembed import listen
 from kembed.contract import ANY_ADDRESS
+from kembed.plumbing import listen
 from tests.conftest import DEFAULT_PORTS
 
 

@@ -37,7 +37,7 @@ import torch
 
 from bench.compute import ceiling, inprocess
 from bench.tools import machine, workload
-from kembed.config import Graphs
+from kembed.config.values import Graphs
 from kembed.engine.graphs import CompileCount
 
 MODELS = {"all-MiniLM-L6-v2": "", "bert-base-random": "bert-base-random"}
@@ -47,7 +47,7 @@ START_TIMEOUT_S = 900
 
 def start_once(model_dir: str, graphs: str, cache_dir: str) -> dict[str, Any]:
     """Load and warm up as the server does, in this process; what a start-up took and left."""
-    from kembed.config import Settings
+    from kembed.config.settings import Settings
     from kembed.engine.model import EmbeddingModel
     from kembed.engine.warmup import start_runner
 

@@ -51,7 +51,7 @@ def bundled_model_dir() -> Path:
 
 def load(overrides: Mapping[str, str]) -> InProcessModel:
     """Load as the server would with these settings (names without ``KEMBED_``; unset = default)."""
-    from kembed.config import Settings
+    from kembed.config.settings import Settings
     from kembed.engine import compile_cache, cpu, precision
     from kembed.engine.model import EmbeddingModel
     from kembed.engine.runner import make_plan

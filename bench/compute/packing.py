@@ -34,7 +34,7 @@ from bench.tools import machine, workload
 from kembed.engine.batcher import Batcher, BatchPolicy
 from kembed.engine.buckets import BucketQueue
 from kembed.engine.units import Batch, Chunk, Job
-from kembed.shapes import BatchShapes, clip_buckets
+from kembed.policy.shapes import BatchShapes, clip_buckets
 
 MAX_TOKENS = 256  # the model's limit: longer texts are truncated
 TUNED_BUCKETS = (16, 24, 32, 48, 64, 96, 128, 192, 256)  # bench.run_all's ladder

@@ -33,7 +33,7 @@ from typing import Any
 import numpy as np
 
 from bench.tools.machine import write_result
-from kembed.protocol import LinkClosed, Result, Work, receive, send
+from kembed.ipc.protocol import LinkClosed, Result, Work, join_request_ids, receive, send
 
 DIMENSIONS = 384
 TOKENS = 12
@@ -53,6 +53,7 @@ def _work(requests: int) -> Work:
         latencies=np.empty(0, dtype="<f8"),
         sample_priorities=np.empty(0, dtype="u1"),
         sample_refused=np.empty(0, dtype="u1"),
+        request_ids=join_request_ids([""] * requests),
     )
 
 

@@ -22,7 +22,8 @@ from typing import Any
 import torch
 
 from kembed.__main__ import serve
-from kembed.config import ConfigError, Settings
+from kembed.config.settings import Settings
+from kembed.config.values import ConfigError
 from kembed.engine.model import EmbeddingModel
 
 LOADER = "bench.fleet.device:ModeledModel.load"

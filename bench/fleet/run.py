@@ -53,7 +53,7 @@ from bench.fleet.policies import (
 from bench.fleet.record import per_second, rounded
 from bench.fleet.traffic import Balancer, Connected, arrivals, offer, requests
 from bench.tools.machine import read_result, write_result
-from kembed.config import Settings
+from kembed.config.settings import Settings
 from kembed_operator import render
 
 COMPRESSION = 5.0  # Kubernetes' periods (sync, stabilisation, policies, probes) divided by this

@@ -41,7 +41,7 @@ from bench import RESULTS_DIR, headline
 from bench.tools import machine
 from bench.tools.report import latency_summary, ratio_table
 from bench.tools.server import Server, running
-from kembed.config import Settings
+from kembed.config.settings import Settings
 from kembed.v1 import embedder_pb2, embedder_pb2_grpc
 
 ZERO_COST = "bench.tools.zero_cost"

@@ -67,7 +67,7 @@ from bench.serving.attackers import (
 from bench.tools import machine
 from bench.tools.report import metric_sum
 from bench.tools.server import HOST, Server, running
-from kembed.config import Settings
+from kembed.config.settings import Settings
 from kembed.contract import Metric
 from kembed.v1 import embedder_pb2 as pb
 from kembed.v1 import embedder_pb2_grpc as pb_grpc

@@ -59,9 +59,9 @@ from bench.tools.server import Server, running
 from kembed.client import EmbedClient
 from kembed.client.corpus.parts import growing_path, manifest_path, part_path
 from kembed.client.corpus.reader import Shard
-from kembed.config import Settings
+from kembed.config.settings import Settings
 from kembed.contract import PRIORITY_LABEL, Metric
-from kembed.priority import Priority
+from kembed.policy.priority import Priority
 
 ROWS = Metric.BATCH_SIZE + "_sum"  # rows the server computed
 LINES_MARGIN = 2.0  # corpus lines over what saturation's best window computes in a load: shards outlast it

@@ -48,8 +48,8 @@ from bench.tools import loadgen, machine, workload
 from bench.tools.loadgen import OK, CallRecord
 from bench.tools.report import metric_sum
 from bench.tools.server import HOST, Server, is_ready, running
-from kembed import listen
 from kembed.contract import GRPC_SERVICE, Metric
+from kembed.plumbing import listen
 
 PARTS = ("gauge", "new_pod")
 # gRPC's own retry policy (gRFC A6), as a client's channel sets it: a refused call is sent again

@@ -46,9 +46,9 @@ from bench.tools import loadgen, machine, workload
 from bench.tools.loadgen import OK, CallRecord
 from bench.tools.report import latency_summary, metric_delta, metric_sum
 from bench.tools.server import Server, running
-from kembed.config import Settings
+from kembed.config.settings import Settings
 from kembed.contract import HEALTH_PATH, Metric
-from kembed.priority import Priority
+from kembed.policy.priority import Priority
 from kembed.v1 import embedder_pb2
 
 PARTS = ("lockout", "poison")

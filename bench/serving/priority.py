@@ -41,9 +41,9 @@ from bench.tools.loadgen import OK, CallRecord
 from bench.tools.report import Samples, Spread, latency_summary, metric_delta, window_rates
 from bench.tools.server import Server, running
 from bench.tools.standin import model_settings
-from kembed.config import Settings
+from kembed.config.settings import Settings
 from kembed.contract import PRIORITY_LABEL, Metric
-from kembed.priority import Priority
+from kembed.policy.priority import Priority
 from kembed.v1 import embedder_pb2
 
 SHORT_TOKENS = 16  # a query: the workload's shortest class

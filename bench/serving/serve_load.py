@@ -37,7 +37,7 @@ from bench.tools.report import (
     worker_figures,
 )
 from bench.tools.server import Server, running
-from kembed.config import Settings
+from kembed.config.settings import Settings
 from kembed.contract import Metric, env_name
 from kembed.v1 import embedder_pb2
 

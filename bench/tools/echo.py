@@ -25,8 +25,8 @@ from pathlib import Path
 
 import grpc
 
-from kembed import listen
 from kembed.contract import GRPC_SERVICE
+from kembed.plumbing import listen
 from kembed.v1 import embedder_pb2
 
 HOST = "127.0.0.1"

@@ -28,8 +28,8 @@ import grpc
 from google.protobuf.json_format import MessageToDict
 
 from bench.tools.report import Samples, parse_prometheus
-from kembed import listen
 from kembed.contract import COMPILING, HEALTH_PATH, METRICS_PATH, READYZ_PATH, env_name
+from kembed.plumbing import listen
 from kembed.v1 import embedder_pb2, embedder_pb2_grpc
 
 HOST = "127.0.0.1"

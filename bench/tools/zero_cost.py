@@ -14,7 +14,8 @@ import sys
 import torch
 
 from kembed.__main__ import serve
-from kembed.config import ConfigError, Settings
+from kembed.config.settings import Settings
+from kembed.config.values import ConfigError
 from kembed.engine.model import EmbeddingModel
 
 LOADER = "bench.tools.zero_cost:ZeroCostModel.load"

@@ -1,7 +1,7 @@
 """The operator's own configuration, from ``KEMBED_OPERATOR_*`` environment variables (set by the chart).
 
-Read like the server's settings (:func:`kembed.config.read_env`): an unknown ``KEMBED_OPERATOR_*``
-name or a bad value stops start-up with :class:`~kembed.config.ConfigError` naming the variable.
+Read like the server's settings (:func:`kembed.config.env.read_env`): an unknown ``KEMBED_OPERATOR_*``
+name or a bad value stops start-up with :class:`~kembed.config.values.ConfigError` naming the variable.
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from urllib.parse import urlsplit
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator
 
-from kembed.config import read_env
+from kembed.config.env import read_env
 from kembed.contract import OPERATOR_ENV_PREFIX
 from kembed_operator.spec import REPLICAS_CEILING
 

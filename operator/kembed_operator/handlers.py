@@ -29,7 +29,7 @@ from typing import Any
 
 import kopf
 
-from kembed.config import ConfigError
+from kembed.config.values import ConfigError
 from kembed_operator import audit, identity, job_render, job_status, kinds, kube
 from kembed_operator.config import OperatorConfig
 from kembed_operator.job_reconcile import reconcile_job

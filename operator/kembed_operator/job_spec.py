@@ -11,7 +11,7 @@ from typing import Any, Literal
 
 from pydantic import Field, model_validator
 
-from kembed.prompts import MAX_PROMPT_CHARS
+from kembed.domain.prompts import MAX_PROMPT_CHARS
 from kembed_operator.spec import PodOptions, PromptName, Quantity, RelativePath, SpecModel, parse
 
 # Part names carry the index in five digits (`emb.part-00003-of-00016.npy`), and the operator keeps

@@ -25,7 +25,7 @@ from typing import Any
 
 import yaml
 
-from kembed.config import ConfigError
+from kembed.config.values import ConfigError
 from kembed_operator import access, job_render, kinds, render
 from kembed_operator.config import UNPUBLISHED_IMAGE, OperatorConfig
 from kembed_operator.job_spec import parse_job_spec

@@ -3,7 +3,7 @@
 Every child is named after its EmbeddingService, labelled so the operator can watch it, and owned
 through a controller ownerReference so Kubernetes deletes it with its owner. The server's ports,
 probe paths, metric names and variable names come from :mod:`kembed.contract`; the variables the
-operator renders come from one value of the server's own :class:`kembed.config.Settings`, built from
+operator renders come from one value of the server's own :class:`kembed.config.settings.Settings`, built from
 the spec, so a spec the server would refuse to start with is rejected here, as a condition, instead
 of as a crash loop.
 """
@@ -19,7 +19,8 @@ from typing import Any
 
 from kubernetes.utils.quantity import parse_quantity
 
-from kembed.config import ConfigError, Settings
+from kembed.config.settings import Settings
+from kembed.config.values import ConfigError
 from kembed.contract import (
     ANY_ADDRESS,
     ENV_PREFIX,

@@ -26,8 +26,8 @@ from pydantic import (
 )
 from pydantic.alias_generators import to_camel
 
-from kembed.config import Admission, Batching, Dtype, Pooling
-from kembed.prompts import NAME_PATTERN as PROMPT_NAME_PATTERN
+from kembed.config.values import Admission, Batching, Dtype, Pooling
+from kembed.domain.prompts import NAME_PATTERN as PROMPT_NAME_PATTERN
 
 
 class InvalidSpec(ValueError):
@@ -92,7 +92,7 @@ HubId = Annotated[
     matching(HUB_ID_PATTERN, "a hub id: NAME or OWNER/NAME, of letters, digits and _ joined by single . or -"),
     Field(min_length=1, max_length=HUB_ID_MAX_LENGTH, json_schema_extra={"pattern": HUB_ID_PATTERN}),
 ]
-# One of a model's prompts, by name (kembed.prompts: the server's own rule for a name).
+# One of a model's prompts, by name (kembed.domain.prompts: the server's own rule for a name).
 PromptName = Annotated[
     str,
     matching(PROMPT_NAME_PATTERN, "a prompt name: a letter or digit, then up to 62 letters, digits, _, . or -"),

@@ -22,8 +22,9 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
-from kembed.config import Graphs, Settings
-from kembed.shapes import BatchShapes, batch_tokens, compiles
+from kembed.config.settings import Settings
+from kembed.config.values import Graphs
+from kembed.policy.shapes import BatchShapes, batch_tokens, compiles
 
 
 @dataclass(frozen=True)
@@ -41,7 +42,7 @@ STATIC = WarmupCost(once_s=0.0, per_shape_s=174 / 35)
 # calls and one capture, milliseconds each, plus first-call allocations and autotuning: 1 s.
 ASSUMED_CAPTURE = WarmupCost(once_s=60.0, per_shape_s=1.0)
 # Eager warmup runs the largest batch of each bucket twice, about 0.4 s each on two CPU cores
-# (kembed.shapes.AUTO_MAX_TOKENS' comment); on a CPU with bf16 units KEMBED_DTYPE=auto runs them in
+# (kembed.policy.shapes.AUTO_MAX_TOKENS' comment); on a CPU with bf16 units KEMBED_DTYPE=auto runs them in
 # fp32 and in bf16 (kembed.engine.precision): 2 s a bucket, rounded up.
 EAGER = WarmupCost(once_s=0.0, per_shape_s=2.0)
 # Model load and everything else before warmup, the larger of two H100 cold starts: ready 20 s

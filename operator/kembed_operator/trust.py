@@ -33,7 +33,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 from fnmatch import fnmatchcase
 
-from kembed.config import Settings
+from kembed.config.settings import Settings
 from kembed.contract import ENV_PREFIX, env_name
 from kembed_operator.config import OperatorConfig
 from kembed_operator.job_spec import EmbeddingJobSpec

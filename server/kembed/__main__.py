@@ -8,9 +8,11 @@ import logging
 import sys
 import textwrap
 
-from kembed import api_keys, tls
-from kembed.config import ConfigError, Settings, env_tables
+from kembed.config.settings import Settings
+from kembed.config.table import env_tables
+from kembed.config.values import ConfigError
 from kembed.contract import EXIT_CONFIG, EXIT_STARTUP_FAILED, env_name
+from kembed.plumbing import api_keys, tls
 from kembed.supervisor.process import Supervisor
 
 # What most runs set, shown by --help; every setting is in --env-table and docs/configuration.md.

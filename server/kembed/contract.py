@@ -14,7 +14,7 @@ REST_PORT: Final = 8080
 # KEMBED_REST_PORT's "any free port": its 0 turns REST off. A port of 0 elsewhere is any free port.
 REST_ANY_PORT: Final = -1
 # The bind address of every address of both families (IPv4 alone where the host has no IPv6): what
-# the operator's pods and the image listen on (kembed/listen.py).
+# the operator's pods and the image listen on (kembed/plumbing/listen.py).
 ANY_ADDRESS: Final = "::"
 
 LIVEZ_PATH: Final = "/livez"
@@ -44,11 +44,14 @@ GRPC_SERVICE: Final = "kembed.v1.Embedder"
 # gRPC trailing metadata key telling a rejected client when to retry (gRFC A6).
 RETRY_PUSHBACK_KEY: Final = "grpc-retry-pushback-ms"
 # Retry markers: a call that carries one with a value over 0 is a retry, and is not counted again
-# in the offered demand (kembed/demand.py). gRPC's own retry policy sends the first (gRFC A6), the
+# in the offered demand (kembed/policy/demand.py). gRPC's own retry policy sends the first (gRFC A6), the
 # openai SDKs the second, kembed's client the third (gRPC metadata; a REST call may send it too).
 GRPC_PREVIOUS_ATTEMPTS_KEY: Final = "grpc-previous-rpc-attempts"
 OPENAI_RETRY_COUNT_HEADER: Final = "x-stainless-retry-count"
 RETRY_ATTEMPT_KEY: Final = "kembed-retry-attempt"
+# A call's id in the server's log lines: the caller's (a REST header, gRPC metadata), else one made;
+# answered under the same key (REST: a header; gRPC: trailing metadata).
+REQUEST_ID_KEY: Final = "x-request-id"
 
 
 def env_name(setting: str) -> str:
@@ -67,6 +70,7 @@ class Metric:
     QUEUE_DRAIN_SECONDS: Final = "kembed_queue_drain_seconds"  # the whole backlog, every class
     LATENCY_P95_SECONDS: Final = "kembed_request_latency_p95_seconds"  # interactive requests
     REQUEST_DURATION_SECONDS: Final = "kembed_request_duration_seconds"  # {priority}
+    REQUEST_STAGE_SECONDS: Final = "kembed_request_stage_seconds"  # {stage}: tokenize, queue, compute
     QUEUED_TOKENS: Final = "kembed_queued_tokens"  # queued or in flight, every class
     WAITING_TOKENS: Final = "kembed_waiting_tokens"  # {priority}: queued, not yet in a batch
     WAITING_REQUESTS: Final = "kembed_waiting_requests"  # {priority}: none of their items started

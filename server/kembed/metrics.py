@@ -6,7 +6,7 @@ ends count requests, their latency and their pre-screen rejections; the engine c
 rejections and its batches, and says which dtype and which forward it serves with, and why. The supervisor serves
 ``/metrics``: those files, merged, plus gauges of the present (offered demand, drain time, P95,
 backlog, rate, by class where it differs) read off the engine's board at scrape time, so they are
-never stale; the demand sums every front end's cells (:mod:`kembed.demand`).
+never stale; the demand sums every front end's cells (:mod:`kembed.policy.demand`).
 
 The autoscaling signals keep their names and say which class they count: the drain time is the
 whole backlog's (every class), the P95 the interactive requests'. Per class, under the
@@ -26,10 +26,10 @@ from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.multiprocess import MultiProcessCollector
 from prometheus_client.registry import Collector
 
-from kembed import demand
-from kembed.board import Board, Cell, ClassCell, FrontendCell
 from kembed.contract import PRIORITY_LABEL, Metric
-from kembed.priority import Priority
+from kembed.ipc.board import Board, Cell, ClassCell, FrontendCell
+from kembed.policy import demand
+from kembed.policy.priority import Priority
 
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60)
 BATCH_SIZE_BUCKETS = tuple(float(1 << i) for i in range(13))
@@ -54,6 +54,14 @@ class FrontendMetrics:
         )
         # A labelled child is looked up under a lock: once per class here, not once per request.
         self.request_durations = {p: self.request_duration.labels(priority=p.label) for p in Priority}
+        stage = Histogram(
+            Metric.REQUEST_STAGE_SECONDS,
+            "Where answered requests spent their time: tokenizing, queued, computing (the total is the duration)",
+            ["stage"],
+            registry=r,
+            buckets=LATENCY_BUCKETS,
+        )
+        self._stages = tuple(stage.labels(stage=name) for name in ("tokenize", "queue", "compute"))
         self.requests = Counter(
             Metric.REQUESTS,
             "Answers by API (grpc, rest) and its status code (gRPC's name, HTTP's number)",
@@ -95,6 +103,11 @@ class FrontendMetrics:
         if child is None:
             child = self._answers[api, code] = self.requests.labels(api=api, code=code)
         child.inc()
+
+    def stages(self, tokenize_s: float, queue_s: float, compute_s: float) -> None:
+        """An answered request's time in each stage."""
+        for child, seconds in zip(self._stages, (tokenize_s, queue_s, compute_s), strict=True):
+            child.observe(seconds)
 
 
 def _choice(registry: CollectorRegistry, name: str, label: str, what: str) -> Gauge:

@@ -9,10 +9,10 @@ import pytest
 
 from bench import headline
 from bench.serving import abuse
-from kembed.config import Settings
-from kembed.errors import InvalidInput
+from kembed.config.settings import Settings
+from kembed.domain.errors import InvalidInput
 from kembed.frontend.call import Limits
-from kembed.frontend.openai_api import Body
+from kembed.frontend.json_body import Body
 from kembed.frontend.rest import READ_CHUNK
 
 

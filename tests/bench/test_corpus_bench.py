@@ -21,7 +21,7 @@ from kembed.client.corpus.command import parser
 from kembed.client.corpus.parts import part_path, write_manifest
 from kembed.client.corpus.reader import Shard
 from kembed.contract import Metric
-from kembed.priority import Priority
+from kembed.policy.priority import Priority
 
 LOAD = priority.Options(
     concurrency=4, texts=2, share=0.1, starve_concurrency=0, duration=6, warmup=2, windows=2, timeout=10, name="x"

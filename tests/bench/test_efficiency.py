@@ -39,7 +39,7 @@ def test_a_benchs_model_setting_names_the_bundled_model_the_standin_or_a_folder(
 
 def test_a_sample_is_the_stage_of_its_innermost_kembed_frame() -> None:
     tokenizing = [("asyncio/events.py", "Handle._run"), (SERVICE, "EmbedService._serve"),
-                  ("/x/kembed/inputs.py", "Tokenizer.from_texts"), ("tokenizers/x.py", "encode")]  # fmt: skip
+                  ("/x/kembed/domain/inputs.py", "Tokenizer.from_texts"), ("tokenizers/x.py", "encode")]  # fmt: skip
     assert stage_of(tokenizing, "runtime") == "tokenize"
     answering = [(SERVICE, "EmbedService._serve"), (SERVICE, "EmbedService._result")]
     assert stage_of(answering, "runtime") == "answer"

@@ -11,7 +11,7 @@ from aiohttp import web
 
 from bench.fleet import policies, run
 from bench.fleet.service import RETRY_COUNT_HEADER, ClusterIP, RestProcess, pick
-from kembed.config import Settings
+from kembed.config.settings import Settings
 from kembed.v1 import embedder_pb2
 
 

@@ -10,7 +10,7 @@ import torch
 
 from bench.compute import gpu
 from bench.tools import machine
-from kembed.config import Graphs
+from kembed.config.values import Graphs
 
 CUDA = torch.cuda.is_available()
 

@@ -12,7 +12,7 @@ import torch
 from bench.compute import ceiling, packing
 from bench.tools import workload
 from kembed.engine.batcher import BatchPolicy
-from kembed.shapes import BatchShapes, clip_buckets
+from kembed.policy.shapes import BatchShapes, clip_buckets
 
 SHAPES = BatchShapes.build(64, 2048, fixed=False)
 COST = packing.CostModel(tokens_per_s=12_200, overhead_tokens=74)

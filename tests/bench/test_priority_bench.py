@@ -15,7 +15,7 @@ from bench.tools import loadgen
 from bench.tools.loadgen import OK, CallRecord
 from bench.tools.report import Spread
 from bench.tools.server import echo_running
-from kembed.priority import Priority
+from kembed.policy.priority import Priority
 from kembed.v1 import embedder_pb2
 
 OPTS = priority.Options(

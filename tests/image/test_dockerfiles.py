@@ -23,7 +23,7 @@ import pytest
 import yaml
 
 from images import deps
-from kembed.config import Settings
+from kembed.config.settings import Settings
 from kembed.contract import GRPC_PORT, HTTP_PORT, LIVEZ_PATH, METRICS_PATH, REST_PORT
 from kembed_operator import kinds, render
 from kembed_operator.config import OperatorConfig

@@ -9,7 +9,7 @@ import jsonschema
 import kubernetes_validate
 import pytest
 
-from kembed.config import Settings
+from kembed.config.settings import Settings
 from kembed.contract import GRPC_PORT, HTTP_PORT, REST_PORT, env_name
 from kembed_operator import access, kinds, permissions, render
 from kembed_operator.config import OperatorConfig

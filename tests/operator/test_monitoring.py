@@ -19,8 +19,8 @@ import pytest
 import yaml
 from prometheus_client.metrics import MetricWrapperBase
 
-from kembed.board import Board
 from kembed.contract import Metric
+from kembed.ipc.board import Board
 from kembed.metrics import BoardGauges, EngineMetrics, FrontendMetrics
 from kembed_operator import monitoring
 from tests.operator.conftest import ROOT, render_chart

@@ -10,7 +10,7 @@ import kubernetes_validate
 import pytest
 from kubernetes.utils.quantity import parse_quantity
 
-from kembed.config import Settings
+from kembed.config.settings import Settings
 from kembed.contract import GRPC_PORT, HTTP_PORT, LIVEZ_PATH, METRICS_PATH, READYZ_PATH, REST_PORT, Metric, env_name
 from kembed_operator import identity, kinds, render
 from kembed_operator.config import OperatorConfig

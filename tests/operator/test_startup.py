@@ -7,7 +7,7 @@ from typing import Any
 
 import pytest
 
-from kembed.config import Settings
+from kembed.config.settings import Settings
 from kembed.contract import env_name
 from kembed_operator import render, startup
 from kembed_operator.spec import parse_spec

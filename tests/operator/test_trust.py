@@ -10,7 +10,7 @@ from typing import Any
 
 import pytest
 
-from kembed.config import ConfigError
+from kembed.config.values import ConfigError
 from kembed.contract import OPERATOR_ENV_PREFIX as PREFIX
 from kembed_operator import trust
 from kembed_operator.config import OperatorConfig

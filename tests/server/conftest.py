@@ -10,7 +10,7 @@ import grpc
 import pytest
 from transformers import AutoTokenizer, PreTrainedTokenizerBase
 
-from kembed.config import Settings
+from kembed.config.settings import Settings
 from kembed.engine.model import EmbeddingModel, resolve_model_path
 from kembed.v1 import embedder_pb2_grpc as pb_grpc
 from tests.server.serving import ServerProcess

@@ -18,7 +18,7 @@ from types import TracebackType
 import torch
 
 from kembed.__main__ import serve
-from kembed.config import Settings
+from kembed.config.settings import Settings
 from kembed.engine.model import EmbeddingModel
 
 HOLD_ENV = "HELD_FILE"

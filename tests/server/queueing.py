@@ -7,12 +7,12 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from kembed.domain.inputs import Sequences
 from kembed.engine.buckets import route
 from kembed.engine.units import Chunk, Job
-from kembed.inputs import Sequences
-from kembed.priority import Priority
-from kembed.protocol import Work
-from kembed.shapes import padded_lengths
+from kembed.ipc.protocol import Work, join_request_ids
+from kembed.policy.priority import Priority
+from kembed.policy.shapes import padded_lengths
 
 
 def chunks(owner: Job, sequences: Sequences, bucket_lengths: Sequence[int], now: float) -> list[tuple[int, Chunk]]:
@@ -47,4 +47,5 @@ def work(
         latencies=np.asarray(latencies, "<f8"),
         sample_priorities=np.zeros(len(latencies), "u1"),
         sample_refused=np.zeros(len(latencies), "u1"),
+        request_ids=join_request_ids([""] * len(tags)),
     )

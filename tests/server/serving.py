@@ -31,8 +31,8 @@ from typing import Any, ClassVar, Literal
 import grpc
 import pytest
 
-from kembed import listen
 from kembed.contract import env_name
+from kembed.plumbing import listen
 from kembed.v1 import embedder_pb2 as pb
 from kembed.v1 import embedder_pb2_grpc as pb_grpc
 from tests.server.held import HOLD_ENV, EngineHold

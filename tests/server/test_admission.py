@@ -5,20 +5,10 @@ import random
 import numpy as np
 import pytest
 
-from kembed.admission import (
-    INTERACTIVE_RESERVE,
-    MAX_LATENCY_SAMPLES,
-    MIN_LATENCY_SAMPLES,
-    P95_CACHE_S,
-    AdmissionController,
-    Backlog,
-    LatencyWindow,
-    MeasuredLoad,
-    Rejection,
-    lapsing,
-)
-from kembed.config import Settings
-from kembed.priority import Priority
+from kembed.config.settings import Settings
+from kembed.policy.admission import INTERACTIVE_RESERVE, AdmissionController, Backlog, Rejection, lapsing
+from kembed.policy.load import MAX_LATENCY_SAMPLES, MIN_LATENCY_SAMPLES, P95_CACHE_S, LatencyWindow, MeasuredLoad
+from kembed.policy.priority import Priority
 
 INTERACTIVE, BATCH = Priority
 

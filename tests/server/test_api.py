@@ -13,7 +13,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 
 from kembed.client import EmbedClient, decode
-from kembed.config import Settings
+from kembed.config.settings import Settings
 from kembed.contract import GRPC_SERVICE, Metric
 from kembed.engine.model import resolve_model_path
 from kembed.v1 import embedder_pb2 as pb

@@ -23,9 +23,10 @@ from grpc_reflection.v1alpha import reflection_pb2, reflection_pb2_grpc
 from langchain_openai import OpenAIEmbeddings
 from pydantic import SecretStr
 
-from kembed.api_keys import ApiKeys, read
-from kembed.config import ConfigError, Settings
+from kembed.config.settings import Settings
+from kembed.config.values import ConfigError
 from kembed.contract import EXIT_CONFIG
+from kembed.plumbing.api_keys import ApiKeys, read
 from kembed.v1 import embedder_pb2 as pb
 from kembed.v1 import embedder_pb2_grpc as pb_grpc
 from tests.server.serving import ServerProcess

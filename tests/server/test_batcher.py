@@ -9,11 +9,11 @@ from collections.abc import Callable
 import numpy as np
 import pytest
 
+from kembed.domain.inputs import Sequences
 from kembed.engine.batcher import Batcher, BatchPolicy, BatchShapes, choose_batch, next_stale_time, pack
 from kembed.engine.buckets import BucketQueue
 from kembed.engine.units import Batch, Job
-from kembed.inputs import Sequences
-from kembed.priority import Priority
+from kembed.policy.priority import Priority
 from tests.server.queueing import chunks
 
 LENGTHS = [16, 32, 64, 128]

@@ -3,11 +3,11 @@
 import numpy as np
 import pytest
 
+from kembed.domain.inputs import Sequences
 from kembed.engine.buckets import BucketQueue, route
 from kembed.engine.units import Job
-from kembed.inputs import Sequences
-from kembed.priority import Priority
-from kembed.shapes import FEW_ITEMS, clip_buckets, padded_lengths, padded_tokens
+from kembed.policy.priority import Priority
+from kembed.policy.shapes import FEW_ITEMS, clip_buckets, padded_lengths, padded_tokens
 from tests.server.queueing import chunks
 
 LENGTHS = [16, 32, 64]

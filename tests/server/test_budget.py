@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import pytest
 
-from kembed.errors import EmbedError
+from kembed.domain.errors import EmbedError
 from kembed.frontend.budget import ClientShares
 
 

@@ -17,6 +17,7 @@ import pytest
 
 from kembed.client.__main__ import main
 from kembed.client.corpus import CorpusError, FinalError, file_error
+from kembed.client.corpus.pacing import BACKOFF_S, MAX_BACKOFF_S, Pacing
 from kembed.client.corpus.parts import complete, growing_path, manifest_path, part_path, write_manifest
 from kembed.client.corpus.reader import (
     SKIP_CHUNK,
@@ -30,10 +31,7 @@ from kembed.client.corpus.reader import (
 )
 from kembed.client.corpus.run import Bar, Summary, keep_or_replace
 from kembed.client.corpus.stream import (
-    BACKOFF_S,
-    MAX_BACKOFF_S,
     InOrder,
-    Pacing,
     Request,
     RequestSize,
     Window,

@@ -135,7 +135,7 @@ def test_blank_lines_are_rows_of_zeros_counted_and_kept_on_resume(server: Server
 
 
 def test_lines_without_content_are_blank_lines(server: ServerProcess, tmp_path: Path):
-    """Whitespace or invisible characters alone are no text to the server (``kembed/texts.py``): such
+    """Whitespace or invisible characters alone are no text to the server (``kembed/domain/texts.py``): such
     a line is a blank line, its row zeros, never sent."""
     source = write_lines(tmp_path / "corpus.txt", ["alpha", " ", "\t\u200b", "\ufeff", "beta", "\x00"])
     output = tmp_path / "vectors.npy"

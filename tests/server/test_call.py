@@ -6,12 +6,12 @@ from __future__ import annotations
 import numpy as np
 import pytest
 
-from kembed.errors import Field, InvalidInput
+from kembed.domain.errors import Field, InvalidInput
+from kembed.domain.inputs import Sequences
+from kembed.domain.prompts import PromptChoice
 from kembed.frontend.budget import call_weight
 from kembed.frontend.call import EmbedCall, Limits, Texts
 from kembed.frontend.service import INLINE_PREPARE_LIMIT
-from kembed.inputs import Sequences
-from kembed.prompts import PromptChoice
 
 LIMITS = Limits(max_items=8, max_text_chars=500)
 

@@ -10,9 +10,9 @@ import numpy as np
 import pytest
 
 from kembed.client.requests import Limits, Options, plan
-from kembed.errors import Field, InvalidInput
+from kembed.domain.errors import Field, InvalidInput
+from kembed.domain.inputs import Sequences
 from kembed.frontend.chunks import Chunking
-from kembed.inputs import Sequences
 
 CHUNKING = Chunking(size=8, head=1, tail=1, max_chunks=4)  # six tokens of its own a chunk
 MOST_ITEMS = 64

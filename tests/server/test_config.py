@@ -6,7 +6,9 @@ from pathlib import Path
 import pytest
 
 from kembed.__main__ import main
-from kembed.config import Admission, ConfigError, Group, Settings, env_table, env_tables, group_of
+from kembed.config.settings import Settings
+from kembed.config.table import env_table, env_tables, group_of
+from kembed.config.values import Admission, ConfigError, Group
 from kembed.contract import env_name
 
 ROOT = Path(__file__).parents[2]
@@ -120,10 +122,10 @@ def test_other_unknown_variables_are_still_refused(typo: str):
 
 
 def test_frontends_auto_follows_the_cpus(monkeypatch: pytest.MonkeyPatch):
-    import kembed.config
+    import kembed.config.settings
 
     for cpus, expected in ((1, 1), (2, 1), (4, 1), (6, 2), (16, 7), (64, 8)):
-        monkeypatch.setattr(kembed.config, "available_cpus", lambda _request=0, cpus=cpus: float(cpus))
+        monkeypatch.setattr(kembed.config.settings, "available_cpus", lambda _request=0, cpus=cpus: float(cpus))
         assert Settings(frontends="auto").frontend_count() == expected
     assert Settings(frontends="3").frontend_count() == 3
     with pytest.raises(ConfigError, match="KEMBED_FRONTENDS"):
@@ -152,21 +154,21 @@ def test_available_cpus_is_the_least_of_affinity_quota_and_request(
     millicores: int,
     expected: float,
 ):
-    import kembed.config
+    import kembed.config.values
 
-    monkeypatch.setattr(kembed.config.os, "sched_getaffinity", lambda _pid: set(range(affinity)))
+    monkeypatch.setattr(kembed.config.values.os, "sched_getaffinity", lambda _pid: set(range(affinity)))
     path = tmp_path / "cpu.max"
     if cpu_max is not None:
         path.write_text(cpu_max + "\n")
-    assert kembed.config.available_cpus(millicores, path) == expected
+    assert kembed.config.values.available_cpus(millicores, path) == expected
 
 
 def test_frontends_auto_sizes_from_the_pods_cpu_request(monkeypatch: pytest.MonkeyPatch):
     """A pod that requested 4 CPUs on a 64-core node without a CPU limit: 1 front end, not 8."""
-    import kembed.config
+    import kembed.config.values
 
-    monkeypatch.setattr(kembed.config.os, "sched_getaffinity", lambda _pid: set(range(64)))
-    monkeypatch.setattr(kembed.config, "CGROUP_CPU_MAX", Path("/nonexistent/cpu.max"))
+    monkeypatch.setattr(kembed.config.values.os, "sched_getaffinity", lambda _pid: set(range(64)))
+    monkeypatch.setattr(kembed.config.values, "CGROUP_CPU_MAX", Path("/nonexistent/cpu.max"))
     assert Settings.from_env({}).frontend_count() == 8
     assert Settings.from_env({"KEMBED_CPU_REQUEST_MILLICORES": "4000"}).frontend_count() == 1
     assert Settings.from_env({"KEMBED_CPU_REQUEST_MILLICORES": "12000"}).frontend_count() == 5

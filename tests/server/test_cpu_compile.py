@@ -16,8 +16,10 @@ import numpy as np
 import pytest
 import torch
 
-from kembed.config import Graphs, Settings, Toggle
+from kembed.config.settings import Settings
+from kembed.config.values import Graphs, Toggle
 from kembed.contract import COMPILING
+from kembed.domain.inputs import Sequences
 from kembed.engine import compile_cache, cpu, cpu_compile, verdicts
 from kembed.engine.cpu_compile import COMPILED, EAGER, GRAPHS
 from kembed.engine.graphs import CompileCount
@@ -25,8 +27,7 @@ from kembed.engine.model import EmbeddingModel
 from kembed.engine.precision import MIN_COSINE, PROBE_TEXTS
 from kembed.engine.runner import ModelRunner
 from kembed.engine.warmup import compile_while_serving, min_cosine, start_runner
-from kembed.inputs import Sequences
-from kembed.shapes import Queueing
+from kembed.policy.shapes import Queueing
 from kembed.v1 import embedder_pb2 as pb
 from kembed.v1 import embedder_pb2_grpc as pb_grpc
 from tests.server.serving import ServerProcess, serving, wait_until

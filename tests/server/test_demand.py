@@ -1,4 +1,4 @@
-"""The offered demand (kembed/demand.py): its arithmetic on a fake clock, a modeled pod offered its
+"""The offered demand (kembed/policy/demand.py): its arithmetic on a fake clock, a modeled pod offered its
 capacity, and the screen counting each call once, summed over a pod's front ends as /metrics reads it."""
 
 from __future__ import annotations
@@ -11,14 +11,15 @@ from pathlib import Path
 
 import pytest
 
-from kembed.admission import MeasuredLoad, Rejection
-from kembed.board import Board, Cell
-from kembed.config import Settings
-from kembed.demand import Capacity, OfferedRate, decayed, ratio, retry_attempt
+from kembed.config.settings import Settings
 from kembed.frontend.outbox import InTransit
 from kembed.frontend.screen import Screen, Waits
+from kembed.ipc.board import Board, Cell
 from kembed.metrics import demand_ratio
-from kembed.priority import Priority
+from kembed.policy.admission import Rejection
+from kembed.policy.demand import Capacity, OfferedRate, decayed, ratio, retry_attempt
+from kembed.policy.load import MeasuredLoad
+from kembed.policy.priority import Priority
 
 RATE = 1000.0  # padded tokens a second the modeled pod serves
 TAU_S = Settings().demand_window_s

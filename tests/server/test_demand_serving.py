@@ -13,7 +13,7 @@ import grpc
 import numpy as np
 import pytest
 
-from kembed.config import Settings
+from kembed.config.settings import Settings
 from kembed.contract import OPENAI_RETRY_COUNT_HEADER, Metric
 from kembed.v1 import embedder_pb2 as pb
 from kembed.v1 import embedder_pb2_grpc as pb_grpc

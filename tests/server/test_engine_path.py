@@ -10,20 +10,19 @@ import random
 import numpy as np
 import pytest
 
-from kembed.admission import AdmissionController, Backlog, MeasuredLoad
-from kembed.config import Settings
+from kembed.config.settings import Settings
+from kembed.domain.errors import EmbedError, Failure
 from kembed.engine.batcher import Batcher, BatchPolicy, BatchShapes
 from kembed.engine.buckets import BucketQueue
 from kembed.engine.intake import Intake
 from kembed.engine.jobs import Jobs
 from kembed.engine.responder import Responder
-from kembed.engine.runner import Outcome
-from kembed.engine.units import Batch, Chunk, Job
-from kembed.engine.worker import Computed
-from kembed.errors import EmbedError, Failure
+from kembed.engine.units import Batch, Chunk, Computed, Job, Outcome
+from kembed.ipc.protocol import Result, Work
 from kembed.metrics import EngineMetrics
-from kembed.priority import Priority
-from kembed.protocol import Result, Work
+from kembed.policy.admission import AdmissionController, Backlog
+from kembed.policy.load import MeasuredLoad
+from kembed.policy.priority import Priority
 from tests.server.queueing import work
 
 LENGTHS = [16, 32]

@@ -21,7 +21,7 @@ import grpc
 import numpy as np
 import pytest
 
-from kembed.config import Settings
+from kembed.config.settings import Settings
 from kembed.v1 import embedder_pb2 as pb
 from kembed.v1 import embedder_pb2_grpc as pb_grpc
 from tests.server.serving import ServerProcess, server_fixture, wait_until

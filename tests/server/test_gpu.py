@@ -15,7 +15,8 @@ import numpy as np
 import pytest
 import torch
 
-from kembed.config import Graphs, Settings
+from kembed.config.settings import Settings
+from kembed.config.values import Graphs
 from kembed.engine.graphs import CompileCount, UnplannedShapeError
 from kembed.engine.model import EmbeddingModel
 from kembed.engine.runner import ModelRunner

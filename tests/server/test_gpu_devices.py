@@ -11,7 +11,8 @@ import numpy as np
 import pytest
 import torch
 
-from kembed.config import Graphs, Settings
+from kembed.config.settings import Settings
+from kembed.config.values import Graphs
 from kembed.engine import graphs
 from kembed.engine.model import EmbeddingModel
 from kembed.engine.warmup import start_runner, warmup_batch

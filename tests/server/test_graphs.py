@@ -10,7 +10,7 @@ from collections.abc import Iterator
 import pytest
 import torch
 
-from kembed.config import Graphs
+from kembed.config.values import Graphs
 from kembed.engine import graphs
 from kembed.engine.graphs import (
     CompileCount,

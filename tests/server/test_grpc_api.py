@@ -9,13 +9,13 @@ import tracemalloc
 import numpy as np
 import pytest
 
-from kembed.errors import EmbedError, Failure, Field, InvalidInput
+from kembed.domain.errors import EmbedError, Failure, Field, InvalidInput
+from kembed.domain.inputs import Sequences
 from kembed.frontend.call import EmbedResult, Limits, ServerInfo, Texts, Timings
-from kembed.frontend.grpc_api import info_response, message, response, to_call
-from kembed.inputs import Sequences
-from kembed.priority import Priority
-from kembed.protocol import ServingInfo
-from kembed.quantize import Encoding
+from kembed.frontend.grpc_messages import info_response, message, response, to_call
+from kembed.frontend.quantize import Encoding
+from kembed.ipc.protocol import ServingInfo
+from kembed.policy.priority import Priority
 from kembed.v1 import embedder_pb2 as pb
 
 LIMITS = Limits(max_items=8, max_text_chars=500)

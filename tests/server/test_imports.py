@@ -21,7 +21,8 @@ CLIENT_PACKAGES = {"grpc", "numpy", "google", "tqdm", "pyarrow"}
 CLIENT_SHARED = {
     "kembed",
     "kembed.contract",
-    "kembed.texts",
+    "kembed.domain",
+    "kembed.domain.texts",
     "kembed.v1",
     "kembed.v1.embedder_pb2",
     "kembed.v1.embedder_pb2_grpc",
@@ -190,3 +191,29 @@ def test_loading_the_client_loads_nothing_of_the_servers() -> None:
     )
     result = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, check=True)
     assert result.stdout.strip() == "[]"
+
+
+def floors(edges: Graph, package: str) -> list[str]:
+    """The longest chain of imports among ``package``'s modules (its floors, top first): how far a
+    reader descends from its entry point to the module that imports none of its siblings."""
+    inside = {name: {t for t in targets if t.startswith(package + ".")} for name, targets in edges.items()}
+    inside = {name: targets for name, targets in inside.items() if name.startswith(package + ".")}
+    below: dict[str, list[str]] = {}
+
+    def chain(name: str) -> list[str]:
+        if name not in below:
+            below[name] = [name, *max((chain(t) for t in sorted(inside[name])), key=len, default=[])]
+        return below[name]
+
+    return max((chain(name) for name in sorted(inside)), key=len, default=[])
+
+
+def test_the_engine_is_at_most_eight_floors_high() -> None:
+    """Its stages import each other to call, never for a type (those live in engine/units.py)."""
+    chain = floors(graph(), "kembed.engine")
+    assert len(chain) <= 8, " -> ".join(chain)
+
+
+def test_floors_counts_the_longest_chain() -> None:
+    edges: Graph = {"p.a": {"p.b", "p.c"}, "p.b": {"p.c", "q.x"}, "p.c": set(), "q.x": set()}
+    assert floors(edges, "p") == ["p.a", "p.b", "p.c"]

@@ -7,10 +7,10 @@ import asyncio
 import numpy as np
 import pytest
 
-from kembed.errors import EmbedError, Failure
+from kembed.domain.errors import EmbedError, Failure
 from kembed.frontend.inbox import Pending, Waiting
-from kembed.priority import Priority
-from kembed.protocol import Errors, ProtocolError, Result
+from kembed.ipc.protocol import Errors, ProtocolError, Result
+from kembed.policy.priority import Priority
 
 DIMS = 2
 

@@ -1,4 +1,4 @@
-"""Tokenization and the checks that need the model (kembed.inputs) with the bundled model's real
+"""Tokenization and the checks that need the model (kembed.domain.inputs) with the bundled model's real
 tokenizer. What the edges check without it (counts, characters, the wire's shapes) is tested with
 each edge's mapping (test_call, test_grpc_api, test_openai_api)."""
 
@@ -13,8 +13,8 @@ import numpy as np
 import pytest
 from transformers import PreTrainedTokenizerBase
 
-from kembed.errors import Field, InvalidInput
-from kembed.inputs import Sequences, Tokenizer, TokenLimit, tokenizer_fingerprint
+from kembed.domain.errors import Field, InvalidInput
+from kembed.domain.inputs import Sequences, Tokenizer, TokenLimit, tokenizer_fingerprint
 
 VOCAB = 30522
 LIMIT = 16

@@ -1,5 +1,5 @@
 """The layout is the architecture: three process roles, each a package (the supervisor, the front
-ends, the engine), that talk only through the protocol (kembed.protocol, kembed.board) and the
+ends, the engine), that talk only through the protocol (kembed.ipc.protocol, kembed.ipc.board) and the
 runtime folder, so no side imports another, and the modules they share import none; within a front
 end, only the gRPC edge knows the proto (the service and the other edges speak the domain's call).
 Read from the source, so a new import that crosses shows up here."""
@@ -13,9 +13,25 @@ import pytest
 
 PACKAGE = Path(__file__).parents[2] / "server" / "kembed"
 SIDES = ("supervisor", "frontend", "engine")
+# What the sides share, by kind: each group, and each settings module at the root, may import these
+# of kembed besides itself (bottom up: contract, domain, config, policy, ipc and plumbing, metrics).
+MAY_IMPORT = {
+    "contract": set(),  # names, ports, paths: what the client, the operator and the server agree on
+    "domain": set(),  # a request's values: inputs, prompts, texts, failures
+    "config": {"contract", "domain"},  # the settings, from KEMBED_*
+    "policy": {"contract", "config", "domain"},  # the rules both sides apply, pure
+    "ipc": {"contract", "domain", "policy"},  # the frames and the board
+    "plumbing": {"contract", "config"},  # what a process needs of its host
+    "metrics": {"contract", "ipc", "policy"},  # each process's Prometheus metrics
+}
+GROUPS = ("domain", "policy", "ipc", "plumbing", "config")  # packages
+SETTINGS = ("contract", "metrics")  # modules at the root, beside config/
+MAX_LINES = 450  # a module longer than this holds more than one thing to read
 # The supervisor starts the other processes by module name: it imports neither side.
 # ``python -m kembed`` (__main__.py) is the supervisor's entry point: the one root module above a side.
-SHARED = sorted(p for p in PACKAGE.glob("*.py") if p.name != "__main__.py")
+SHARED = sorted(
+    [*(PACKAGE / f"{name}.py" for name in SETTINGS), *(p for group in GROUPS for p in (PACKAGE / group).rglob("*.py"))]
+)
 PROTO = "kembed.v1"  # the generated protobuf code
 
 
@@ -44,8 +60,46 @@ def test_a_side_never_imports_the_other(side: str) -> None:
 
 
 def test_shared_modules_import_no_side() -> None:
-    found = {p.name: crossings(p, list(SIDES)) for p in SHARED}
+    found = {str(p.relative_to(PACKAGE)): crossings(p, [*SIDES, "client"]) for p in SHARED}
     assert {name: names for name, names in found.items() if names} == {}
+    assert len(found) > len(GROUPS) + len(SETTINGS)
+
+
+def test_no_module_is_over_450_lines() -> None:
+    lengths = {str(p.relative_to(PACKAGE)): len(p.read_text().splitlines()) for p in PACKAGE.rglob("*.py")}
+    assert {path: n for path, n in lengths.items() if n > MAX_LINES and "/v1/" not in f"/{path}"} == {}
+
+
+def test_only_the_entry_points_and_the_settings_lie_loose_at_the_root() -> None:
+    """The rest is in a package: a process role, a group of what they share, the client, the proto."""
+    loose = {p.stem for p in PACKAGE.glob("*.py")} - {"__init__", "__main__"}
+    packages = {p.name for p in PACKAGE.iterdir() if (p / "__init__.py").exists()}
+    assert loose == set(SETTINGS)
+    assert packages == {*SIDES, *GROUPS, "client", "v1"}
+
+
+def group_of(name: str) -> str | None:
+    """The group or settings module a kembed module name lies in (``kembed.ipc.board``: ipc)."""
+    parts = name.split(".")
+    return parts[1] if len(parts) > 1 and parts[0] == "kembed" else None
+
+
+@pytest.mark.parametrize("kind", sorted(MAY_IMPORT))
+def test_a_group_imports_only_the_groups_below_it(kind: str) -> None:
+    paths = sorted((PACKAGE / kind).rglob("*.py")) if kind in GROUPS else [PACKAGE / f"{kind}.py"]
+    allowed = {None, kind, *MAY_IMPORT[kind]}
+    found = {str(p.relative_to(PACKAGE)): {group_of(name) for name in imported(p)} - allowed for p in paths}
+    assert {path: names for path, names in found.items() if names} == {}
+
+
+def test_the_groups_below_hold_no_circle() -> None:
+    """Read as a graph of kinds, what :data:`MAY_IMPORT` allows has no cycle: a bottom exists."""
+    left = dict(MAY_IMPORT)
+    while left:
+        bottom = [kind for kind, below in left.items() if not below & set(left)]
+        assert bottom, f"a circle among {sorted(left)}"
+        for kind in bottom:
+            del left[kind]
 
 
 def imports(path: Path, module: str) -> bool:
@@ -55,7 +109,7 @@ def imports(path: Path, module: str) -> bool:
 
 def test_only_the_grpc_edge_of_a_front_end_imports_the_proto() -> None:
     found = [str(p.relative_to(PACKAGE)) for p in sorted((PACKAGE / "frontend").rglob("*.py")) if imports(p, PROTO)]
-    assert found == ["frontend/grpc_api.py"]
+    assert found == ["frontend/grpc_api.py", "frontend/grpc_messages.py"]
 
 
 def test_the_check_sees_a_crossing(tmp_path: Path) -> None:
@@ -80,3 +134,9 @@ def test_the_check_sees_an_import_of_the_proto(tmp_path: Path) -> None:
         module.write_text(source)
         found[name] = imports(module, PROTO)
     assert found == {"from_package": True, "from_module": True, "plain": True, "a_lookalike": False}
+
+
+def test_the_group_check_reads_each_import_as_its_group(tmp_path: Path) -> None:
+    module = tmp_path / "above.py"
+    module.write_text("from kembed.ipc.board import Board\nfrom kembed import metrics\nimport numpy\n")
+    assert {group_of(name) for name in imported(module)} == {"ipc", "metrics", None}

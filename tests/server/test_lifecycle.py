@@ -19,10 +19,10 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from kembed.board import Board, Cell, FrontendCell
 from kembed.contract import EXIT_FATAL, RETRY_PUSHBACK_KEY
-from kembed.protocol import PROTOCOL_VERSION, Hello, frame
-from kembed.runtime import BOARD_FILE, ENGINE_SOCKET
+from kembed.ipc.board import Board, Cell, FrontendCell
+from kembed.ipc.protocol import PROTOCOL_VERSION, Hello, frame
+from kembed.plumbing.runtime import BOARD_FILE, ENGINE_SOCKET
 from kembed.v1 import embedder_pb2 as pb
 from kembed.v1 import embedder_pb2_grpc as pb_grpc
 from tests.server.held import EngineHold

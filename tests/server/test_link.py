@@ -13,10 +13,10 @@ from pathlib import Path
 
 import numpy as np
 
+from kembed.domain.inputs import Sequences
 from kembed.frontend.link import EngineLink
-from kembed.inputs import Sequences
-from kembed.priority import Priority
-from kembed.protocol import ServingInfo, Work, receive
+from kembed.ipc.protocol import ServingInfo, Work, receive
+from kembed.policy.priority import Priority
 
 INTERACTIVE, BATCH = Priority
 INTERVAL = 0.2

@@ -17,11 +17,12 @@ from packaging.version import Version
 from safetensors.torch import load_file, save_file
 from transformers import AutoModel
 
-from kembed.config import Graphs, Settings
+from kembed.config.settings import Settings
+from kembed.config.values import Graphs
+from kembed.domain.inputs import Sequences
 from kembed.engine.model import BUNDLED_MODEL_ID, EmbeddingModel, ModelLoadError, resolve_model_path
 from kembed.engine.precision import MIN_COSINE, PROBE_TEXTS
 from kembed.frontend.service import postprocess
-from kembed.inputs import Sequences
 
 PARAGRAPH = " ".join(
     f"Sentence {i} of a long paragraph talks about embedding servers, token buckets and padding waste."

@@ -13,14 +13,15 @@ import numpy as np
 import orjson
 import pytest
 
-from kembed.errors import EmbedError, Failure, Field, InvalidInput
+from kembed.domain.errors import EmbedError, Failure, Field, InvalidInput
+from kembed.domain.inputs import Sequences
 from kembed.frontend import openai_api
 from kembed.frontend.call import EmbedResult, Limits, Texts, Timings
-from kembed.frontend.openai_api import ApiError, Body, Embeddings, failed, parse
+from kembed.frontend.json_body import Body, parse
+from kembed.frontend.openai_api import ApiError, Embeddings, failed
+from kembed.frontend.quantize import Encoding
 from kembed.frontend.rest import READ_CHUNK
-from kembed.inputs import Sequences
-from kembed.priority import Priority
-from kembed.quantize import Encoding
+from kembed.policy.priority import Priority
 from tests.server.bodies import ONE_ANSWER, SERVICE_REFUSES
 
 SERVED = ("minilm", "sentence-transformers/all-MiniLM-L6-v2")

@@ -14,16 +14,17 @@ import pytest
 from jsonschema import Draft202012Validator
 from openapi_spec_validator import validate
 
-from kembed.config import Settings
-from kembed.errors import EmbedError, Failure
+from kembed.config.settings import Settings
+from kembed.domain.errors import EmbedError, Failure
+from kembed.domain.inputs import Sequences
+from kembed.domain.prompts import ModelPrompts
 from kembed.frontend import openai_api, rest
 from kembed.frontend.call import EmbedResult, Limits, Timings
 from kembed.frontend.chunks import Chunks
-from kembed.frontend.openai_api import BODY, FIELDS, ApiError, Embeddings, failed, parse
+from kembed.frontend.json_body import parse
+from kembed.frontend.openai_api import BODY, FIELDS, ApiError, Embeddings, failed
 from kembed.frontend.openapi import body_schema, document, page
-from kembed.inputs import Sequences
-from kembed.prompts import ModelPrompts
-from kembed.quantize import Encoding
+from kembed.frontend.quantize import Encoding
 
 SETTINGS = Settings.from_env({}, max_items_per_request=8, max_text_chars=500)
 LIMITS = Limits.of(SETTINGS)

@@ -5,10 +5,10 @@ from __future__ import annotations
 
 import numpy as np
 
+from kembed.domain.inputs import Sequences
 from kembed.frontend.outbox import InTransit, NextFrame
-from kembed.inputs import Sequences
-from kembed.priority import Priority
-from kembed.protocol import Work
+from kembed.ipc.protocol import Work
+from kembed.policy.priority import Priority
 
 INTERACTIVE, BATCH = Priority
 
@@ -20,8 +20,8 @@ def seqs(*lengths: int) -> Sequences:
 
 def test_a_frame_carries_everything_queued_and_the_next_starts_empty() -> None:
     frame = NextFrame()
-    frame.add(5, seqs(2, 1), 48, 30.0, INTERACTIVE)
-    frame.add(6, seqs(4), 16, 31.0, BATCH)
+    frame.add(5, seqs(2, 1), 48, 30.0, INTERACTIVE, "call-5")
+    frame.add(6, seqs(4), 16, 31.0, BATCH, "")
     frame.cancel(3)
     frame.add_latency(0.25, BATCH)
     assert frame.requests == 2
@@ -30,7 +30,8 @@ def test_a_frame_carries_everything_queued_and_the_next_starts_empty() -> None:
     assert (work.deadlines.tolist(), work.priorities.tolist()) == ([30.0, 31.0], [INTERACTIVE, BATCH])
     assert (work.lengths.tolist(), work.ids.tolist()) == ([2, 1, 4], [0, 1, 2, 0, 1, 2, 3])
     assert (work.cancels.tolist(), work.latencies.tolist(), work.sample_priorities.tolist()) == ([3], [0.25], [1])
-    assert Work.decode([memoryview(np.ascontiguousarray(p).tobytes()) for p in work.encode()]).tags.tolist() == [5, 6]
+    decoded = Work.decode([memoryview(np.ascontiguousarray(p).tobytes()) for p in work.encode()])
+    assert decoded.tags.tolist() == [5, 6] and decoded.request_id_list() == ["call-5", ""]
     empty = frame.take()
     assert frame.requests == 0 and empty.tags.size == empty.ids.size == empty.latencies.size == 0
 

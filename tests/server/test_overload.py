@@ -13,10 +13,10 @@ from typing import Any
 import grpc
 import pytest
 
-from kembed.admission import MIN_LATENCY_SAMPLES
 from kembed.client import EmbedClient
 from kembed.client.embed_client import RetryBudget
 from kembed.contract import RETRY_PUSHBACK_KEY
+from kembed.policy.load import MIN_LATENCY_SAMPLES
 from kembed.v1 import embedder_pb2 as pb
 from kembed.v1 import embedder_pb2_grpc as pb_grpc
 from tests.server.serving import ServerProcess, all_decided, server_fixture, wait_until

@@ -15,7 +15,7 @@ import grpc
 import orjson
 import pytest
 
-from kembed.config import Settings
+from kembed.config.settings import Settings
 from kembed.contract import RETRY_PUSHBACK_KEY, Metric
 from kembed.frontend.connections import IDLE_GRACE_S
 from kembed.v1 import embedder_pb2 as pb

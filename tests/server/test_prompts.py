@@ -20,11 +20,11 @@ import pytest
 
 from kembed.client import AsyncEmbedClient, EmbedClient, decode
 from kembed.client.__main__ import main
-from kembed.config import Settings
+from kembed.config.settings import Settings
 from kembed.contract import EXIT_EMBED_FINAL
+from kembed.domain.errors import Field, InvalidInput
+from kembed.domain.prompts import MAX_PROMPT_CHARS, ModelPrompts, PromptChoice, name_problem
 from kembed.engine.model import EmbeddingModel, ModelLoadError
-from kembed.errors import Field, InvalidInput
-from kembed.prompts import MAX_PROMPT_CHARS, ModelPrompts, PromptChoice, name_problem
 from kembed.v1 import embedder_pb2 as pb
 from kembed.v1 import embedder_pb2_grpc as pb_grpc
 from tests.server.serving import ServerProcess, serving

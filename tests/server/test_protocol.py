@@ -11,9 +11,8 @@ from collections.abc import AsyncIterator, Callable
 import numpy as np
 import pytest
 
-from kembed.errors import EmbedError, Failure
-from kembed.priority import Priority
-from kembed.protocol import (
+from kembed.domain.errors import EmbedError, Failure
+from kembed.ipc.protocol import (
     HEADER,
     MAGIC,
     PROTOCOL_VERSION,
@@ -28,9 +27,11 @@ from kembed.protocol import (
     ServingInfo,
     check_version,
     frame,
+    join_request_ids,
     receive,
     send,
 )
+from kembed.policy.priority import Priority
 from tests.server.queueing import work
 
 INFO = ServingInfo(
@@ -177,6 +178,7 @@ DAMAGE: dict[str, Callable[[], bytes]] = {
     "a latency sample of an unknown priority": lambda: work_with(
         latencies=np.array([0.5], "<f8"), sample_priorities=np.array([7], "u1")
     ),
+    "request ids that do not match the requests": lambda: work_with(request_ids=join_request_ids(["a"])),
     "not JSON": lambda: corrupt(frame_bytes(Hello(1, 0)), HEADER.size + 4, b"?"),
     "an unknown failure": lambda: frame_bytes(Errors([1], [EmbedError(Failure.INTERNAL, "x")])).replace(b",3,", b",9,"),
 }

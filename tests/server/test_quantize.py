@@ -1,4 +1,4 @@
-"""Quantized vectors (kembed/quantize.py): sentence-transformers' binary kinds bit for bit, int8 and
+"""Quantized vectors (kembed/frontend/quantize.py): sentence-transformers' binary kinds bit for bit, int8 and
 uint8 at their one fixed scale, on both edges of a real server."""
 
 from __future__ import annotations
@@ -12,7 +12,7 @@ from sentence_transformers.util.quantization import quantize_embeddings
 
 from kembed.client import EmbedClient, InvalidInput
 from kembed.frontend import openai_api, rest
-from kembed.quantize import INT8_SCALE, Encoding, encode
+from kembed.frontend.quantize import INT8_SCALE, Encoding, encode
 from kembed.v1 import embedder_pb2 as pb
 from kembed.v1 import embedder_pb2_grpc as pb_grpc
 from tests.server.serving import ServerProcess, the_plain_server

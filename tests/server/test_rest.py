@@ -17,7 +17,7 @@ import openai
 import pytest
 
 from kembed.client import decode
-from kembed.config import Settings
+from kembed.config.settings import Settings
 from kembed.v1 import embedder_pb2 as pb
 from kembed.v1 import embedder_pb2_grpc as pb_grpc
 from tests.server.serving import PLAIN, ServerProcess, the_plain_server, wait_until
@@ -103,7 +103,7 @@ def test_token_ids_give_the_same_vectors_and_usage_counts_tokens(
     counts = list(grpc_stub.Embed(pb.EmbedRequest(texts=texts)).token_counts)
     from transformers import AutoTokenizer
 
-    from kembed.config import Settings
+    from kembed.config.settings import Settings
     from kembed.engine.model import resolve_model_path
 
     tokenizer = AutoTokenizer.from_pretrained(resolve_model_path(Settings())[1])

@@ -14,9 +14,9 @@ from pathlib import Path
 
 import pytest
 
-from kembed.runtime import LOCK_FILE, NEW_LOCK_FILE, PREFIX, RuntimeDir, remove_stale
+from kembed.plumbing.runtime import LOCK_FILE, NEW_LOCK_FILE, PREFIX, RuntimeDir, remove_stale
 
-OWNER = "import sys; from pathlib import Path; from kembed.runtime import RuntimeDir; " + (
+OWNER = "import sys; from pathlib import Path; from kembed.plumbing.runtime import RuntimeDir; " + (
     "print(RuntimeDir.create(Path(sys.argv[1])).path, flush=True); sys.stdin.read()"
 )
 

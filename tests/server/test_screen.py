@@ -9,12 +9,12 @@ import contextlib
 from collections.abc import AsyncIterator
 from pathlib import Path
 
-from kembed.admission import Rejection
-from kembed.board import Board, Cell
-from kembed.config import Settings
+from kembed.config.settings import Settings
 from kembed.frontend.link import EngineLink
 from kembed.frontend.screen import Screen, Waits
-from kembed.priority import Priority
+from kembed.ipc.board import Board, Cell
+from kembed.policy.admission import Rejection
+from kembed.policy.priority import Priority
 from tests.server.test_link import Engine, linked, seqs
 
 FRONTEND = 1

@@ -13,11 +13,11 @@ from pathlib import Path
 import grpc
 import pytest
 
-from kembed.config import Settings
+from kembed.config.settings import Settings
 from kembed.contract import Metric
-from kembed.frontend.grpc_api import MAX_STREAM_REQUESTS
-from kembed.protocol import PROTOCOL_VERSION, Hello, send
-from kembed.runtime import ENGINE_SOCKET
+from kembed.frontend.grpc_slots import MAX_STREAM_REQUESTS
+from kembed.ipc.protocol import PROTOCOL_VERSION, Hello, send
+from kembed.plumbing.runtime import ENGINE_SOCKET
 from kembed.supervisor.http import MAX_CONNECTIONS
 from kembed.v1 import embedder_pb2 as pb
 from kembed.v1 import embedder_pb2_grpc as pb_grpc

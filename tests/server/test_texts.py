@@ -1,4 +1,4 @@
-"""One rule for a text without content (``kembed/texts.py``), the same for the server's edges, the
+"""One rule for a text without content (``kembed/domain/texts.py``), the same for the server's edges, the
 client and the corpus command: it holds no letter, digit, punctuation or symbol, so the bundled
 tokenizer turns it into its special tokens alone, as it does the empty text."""
 
@@ -14,7 +14,7 @@ import tokenizers
 
 from kembed.client.corpus.reader import Span
 from kembed.client.errors import InvalidInput, check_texts
-from kembed.texts import EMPTY, NO_CONTENT, has_content, why_not
+from kembed.domain.texts import EMPTY, NO_CONTENT, has_content, why_not
 
 # The issue's: whitespace, a zero-width space, a control character, a byte order mark.
 WITHOUT_CONTENT = [" ", "\u200b", "\t\n", "\x00", "\ufeff", " \u0301 ", "\ue000", "\U000f0000", "\ufffd"]

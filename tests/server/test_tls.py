@@ -9,8 +9,9 @@ from pathlib import Path
 
 import pytest
 
-from kembed import tls
-from kembed.config import ConfigError, Settings
+from kembed.config.settings import Settings
+from kembed.config.values import ConfigError
+from kembed.plumbing import tls
 from tests.server.certs import Authority, write_atomically
 
 

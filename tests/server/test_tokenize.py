@@ -121,7 +121,7 @@ def test_left_truncation_of_ids_keeps_the_first_and_the_last(stub: pb_grpc.Embed
 def test_a_text_without_content_is_refused_on_every_edge_naming_it(
     server: ServerProcess, stub: pb_grpc.EmbedderStub, text: str
 ) -> None:
-    """As the empty text is: embedded, it would be [CLS] [SEP] alone (``kembed/texts.py``)."""
+    """As the empty text is: embedded, it would be [CLS] [SEP] alone (``kembed/domain/texts.py``)."""
     for call in (post, tokenize):
         status, body, _ = call(server, {"input": ["hello", text]})
         assert (status, body["error"]["param"]) == (400, "input[1]"), body

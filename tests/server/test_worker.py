@@ -15,12 +15,13 @@ import pytest
 import torch
 from torch._dynamo.utils import counters
 
-from kembed.config import Dtype, Settings, Warmup
+from kembed.config.settings import Settings
+from kembed.config.values import Dtype, Warmup
 from kembed.engine import compile_cache, cpu, precision
 from kembed.engine.graphs import ShapeGuard, UnplannedShapeError
 from kembed.engine.model import EmbeddingModel
-from kembed.engine.runner import ModelRunner, Outcome, make_plan, warmup_order
-from kembed.engine.units import Batch, Chunk, Job
+from kembed.engine.runner import ModelRunner, make_plan, warmup_order
+from kembed.engine.units import Batch, Chunk, Computed, Job, Outcome
 from kembed.engine.warmup import (
     WARMUP_REPEATS_EAGER,
     batch_overhead,
@@ -31,7 +32,7 @@ from kembed.engine.warmup import (
     warm_up,
     warmup_batch,
 )
-from kembed.engine.worker import Computed, Worker
+from kembed.engine.worker import Worker
 from tests.server.queueing import chunks
 
 POISON = 4242  # a real vocabulary id that the injected fault treats as fatal to its batch

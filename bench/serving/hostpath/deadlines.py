@@ -30,7 +30,7 @@ from bench.tools.report import (
     metric_sum,
 )
 from bench.tools.server import running
-from kembed.config import Settings
+from kembed.config.settings import Settings
 from kembed.contract import Metric
 
 

@@ -20,7 +20,7 @@ from bench.serving.hostpath.measure import (
 )
 from bench.tools import machine
 from bench.tools.server import Server, process_tree, running
-from kembed.config import Settings
+from kembed.config.settings import Settings
 from kembed.contract import env_name
 
 

@@ -14,7 +14,7 @@ from typing import cast
 import grpc
 
 from kembed.contract import RETRY_PUSHBACK_KEY
-from kembed.texts import why_not
+from kembed.domain.texts import why_not
 
 _TEXT_INDEX = re.compile(r"^texts\[(\d+)\]")
 

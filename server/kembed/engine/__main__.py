@@ -10,10 +10,12 @@ import os
 import sys
 from pathlib import Path
 
-from kembed.config import ConfigError, Settings
+from kembed.config.settings import Settings
+from kembed.config.values import ConfigError
 from kembed.contract import EXIT_CONFIG
 from kembed.engine.process import EngineProcess
 from kembed.engine.runner import LoadModel
+from kembed.plumbing import request_log
 
 DEFAULT_MODEL_LOADER = "kembed.engine.model:EmbeddingModel.load"
 
@@ -41,7 +43,7 @@ def main(argv: list[str] | None = None) -> None:
     except ConfigError as error:
         print(f"kembed engine: configuration error: {error}", file=sys.stderr)
         sys.exit(EXIT_CONFIG)
-    logging.basicConfig(level=settings.log_level, format="%(asctime)s %(levelname)s engine %(name)s: %(message)s")
+    request_log.configure(settings.log_level, "engine")
     code = asyncio.run(EngineProcess(settings, args.runtime, resolve(args.model_loader)).run())
     # The worker thread may still be inside torch (stopped while warming up): exit without waiting.
     logging.shutdown()

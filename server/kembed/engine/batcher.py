@@ -36,11 +36,11 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from kembed.admission import Backlog
 from kembed.engine.buckets import EVERY_CLASS, BucketQueue
 from kembed.engine.units import Batch, Chunk, Job
-from kembed.priority import Priority
-from kembed.shapes import BatchShapes
+from kembed.policy.admission import Backlog
+from kembed.policy.priority import Priority
+from kembed.policy.shapes import BatchShapes
 
 # Batches handed to the worker and not yet finished. With fixed shapes (CUDA graphs) a batch takes
 # milliseconds, so one waits ready while another runs and the device never idles on the host. In

@@ -12,10 +12,10 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from kembed.domain.inputs import Sequences
 from kembed.engine.units import Chunk, Job
-from kembed.inputs import Sequences
-from kembed.priority import Priority
-from kembed.shapes import bucket_of
+from kembed.policy.priority import Priority
+from kembed.policy.shapes import bucket_of
 
 
 @dataclass(frozen=True)

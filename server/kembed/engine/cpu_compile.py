@@ -30,7 +30,7 @@ from typing import Any
 
 import torch
 
-from kembed.config import Toggle
+from kembed.config.values import Toggle
 from kembed.contract import COMPILING, env_name
 from kembed.engine.precision import MIN_COSINE
 

@@ -27,7 +27,7 @@ from dataclasses import dataclass
 
 import torch
 
-from kembed.config import Graphs
+from kembed.config.values import Graphs
 
 log = logging.getLogger(__name__)
 

@@ -11,23 +11,26 @@ started, which are refused in its place.
 
 from __future__ import annotations
 
+import logging
 import time
 from collections.abc import Callable
 
 import numpy as np
 
-from kembed.admission import AdmissionController, Backlog, MeasuredLoad, lapsing
+from kembed.domain.errors import EmbedError, Failure
+from kembed.domain.inputs import Sequences
 from kembed.engine.batcher import Batcher
 from kembed.engine.buckets import route
 from kembed.engine.jobs import Jobs
-from kembed.engine.responder import Replies
-from kembed.engine.units import Chunk, Job
-from kembed.errors import EmbedError, Failure
-from kembed.inputs import Sequences
+from kembed.engine.units import Chunk, Job, Replies
+from kembed.ipc.protocol import Work
 from kembed.metrics import EngineMetrics
-from kembed.priority import BY_VALUE, Priority
-from kembed.protocol import Work
-from kembed.shapes import bucket_of
+from kembed.policy.admission import AdmissionController, Backlog, lapsing
+from kembed.policy.load import MeasuredLoad
+from kembed.policy.priority import BY_VALUE, Priority
+from kembed.policy.shapes import bucket_of
+
+log = logging.getLogger(__name__)
 
 ONE_SLOT = np.zeros(1, dtype=np.int64)  # the only item of a one-item request (never written to)
 
@@ -84,6 +87,8 @@ class Intake:
         tags, deadlines, counts, costs, priorities = (
             part.tolist() for part in (work.tags, work.deadlines, work.counts, work.costs, work.priorities)
         )
+        # Each request's id, read only when its lines are written: a frame's rows pay nothing for it.
+        named = work.request_id_list() if log.isEnabledFor(logging.DEBUG) else None
         for i in sorted(range(len(tags)), key=priorities.__getitem__):  # interactive first, in order
             priority, cost = BY_VALUE[priorities[i]], costs[i]
             rejection = self._admission.admit(cost, backlog, priority)
@@ -91,6 +96,8 @@ class Intake:
                 self._metrics.rejected.labels(reason=rejection.reason, priority=priority.label).inc()
                 refused.append(tags[i])
                 refusals.append(EmbedError(Failure.REJECTED, rejection.message, rejection.retry_after_ms))
+                if named is not None:
+                    log.debug("refused (%s): %s", rejection.reason, rejection.message, extra={"request_id": named[i]})
                 continue
             if room := self._admission.room_to_make(cost, backlog, priority):
                 backlog = self._displace(room, backlog)
@@ -98,6 +105,9 @@ class Intake:
             job = Job(link_id=link_id, tag=tags[i], count=counts[i], deadline=deadlines[i], priority=priority)
             self._jobs.add(job)
             jobs[i] = job
+            if named is not None:
+                line = "admitted: %d items, %d padded tokens, %s"
+                log.debug(line, counts[i], cost, priority.label, extra={"request_id": named[i]})
         if refused:
             self._replies.errors(link_id, refused, refusals)
         if len(refused) < len(jobs):

@@ -18,7 +18,7 @@ import math
 
 from kembed.engine.buckets import BucketQueue
 from kembed.engine.units import Job
-from kembed.priority import Priority
+from kembed.policy.priority import Priority
 
 # The deadline heap drops closed jobs lazily; rebuilt when they are most of it, so its memory stays
 # within a small multiple of the open jobs'.

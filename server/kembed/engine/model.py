@@ -19,14 +19,15 @@ from typing import Any
 import torch
 from transformers import AutoModel, AutoTokenizer, PreTrainedModel, PreTrainedTokenizerBase
 
-from kembed.config import Dtype, Graphs, Pooling, Settings
+from kembed.config.settings import Settings
+from kembed.config.values import Dtype, Graphs, Pooling
 from kembed.contract import env_name
+from kembed.domain.inputs import Tokenizer, tokenizer_fingerprint
+from kembed.domain.prompts import ST_CONFIG, ModelPrompts
 from kembed.engine import cpu_compile
 from kembed.engine.graphs import ShapeGuard, compile_graphs
 from kembed.engine.pooling import pool
 from kembed.engine.precision import loaded_first
-from kembed.inputs import Tokenizer, tokenizer_fingerprint
-from kembed.prompts import ST_CONFIG, ModelPrompts
 
 log = logging.getLogger(__name__)
 

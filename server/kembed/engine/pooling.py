@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import torch
 
-from kembed.config import Pooling
+from kembed.config.values import Pooling
 
 POOLING_MODES = tuple(mode.value for mode in Pooling if mode is not Pooling.AUTO)
 

@@ -18,7 +18,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
-from kembed.config import Dtype
+from kembed.config.values import Dtype
 from kembed.contract import env_name
 
 CPUINFO = Path("/proc/cpuinfo")

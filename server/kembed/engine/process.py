@@ -18,11 +18,9 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any, TypeVar
 
-from kembed.admission import AdmissionController, MeasuredLoad
-from kembed.board import Board, Cell, ClassCell, FrontendCell
-from kembed.child import Child
-from kembed.config import Settings
+from kembed.config.settings import Settings
 from kembed.contract import EXIT_FATAL, EXIT_STARTUP_FAILED
+from kembed.domain.errors import EmbedError
 from kembed.engine.batcher import Batcher, BatchPolicy
 from kembed.engine.buckets import BucketQueue
 from kembed.engine.cpu_compile import Served
@@ -30,13 +28,11 @@ from kembed.engine.intake import Intake
 from kembed.engine.jobs import Jobs
 from kembed.engine.model import ModelInfo
 from kembed.engine.responder import Responder
-from kembed.engine.runner import LoadModel, ModelRunner, Outcome
-from kembed.engine.units import Batch
-from kembed.engine.worker import Computed, Worker
-from kembed.errors import EmbedError
-from kembed.metrics import EngineMetrics
-from kembed.priority import Priority
-from kembed.protocol import (
+from kembed.engine.runner import LoadModel, ModelRunner
+from kembed.engine.units import Batch, Computed, Outcome
+from kembed.engine.worker import Worker
+from kembed.ipc.board import Board, Cell, ClassCell, FrontendCell
+from kembed.ipc.protocol import (
     PROTOCOL_VERSION,
     Errors,
     Hello,
@@ -50,7 +46,12 @@ from kembed.protocol import (
     receive,
     send,
 )
-from kembed.runtime import BOARD_FILE, ENGINE_SOCKET, write_serving
+from kembed.metrics import EngineMetrics
+from kembed.plumbing.child import Child
+from kembed.plumbing.runtime import BOARD_FILE, ENGINE_SOCKET, write_serving
+from kembed.policy.admission import AdmissionController
+from kembed.policy.load import MeasuredLoad
+from kembed.policy.priority import Priority
 
 log = logging.getLogger(__name__)
 

@@ -6,27 +6,16 @@ from __future__ import annotations
 import time
 from collections import defaultdict
 from collections.abc import Callable
-from typing import Protocol
 
 import numpy as np
 
-from kembed.admission import ServiceRate
+from kembed.domain.errors import EmbedError, Failure
 from kembed.engine.batcher import Batcher
 from kembed.engine.jobs import Jobs
-from kembed.engine.runner import Outcome
-from kembed.engine.units import Batch, Chunk
-from kembed.engine.worker import Computed
-from kembed.errors import EmbedError, Failure
+from kembed.engine.units import Batch, Chunk, Computed, Outcome, Replies
+from kembed.ipc.protocol import Result
 from kembed.metrics import EngineMetrics
-from kembed.protocol import Result
-
-
-class Replies(Protocol):
-    """The way back to the front ends."""
-
-    def result(self, link_id: int, result: Result) -> None: ...
-
-    def errors(self, link_id: int, tags: list[int], errors: list[EmbedError]) -> None: ...
+from kembed.policy.load import ServiceRate
 
 
 class Responder:

@@ -13,16 +13,17 @@ from dataclasses import dataclass
 import numpy as np
 import torch
 
-from kembed.config import Settings, Warmup
+from kembed.config.settings import Settings
+from kembed.config.values import Warmup
+from kembed.domain.inputs import Sequences
 from kembed.engine import cpu_compile
 from kembed.engine.buckets import route
 from kembed.engine.cpu_compile import Served
 from kembed.engine.graphs import ShapeGuard, UnplannedShapeError
 from kembed.engine.model import EmbeddingModel
 from kembed.engine.precision import Precision
-from kembed.engine.units import Batch, Chunk
-from kembed.inputs import Sequences
-from kembed.shapes import BatchShapes, Queueing, batch_tokens
+from kembed.engine.units import Batch, Chunk, Outcome
+from kembed.policy.shapes import BatchShapes, Queueing, batch_tokens
 
 log = logging.getLogger(__name__)
 
@@ -44,17 +45,6 @@ class Plan:
         if self.compiled or self.warmup is Warmup.GRID:
             return warmup_order(self.shapes.grid(self.bucket_lengths))
         return warmup_order([(length, self.shapes.max_rows(length)) for length in self.bucket_lengths])
-
-
-@dataclass
-class Outcome:
-    """A run of chunks computed together: their rows, or the error that only they share."""
-
-    chunks: list[Chunk]
-    embeddings: np.ndarray | None  # float32 [items, dimensions], in the chunks' order
-    error: BaseException | None
-    padded_tokens: int
-    real_tokens: int
 
 
 LoadModel = Callable[[Settings], EmbeddingModel]

@@ -1,4 +1,6 @@
-"""The units of work inside the engine: a Job per request, Chunks in buckets, Batches.
+"""The units of work inside the engine (a Job per request, Chunks in buckets, Batches), and the
+types its stages hand each other (a batch's :class:`Outcome` and :class:`Computed`, the way back
+:class:`Replies`): a stage imports these, never another stage for a type, so the engine stays low.
 
 Words used throughout the engine: an *item* is one text or sequence of a request; its *slot* is
 its index within that request; a Chunk is a run of one request's items that share a bucket (kept
@@ -9,11 +11,15 @@ to its bucket: the unit admission counts the backlog in, and the service rate is
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Protocol
 
 import numpy as np
 
-from kembed.priority import Priority
+from kembed.domain.errors import EmbedError
+from kembed.ipc.protocol import Result
+from kembed.policy.priority import Priority
 
 
 @dataclass(eq=False)
@@ -110,3 +116,34 @@ class Batch:
     def live_chunks(self) -> list[Chunk]:
         """The chunks whose job still waits for them."""
         return [chunk for chunk in self.chunks if not chunk.job.closed]
+
+
+@dataclass
+class Outcome:
+    """A run of chunks computed together: their rows, or the error that only they share."""
+
+    chunks: list[Chunk]
+    embeddings: np.ndarray | None  # float32 [items, dimensions], in the chunks' order
+    error: BaseException | None
+    padded_tokens: int
+    real_tokens: int
+
+
+@dataclass(frozen=True)
+class Computed:
+    """When and where a batch was computed: its lane, start and compute seconds."""
+
+    lane: int
+    started: float
+    seconds: float
+
+
+Deliver = Callable[[Batch, list[Outcome], Computed], None]
+
+
+class Replies(Protocol):
+    """The way back to the front ends."""
+
+    def result(self, link_id: int, result: Result) -> None: ...
+
+    def errors(self, link_id: int, tags: list[int], errors: list[EmbedError]) -> None: ...

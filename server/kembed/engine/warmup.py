@@ -13,14 +13,15 @@ from collections.abc import Callable, Sequence
 import numpy as np
 import torch
 
-from kembed.config import Dtype, Settings, Toggle
+from kembed.config.settings import Settings
+from kembed.config.values import Dtype, Toggle
 from kembed.engine import compile_cache, cpu, cpu_compile, precision, verdicts
 from kembed.engine.cpu_compile import Served
 from kembed.engine.graphs import CompileCount, ShapeGuard
 from kembed.engine.model import EmbeddingModel, ModelInfo
 from kembed.engine.precision import PROBE_TEXTS
 from kembed.engine.runner import LoadModel, ModelRunner, Plan, make_plan
-from kembed.shapes import Queueing
+from kembed.policy.shapes import Queueing
 
 log = logging.getLogger(__name__)
 

@@ -15,31 +15,18 @@ import queue
 import threading
 import time
 from collections.abc import Callable
-from dataclasses import dataclass
 
-from kembed.config import Settings
+from kembed.config.settings import Settings
 from kembed.engine import cpu, cpu_compile
 from kembed.engine.cpu_compile import Served
 from kembed.engine.model import EmbeddingModel
-from kembed.engine.runner import LoadModel, ModelRunner, Outcome
-from kembed.engine.units import Batch
+from kembed.engine.runner import LoadModel, ModelRunner
+from kembed.engine.units import Batch, Computed, Deliver
 from kembed.engine.warmup import compile_while_serving, compiles_while_serving, start_runner
 
 log = logging.getLogger(__name__)
 
 SPARE_POLL_S = 1.0  # how often the compile thread looks whether the pod has CPU to spare
-
-
-@dataclass(frozen=True)
-class Computed:
-    """When and where a batch was computed: its lane, start and compute seconds."""
-
-    lane: int
-    started: float
-    seconds: float
-
-
-Deliver = Callable[[Batch, list[Outcome], Computed], None]
 
 
 class Worker:

@@ -5,14 +5,16 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import logging
 import os
 import sys
 from pathlib import Path
 
-from kembed.config import ConfigError, Settings
+from kembed.config.settings import Settings
+from kembed.config.values import ConfigError
 from kembed.contract import EXIT_CONFIG
+from kembed.frontend import tracing
 from kembed.frontend.process import FrontendProcess
+from kembed.plumbing import request_log
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -30,9 +32,12 @@ def main(argv: list[str] | None = None) -> int:
     except ConfigError as error:
         print(f"kembed front end: configuration error: {error}", file=sys.stderr)
         return EXIT_CONFIG
-    logging.basicConfig(
-        level=settings.log_level, format=f"%(asctime)s %(levelname)s frontend-{args.index} %(name)s: %(message)s"
-    )
+    request_log.configure(settings.log_level, f"frontend-{args.index}")
+    try:
+        tracing.start()
+    except tracing.TracingUnavailable as error:
+        print(f"kembed front end: configuration error: {error}", file=sys.stderr)
+        return EXIT_CONFIG
     return asyncio.run(_serve(settings, args.runtime, args.index))
 
 

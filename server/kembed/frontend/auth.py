@@ -1,4 +1,4 @@
-"""The API key at both edges (``KEMBED_API_KEY_FILE``, read by :mod:`kembed.api_keys`): decided from
+"""The API key at both edges (``KEMBED_API_KEY_FILE``, read by :mod:`kembed.plumbing.api_keys`): decided from
 a call's head alone, before its body is read or anything is done for it.
 
 - REST (``rest.py``): every route but the two that describe the API (``/openapi.json`` and
@@ -20,10 +20,10 @@ from typing import Any
 
 import grpc
 
-from kembed.api_keys import ApiKeys
 from kembed.contract import GRPC_SERVICE
 from kembed.frontend.openai_api import ApiError
 from kembed.metrics import FrontendMetrics
+from kembed.plumbing.api_keys import ApiKeys
 
 NO_KEY = "no API key: send one as Authorization: Bearer KEY"
 WRONG_KEY = "the API key is not one this server takes"

@@ -22,7 +22,7 @@ from collections.abc import Iterator
 from pathlib import Path
 from types import TracebackType
 
-from kembed.errors import EmbedError, Failure
+from kembed.domain.errors import EmbedError, Failure
 
 SHARE = 4  # the front ends' calls may hold a quarter of the pod's memory; the rest is the engine's and Python's
 MIN_BUDGET_MESSAGES = 8  # a budget holds at least this many of the largest requests, whatever the pod's size

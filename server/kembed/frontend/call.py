@@ -5,7 +5,7 @@ Each edge maps its wire format to an :class:`EmbedCall`, and an :class:`EmbedRes
 reads its input, before it builds anything proportional to it, so a call that reaches the service
 holds at most ``max_items`` items, no text over ``max_text_chars`` characters, no empty text and no
 empty sequence of ids. What needs the model (the vocabulary, lengths in tokens, dimensions) the service checks. Bad
-input is an :class:`~kembed.errors.InvalidInput` that locates it as data, for each edge to name.
+input is an :class:`~kembed.domain.errors.InvalidInput` that locates it as data, for each edge to name.
 """
 
 from __future__ import annotations
@@ -15,14 +15,14 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from kembed.config import Settings
-from kembed.errors import Field, InvalidInput
-from kembed.inputs import Sequences
-from kembed.priority import Priority
-from kembed.prompts import NO_CHOICE, PromptChoice
-from kembed.protocol import ServingInfo
-from kembed.quantize import Encoding
-from kembed.texts import EMPTY as EMPTY_TEXT
+from kembed.config.settings import Settings
+from kembed.domain.errors import Field, InvalidInput
+from kembed.domain.inputs import Sequences
+from kembed.domain.prompts import NO_CHOICE, PromptChoice
+from kembed.domain.texts import EMPTY as EMPTY_TEXT
+from kembed.frontend.quantize import Encoding
+from kembed.ipc.protocol import ServingInfo
+from kembed.policy.priority import Priority
 
 EMPTY_IDS = "an empty array of token ids"
 
@@ -41,7 +41,7 @@ class EmbedCall:
     chunk: bool | None = None  # embed over-long inputs as chunks (frontend/chunks.py); None = the server's default
     normalize: bool = True
     dimensions: int = 0  # keep the first this many (0 = all), then normalize
-    encoding: Encoding = Encoding.FLOAT32  # the vectors as answered: float32, or quantized (kembed/quantize.py)
+    encoding: Encoding = Encoding.FLOAT32  # the vectors as answered: float32, or quantized (quantize.py)
     priority: Priority = Priority.INTERACTIVE
     prompt: PromptChoice = NO_CHOICE
     request_id: str = ""  # echoed in the answer
@@ -82,6 +82,18 @@ class EmbedResult:
     timings: Timings
     encoding: Encoding  # the call's
     dimensions: int  # the vectors', whatever the encoding (a binary row holds ceil(dimensions / 8) bytes)
+
+    def timing_headers(self) -> list[tuple[str, str]]:
+        """TEI's timing headers, in whole milliseconds as TEI sends them, and the tokens computed:
+        REST answers them as headers, gRPC in its trailing metadata."""
+        timings = self.timings
+        return [
+            ("x-total-time", str(round(timings.total_s * 1000))),
+            ("x-tokenization-time", str(round(timings.tokenize_s * 1000))),
+            ("x-queue-time", str(round(timings.queue_s * 1000))),
+            ("x-inference-time", str(round(timings.inference_s * 1000))),
+            ("x-compute-tokens", str(int(self.token_counts.sum()))),
+        ]
 
 
 @dataclass(frozen=True, slots=True)

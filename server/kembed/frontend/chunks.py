@@ -16,8 +16,8 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 
-from kembed.errors import Field, InvalidInput
-from kembed.inputs import Sequences
+from kembed.domain.errors import Field, InvalidInput
+from kembed.domain.inputs import Sequences
 
 
 @dataclass(frozen=True, slots=True)

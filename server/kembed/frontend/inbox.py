@@ -8,8 +8,8 @@ import itertools
 
 import numpy as np
 
-from kembed.priority import Priority
-from kembed.protocol import Errors, ProtocolError, Result
+from kembed.ipc.protocol import Errors, ProtocolError, Result
+from kembed.policy.priority import Priority
 
 
 class Pending:

@@ -26,11 +26,10 @@ import logging
 from collections.abc import Callable
 from pathlib import Path
 
+from kembed.domain.inputs import Sequences
 from kembed.frontend.inbox import Pending, Waiting
 from kembed.frontend.outbox import InTransit, NextFrame
-from kembed.inputs import Sequences
-from kembed.priority import Priority
-from kembed.protocol import (
+from kembed.ipc.protocol import (
     PROTOCOL_VERSION,
     Errors,
     Hello,
@@ -43,7 +42,9 @@ from kembed.protocol import (
     receive,
     send,
 )
-from kembed.runtime import ENGINE_SOCKET
+from kembed.plumbing import request_log
+from kembed.plumbing.runtime import ENGINE_SOCKET
+from kembed.policy.priority import Priority
 
 log = logging.getLogger(__name__)
 
@@ -110,7 +111,7 @@ class EngineLink:
         future = asyncio.get_running_loop().create_future()
         pending = Pending(future, arrival, seqs.count, self.info.dimensions, priority)
         self._waiting.add(tag, pending)
-        self._next.add(tag, seqs, cost, deadline, priority)
+        self._next.add(tag, seqs, cost, deadline, priority, request_log.request_id.get())  # for the engine's log
         self.in_transit.queued(cost, priority)
         self._schedule_flush()
         return tag, pending

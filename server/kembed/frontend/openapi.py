@@ -14,7 +14,7 @@ from typing import Any
 import orjson
 
 from kembed import __version__
-from kembed.config import Settings
+from kembed.config.settings import Settings
 from kembed.frontend.call import Limits
 from kembed.frontend.openai_api import BODY, input_schema
 

@@ -9,9 +9,9 @@ from typing import NamedTuple
 
 import numpy as np
 
-from kembed.inputs import Sequences
-from kembed.priority import Priority
-from kembed.protocol import Work
+from kembed.domain.inputs import Sequences
+from kembed.ipc.protocol import Work, join_request_ids
+from kembed.policy.priority import Priority
 
 
 class _Outgoing(NamedTuple):
@@ -21,6 +21,7 @@ class _Outgoing(NamedTuple):
     priority: Priority
     lengths: np.ndarray
     ids: np.ndarray
+    request_id: str
 
 
 class NextFrame:
@@ -31,8 +32,8 @@ class NextFrame:
         self._cancels: list[int] = []
         self._samples: list[tuple[float, Priority, bool]] = []  # seconds, class, refused
 
-    def add(self, tag: int, seqs: Sequences, cost: int, deadline: float, priority: Priority) -> None:
-        self._requests.append(_Outgoing(tag, deadline, cost, priority, seqs.lengths, seqs.ids))
+    def add(self, tag: int, seqs: Sequences, cost: int, deadline: float, priority: Priority, request_id: str) -> None:
+        self._requests.append(_Outgoing(tag, deadline, cost, priority, seqs.lengths, seqs.ids, request_id))
 
     def cancel(self, tag: int) -> tuple[int, Priority] | None:
         """Nobody waits for ``tag``: a request still queued here is dropped (its cost and class
@@ -65,7 +66,7 @@ class NextFrame:
         requests, self._requests = self._requests, []
         cancels, self._cancels = self._cancels, []
         samples, self._samples = self._samples, []
-        tags, deadlines, costs, priorities, lengths, ids = zip(*requests, strict=True) if requests else ((),) * 6
+        tags, deadlines, costs, priorities, lengths, ids, names = zip(*requests, strict=True) if requests else ((),) * 7
         latencies, sample_priorities, refused = zip(*samples, strict=True) if samples else ((), (), ())
         return Work(
             tags=np.asarray(tags, dtype="<u8"),
@@ -79,6 +80,7 @@ class NextFrame:
             latencies=np.asarray(latencies, dtype="<f8"),
             sample_priorities=np.asarray(sample_priorities, dtype="u1"),
             sample_refused=np.asarray(refused, dtype="u1"),
+            request_ids=join_request_ids(names),
         )
 
 

@@ -17,19 +17,20 @@ import threading
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
-from kembed.board import Board, Cell, FrontendCell
-from kembed.child import Child
-from kembed.config import Settings
+from kembed.config.settings import Settings
 from kembed.contract import EXIT_FATAL
 from kembed.frontend import budget
+from kembed.frontend.gate import Gate
 from kembed.frontend.grpc_api import GrpcEdge
 from kembed.frontend.link import EngineLink
 from kembed.frontend.rest import RestEdge, raise_fd_limit
 from kembed.frontend.screen import Screen
-from kembed.frontend.service import EmbedService, Gate, Service, WarmingUp
+from kembed.frontend.service import EmbedService, Service, WarmingUp
+from kembed.ipc.board import Board, Cell, FrontendCell
+from kembed.ipc.protocol import LinkClosed, ProtocolError
 from kembed.metrics import FrontendMetrics
-from kembed.protocol import LinkClosed, ProtocolError
-from kembed.runtime import BOARD_FILE
+from kembed.plumbing.child import Child
+from kembed.plumbing.runtime import BOARD_FILE
 
 log = logging.getLogger(__name__)
 

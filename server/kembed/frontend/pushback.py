@@ -36,7 +36,7 @@ import time
 from collections.abc import Callable, Hashable
 from dataclasses import dataclass
 
-from kembed.admission import MAX_PUSHBACK_MS
+from kembed.policy.admission import MAX_PUSHBACK_MS
 
 # The longest a refusal's answer is deferred, the longest pushback: only a bound, since a client
 # whose callers wait for their answers is paced by far less (its callers over the rate).

@@ -50,21 +50,23 @@ from typing import Any, TypeVar
 
 from aiohttp import web
 
-from kembed import api_keys, listen, tls
-from kembed.config import Settings
-from kembed.contract import OPENAI_RETRY_COUNT_HEADER, RETRY_ATTEMPT_KEY
-from kembed.demand import retry_attempt
-from kembed.errors import EmbedError, Failure
-from kembed.frontend import auth, openai_api, openapi
+from kembed.config.settings import Settings
+from kembed.contract import OPENAI_RETRY_COUNT_HEADER, REQUEST_ID_KEY, RETRY_ATTEMPT_KEY
+from kembed.domain.errors import EmbedError, Failure
+from kembed.domain.prompts import ModelPrompts
+from kembed.frontend import auth, json_body, openai_api, openapi, tracing
 from kembed.frontend.budget import BODY_SHARE, BODY_WEIGHT, ClientShares, MemoryBudget, Reservation
 from kembed.frontend.call import EmbedCall, Limits
 from kembed.frontend.connections import Connections
-from kembed.frontend.openai_api import ApiError, Body, Embeddings
+from kembed.frontend.gate import Gate, draining, warming_up
+from kembed.frontend.json_body import Body
+from kembed.frontend.openai_api import ApiError, Embeddings
 from kembed.frontend.pushback import refusal_weight, rest_client
-from kembed.frontend.service import Gate, Service, draining, warming_up
+from kembed.frontend.service import Service
+from kembed.ipc.protocol import ServingInfo
 from kembed.metrics import FrontendMetrics
-from kembed.prompts import ModelPrompts
-from kembed.protocol import ServingInfo
+from kembed.plumbing import api_keys, listen, request_log, tls
+from kembed.policy.demand import retry_attempt
 
 log = logging.getLogger(__name__)
 
@@ -89,7 +91,8 @@ ANSWER_BYTES_PER_VALUE = {"float": 14, "base64": 6, "int8": 5, "uint8": 4, "bina
 ANSWER_ENVELOPE = 256
 TOKEN_ANSWER_BYTES = 8  # a token id as JSON text and its comma, in a vocabulary under ten million
 T = TypeVar("T")
-Respond = Callable[[web.BaseRequest, Embeddings, Reservation], Awaitable[bytes]]
+Headers = list[tuple[str, str]]
+Respond = Callable[[web.BaseRequest, Embeddings, Reservation], Awaitable[tuple[bytes, Headers]]]
 
 
 class RestEdge:
@@ -165,7 +168,12 @@ class RestEdge:
         await self._runner.cleanup()
 
     async def _handle(self, request: web.BaseRequest) -> web.StreamResponse:
-        response = await self._route(request)
+        # A connection's task serves its requests in turn: each one's id is set, then taken back.
+        named = request_log.request_id.set(request_log.adopt(request.headers.get(REQUEST_ID_KEY)))
+        try:
+            response = await self._route(request)
+        finally:
+            request_log.request_id.reset(named)
         self._close_if_aged(request, response)
         return response
 
@@ -229,7 +237,7 @@ class RestEdge:
             parsed = await self._read(request, reservation, deadline)
             reservation.release()
             self._server.working(request.protocol)
-            return await self._write(request, 200, await respond(request, parsed, reservation))
+            return await self._write(request, 200, *await respond(request, parsed, reservation))
         except ApiError as api_error:
             error = api_error
         except EmbedError as embed_error:
@@ -275,7 +283,7 @@ class RestEdge:
         content, peer = request.content, f"rest:{client}"
         if content.is_eof() and content.total_bytes <= READ_CHUNK:
             reservation.grow(BODY_WEIGHT * content.total_bytes)
-            return openai_api.parse(content.read_nowait(), self._served, self._limits, peer)
+            return json_body.parse(content.read_nowait(), self._served, self._limits, peer)
         reader, limit = Body(self._limits), self._settings.max_message_bytes
         with self._shares.holding(client) as share:
             async with asyncio.timeout_at(deadline) as timeout:
@@ -293,18 +301,23 @@ class RestEdge:
                     self._reading.discard(timeout)
         return reader.finish(self._served, peer)
 
-    async def _embed(self, request: web.BaseRequest, parsed: Embeddings, reservation: Reservation) -> bytes:
-        """The call's answer (a refusal's paced: :meth:`_paced`)."""
+    async def _embed(
+        self, request: web.BaseRequest, parsed: Embeddings, reservation: Reservation
+    ) -> tuple[bytes, Headers]:
+        """The call's answer and its timing headers (a refusal's paced: :meth:`_paced`)."""
         dimensions = min(parsed.call.dimensions or self._dimensions, self._dimensions)
         reservation.grow(parsed.call.count * dimensions * ANSWER_BYTES_PER_VALUE[parsed.encoding] + ANSWER_ENVELOPE)
         embedding = self._service().embed(_with_attempt(parsed.call, request))
         result = await self._paced(request, parsed, reservation, embedding)
-        return openai_api.answer(parsed, result)
+        tracing.record("POST " + EMBEDDINGS_PATH, lambda: request.headers, result)
+        return openai_api.answer(parsed, result), result.timing_headers()
 
-    async def _tokenize(self, request: web.BaseRequest, parsed: Embeddings, reservation: Reservation) -> bytes:
+    async def _tokenize(
+        self, request: web.BaseRequest, parsed: Embeddings, reservation: Reservation
+    ) -> tuple[bytes, Headers]:
         chunks = await self._paced(request, parsed, reservation, self._service().tokenize(parsed.call))
         reservation.grow(int(chunks.seqs.ids.size) * TOKEN_ANSWER_BYTES + ANSWER_ENVELOPE)  # before it is written
-        return openai_api.tokens(parsed, chunks)
+        return openai_api.tokens(parsed, chunks), []
 
     async def _paced(
         self, request: web.BaseRequest, parsed: Embeddings, reservation: Reservation, work: Awaitable[T]
@@ -321,11 +334,11 @@ class RestEdge:
                 await self._service().pace(parsed.call.peer, refusal_weight(request.content.total_bytes))
             raise
 
-    async def _write(self, request: web.BaseRequest, status: int, body: bytes) -> web.StreamResponse:
+    async def _write(self, request: web.BaseRequest, status: int, body: bytes, headers: Headers) -> web.StreamResponse:
         """The answer, written here while its bytes are still weighed, within the request's timeout.
         One that fits the transport's buffer is left to aiohttp: writing it does not wait (a client that
         never reads it leaves its connection idle, the first closed when room is needed)."""
-        response = self._reply(status, body)
+        response = self._reply(status, body, headers=dict(headers))
         if len(body) <= WRITE_BUFFER_BYTES:
             return response
         self._close_if_aged(request, response)
@@ -359,6 +372,8 @@ class RestEdge:
         self._metrics.answered("rest", str(status))
         response = web.Response(status=status, body=body, headers=headers)
         response.headers["Content-Type"] = content_type
+        if named := request_log.request_id.get():  # none on a head aiohttp could not parse
+            response.headers[REQUEST_ID_KEY] = named
         return response
 
 

@@ -4,7 +4,7 @@ Refusing here costs no tokenization and no trip to the engine, which is what kee
 The engine still has the final word (:mod:`kembed.engine.intake`): the board is at most one update
 old, and every front end admits against the same backlog.
 
-The screen also counts the work offered (:mod:`kembed.demand`), once per call at the step that
+The screen also counts the work offered (:mod:`kembed.policy.demand`), once per call at the step that
 decides it: a call refused before tokenizing at the lower bound of its cost the pre-screen weighed,
 any other at its exact padded cost, admitted or refused. A retry (``attempt`` over 0) is not
 counted again. Calls refused before the screen (bad input, warming up, draining, the front end's
@@ -21,12 +21,12 @@ import time
 from collections.abc import Callable, Iterator
 from typing import NamedTuple
 
-from kembed.admission import AdmissionController, Backlog, Rejection
-from kembed.board import Board, Cell, ClassCell, FrontendCell
-from kembed.config import Settings
-from kembed.demand import OfferedRate
+from kembed.config.settings import Settings
 from kembed.frontend.outbox import InTransit
-from kembed.priority import Priority
+from kembed.ipc.board import Board, Cell, ClassCell, FrontendCell
+from kembed.policy.admission import AdmissionController, Backlog, Rejection
+from kembed.policy.demand import OfferedRate
+from kembed.policy.priority import Priority
 
 Refusals = Callable[[float, Priority], None]  # where refusals' samples go: to the engine's shedding window
 

@@ -3,7 +3,7 @@ tokenize → admit → engine → result; and when the answer to a refusal may b
 
 Every edge hands it an :class:`~kembed.frontend.call.EmbedCall` (its limits checked while the edge
 read it) and maps the :class:`~kembed.frontend.call.EmbedResult` back. Every failure is an
-:class:`~kembed.errors.EmbedError`: bad input is INVALID_ARGUMENT (an ``InvalidInput`` that locates
+:class:`~kembed.domain.errors.EmbedError`: bad input is INVALID_ARGUMENT (an ``InvalidInput`` that locates
 it) before it can reach a shared batch; admission refusals are REJECTED with a pushback; warming up
 or draining is UNAVAILABLE; work whose deadline passed is dropped before compute and answered
 DEADLINE. Each edge maps them to its transport's codes.
@@ -12,6 +12,7 @@ DEADLINE. Each edge maps them to its transport's codes.
 from __future__ import annotations
 
 import asyncio
+import logging
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import Executor
@@ -22,27 +23,29 @@ import numpy as np
 import tokenizers
 
 from kembed import __version__
-from kembed.admission import Rejection
-from kembed.config import Settings
-from kembed.errors import EmbedError, Failure, Field, InvalidInput
+from kembed.config.settings import Settings
+from kembed.domain.errors import EmbedError, Failure, Field, InvalidInput
+from kembed.domain.inputs import Sequences, Tokenizer, TokenLimit
+from kembed.domain.prompts import ModelPrompts
+from kembed.domain.texts import NO_CONTENT, has_content
 from kembed.frontend.budget import MemoryBudget, call_weight
 from kembed.frontend.call import EmbedCall, EmbedResult, ServerInfo, Texts, Timings
 from kembed.frontend.chunks import Chunking, Chunks
+from kembed.frontend.gate import Gate, warming_up
 from kembed.frontend.inbox import Pending
 from kembed.frontend.link import EngineLink
 from kembed.frontend.pushback import PacedAnswers, RefusalPacer
+from kembed.frontend.quantize import encode
 from kembed.frontend.screen import Screen, Waits
-from kembed.inputs import Sequences, Tokenizer, TokenLimit
 from kembed.metrics import FrontendMetrics
-from kembed.priority import Priority
-from kembed.prompts import ModelPrompts
-from kembed.quantize import encode
-from kembed.runtime import read_serving
-from kembed.shapes import padded_tokens
-from kembed.texts import NO_CONTENT, has_content
+from kembed.plumbing.runtime import read_serving
+from kembed.policy.admission import Rejection
+from kembed.policy.priority import Priority
+from kembed.policy.shapes import padded_tokens
+
+log = logging.getLogger(__name__)
 
 MAX_REQUEST_ID_CHARS = 256
-DRAINING_PUSHBACK_MS = 100  # a draining pod's refusal: come back at once, on a new connection
 # Inputs up to this many characters or id bytes are tokenized on the event loop: a trip through the
 # executor (two thread switches and a loop wake-up) costs more than tokenizing a sentence. Larger
 # inputs go to the executor, where the Rust tokenizer runs without the GIL.
@@ -65,41 +68,6 @@ class Prompt(NamedTuple):
 NO_PROMPT = Prompt("", 0)
 
 
-class Gate:
-    """Whether requests are still taken, and how many are in progress, so a drain knows when
-    everything accepted has been answered. Closed when this front end drains, or as soon as the
-    supervisor marks the whole pod draining (a front end may see its SIGTERM a moment later)."""
-
-    def __init__(self, pod_draining: Callable[[], bool]) -> None:
-        self._pod_draining = pod_draining
-        self.draining = False
-        self.active = 0
-        self._idle = asyncio.Event()
-        self._idle.set()
-
-    def enter(self) -> None:
-        self.check_open()
-        self.hold()
-
-    def check_open(self) -> None:
-        if self.draining or self._pod_draining():
-            raise draining()
-
-    def hold(self) -> None:
-        """Count work in progress whether or not the gate is open: a computed answer still to write."""
-        self.active += 1
-        self._idle.clear()
-
-    def leave(self, count: int = 1) -> None:
-        self.active -= count
-        if self.active == 0:
-            self._idle.set()
-
-    async def wait_idle(self) -> None:
-        while self.active:  # again: a stream may hold an answer before this waiter runs
-            await self._idle.wait()
-
-
 class Service(Protocol):
     """What the edges call: the real path once the engine is warm, a refusal before."""
 
@@ -113,16 +81,6 @@ class Service(Protocol):
         edge calls it once it holds nothing of the call's but what answering it needs."""
 
     def info(self) -> ServerInfo: ...
-
-
-def warming_up() -> EmbedError:
-    return EmbedError(Failure.UNAVAILABLE, "server is warming up: retry shortly")
-
-
-def draining() -> EmbedError:
-    """With a pushback, so a client's retry policy (gRPC's, the openai SDK's) sends the call again on
-    another replica: the Service has taken this pod out of its endpoints before its SIGTERM."""
-    return EmbedError(Failure.UNAVAILABLE, "server is draining: retry on another replica", DRAINING_PUSHBACK_MS)
 
 
 class WarmingUp:
@@ -403,6 +361,7 @@ class EmbedService:
     def _refused(self, rejection: Rejection, priority: Priority) -> EmbedError:
         """The refusal, counted."""
         self._metrics.rejected.labels(reason=rejection.reason, priority=priority.label).inc()
+        log.debug("refused (%s): %s", rejection.reason, rejection.message)
         return EmbedError(Failure.REJECTED, rejection.message, rejection.retry_after_ms)
 
     async def _wait(self, tag: int, pending: Pending, deadline: float, expected: float) -> None:
@@ -434,6 +393,11 @@ class EmbedService:
         self, call: EmbedCall, chunks: Chunks, pending: Pending, tokenize_s: float, arrival: float, done: float
     ) -> EmbedResult:
         queue_s = max(0.0, pending.last_start - arrival - tokenize_s)
+        self._metrics.stages(tokenize_s, queue_s, pending.inference_s)
+        log.debug(
+            "answered: %d items; tokenize %.1f ms, queue %.1f ms, compute %.1f ms, total %.1f ms",
+            *(call.count, 1000 * tokenize_s, 1000 * queue_s, 1000 * pending.inference_s, 1000 * (done - arrival)),
+        )
         vectors = postprocess(chunks.combine(pending.embeddings), call.dimensions, call.normalize)
         return EmbedResult(
             embeddings=encode(vectors, call.encoding),
@@ -464,7 +428,7 @@ class EmbedService:
 
 
 def _check_content(texts: Sequence[str]) -> None:
-    """Refuse the first text without content (``kembed/texts.py``): embedded, it would be its
+    """Refuse the first text without content (``kembed/domain/texts.py``): embedded, it would be its
     special tokens alone. Here, where a large call is tokenized off the event loop, since a text
     without content is read to its end."""
     for index, content in enumerate(map(has_content, texts)):

@@ -23,13 +23,13 @@ import time
 from asyncio.subprocess import Process
 from typing import Any
 
-from kembed import listen
-from kembed.board import Board, Cell, ClassCell, FrontendCell
-from kembed.config import Settings
+from kembed.config.settings import Settings
 from kembed.contract import EXIT_FATAL, Metric
+from kembed.ipc.board import Board, Cell, ClassCell, FrontendCell
 from kembed.metrics import drain_seconds, interactive_drain_seconds, supervisor_registry
-from kembed.priority import Priority
-from kembed.runtime import BOARD_FILE, METRICS_DIR, RuntimeDir, read_serving
+from kembed.plumbing import listen
+from kembed.plumbing.runtime import BOARD_FILE, METRICS_DIR, RuntimeDir, read_serving
+from kembed.policy.priority import Priority
 from kembed.supervisor.http import HealthServer
 from kembed.supervisor.refusals import SAMPLE_S, WINDOW_S, RecentRefusals, counted
 

@@ -3,7 +3,7 @@ cut into spans of consecutive texts that each fit in one request.
 
 Line ``n`` (1-based) of the input, or of a shard, is row ``n - 1`` of the output, or of the part.
 Lines end at ``\\n`` (a ``\\r`` before it is dropped, so CRLF files read as expected); an empty
-line, or one without content (only whitespace or invisible characters: ``kembed/texts.py``, the
+line, or one without content (only whitespace or invisible characters: ``kembed/domain/texts.py``, the
 server's rule), is not sent, and its row is zeros (:attr:`Span.sent`: the server refuses such a text).
 Input is UTF-8, strictly: a bad byte or a JSON line without the field is an error naming the line.
 So is a ``\\r`` anywhere else in a line: a file with CR-only line ends
@@ -39,7 +39,7 @@ import numpy as np
 
 from kembed.client.corpus import FinalError, file_error
 from kembed.client.requests import REQUEST_ENVELOPE_BYTES, TEXT_ENVELOPE_BYTES, cut_chars, split_texts
-from kembed.texts import has_content
+from kembed.domain.texts import has_content
 
 STDIN = "-"
 # A JSONL line may hold this many times what its text may (escapes, other fields); past that it

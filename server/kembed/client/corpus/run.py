@@ -25,12 +25,12 @@ import numpy as np
 
 from kembed.client.connection import Connection
 from kembed.client.corpus import CorpusError, FinalError, file_error
+from kembed.client.corpus.pacing import Pacing
 from kembed.client.corpus.parts import complete, growing_path, part_path, write_manifest
 from kembed.client.corpus.reader import CorpusReader, Limits, Shard, Span, ThreadedSpans
 from kembed.client.corpus.stream import (
     RECONNECT,
     Counts,
-    Pacing,
     Progress,
     Request,
     Sink,

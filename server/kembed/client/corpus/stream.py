@@ -32,26 +32,22 @@ from __future__ import annotations
 
 import asyncio
 import math
-import random
 import re
 import sys
-import time
-from collections.abc import Callable
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Protocol
 
 import grpc
 import numpy as np
 
 from kembed.client.corpus import CorpusError, FinalError
+from kembed.client.corpus.pacing import Pacing
 from kembed.client.corpus.reader import Span, ThreadedSpans
 from kembed.client.requests import NO_PROMPT, Prompt, decode, direction_of, priority
 from kembed.client.window import Budget, RequestSize, Window
 from kembed.v1 import embedder_pb2 as pb
 from kembed.v1 import embedder_pb2_grpc as pb_grpc
 
-BACKOFF_S = 0.1
-MAX_BACKOFF_S = 10.0
 # Rows appended between commits (an fsync each): a crash re-embeds at most this many.
 COMMIT_ROWS = 1024
 # Per-request errors worth sending again; any other fails the run, naming the rows.
@@ -106,45 +102,6 @@ def embed_request(span: Span, request: Request) -> pb.EmbedRequest:
         input_type=request.prompt.input_type,
         truncation_direction=direction_of(request.truncation_direction),
     )
-
-
-@dataclass
-class Pacing:
-    """When the stream may send again, and when to give up. Pure: the clock and jitter are injected."""
-
-    give_up_s: float
-    clock: Callable[[], float] = time.monotonic
-    jitter: Callable[[], float] = field(default=lambda: random.uniform(0.8, 1.2))
-    paused_until: float = 0.0
-    failures: int = 0  # in a row, for the backoff
-    last_progress: float = field(init=False)
-
-    def __post_init__(self) -> None:
-        self.last_progress = self.clock()
-
-    def wait_s(self) -> float:
-        return max(0.0, self.paused_until - self.clock())
-
-    def progressed(self) -> None:
-        self.failures = 0
-        self.last_progress = self.clock()
-
-    def refused(self, retry_after_ms: int, why: str) -> None:
-        """RESOURCE_EXHAUSTED: the server says when (already jittered); without a time, back off."""
-        if not retry_after_ms:
-            return self.failed(why)
-        self._pause(retry_after_ms / 1000, why)
-
-    def failed(self, why: str) -> None:
-        self.failures += 1
-        self._pause(min(MAX_BACKOFF_S, BACKOFF_S * 2 ** (self.failures - 1)) * self.jitter(), why)
-
-    def _pause(self, seconds: float, why: str) -> None:
-        now = self.clock()
-        if now - self.last_progress > self.give_up_s:
-            idle = now - self.last_progress
-            raise CorpusError(f"gave up: no row written for {idle:.0f} s (--give-up-after); last: {why}")
-        self.paused_until = max(self.paused_until, now + seconds)
 
 
 class InOrder:

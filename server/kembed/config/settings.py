@@ -1,137 +1,34 @@
-"""Server settings, read from ``KEMBED_*`` environment variables and validated at start-up.
-
-Every field ``x`` is set by ``KEMBED_X`` (see :func:`kembed.contract.env_name`). A bad value
-stops start-up with :class:`ConfigError`, whose message names the variable. Each field belongs to a
-:class:`Group` (what a user sets, tuning knobs, what the operator sets), and the configuration
-tables are generated per group from the field descriptions (``python -m kembed --env-table``).
+"""Server settings: field ``x`` is read from ``KEMBED_X`` and validated at start-up (a bad value is
+a :class:`~kembed.config.values.ConfigError` naming the variable). Each field is in a
+:class:`~kembed.config.values.Group`, by which the tables are generated (:mod:`kembed.config.table`).
 """
 
 from __future__ import annotations
 
 import json
-import os
 from collections.abc import Mapping
-from enum import StrEnum
-from pathlib import Path
-from typing import Annotated, Any, Final, TypeVar
+from typing import Annotated, Any
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
-from pydantic.config import JsonDict
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from kembed.config.env import env_list, read_env
+from kembed.config.values import (
+    MAX_FRONTENDS,
+    OPERATOR,
+    TUNING,
+    USER,
+    Admission,
+    Batching,
+    Dtype,
+    Graphs,
+    Pooling,
+    Toggle,
+    Warmup,
+    available_cpus,
+    frontends_for,
+)
 from kembed.contract import ENV_PREFIX, GRPC_PORT, HTTP_PORT, OPERATOR_ENV_PREFIX, REST_ANY_PORT, REST_PORT, env_name
-from kembed.prompts import name_problem, problem
-
-MAX_FRONTENDS = 64
-AUTO_MAX_FRONTENDS = 8
-# auto: two CPUs for the engine (its event loop and the worker thread), then one front end per two
-# CPUs (a busy front end takes about a core on its event loop plus gRPC's poller and tokenizer
-# threads), from 1 to 8. On 2 CPUs one front end measured faster than two (docs/decisions/cpu-sizing.md).
-ENGINE_CPUS = 2
-CPUS_PER_FRONTEND = 2
-
-
-CGROUP_CPU_MAX = Path("/sys/fs/cgroup/cpu.max")
-
-
-def available_cpus(request_millicores: int = 0, cpu_max: Path | None = None) -> float:
-    """CPUs this process may use: its affinity, capped by a cgroup v2 CPU quota (a pod's limit) and
-    by the container's CPU request (``request_millicores``, 0 = none): a pod without a CPU limit
-    sees the node's cores, but was scheduled for its request."""
-    cpus = float(len(os.sched_getaffinity(0)))
-    if request_millicores:
-        cpus = min(cpus, request_millicores / 1000)
-    try:
-        quota, period = (cpu_max or CGROUP_CPU_MAX).read_text().split()
-    except (OSError, ValueError):
-        return cpus
-    return cpus if quota == "max" else min(cpus, int(quota) / int(period))
-
-
-class ConfigError(ValueError):
-    """A setting is invalid; the message names the ``KEMBED_*`` variable."""
-
-
-class Batching(StrEnum):
-    TOKEN_BUCKET = "token_bucket"  # per-item length buckets, fixed batch shapes
-    NAIVE = "naive"  # whatever is queued, padded to the longest: the ablation baseline
-
-
-class Admission(StrEnum):
-    THROUGHPUT = "throughput"
-    LATENCY = "latency"
-
-
-class Toggle(StrEnum):
-    AUTO = "auto"
-    ON = "on"
-    OFF = "off"
-
-
-class Pooling(StrEnum):
-    AUTO = "auto"  # from the model folder's sentence-transformers config
-    MEAN = "mean"
-    CLS = "cls"
-    LAST = "last"
-
-
-class Dtype(StrEnum):
-    AUTO = "auto"  # bf16 on CUDA; on a CPU, bf16 where it has bf16 units and warmup finds it faster and accurate
-    FLOAT32 = "float32"
-    FLOAT16 = "float16"
-    BFLOAT16 = "bfloat16"
-
-
-class Warmup(StrEnum):
-    AUTO = "auto"  # grid when compiling (always: graphs must be captured), else largest
-    GRID = "grid"  # every (bucket, batch size) shape
-    LARGEST = "largest"  # the largest batch of every bucket: enough to seed the service rate
-
-
-class Graphs(StrEnum):
-    CAPTURE = "capture"  # one dynamic-shape compile, a torch.cuda.CUDAGraph captured per planned shape
-    STATIC = "static"  # a reduce-overhead compile per planned shape (the mechanism measured first)
-
-
-def _list(value: Any) -> Any:
-    """A list setting's variable: a JSON list, whose items may hold anything (`["[query]", ","]`), else
-    comma-separated items, stripped, empty ones left out (`[query],[title]`)."""
-    if not isinstance(value, str):
-        return value
-    if value.lstrip().startswith("["):
-        try:
-            items = json.loads(value)
-        except ValueError:  # `[query]` is no JSON: one comma-separated item
-            items = None
-        if isinstance(items, list):
-            return items
-    return [part.strip() for part in value.split(",") if part.strip()]
-
-
-class Group(StrEnum):
-    """Who sets a setting, which is how the settings table is split."""
-
-    USER = "user"  # the model, binds and ports, TLS, logging, the latency targets
-    TUNING = "tuning"  # batching, admission and limits: defaults measured to hold, changed with a reason
-    OPERATOR = "operator"  # facts about the pod, which the operator renders from it
-
-
-GROUP_TITLES = {
-    Group.USER: "What you set",
-    Group.TUNING: "Tuning knobs",
-    Group.OPERATOR: "What the operator sets",
-}
-GROUP_NOTES = {
-    Group.USER: "The model, where the server listens, TLS, logging, and the latency targets admission holds.",
-    Group.TUNING: "Batching, admission and limits. The defaults are measured; change one with a reason.",
-    Group.OPERATOR: (
-        "The operator sets these from the pod it renders (its CPU request, its grace period, the compile "
-        "cache volume). Outside Kubernetes, set them if you need them."
-    ),
-}
-# Each field's group, as its json_schema_extra (read by group_of).
-USER: Final[JsonDict] = {"group": Group.USER.value}
-TUNING: Final[JsonDict] = {"group": Group.TUNING.value}
-OPERATOR: Final[JsonDict] = {"group": Group.OPERATOR.value}
+from kembed.domain.prompts import name_problem, problem
 
 
 class Settings(BaseModel):
@@ -448,7 +345,7 @@ class Settings(BaseModel):
     @field_validator("control_tokens", "buckets", "admission", mode="before")
     @classmethod
     def _split_list(cls, value: Any) -> Any:
-        return _list(value)
+        return env_list(value)
 
     @field_validator("prompts", mode="before")
     @classmethod
@@ -532,79 +429,10 @@ class Settings(BaseModel):
 
     def frontend_count(self) -> int:
         """How many front ends: as set, or by the CPUs this process may use (docs/decisions/cpu-sizing.md)."""
-        if self.frontends != "auto":
-            return int(self.frontends)
-        spare = int(self.cpus()) - ENGINE_CPUS
-        return max(1, min(AUTO_MAX_FRONTENDS, spare // CPUS_PER_FRONTEND))
+        return int(self.frontends) if self.frontends != "auto" else frontends_for(self.cpus())
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None, **overrides: Any) -> Settings:
         """Read ``KEMBED_*`` variables; unknown ``KEMBED_*`` names are an error (likely a typo), but
         ``KEMBED_OPERATOR_*`` are the operator's own, so a shell may hold both."""
         return read_env(cls, ENV_PREFIX, environ, overrides, besides=OPERATOR_ENV_PREFIX)
-
-
-M = TypeVar("M", bound=BaseModel)
-
-
-def read_env(
-    model: type[M],
-    prefix: str,
-    environ: Mapping[str, str] | None = None,
-    overrides: Mapping[str, Any] | None = None,
-    besides: str = "",
-) -> M:
-    """A settings model from the variables ``prefix + FIELD`` (``besides``: a longer prefix that is
-    someone else's); :class:`ConfigError` naming the variable for an unknown name or a bad value."""
-    environ = os.environ if environ is None else environ
-    values: dict[str, Any] = {}
-    for key, raw in environ.items():
-        if not key.startswith(prefix) or (besides and key.startswith(besides)):
-            continue
-        name = key[len(prefix) :].lower()
-        if name not in model.model_fields:
-            raise ConfigError(f"{key}: unknown setting")
-        values[name] = raw
-    values.update(overrides or {})
-    try:
-        return model(**values)
-    except ValidationError as err:
-        raise ConfigError(_describe(err, prefix)) from None
-
-
-def _describe(err: ValidationError, prefix: str) -> str:
-    problems = []
-    for error in err.errors():
-        loc = error["loc"]
-        where = prefix + str(loc[0]).upper() if loc else "settings"
-        problems.append(f"{where}: {error['msg']}")
-    return "; ".join(problems)
-
-
-def group_of(name: str) -> Group:
-    """The group a setting belongs to."""
-    extra = Settings.model_fields[name].json_schema_extra
-    group = extra.get("group") if isinstance(extra, dict) else None
-    if not isinstance(group, str):
-        raise ValueError(f"setting {name} has no group")
-    return Group(group)
-
-
-def env_table(group: Group) -> str:
-    """One group's configuration table, from the field descriptions."""
-    rows = ["| Variable | Default | Meaning |", "| --- | --- | --- |"]
-    for name, field in Settings.model_fields.items():
-        if group_of(name) is not group:
-            continue
-        default = field.get_default(call_default_factory=True)
-        if isinstance(default, list):
-            default = ",".join(str(getattr(v, "value", v)) for v in default)
-        default = getattr(default, "value", default)
-        shown = "(unset)" if default is None else f"`{default}`" if default != "" else "(empty)"
-        rows.append(f"| `{env_name(name)}` | {shown} | {field.description} |")
-    return "\n".join(rows)
-
-
-def env_tables() -> str:
-    """Every group's table under its title, for ``python -m kembed --env-table``."""
-    return "\n\n".join(f"### {GROUP_TITLES[g]}\n\n{GROUP_NOTES[g]}\n\n{env_table(g)}" for g in Group)

@@ -18,7 +18,8 @@ from typing import cast
 
 import grpc
 
-from kembed.config import ConfigError, Settings
+from kembed.config.settings import Settings
+from kembed.config.values import ConfigError
 from kembed.contract import env_name
 
 log = logging.getLogger(__name__)

@@ -29,12 +29,13 @@ from typing import Any, ClassVar, NamedTuple
 
 import numpy as np
 
-from kembed.errors import EmbedError, Failure
-from kembed.priority import Priority
+from kembed.domain.errors import EmbedError, Failure
+from kembed.policy.priority import Priority
 
-PROTOCOL_VERSION = 4  # both ends come from one install; a difference is a broken image
+PROTOCOL_VERSION = 5  # both ends come from one install; a difference is a broken image
 MAGIC = 0x6B65  # "ke": a stream read out of step fails here, not somewhere in the rows
 HEADER = struct.Struct("<HBHI")  # magic, kind, parts, body bytes
+NEWLINE = ord("\n")  # ends each request id in a WORK frame
 SHORT_PART = 64  # values: a part up to this long is checked in Python (see Span)
 MOST_PRIORITY = max(Priority)
 
@@ -143,7 +144,7 @@ class ServingInfo:
     bucket_lengths: list[int]
     batch_sizes: list[int]
     tokenizer_json: str  # the engine's tokenizer, so every process splits text the same way
-    prompts: dict[str, str] = field(default_factory=dict)  # the model's, by name (kembed.prompts)
+    prompts: dict[str, str] = field(default_factory=dict)  # the model's, by name (kembed.domain.prompts)
     default_prompt_name: str = ""  # the one a request that picks none gets; empty: none
 
 
@@ -199,6 +200,8 @@ class Work:
     latencies: np.ndarray  # float64: server-side latency samples for the P95 windows
     sample_priorities: np.ndarray  # uint8 [latencies]: whose window each sample goes to
     sample_refused: np.ndarray  # uint8 [latencies]: 1 for a refusal's (the wait it spared), 0 for a served request's
+    # uint8: each request's id as its log lines name it, ASCII, each ended by a newline (join_request_ids)
+    request_ids: np.ndarray
     LAYOUT: ClassVar = _layout(
         ("tags", "<u8"),
         ("deadlines", "<f8"),
@@ -211,6 +214,7 @@ class Work:
         ("latencies", "<f8"),
         ("sample_priorities", "u1"),
         ("sample_refused", "u1"),
+        ("request_ids", "u1"),
     )
 
     def encode(self) -> list[Part]:
@@ -230,7 +234,17 @@ class Work:
         _check(cls.kind, counts.least >= 1 and lengths.least >= 1, "an empty request or item")
         _check(cls.kind, counts.total == work.lengths.size, "counts do not add up to the lengths")
         _check(cls.kind, lengths.total == work.ids.size, "lengths do not add up to the ids")
+        _check(cls.kind, np.count_nonzero(work.request_ids == NEWLINE) == requests, "a request id per request")
         return work
+
+    def request_id_list(self) -> list[str]:
+        """Each request's id: read only to write a log line, never for a row."""
+        return self.request_ids.tobytes().decode("ascii", "replace").split("\n")[:-1]
+
+
+def join_request_ids(request_ids: Sequence[str]) -> np.ndarray:
+    """The ``request_ids`` part of a frame: ids are ASCII without a newline (``request_log.adopt``)."""
+    return np.frombuffer("".join(f"{name}\n" for name in request_ids).encode("ascii"), dtype="u1")
 
 
 @dataclass(frozen=True)

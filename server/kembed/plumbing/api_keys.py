@@ -14,7 +14,8 @@ import hmac
 from dataclasses import dataclass
 from pathlib import Path
 
-from kembed.config import ConfigError, Settings
+from kembed.config.settings import Settings
+from kembed.config.values import ConfigError
 from kembed.contract import env_name
 
 SCHEME = "bearer"  # the Authorization header's scheme, any case (RFC 9110)

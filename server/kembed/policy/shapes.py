@@ -16,7 +16,8 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
-from kembed.config import Batching, Graphs, Settings, Toggle
+from kembed.config.settings import Settings
+from kembed.config.values import Batching, Graphs, Toggle
 
 if TYPE_CHECKING:
     import numpy as np

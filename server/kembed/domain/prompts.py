@@ -18,7 +18,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from kembed.errors import Field, InvalidInput
+from kembed.domain.errors import Field, InvalidInput
 
 MAX_PROMPT_CHARS = 1024  # a prompt's text: an instruction, not a document
 MAX_PROMPTS = 64

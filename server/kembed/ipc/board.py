@@ -16,7 +16,7 @@ from pathlib import Path
 
 import numpy as np
 
-from kembed.priority import Priority
+from kembed.policy.priority import Priority
 
 
 class Cell(IntEnum):
@@ -35,7 +35,7 @@ class Cell(IntEnum):
     DISPLACEABLE_TOKENS = 10  # queued batch tokens of requests none of whose items started
     SATURATION = 11  # 0 to 1: the share of the admission budget the backlog fills
     IN_FLIGHT_INTERACTIVE_TOKENS = 12  # of IN_FLIGHT_TOKENS: the rows of interactive items
-    CAPACITY = 13  # padded tokens per second the pod can serve: the demand's denominator (kembed/demand.py)
+    CAPACITY = 13  # padded tokens per second the pod can serve: the demand's denominator (kembed/policy/demand.py)
 
 
 class ClassCell(IntEnum):
@@ -51,7 +51,7 @@ class FrontendCell(IntEnum):
     HEARTBEAT = 0  # time.monotonic() of the front end's event loop's last turn
     SERVING = 1  # 1 while it answers calls
     FRAMES_TAKEN = 2  # its WORK frames the engine has admitted and published (written by the engine)
-    OFFERED_RATE = 3  # padded tokens per second offered to it, admitted or refused (kembed/demand.py)
+    OFFERED_RATE = 3  # padded tokens per second offered to it, admitted or refused (kembed/policy/demand.py)
     OFFERED_AT = 4  # time.monotonic() of OFFERED_RATE's last update
 
 

@@ -1,5 +1,5 @@
 """What can go wrong with a request, whatever carries it: the front ends and the engine raise these,
-and each edge maps them to its own transport's codes (``frontend/grpc_api.py``: gRPC status codes,
+and each edge maps them to its own transport's codes (``frontend/grpc_messages.py``: gRPC status codes,
 ``frontend/openai_api.py``: HTTP statuses in OpenAI's error shape)."""
 
 from __future__ import annotations

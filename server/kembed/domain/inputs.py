@@ -20,7 +20,7 @@ from typing import TYPE_CHECKING
 import numpy as np
 import tokenizers
 
-from kembed.errors import Field, InvalidInput
+from kembed.domain.errors import Field, InvalidInput
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
