@@ -538,6 +538,7 @@ def test_a_shard_killed_midway_goes_on_from_its_part_with_nothing_lost_or_repeat
 # --- a server that refuses, a stream that breaks ------------------------------------------------
 
 REQUEST = pb.EmbedRequest(texts=["Admission control rejects early instead of queueing into timeouts."] * 8)
+ONE_TEXT = pb.EmbedRequest(texts=["x"])  # padded to the smallest bucket: the least any request costs
 
 
 # Admission on, with a small drain budget (test_overload's), and an engine the test can hold.
@@ -557,11 +558,13 @@ def test_refused_requests_are_retried_after_their_pushback_and_every_row_lands_i
     # Held only from here: the command is connected and waits for its input. (A batch held long
     # enters the server's service rate as one very slow batch; see the report on admission.)
     wait_until(lambda: output.exists(), 120, "the command connected")
+    before = server.metric(REFUSED_REQUESTS)
     with grpc.insecure_channel(server.target) as channel, server.engine:
         stub = pb_grpc.EmbedderStub(channel)
-        backlog = [stub.Embed.future(REQUEST, timeout=600) for _ in range(40)]  # more than the budget holds
-        wait_until(lambda: all_decided(server, backlog), 120, "a backlog")
-        refused = server.metric(REFUSED_REQUESTS)
+        backlog = held_until_refused(server, stub)
+        # A unary refusal is counted once answered: the count from here is the command's alone.
+        refused = before + sum(call.done() for call in backlog)
+        wait_until(lambda: server.metric(REFUSED_REQUESTS) == refused, 120, "the backlog's refusals counted")
         process.stdin.write("".join(f"{text}\n" for text in TEXTS[:100]).encode())
         process.stdin.flush()  # closed by communicate below
         # The engine computes nothing until the command has been refused (or has ended: said below).
@@ -571,6 +574,28 @@ def test_refused_requests_are_retried_after_their_pushback_and_every_row_lands_i
     assert process.returncode == 0, stderr.decode()
     assert summary_count(stdout.decode(), "retries") >= 1
     assert_same_vectors(read_jsonl(output), reference[:100])
+
+
+def held_until_refused(server: ServerProcess, stub: pb_grpc.EmbedderStub) -> list[grpc.Future]:
+    """A backlog in the held engine that leaves the drain budget no room for any request: more
+    requests than the budget holds at the rate measured (which stays while nothing computes), then
+    one-text requests, the least a request costs, until one is refused. Whatever this machine's rate,
+    every request of the command (batch work, weighed against all of it) is refused. A backlog of
+    40 requests alone left what its last one did not fit: at 4,075 padded tokens/s, 117 of a budget
+    of 2,037 tokens, and the command's first request (112) was admitted into the held engine,
+    neither refused nor answered."""
+    info = stub.Info(pb.InfoRequest(), timeout=60)
+    least = min(info.buckets)
+    count = info.admission_budget_tokens // (least * len(REQUEST.texts)) + 1  # more than the budget holds
+    backlog = [stub.Embed.future(REQUEST, timeout=600) for _ in range(count)]
+    wait_until(lambda: all_decided(server, backlog), 120, "a backlog")
+    while True:  # the room the last of them did not fit may still hold a smaller request
+        backlog.append(stub.Embed.future(ONE_TEXT, timeout=600))
+        wait_until(lambda: all_decided(server, backlog), 120, "a one-text request decided")
+        if backlog[-1].done():  # refused (held, nothing is answered): less room than any request needs
+            break
+    assert {call.code() for call in backlog if call.done()} == {grpc.StatusCode.RESOURCE_EXHAUSTED}
+    return backlog
 
 
 # Connections closed 5 s after their age of 10 s: a stream held that long breaks. Once the engine
