@@ -20,7 +20,7 @@ from tests.operator.cluster import DEPLOYMENTS, Kube
 from tests.operator.conftest import api, emulator, free_port, kubeconfig, peering, render_chart, wait_for  # noqa: F401
 from tests.server.serving import wait_until
 
-pytestmark = [pytest.mark.image, pytest.mark.timeout(300)]
+pytestmark = [pytest.mark.image, pytest.mark.process, pytest.mark.timeout(300)]
 
 KUBECONFIG = "/etc/kembed/kubeconfig"
 

@@ -35,7 +35,7 @@ from tests.image.podman import Container, http_status, image_files, podman
 from tests.operator.conftest import free_port
 from tests.server.serving import FAST, ServerProcess, wait_until
 
-pytestmark = [pytest.mark.image, pytest.mark.timeout(900)]
+pytestmark = [pytest.mark.image, pytest.mark.process, pytest.mark.timeout(900)]
 
 # The reference server's small shapes (quick warmups on a shared machine), in the spec's words.
 BATCHING = {"buckets": [int(b) for b in str(FAST["buckets"]).split(",")], "maxBatchSize": FAST["max_batch_size"]}
