@@ -313,9 +313,9 @@ def test_make_bench_runs_the_rest_part_and_its_flags_parse() -> None:
 def test_spinners_stay_on_their_cpu_and_end_with_the_block() -> None:
     """What part ``engine_bound`` starves the engine's loop with."""
     cpu = max(os.sched_getaffinity(0))
-    with engine_bound.spinning(2, {cpu}):
-        spinners = [pid for pid in process_tree(os.getpid())[1:] if engine_bound.SPIN.encode() in _cmdline(pid)]
+    with engine_bound.spinning(2, {cpu}) as spinners:
         assert len(spinners) == 2
+        assert all(engine_bound.SPIN.encode() in _cmdline(pid) for pid in spinners)
         assert all(os.sched_getaffinity(pid) == {cpu} for pid in spinners)
     assert not any(Path(f"/proc/{pid}").exists() for pid in spinners)
 

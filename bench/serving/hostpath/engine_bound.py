@@ -65,13 +65,13 @@ def engine_bound(opts: Options, short_texts: list[str]) -> dict[str, Any]:
 
 
 @contextlib.contextmanager
-def spinning(count: int, cpus: set[int]) -> Iterator[None]:
-    """``count`` busy processes on ``cpus``, for as long as the block runs."""
+def spinning(count: int, cpus: set[int]) -> Iterator[list[int]]:
+    """``count`` busy processes on ``cpus``, for as long as the block runs; their pids."""
     spinners = [subprocess.Popen([sys.executable, "-c", SPIN]) for _ in range(count)]
     try:
         for spinner in spinners:
             os.sched_setaffinity(spinner.pid, cpus)
-        yield
+        yield [spinner.pid for spinner in spinners]
     finally:
         for spinner in spinners:
             spinner.kill()
