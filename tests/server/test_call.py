@@ -11,7 +11,7 @@ from kembed.domain.inputs import Sequences
 from kembed.domain.prompts import PromptChoice
 from kembed.frontend.budget import call_weight
 from kembed.frontend.call import EmbedCall, Limits, Texts
-from kembed.frontend.service import INLINE_PREPARE_LIMIT
+from kembed.frontend.preparing import INLINE_PREPARE_LIMIT
 
 LIMITS = Limits(max_items=8, max_text_chars=500)
 

@@ -55,7 +55,7 @@ from kembed.frontend.grpc_messages import (
     to_call,
 )
 from kembed.frontend.grpc_slots import CallSlots, Slot, StreamWindow
-from kembed.frontend.pushback import MAX_PACED, refusal_weight
+from kembed.frontend.pushback import MAX_PACED, PacedAnswers, Refusal, refusal_weight
 from kembed.frontend.service import Service
 from kembed.metrics import FrontendMetrics
 from kembed.plumbing import api_keys, listen, request_log, tls
@@ -75,19 +75,22 @@ TAKEN_BACK_WEIGHT = 100.0
 @dataclass(frozen=True, slots=True)
 class Failed:
     """A unary call's failure, as it is answered: all that is kept of the call while a refusal's
-    answer is paced (not the error, whose traceback holds the request). ``paced``: a refusal of
-    the service's, or a call's slot taken back: its answer is paced on its client, weighing ``weight``
-    refusals."""
+    answer is paced (not the error, whose traceback holds the request). ``refusal``: the service's,
+    or a call's slot taken back: its answer is paced on its client, weighing ``weight`` refusals."""
 
     failure: Failure
     message: str
     retry_after_ms: int
-    paced: bool = False
+    refusal: Refusal | None = None
     weight: float = 1.0
 
     @classmethod
-    def of(cls, error: EmbedError, message: str, paced: bool = False, weight: float = 1.0) -> Failed:
-        return cls(error.failure, message, error.retry_after_ms, paced, weight)
+    def of(cls, error: EmbedError, message: str) -> Failed:
+        return cls(error.failure, message, error.retry_after_ms)
+
+    @classmethod
+    def paced(cls, refusal: Refusal, weight: float) -> Failed:
+        return cls(Failure.REJECTED, refusal.message, refusal.retry_after_ms, refusal, weight)
 
 
 class GrpcEdge:
@@ -99,14 +102,18 @@ class GrpcEdge:
         metrics: FrontendMetrics,
         gate: Gate,
         budget: MemoryBudget,
+        paced: PacedAnswers,
         service: Callable[[], Service],
     ) -> None:
-        """``service`` gives the call path of the moment (a refusal while warming up)."""
+        """``service`` gives the call path of the moment (a refusal while warming up); ``paced``
+        paces the refusals of calls whose slots are taken back, as the service's own."""
         self._settings = settings
         self._limits = Limits.of(settings)
         self.max_calls = grpc_calls(budget.capacity, settings.max_message_bytes, settings.max_concurrent_rpcs)
         slots = CallSlots(self.max_calls)
-        self._servicer = EmbedderServicer(metrics, gate, self._limits, service, settings.max_message_bytes, slots)
+        self._servicer = EmbedderServicer(
+            metrics, gate, self._limits, service, settings.max_message_bytes, slots, paced
+        )
         self._health = health_aio.HealthServicer()
         keys = api_keys.read(settings)
         self._server = grpc.aio.server(
@@ -180,6 +187,7 @@ class EmbedderServicer(pb_grpc.EmbedderServicer):
         service: Callable[[], Service],
         stream_window_bytes: int,
         slots: CallSlots,
+        paced: PacedAnswers,
     ) -> None:
         self._metrics = metrics
         self._gate = gate
@@ -187,6 +195,7 @@ class EmbedderServicer(pb_grpc.EmbedderServicer):
         self._service = service
         self._stream_window_bytes = stream_window_bytes
         self._slots = slots
+        self._paced = paced
 
     async def Embed(
         self, requests: AsyncIterator[pb.EmbedRequest | Refused], context: grpc.aio.ServicerContext
@@ -195,8 +204,8 @@ class EmbedderServicer(pb_grpc.EmbedderServicer):
         request_log.request_id.set(request_log.adopt(offered))  # this call's task alone
         try:
             outcome = await self._unary(context, offered is None)
-            if isinstance(outcome, Failed) and outcome.paced:
-                await self._service().pace(context.peer(), outcome.weight)
+            if isinstance(outcome, Failed) and outcome.refusal is not None:
+                await outcome.refusal.answerable(outcome.weight)
         except asyncio.CancelledError:  # gRPC's core ended the call: its deadline passed, or its client left
             self._metrics.calls_gone.labels(api="grpc").inc()
             raise
@@ -234,19 +243,17 @@ class EmbedderServicer(pb_grpc.EmbedderServicer):
                 if not slot.evicted or task is None:
                     raise
                 task.uncancel()  # its slot was taken back: refused, not gone
-                error = self._slots.taken_back()
-                return Failed.of(error, error.message, paced=True, weight=TAKEN_BACK_WEIGHT)
+                return Failed.paced(self._paced.refusal(context.peer(), self._slots.taken_back()), TAKEN_BACK_WEIGHT)
             self._slots.read(slot)
             if request is grpc.aio.EOF:  # type: ignore[attr-defined]  # no stub; the client half-closed without a message
                 request = Refused(EmbedError(Failure.INVALID_ARGUMENT, "no EmbedRequest was sent"))
             elif unnamed and not isinstance(request, Refused) and request.request_id:
                 request_log.request_id.set(request_log.adopt(request.request_id))
             try:
-                return await self._embed(request, context)
+                outcome = await self._embed(request, context)
             except EmbedError as error:
-                if error.failure is not Failure.REJECTED:
-                    return Failed.of(error, message(error, request))
-                return Failed.of(error, message(error, request), paced=True, weight=_weight(request))
+                return Failed.of(error, message(error, request))
+            return Failed.paced(outcome, _weight(request)) if isinstance(outcome, Refusal) else outcome
         finally:
             self._slots.give_back(slot)
 
@@ -285,8 +292,9 @@ class EmbedderServicer(pb_grpc.EmbedderServicer):
             task = asyncio.current_task()
             if task is not None:
                 task.uncancel()  # its slot was taken back while it sent nothing: refused, not gone
-            await self._service().pace(context.peer(), TAKEN_BACK_WEIGHT)
-            await self._refuse_stream(context, self._slots.taken_back())
+            refusal = self._paced.refusal(context.peer(), self._slots.taken_back())
+            await refusal.answerable(TAKEN_BACK_WEIGHT)
+            await self._refuse_stream(context, refusal.error)
         finally:
             self._slots.give_back(slot)
 
@@ -360,9 +368,10 @@ class EmbedderServicer(pb_grpc.EmbedderServicer):
         request_id = "" if isinstance(request, Refused) else request.request_id
         try:
             result = await self._embed(request, context)
+            if isinstance(result, Refusal):  # paced within the stream, which holds its own window meanwhile
+                await result.answerable(_weight(request))
+                raise result.error
         except EmbedError as error:
-            if error.failure is Failure.REJECTED:  # paced within the stream, which holds its own window meanwhile
-                await self._service().pace(context.peer(), _weight(request))
             status = self._count_failure(error)
             return pb.EmbedResponse(
                 request_id=request_id,
@@ -396,7 +405,9 @@ class EmbedderServicer(pb_grpc.EmbedderServicer):
         rows = len(request.tokens.lengths) if request.HasField("tokens") else len(request.texts)
         return request.ByteSize() + rows * 4 * min(request.dimensions or dimensions, dimensions)
 
-    def _embed(self, request: pb.EmbedRequest | Refused, context: grpc.aio.ServicerContext) -> Awaitable[EmbedResult]:
+    def _embed(
+        self, request: pb.EmbedRequest | Refused, context: grpc.aio.ServicerContext
+    ) -> Awaitable[EmbedResult | Refusal]:
         if isinstance(request, Refused):
             raise request.error
         call = to_call(request, self._limits, context.time_remaining(), context.peer(), attempt_of(context))

@@ -23,6 +23,7 @@ from kembed.frontend import budget
 from kembed.frontend.gate import Gate
 from kembed.frontend.grpc_api import GrpcEdge
 from kembed.frontend.link import EngineLink
+from kembed.frontend.pushback import PacedAnswers, RefusalPacer
 from kembed.frontend.rest import RestEdge, raise_fd_limit
 from kembed.frontend.screen import Screen
 from kembed.frontend.service import EmbedService, Service, WarmingUp
@@ -59,12 +60,14 @@ class FrontendProcess:
         self._metrics = FrontendMetrics()
         self._gate = Gate(lambda: self._board[Cell.DRAINING] == 1.0)
         self._service: Service = WarmingUp()  # replaced, once, when the engine is warm
+        pacer = RefusalPacer(settings.refusal_rate, settings.refusal_burst, on_shared=self._metrics.refusals_shared.inc)
+        self._paced = PacedAnswers(pacer, on_paced=self._metrics.refusals_paced.inc)
         memory = budget.pod_memory(settings.memory_limit_bytes)
         self._budget = budget.MemoryBudget(
             budget.frontend_budget(memory, settings.frontend_count(), settings.max_message_bytes)
         )
         raise_fd_limit()
-        self._grpc = GrpcEdge(settings, self._metrics, self._gate, self._budget, lambda: self._service)
+        self._grpc = GrpcEdge(settings, self._metrics, self._gate, self._budget, self._paced, lambda: self._service)
         self._rest = (
             RestEdge(settings, self._metrics, self._gate, self._budget, lambda: self._service)
             if settings.rest_port
@@ -121,7 +124,8 @@ class FrontendProcess:
         """The engine is warm: build the serving path and start answering."""
         screen = Screen(self._settings, self._board, self._index, link.in_transit, link.add_refusal)
         self._service = EmbedService(
-            self._settings, link, screen, self._gate, self._metrics, self._executor, self._budget, self._runtime
+            *(self._settings, link, screen, self._gate, self._metrics),
+            *(self._executor, self._budget, self._paced, self._runtime),
         )
         if self._rest is not None:
             self._rest.serve_model(link.info)
@@ -132,8 +136,7 @@ class FrontendProcess:
     async def _drain(self) -> None:
         """Stop taking work, answer everything accepted, then stop listening."""
         self._gate.draining = True
-        if isinstance(self._service, EmbedService):
-            self._service.drain()
+        self._paced.drain()
         if self._rest is not None:
             self._rest.drain()
         self._board.set_frontend(self._index, FrontendCell.SERVING, 0.0)

@@ -36,6 +36,7 @@ import time
 from collections.abc import Callable, Hashable
 from dataclasses import dataclass
 
+from kembed.domain.errors import EmbedError, Failure
 from kembed.policy.admission import MAX_PUSHBACK_MS
 
 # The longest a refusal's answer is deferred, the longest pushback: only a bound, since a client
@@ -138,6 +139,14 @@ class PacedAnswers:
         self._draining = asyncio.Event()
         self.held = 0  # answers waiting now
 
+    def refusal(self, client: Hashable, error: EmbedError) -> Refusal:
+        """``error`` (REJECTED), refusing a call of ``client``, as a value whose answer is paced here."""
+        return Refusal(error.message, error.retry_after_ms, client, self)
+
+    def in_debt(self, client: Hashable) -> bool:
+        """Whether ``client``'s refusals are being paced: it calls again faster than it is told."""
+        return self._pacer.in_debt(client)
+
     async def refused(self, client: Hashable, weight: float = 1.0) -> None:
         """A call of this client was refused: return when its answer may be sent. The caller holds
         nothing of the call's by now but what answering it needs."""
@@ -155,6 +164,27 @@ class PacedAnswers:
     def drain(self) -> None:
         """Answer every paced refusal now, and pace none from here on: a drain waits for no timer."""
         self._draining.set()
+
+
+@dataclass(frozen=True, slots=True)
+class Refusal:
+    """A call refused for load (REJECTED), as the value the service returns: what its answer says,
+    and when it may be sent. It holds nothing of the call's (a raised error's traceback would hold
+    its request): the edge lets go of all the call held, awaits :meth:`answerable`, then answers."""
+
+    message: str
+    retry_after_ms: int
+    client: Hashable
+    answers: PacedAnswers
+
+    async def answerable(self, weight: float) -> None:
+        """Return when the answer may be sent, the call weighing ``weight`` refusals (its bytes on
+        the wire: :func:`refusal_weight`)."""
+        await self.answers.refused(self.client, weight)
+
+    @property
+    def error(self) -> EmbedError:
+        return EmbedError(Failure.REJECTED, self.message, self.retry_after_ms)
 
 
 def refusal_weight(nbytes: int) -> float:

@@ -52,7 +52,7 @@ from aiohttp import web
 
 from kembed.config.settings import Settings
 from kembed.contract import OPENAI_RETRY_COUNT_HEADER, REQUEST_ID_KEY, RETRY_ATTEMPT_KEY
-from kembed.domain.errors import EmbedError, Failure
+from kembed.domain.errors import EmbedError
 from kembed.domain.prompts import ModelPrompts
 from kembed.frontend import auth, json_body, openai_api, openapi, tracing
 from kembed.frontend.budget import BODY_SHARE, BODY_WEIGHT, ClientShares, MemoryBudget, Reservation
@@ -61,7 +61,7 @@ from kembed.frontend.connections import Connections
 from kembed.frontend.gate import Gate, draining, warming_up
 from kembed.frontend.json_body import Body
 from kembed.frontend.openai_api import ApiError, Embeddings
-from kembed.frontend.pushback import refusal_weight, rest_client
+from kembed.frontend.pushback import Refusal, refusal_weight, rest_client
 from kembed.frontend.service import Service
 from kembed.ipc.protocol import ServingInfo
 from kembed.metrics import FrontendMetrics
@@ -320,19 +320,18 @@ class RestEdge:
         return openai_api.tokens(parsed, chunks), []
 
     async def _paced(
-        self, request: web.BaseRequest, parsed: Embeddings, reservation: Reservation, work: Awaitable[T]
+        self, request: web.BaseRequest, parsed: Embeddings, reservation: Reservation, work: Awaitable[T | Refusal]
     ) -> T:
         """``work``'s result. A refusal's answer is paced, weighing the body's bytes, holding nothing
         another client needs: its answer's bytes are let go, and its connection counts as idle (the
         first closed for room)."""
-        try:
-            return await work
-        except EmbedError as error:
-            if error.failure is Failure.REJECTED:
-                reservation.release()
-                self._server.done(request.protocol)
-                await self._service().pace(parsed.call.peer, refusal_weight(request.content.total_bytes))
-            raise
+        outcome = await work
+        if isinstance(outcome, Refusal):
+            reservation.release()
+            self._server.done(request.protocol)
+            await outcome.answerable(refusal_weight(request.content.total_bytes))
+            raise outcome.error
+        return outcome
 
     async def _write(self, request: web.BaseRequest, status: int, body: bytes, headers: Headers) -> web.StreamResponse:
         """The answer, written here while its bytes are still weighed, within the request's timeout.
