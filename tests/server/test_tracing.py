@@ -144,3 +144,13 @@ def test_a_server_exports_each_call_s_spans_in_its_caller_s_trace(traced_server:
     with urllib.request.urlopen(urllib.request.Request(traced_server.rest_url + "/embeddings", body, headers)):
         pass
     assert "POST /v1/embeddings" in traced(collector, rest_trace)
+    stream_trace = "5b8aa5a2d2c872e8321cf37308d69df2"
+    stub = pb_grpc.EmbedderStub(grpc.insecure_channel(traced_server.target))
+    requests = iter([pb.EmbedRequest(texts=["hello"], request_id="a"), pb.EmbedRequest(texts=["bye"], request_id="b")])
+    answers = list(stub.EmbedStream(requests, metadata=(("traceparent", f"00-{stream_trace}-b7ad6b7169203331-01"),)))
+    assert [answer.request_id for answer in answers] == ["a", "b"]
+    wait_until(
+        lambda: sum(s.name == "EmbedStream" and s.trace_id.hex() == stream_trace for s in collector.spans) == 2,
+        30,
+        "a span per streamed request",
+    )

@@ -385,6 +385,7 @@ class EmbedderServicer(pb_grpc.EmbedderServicer):
             code = grpc.StatusCode.INTERNAL.value[0]
             return pb.EmbedResponse(request_id=request_id, error=pb.Error(code=code, message="internal error"))
         self._count(grpc.StatusCode.OK)
+        tracing.record("EmbedStream", lambda: dict(context.invocation_metadata() or ()), result)
         return response(result)
 
     async def Info(self, request: pb.InfoRequest, context: grpc.aio.ServicerContext) -> pb.InfoResponse:
