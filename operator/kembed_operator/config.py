@@ -7,6 +7,7 @@ name or a bad value stops start-up with :class:`~kembed.config.values.ConfigErro
 from __future__ import annotations
 
 import json
+import re
 from collections.abc import Mapping
 from typing import Any
 from urllib.parse import urlsplit
@@ -15,7 +16,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from kembed.config.env import read_env
 from kembed.contract import OPERATOR_ENV_PREFIX
-from kembed_operator.spec import REPLICAS_CEILING
+from kembed_operator.spec import OTLP_ENDPOINT_PATTERN, REPLICAS_CEILING
 
 AFFINITY_KINDS = ("nodeAffinity", "podAffinity", "podAntiAffinity")
 # The server image's name before anyone builds one: no registry has it (`make image` builds it, and
@@ -47,6 +48,10 @@ class OperatorConfig(BaseModel):
     allow_compile_cache_claims: bool = False
     # The most replicas a resource may ask for (minReplicas, maxReplicas), up to the schema's ceiling.
     max_replicas: int = Field(100, ge=1, le=REPLICAS_CEILING)
+    # OpenTelemetry for every EmbeddingService whose spec.tracing names no endpoint: an OTLP/HTTP base
+    # URL (empty = none), and the share of traces kept where spec.tracing.sampleRatio is unset.
+    otlp_endpoint: str = ""
+    trace_sample_ratio: float = Field(1.0, ge=0, le=1)
 
     @classmethod
     def from_env(cls, environ: Mapping[str, str] | None = None) -> OperatorConfig:
@@ -86,6 +91,14 @@ class OperatorConfig(BaseModel):
         url = urlsplit(text)
         if text and (url.scheme not in ("http", "https") or not url.hostname or "?" in text or "#" in text):
             raise ValueError(f"must be an http(s) URL of Prometheus, without a query or fragment, not {text!r}")
+        return text
+
+    @field_validator("otlp_endpoint")
+    @classmethod
+    def _collector(cls, text: str) -> str:
+        """Empty, or what a spec's tracing.otlpEndpoint may be."""
+        if text and re.fullmatch(OTLP_ENDPOINT_PATTERN, text) is None:
+            raise ValueError(f"must be an OTLP/HTTP collector's http(s) URL, with no query or fragment, not {text!r}")
         return text
 
     @field_validator("metrics_from", mode="before")

@@ -55,6 +55,14 @@ MEMORY_LIMIT_VAR = env_name("memory_limit_bytes")
 # inductor's compile workers; unset, it starts one per core of the node (up to its own cap of 32).
 COMPILE_THREADS_VAR = "TORCHINDUCTOR_COMPILE_THREADS"
 INDUCTOR_MAX_COMPILE_THREADS = 32
+# OpenTelemetry's own variables, which the server's SDK reads (kembed.frontend.tracing).
+OTLP_ENDPOINT_VAR = "OTEL_EXPORTER_OTLP_ENDPOINT"
+SERVICE_NAME_VAR = "OTEL_SERVICE_NAME"
+SAMPLER_VAR = "OTEL_TRACES_SAMPLER"
+SAMPLER_ARG_VAR = "OTEL_TRACES_SAMPLER_ARG"
+RESOURCE_ATTRIBUTES_VAR = "OTEL_RESOURCE_ATTRIBUTES"
+# A caller's sampled (or unsampled) traceparent is followed; a trace that starts here is kept at the ratio.
+SAMPLER = "parentbased_traceidratio"
 
 
 # Settings only the operator sets, whatever the spec: where the model, its caches and the
@@ -307,6 +315,38 @@ def _text(value: Any) -> str:
     return str(value)
 
 
+def tracing_env(owner: Owner, spec: EmbeddingServiceSpec, config: OperatorConfig) -> list[Manifest]:
+    """OpenTelemetry's variables when ``spec.tracing``, or else the operator, names an OTLP endpoint:
+    the endpoint, the service name (default: the resource's), the sampler at the spec's ratio or the
+    operator's, and the namespace as a resource attribute. A variable ``spec.env`` sets is left to it,
+    unless a ``spec.tracing`` field sets it too: :class:`InvalidSpec`."""
+    tracing = spec.tracing
+    endpoint = tracing.otlp_endpoint or config.otlp_endpoint
+    if not tracing.enabled or not endpoint:
+        return []
+    ratio = config.trace_sample_ratio if tracing.sample_ratio is None else tracing.sample_ratio
+    # name -> (value, the spec.tracing field that decides it, if one does)
+    sampled = "sampleRatio" if tracing.sample_ratio is not None else None
+    rendered: dict[str, tuple[str, str | None]] = {
+        OTLP_ENDPOINT_VAR: (endpoint, "otlpEndpoint" if tracing.otlp_endpoint else None),
+        SERVICE_NAME_VAR: (tracing.service_name or owner.name, "serviceName" if tracing.service_name else None),
+        SAMPLER_VAR: (SAMPLER, sampled),
+        SAMPLER_ARG_VAR: (_text(ratio), sampled),
+        RESOURCE_ATTRIBUTES_VAR: (f"k8s.namespace.name={owner.namespace}", None),
+    }
+    authored = {var.name: index for index, var in enumerate(spec.env)}
+    entries: list[Manifest] = []
+    for name, (value, field_name) in rendered.items():
+        if name not in authored:
+            entries.append({"name": name, "value": value})
+        elif field_name is not None:
+            raise InvalidSpec(
+                f"spec.env[{authored[name]}]: {name} is rendered by the operator from spec.tracing.{field_name}; "
+                "set it in one place"
+            )
+    return entries
+
+
 def sizing_env(spec: EmbeddingServiceSpec) -> list[Manifest]:
     """Size from the pod, not the node: the CPU request and the memory limit, passed down by the
     kubelet (Downward API), and inductor's compile workers bounded by the CPUs (each is a process with
@@ -339,7 +379,7 @@ def _deployment(owner: Owner, spec: EmbeddingServiceSpec, config: OperatorConfig
         "revisionHistoryLimit": 5,
         "template": {
             "metadata": {"labels": labels(owner.name), "annotations": _pod_annotations(spec)},
-            "spec": _pod_spec(spec, config, server),
+            "spec": _pod_spec(owner, spec, config, server),
         },
     }
     manifest = _object(kinds.DEPLOYMENT, owner, deployment_spec)
@@ -358,14 +398,14 @@ def _pod_annotations(spec: EmbeddingServiceSpec) -> dict[str, str]:
     }
 
 
-def _pod_spec(spec: EmbeddingServiceSpec, config: OperatorConfig, server: ServerConfig) -> Manifest:
+def _pod_spec(owner: Owner, spec: EmbeddingServiceSpec, config: OperatorConfig, server: ServerConfig) -> Manifest:
     volumes, mounts = _volumes(spec)
     pod: Manifest = {
         "automountServiceAccountToken": False,  # the server never calls the API
         "enableServiceLinks": False,
         "terminationGracePeriodSeconds": PRESTOP_SLEEP_S + spec.grace_seconds + GRACE_MARGIN_S,
         "securityContext": pod_security(),
-        "containers": [_container(spec, config, server, mounts)],
+        "containers": [_container(owner, spec, config, server, mounts)],
         "volumes": volumes,
     }
     tolerations = _tolerations(spec)
@@ -375,6 +415,7 @@ def _pod_spec(spec: EmbeddingServiceSpec, config: OperatorConfig, server: Server
 
 
 def _container(
+    owner: Owner,
     spec: EmbeddingServiceSpec,
     config: OperatorConfig,
     server: ServerConfig,
@@ -395,6 +436,7 @@ def _container(
             *({"name": name, "value": value} if value else {"name": name} for name, value in server.env.items()),
             *access.api_key_env(spec),
             *sizing_env(spec),
+            *tracing_env(owner, spec, config),
             {"name": "HOME", "value": "/tmp"},  # the root filesystem is read-only
             *(var.manifest() for var in spec.env),
         ],

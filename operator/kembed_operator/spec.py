@@ -62,6 +62,10 @@ HUB_ID_PATTERN = rf"^({_HUB_NAME}/)?{_HUB_NAME}$"
 HUB_ID_MAX_LENGTH = 96  # the hub's own limit
 # A Secret's data key (apimachinery's IsConfigMapKey).
 SECRET_KEY_PATTERN = r"^[-._a-zA-Z0-9]+$"
+# An OTLP/HTTP collector's base URL: http(s), a host (and port), at most a path (the SDK appends
+# /v1/traces); no query, fragment or space.
+OTLP_ENDPOINT_PATTERN = r"^https?://[^/?#\s:][^/?#\s]*(/[^?#\s]*)?$"
+OTLP_ENDPOINT_MAX_LENGTH = 2048
 
 
 def matching(pattern: str, what: str) -> AfterValidator:
@@ -91,6 +95,11 @@ HubId = Annotated[
     str,
     matching(HUB_ID_PATTERN, "a hub id: NAME or OWNER/NAME, of letters, digits and _ joined by single . or -"),
     Field(min_length=1, max_length=HUB_ID_MAX_LENGTH, json_schema_extra={"pattern": HUB_ID_PATTERN}),
+]
+OtlpEndpoint = Annotated[
+    str,
+    matching(OTLP_ENDPOINT_PATTERN, "an http(s) URL without a query or fragment (e.g. http://otel-collector:4318)"),
+    Field(max_length=OTLP_ENDPOINT_MAX_LENGTH, json_schema_extra={"pattern": OTLP_ENDPOINT_PATTERN}),
 ]
 # One of a model's prompts, by name (kembed.domain.prompts: the server's own rule for a name).
 PromptName = Annotated[
@@ -294,6 +303,25 @@ class ApiKeySpec(SpecModel):
     ] = Field("api-keys", description="The Secret's key that holds them; only it is mounted.")
 
 
+class TracingSpec(SpecModel):
+    enabled: bool = Field(True, description="false = no spans, whatever the operator's default endpoint.")
+    otlp_endpoint: OtlpEndpoint | None = Field(
+        None,
+        description="The OTLP/HTTP collector's base URL (OTEL_EXPORTER_OTLP_ENDPOINT; the SDK appends /v1/traces), "
+        "e.g. http://otel-collector.observability:4318; unset = the operator's default, if it has one.",
+    )
+    service_name: str | None = Field(
+        None, min_length=1, max_length=256, description="OTEL_SERVICE_NAME; unset = the resource's name."
+    )
+    sample_ratio: float | None = Field(
+        None,
+        ge=0,
+        le=1,
+        description="The share of traces started here that are kept (parentbased_traceidratio: a caller's sampled "
+        "traceparent is always followed); unset = the operator's default (1).",
+    )
+
+
 class IpBlock(SpecModel):
     cidr: str
     except_: list[str] | None = Field(None, alias="except")
@@ -420,6 +448,11 @@ class EmbeddingServiceSpec(PodOptions):
         default_factory=NetworkPolicySpec,
         description="A NetworkPolicy admitting gRPC and REST from this namespace and `from`, and the metrics port "
         "from `metricsFrom`.",
+    )
+    tracing: TracingSpec = Field(
+        default_factory=TracingSpec,
+        description="OpenTelemetry spans of answered calls, exported over OTLP/HTTP when an endpoint is set, here or "
+        "by the operator (docs/operations.md); the image needs kembed's otel extra, which the default image has.",
     )
     compile_cache: CompileCacheSpec = Field(
         default_factory=CompileCacheSpec,

@@ -25,6 +25,9 @@ names every field refused (:class:`NotAllowed`).
 - ``autoscaling.keda.serverAddress``: empty, or the operator's ``kedaServerAddress``. KEDA fetches
   that URL (with a query appended) from its own namespace: an author's address could make it fetch
   any internal URL, or evaluate PromQL over other namespaces' metrics.
+- ``tracing.otlpEndpoint`` passes: the resource's own pods POST their spans there, from the
+  author's namespace, with no header the author chose (``OTEL_EXPORTER_OTLP_HEADERS`` is ``env``,
+  so ``allowedEnv``'s).
 """
 
 from __future__ import annotations

@@ -125,6 +125,17 @@ def test_runs_as_the_deployments_user_and_nothing_of_the_build_reaches_the_image
     assert f"--uid {render.RUN_AS}" in " ".join(run for stage in final for run in stage.args("RUN"))
 
 
+def test_the_server_image_can_export_the_spans_the_operator_asks_for() -> None:
+    """The default extras hold the OpenTelemetry SDK and exporter that kembed.frontend.tracing imports once
+    the operator or the chart sets OTEL_EXPORTER_OTLP_ENDPOINT: without them every front end exits 2."""
+    final = parse("Dockerfile.server")[1][-1]
+    (extras,) = [arg.split("=", 1)[1] for arg in final.args("ARG") if arg.startswith("EXTRAS=")]
+    (words,) = shlex.split(extras)  # the quoted default, split as the unquoted $EXTRAS of the RUN is
+    installed = {deps.name(line) for line in deps.requirements(ROOT / "pyproject.toml", words.split())}
+    otel = {deps.name(line) for line in deps.requirements(ROOT / "pyproject.toml", ["otel"])}
+    assert {"opentelemetry-sdk", "opentelemetry-exporter-otlp-proto-http"} <= otel <= installed
+
+
 def server_deployment() -> dict[str, Any]:
     owner = render.Owner(name="kembed", namespace="default", uid="static")
     spec = parse_spec({"resources": {"gpu": 0}})

@@ -14,9 +14,9 @@ import kubernetes_validate
 import pytest
 
 from kembed.contract import OPERATOR_ENV_PREFIX as PREFIX
-from kembed_operator import permissions
+from kembed_operator import permissions, render
 from kembed_operator.config import OperatorConfig
-from kembed_operator.spec import REPLICAS_CEILING
+from kembed_operator.spec import OTLP_ENDPOINT_MAX_LENGTH, OTLP_ENDPOINT_PATTERN, REPLICAS_CEILING, parse_spec
 from tests.operator.conftest import CHART, CRD_PATH, ROOT, chart_operator_args, render_chart
 
 K8S_VERSION = "1.34.0"
@@ -163,6 +163,32 @@ def test_trust_settings_reach_the_operator() -> None:
     assert (config.max_replicas, config.keda_server_address) == (500, TRUST["kedaServerAddress"])
 
 
+def operator_env(values: dict[str, Any]) -> dict[str, str]:
+    (deployment,) = [d for d in render_chart(values) if d["kind"] == "Deployment"]
+    return {e["name"]: e["value"] for e in deployment["spec"]["template"]["spec"]["containers"][0]["env"]}
+
+
+def test_the_charts_tracing_reaches_every_server_that_names_no_endpoint() -> None:
+    """Chart values -> the operator's settings -> a resource's server container, which names none itself."""
+    tracing = {"otlpEndpoint": "http://otel-collector.observability:4318", "sampleRatio": 0.05}
+    config = OperatorConfig.from_env(operator_env({"tracing": tracing}))
+    assert (config.otlp_endpoint, config.trace_sample_ratio) == (tracing["otlpEndpoint"], 0.05)
+    owner = render.Owner(name="emb", namespace="search", uid="u")
+    (deployment,) = [c.manifest for c in render.render(owner, parse_spec({}), config) if c.kind.kind == "Deployment"]
+    env = {e["name"]: e.get("value") for e in deployment["spec"]["template"]["spec"]["containers"][0]["env"]}
+    assert env["OTEL_EXPORTER_OTLP_ENDPOINT"] == tracing["otlpEndpoint"]
+    assert (env["OTEL_SERVICE_NAME"], env["OTEL_TRACES_SAMPLER_ARG"]) == ("emb", "0.05")
+    assert OperatorConfig.from_env(operator_env({"tracing": {"sampleRatio": 0}})).trace_sample_ratio == 0
+
+
+def test_the_charts_endpoint_rule_is_the_crds() -> None:
+    """values.schema.json takes the endpoint a resource's spec.tracing.otlpEndpoint may be, or nothing."""
+    schema = json.loads((CHART / "values.schema.json").read_text())
+    endpoint = schema["properties"]["tracing"]["properties"]["otlpEndpoint"]
+    assert endpoint["pattern"] == f"^({OTLP_ENDPOINT_PATTERN.removeprefix('^').removesuffix('$')})?$"
+    assert endpoint["maxLength"] == OTLP_ENDPOINT_MAX_LENGTH
+
+
 # Where the docs tell how to install the operator: each `helm install` of the chart, followed literally.
 INSTALL_DOCS = [ROOT / "README.md", ROOT / "docs" / "operator.md", CHART / "README.md"]
 HELM_INSTALL = re.compile(r"^helm install kembed-operator charts/kembed-operator\b(?:.*\\\n)*.*$", re.MULTILINE)
@@ -238,6 +264,10 @@ def test_the_notes_name_both_resources_and_what_env_may_set() -> None:
         {"allowCompileCacheClaims": "yes"},
         {"kedaServerAddress": "http://prometheus:9090/?query=up&"},
         {"maxReplicas": 100_000},
+        {"tracing": {"otlpEndpoint": "otel-collector:4318"}},
+        {"tracing": {"otlpEndpoint": "http://otel-collector:4318/?tenant=a"}},
+        {"tracing": {"sampleRatio": 2}},
+        {"tracing": {"headers": "x"}},
     ],
     ids=[
         "zero-replicas",
@@ -254,6 +284,10 @@ def test_the_notes_name_both_resources_and_what_env_may_set() -> None:
         "compile-cache-flag",
         "prometheus-with-a-query",
         "replicas-past-the-ceiling",
+        "otlp-endpoint-not-a-url",
+        "otlp-endpoint-with-a-query",
+        "sample-ratio-over-one",
+        "tracing-unknown-key",
     ],
 )
 def test_values_schema_rejects_bad_values(values: dict[str, Any]) -> None:

@@ -21,6 +21,9 @@ K8S_VERSION = "1.34.0"
 OWNER = render.Owner(name="emb", namespace="search", uid="0000-1111")
 CONFIG = OperatorConfig(default_image="registry.example/kembed-server:9", keda_server_address="http://prom:9090")
 
+COLLECTOR = "http://otel-collector.observability:4318"
+OTEL = {"OTEL_EXPORTER_OTLP_ENDPOINT", "OTEL_SERVICE_NAME", "OTEL_TRACES_SAMPLER", "OTEL_TRACES_SAMPLER_ARG"}
+
 FEATURES: dict[str, dict[str, Any]] = {
     "defaults": {},
     "pvc model": {"model": {"pvc": {"claimName": "models", "path": "bge"}, "pooling": "cls", "dtype": "float16"}},
@@ -90,6 +93,7 @@ FEATURES: dict[str, dict[str, Any]] = {
     "compile cache on a PVC": {"compileCache": {"claimName": "compile-cache"}},
     "compile cache off": {"compileCache": {"enabled": False}},
     "image": {"image": "mine/kembed:2", "imagePullPolicy": "Always", "startupTimeoutSeconds": 1800},
+    "tracing": {"tracing": {"otlpEndpoint": COLLECTOR, "serviceName": "search-embeddings", "sampleRatio": 0.1}},
 }
 
 
@@ -101,8 +105,12 @@ def container(spec: dict[str, Any]) -> dict[str, Any]:
     return dict(children(spec)["Deployment"]["spec"]["template"]["spec"]["containers"][0])
 
 
-def env(spec: dict[str, Any]) -> dict[str, str]:
-    return {e["name"]: e.get("value", "") for e in container(spec)["env"] if "valueFrom" not in e}
+def env(spec: dict[str, Any], config: OperatorConfig = CONFIG) -> dict[str, str]:
+    (deployment,) = [c.manifest for c in render.render(OWNER, parse_spec(spec), config) if c.kind == kinds.DEPLOYMENT]
+    variables = deployment["spec"]["template"]["spec"]["containers"][0]["env"]
+    names = [e["name"] for e in variables]
+    assert len(names) == len(set(names)), names  # a name twice: server-side apply refuses the list
+    return {e["name"]: e.get("value", "") for e in variables if "valueFrom" not in e}
 
 
 @pytest.mark.parametrize("spec", FEATURES.values(), ids=FEATURES.keys())
@@ -413,6 +421,51 @@ def test_termination_grace(spec: dict[str, Any], seconds: int) -> None:
     assert env(spec)[env_name("drain_timeout_s")] == str(seconds)
 
 
+def test_tracing_renders_the_sdks_variables_only_with_an_endpoint() -> None:
+    assert not {name for name in env({}) if name.startswith("OTEL_")}
+    assert not {name for name in env({"tracing": {"sampleRatio": 0.5}}) if name.startswith("OTEL_")}  # no endpoint
+    variables = env(FEATURES["tracing"])
+    assert {name: variables[name] for name in OTEL} == {
+        "OTEL_EXPORTER_OTLP_ENDPOINT": COLLECTOR,
+        "OTEL_SERVICE_NAME": "search-embeddings",
+        "OTEL_TRACES_SAMPLER": "parentbased_traceidratio",
+        "OTEL_TRACES_SAMPLER_ARG": "0.1",
+    }
+    assert variables["OTEL_RESOURCE_ATTRIBUTES"] == "k8s.namespace.name=search"
+    defaults = env({"tracing": {"otlpEndpoint": COLLECTOR}})
+    assert (defaults["OTEL_SERVICE_NAME"], defaults["OTEL_TRACES_SAMPLER_ARG"]) == ("emb", "1")  # the resource's name
+
+
+def test_the_operators_endpoint_serves_resources_that_name_none() -> None:
+    operators = OperatorConfig(otlp_endpoint="http://collector.ops:4318", trace_sample_ratio=0.25)
+    variables = env({}, operators)
+    assert variables["OTEL_EXPORTER_OTLP_ENDPOINT"] == "http://collector.ops:4318"
+    assert (variables["OTEL_SERVICE_NAME"], variables["OTEL_TRACES_SAMPLER_ARG"]) == ("emb", "0.25")
+    own = env({"tracing": {"otlpEndpoint": COLLECTOR, "sampleRatio": 0}}, operators)
+    assert (own["OTEL_EXPORTER_OTLP_ENDPOINT"], own["OTEL_TRACES_SAMPLER_ARG"]) == (COLLECTOR, "0")
+    assert not OTEL & set(env({"tracing": {"enabled": False}}, operators))
+    assert not OTEL & set(env({"tracing": {"enabled": False, "otlpEndpoint": COLLECTOR}}))
+
+
+def test_env_keeps_what_it_sets_unless_spec_tracing_sets_it_too() -> None:
+    """A resource that set OTEL_* in env before spec.tracing existed keeps its values under the operator's
+    default (once, never twice); the same variable in env and spec.tracing is a contradiction."""
+    operators = OperatorConfig(otlp_endpoint="http://collector.ops:4318")
+    authored = [
+        {"name": "OTEL_EXPORTER_OTLP_ENDPOINT", "value": COLLECTOR},
+        {"name": "OTEL_SERVICE_NAME", "value": "s"},
+    ]
+    variables = env({"env": authored}, operators)
+    assert (variables["OTEL_EXPORTER_OTLP_ENDPOINT"], variables["OTEL_SERVICE_NAME"]) == (COLLECTOR, "s")
+    assert variables["OTEL_TRACES_SAMPLER_ARG"] == "1"
+    assert env({"tracing": {"otlpEndpoint": COLLECTOR}, "env": authored[1:]})["OTEL_SERVICE_NAME"] == "s"
+    with pytest.raises(InvalidSpec, match=r"spec\.env\[1\]: OTEL_SERVICE_NAME .* spec\.tracing\.serviceName"):
+        env({"tracing": {"serviceName": "t"}, "env": authored}, operators)
+    sampler = [{"name": "OTEL_TRACES_SAMPLER", "value": "always_on"}]
+    with pytest.raises(InvalidSpec, match=r"spec\.tracing\.sampleRatio"):
+        env({"tracing": {"otlpEndpoint": COLLECTOR, "sampleRatio": 0.5}, "env": sampler})
+
+
 def test_render_is_deterministic() -> None:
     spec = parse_spec(FEATURES["scheduling"])
     assert render.render(OWNER, spec, CONFIG) == render.render(OWNER, spec, CONFIG)
@@ -448,6 +501,23 @@ BOUNDED: dict[str, tuple[Callable[[Any], dict[str, Any]], list[Any], list[Any]]]
         ["", "a b", "-query", "x" * 64, "é"],
         ["query", "s2p_query", "v1.0", "x" * 63],
     ),
+    "spec.tracing.otlpEndpoint": (
+        lambda url: {"tracing": {"otlpEndpoint": url}},
+        [
+            "otel-collector:4318",
+            "grpc://otel-collector:4317",
+            "http://",
+            "http://:4318",
+            "http://collector:4318/?tenant=a",
+            "http://collector:4318#x",
+            "http://collector:4318/a b",
+            "",
+            "http://x/" + "a" * 2048,
+        ],
+        [COLLECTOR, "https://otlp.example.com/otlp", "http://10.0.0.5:4318", "http://[fd00::5]:4318/"],
+    ),
+    "spec.tracing.sampleRatio": (lambda ratio: {"tracing": {"sampleRatio": ratio}}, [-0.1, 1.5], [0, 0.001, 1]),
+    "spec.tracing.serviceName": (lambda name: {"tracing": {"serviceName": name}}, ["", "x" * 257], ["emb", "x" * 256]),
     "spec.minReplicas": (lambda count: {"minReplicas": count}, [100_000], [1, 100]),
     "spec.maxReplicas": (lambda count: {"maxReplicas": count}, [2_000_000_000, 10_001], [2, 10_000]),
 }
@@ -485,6 +555,10 @@ INVALID: dict[str, tuple[dict[str, Any], str]] = {
         "spec.env[0]: KEMBED_CPU_REQUEST_MILLICORES is rendered",
     ),
     "cpu not a quantity": ({"resources": {"cpu": "lots"}}, "spec.resources.cpu"),
+    "env fights spec.tracing": (
+        {"tracing": {"otlpEndpoint": COLLECTOR}, "env": [{"name": "OTEL_EXPORTER_OTLP_ENDPOINT", "value": COLLECTOR}]},
+        "spec.env[0]: OTEL_EXPORTER_OTLP_ENDPOINT is rendered by the operator from spec.tracing.otlpEndpoint",
+    ),
     "empty control token": ({"model": {"controlTokens": ["[q]", ""]}}, "spec.model.controlTokens.1"),
     **bounded(False),
     "negative deprecated grace": ({"drainSeconds": -1}, "spec.drainSeconds"),

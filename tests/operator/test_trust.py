@@ -257,6 +257,10 @@ def test_malformed_metrics_peers_name_the_variable(text: str) -> None:
         ("ALLOW_COMPILE_CACHE_CLAIMS", "yes"),
         ("ALLOWED_AFFINITY", "nodeAffinity,anyAffinity"),
         ("KEDA_SERVER_ADDRESS", "http://prom:9090/?q=1"),
+        ("OTLP_ENDPOINT", "otel-collector:4318"),
+        ("OTLP_ENDPOINT", "http://otel-collector:4318/?a=b"),
+        ("TRACE_SAMPLE_RATIO", "1.5"),
+        ("TRACE_SAMPLE_RATIO", "nan"),
         ("MAX_REPLICA", "5"),  # a typo is no setting, not a silent default
     ],
 )
