@@ -145,10 +145,11 @@ def test_a_server_exports_each_call_s_spans_in_its_caller_s_trace(traced_server:
         pass
     assert "POST /v1/embeddings" in traced(collector, rest_trace)
     stream_trace = "5b8aa5a2d2c872e8321cf37308d69df2"
-    stub = pb_grpc.EmbedderStub(grpc.insecure_channel(traced_server.target))
-    requests = iter([pb.EmbedRequest(texts=["hello"], request_id="a"), pb.EmbedRequest(texts=["bye"], request_id="b")])
-    answers = list(stub.EmbedStream(requests, metadata=(("traceparent", f"00-{stream_trace}-b7ad6b7169203331-01"),)))
-    assert [answer.request_id for answer in answers] == ["a", "b"]
+    requests = [pb.EmbedRequest(texts=["hello"], request_id="a"), pb.EmbedRequest(texts=["bye"], request_id="b")]
+    with grpc.insecure_channel(traced_server.target) as channel:
+        stream = pb_grpc.EmbedderStub(channel).EmbedStream
+        answers = list(stream(iter(requests), metadata=(("traceparent", f"00-{stream_trace}-b7ad6b7169203331-01"),)))
+    assert sorted(answer.request_id for answer in answers) == ["a", "b"]  # in the order computed
     wait_until(
         lambda: sum(s.name == "EmbedStream" and s.trace_id.hex() == stream_trace for s in collector.spans) == 2,
         30,
