@@ -174,11 +174,13 @@ def start_operator(
     health_url: str = "",
     env: dict[str, str] | None = None,
     values: dict[str, Any] | None = None,
+    modules: tuple[str, ...] = (),
 ) -> subprocess.Popen[bytes]:
     """``kopf run`` with the arguments and environment of the chart rendered with ``values`` (peering
-    included) against the emulator; ``env`` adds to that environment."""
+    included) against the emulator; ``env`` adds to that environment, ``modules`` to its modules."""
     container = chart_operator(values)
     args = [a for a in container["args"] if not a.startswith("--liveness=")]
+    args += [f"--module={module}" for module in modules]
     args += [f"--liveness={health_url}"] if health_url else []  # two operators cannot share a port
     chart_env = {e["name"]: e["value"] for e in container["env"]}
     full_env = {**os.environ, **chart_env, "KUBECONFIG": str(kubeconfig), **(env or {})}

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import asyncio
 from collections.abc import Iterator
-from concurrent import futures
 from pathlib import Path
 
 import grpc
@@ -19,6 +18,7 @@ from kembed.client.connection import API_KEY_FILE_VAR
 from kembed.contract import RETRY_ATTEMPT_KEY
 from kembed.v1 import embedder_pb2 as pb
 from kembed.v1 import embedder_pb2_grpc as pb_grpc
+from tests.server.in_process import served
 
 KEY = "kembed-test-key-1"
 DIMENSIONS = 4
@@ -62,12 +62,8 @@ def answer(request: pb.EmbedRequest) -> pb.EmbedResponse:
 @pytest.fixture
 def guarded() -> Iterator[tuple[str, Guarded]]:
     servicer = Guarded()
-    server = grpc.server(futures.ThreadPoolExecutor(4))
-    pb_grpc.add_EmbedderServicer_to_server(servicer, server)
-    port = server.add_insecure_port("127.0.0.1:0")  # the port the kernel gives
-    server.start()
-    yield f"127.0.0.1:{port}", servicer
-    server.stop(None)
+    with served(servicer) as target:
+        yield target, servicer
 
 
 @pytest.fixture

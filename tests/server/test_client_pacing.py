@@ -8,7 +8,6 @@ from __future__ import annotations
 import asyncio
 import time
 from collections.abc import Iterator
-from concurrent import futures
 
 import grpc
 import numpy as np
@@ -18,6 +17,7 @@ from kembed.client import AsyncEmbedClient, EmbedClient, Refused, Unavailable
 from kembed.contract import RETRY_PUSHBACK_KEY
 from kembed.v1 import embedder_pb2 as pb
 from kembed.v1 import embedder_pb2_grpc as pb_grpc
+from tests.server.in_process import served
 from tests.server.serving import ServerProcess, server_fixture
 
 TOPICS = ["pods", "nodes", "vectors", "queues", "tokens", "shards", "replicas", "graphs"]
@@ -47,12 +47,8 @@ class Refusing(pb_grpc.EmbedderServicer):
 
 def refusing(delay_s: float, pushback_ms: int) -> Iterator[tuple[str, Refusing]]:
     servicer = Refusing(delay_s, pushback_ms)
-    server = grpc.server(futures.ThreadPoolExecutor(4))
-    pb_grpc.add_EmbedderServicer_to_server(servicer, server)
-    port = server.add_insecure_port("127.0.0.1:0")  # the port the kernel gives
-    server.start()
-    yield f"127.0.0.1:{port}", servicer
-    server.stop(None)
+    with served(servicer) as target:
+        yield target, servicer
 
 
 @pytest.fixture

@@ -9,6 +9,7 @@ a busy node's 1,850 tokens/s.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import time
 import urllib.error
@@ -155,7 +156,10 @@ def test_an_ingest_sent_like_langchain_is_served_and_does_not_shut_queries_out(
 def test_refused_maximal_requests_do_not_move_the_p95_or_health(server: ServerProcess, stub: pb_grpc.EmbedderStub):
     """While a 4,096-token request is in the worker, six pre-tokenized requests of 1,024 x 256 ids
     are refused. The exported P95 (the autoscaler's) and /health count served requests alone:
-    nothing was served, so they stay at nothing, and /health is not ``overloaded``."""
+    nothing was served, so they stay at nothing, and /health is not ``overloaded``.
+
+    Each comes from a client of its own: a refusal weighs its bytes in its client's refusal pacing
+    (1 MB is past this server's burst of 20), so on one connection each next answer waited 10 s."""
     ids = np.full(256, 2088, dtype="<i4").tobytes() * 1024
     maximal = pb.EmbedRequest(tokens=pb.TokenIds(ids=ids, lengths=[256] * 1024))
     p95 = "kembed_request_latency_p95_seconds"
@@ -165,12 +169,18 @@ def test_refused_maximal_requests_do_not_move_the_p95_or_health(server: ServerPr
     # back: wait for a whole window with no query served, so that it holds none.
     wait_until(lambda: window_without_queries(server), 120, "a latency window with no query in it")
     refused_before = refusals(server, "batch")
-    with server.engine:
+    with contextlib.ExitStack() as clients, server.engine:
+
+        def a_clients_own() -> Call:
+            options = [("grpc.use_local_subchannel_pool", 1)]  # a connection of its own
+            channel = clients.enter_context(grpc.insecure_channel(server.target, options=options))
+            return pb_grpc.EmbedderStub(channel).Embed.future(maximal, timeout=WAIT_S)
+
         running = decided(
             server, lambda: stub.Embed.future(pb.EmbedRequest(texts=[PASSAGE] * 16), timeout=WAIT_S), is_done
         )
         assert not running.done(), f"the first request was refused: {running.code()} {running.details()}"
-        refused = [decided(server, lambda: stub.Embed.future(maximal, timeout=WAIT_S), is_done) for _ in range(6)]
+        refused = [decided(server, a_clients_own, is_done) for _ in range(6)]
         assert sum(call.done() and call.code() == EXHAUSTED for call in refused) >= 5
         assert refusals(server, "batch") >= refused_before + 5  # the queue cap, or the drain budget
         health = server.health()
