@@ -18,6 +18,7 @@ from bench.tools.loadgen import OK, CallRecord
 from bench.tools.report import Spread
 from bench.tools.server import echo_running, process_tree
 from kembed.v1 import embedder_pb2, embedder_pb2_grpc
+from tests.server.serving import wait_until
 
 EIGHT_TEXTS = embedder_pb2.EmbedRequest(texts=["a short text"] * 8).SerializeToString()
 
@@ -315,7 +316,8 @@ def test_spinners_stay_on_their_cpu_and_end_with_the_block() -> None:
     cpu = max(os.sched_getaffinity(0))
     with engine_bound.spinning(2, {cpu}) as spinners:
         assert len(spinners) == 2
-        assert all(engine_bound.SPIN.encode() in _cmdline(pid) for pid in spinners)
+        # A child shows its own command line once it has exec'd, which a loaded machine delays.
+        wait_until(lambda: all(engine_bound.SPIN.encode() in _cmdline(pid) for pid in spinners), 60, "spinners")
         assert all(os.sched_getaffinity(pid) == {cpu} for pid in spinners)
     assert not any(Path(f"/proc/{pid}").exists() for pid in spinners)
 
